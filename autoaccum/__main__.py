@@ -1,0 +1,5 @@
+import sys
+
+from autoaccum.cli import main
+
+sys.exit(main())

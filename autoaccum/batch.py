@@ -1,0 +1,95 @@
+"""Batches as nested containers of tensors: their size, their device, and cutting them along dim 0."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["Batch", "SplitFn", "batch_size", "move_to", "split_batch", "describe_batch"]
+
+Batch = Any  # a tensor, or a tuple/list/dict (nested) whose tensors share dim 0
+SplitFn = Callable[[Batch, Sequence[int]], Sequence[Batch]]
+
+
+def _tensors(batch: Batch) -> list[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, Mapping):
+        return [t for v in batch.values() for t in _tensors(v)]
+    if isinstance(batch, (list, tuple)):
+        return [t for v in batch for t in _tensors(v)]
+    return []
+
+
+def batch_size(batch: Batch) -> int:
+    """The number of samples in ``batch``: the shared dim 0 of its tensors.
+
+    Raises:
+        ValueError: no tensor with a dim 0, or tensors disagree on dim 0.
+    """
+    sizes = {t.shape[0] for t in _tensors(batch) if t.dim() > 0}
+    if not sizes:
+        raise ValueError(
+            f"cannot tell the batch size of a {type(batch).__name__}: expected a tensor or a tuple/list/dict "
+            f"of tensors with the samples along dim 0 (pass split_fn= for other batch types)")
+    if len(sizes) > 1:
+        raise ValueError(f"the tensors of a batch disagree in dim 0: sizes {sorted(sizes)}; every tensor of a "
+                         f"batch must hold one row per sample")
+    return sizes.pop()
+
+
+def move_to(batch: Batch, device: torch.device) -> Batch:
+    """``batch`` with every tensor on ``device`` (non-blocking where the source is pinned)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=batch.is_pinned()) if batch.device != device else batch
+    if isinstance(batch, Mapping):
+        return type(batch)((k, move_to(v, device)) for k, v in batch.items()) if type(batch) is not dict \
+            else {k: move_to(v, device) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(move_to(v, device) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(move_to(v, device) for v in batch)
+    return batch
+
+
+def _split(batch: Batch, sizes: Sequence[int]) -> list[Batch]:
+    if isinstance(batch, torch.Tensor):
+        return list(torch.split(batch, list(sizes), dim=0)) if batch.dim() > 0 else [batch] * len(sizes)
+    if isinstance(batch, Mapping):
+        parts = {k: _split(v, sizes) for k, v in batch.items()}
+        return [type(batch)((k, parts[k][i]) for k in batch) if type(batch) is not dict
+                else {k: parts[k][i] for k in batch} for i in range(len(sizes))]
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        parts = [_split(v, sizes) for v in batch]
+        return [type(batch)(*(p[i] for p in parts)) for i in range(len(sizes))]
+    if isinstance(batch, (list, tuple)):
+        parts = [_split(v, sizes) for v in batch]
+        return [type(batch)(p[i] for p in parts) for i in range(len(sizes))]
+    return [batch] * len(sizes)  # non-tensor leaves (flags, names) go to every micro-batch
+
+
+def split_batch(batch: Batch, sizes: Sequence[int], split_fn: SplitFn | None = None) -> list[Batch]:
+    """Cut ``batch`` along dim 0 into consecutive micro-batches of ``sizes`` (views, no copies).
+
+    Tensors, (named)tuples, lists and dicts nest freely; other leaves are shared by every part.
+    Objects of other types need ``split_fn(batch, sizes) -> parts``.
+
+    Raises:
+        ValueError: ``sizes`` do not add up to the batch size.
+    """
+    if split_fn is not None:
+        parts = list(split_fn(batch, sizes))
+        if len(parts) != len(sizes):
+            raise ValueError(f"split_fn returned {len(parts)} parts for {len(sizes)} sizes {list(sizes)}")
+        return parts
+    total = batch_size(batch)
+    if sum(sizes) != total or any(s < 0 for s in sizes):
+        raise ValueError(f"micro-batch sizes {list(sizes)} must be >= 0 and add up to the batch size {total}")
+    return _split(batch, sizes)
+
+
+def describe_batch(batch: Batch) -> list[list[Any]]:
+    """Shapes (without dim 0) and dtypes of a batch's tensors: what its memory per sample depends on."""
+    return [[list(t.shape[1:]), str(t.dtype)] for t in _tensors(batch)]

@@ -1,0 +1,103 @@
+"""Probe results kept on disk as JSON, keyed by a fingerprint of everything the memory depends on.
+
+Files are written atomically (temporary file, fsync, rename). A file that is corrupt, of another
+version or of another fingerprint is ignored with a warning: never trusted blindly, never unpickled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autoaccum.batch import describe_batch
+from autoaccum.probe import ProbeReport
+from autoaccum.task import Task
+
+__all__ = ["fingerprint", "load", "store", "default_cache_dir", "write_json_atomic"]
+
+logger = logging.getLogger(__name__)
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/autoaccum`` (``~/.cache/autoaccum`` by default)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "autoaccum"
+
+
+def fingerprint(task: Task, optimizer: Any, *, device: torch.device, capacity_bytes: int, budget_bytes: int,
+                headroom: float, target_batch: int, world_size: int, upper: int, estimate: bool) -> str:
+    """A hash of what a probe's result depends on: parameter and buffer shapes and dtypes, the
+    sample's shapes, the optimizer, the device and its capacity, torch, the budget and the target."""
+    opt_name = type(optimizer).__name__ if isinstance(optimizer, torch.optim.Optimizer) else \
+        getattr(task.make_optimizer, "__qualname__", type(task.make_optimizer).__name__)
+    key = {
+        "params": [[n, list(p.shape), str(p.dtype), p.requires_grad] for n, p in task.model.named_parameters()],
+        "buffers": [[n, list(b.shape), str(b.dtype)] for n, b in task.model.named_buffers()],
+        "model": type(task.model).__qualname__,
+        "sample": describe_batch(task.batch(1)),
+        "optimizer": opt_name,
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+        "capacity_bytes": capacity_bytes if device.type == "cuda" else None,  # host RAM varies run to run
+        "torch": torch.__version__,
+        "budget_bytes": budget_bytes, "headroom": headroom, "target_batch": target_batch,
+        "world_size": world_size, "upper": upper, "estimate": estimate,
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def _path(fp: str, cache_dir: str | os.PathLike | None) -> Path:
+    folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return folder / f"probe-{fp[:24]}.json"
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write ``data`` as JSON to ``path`` so that readers see the old file or the new one, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # keep the original error
+            os.unlink(tmp)
+        raise
+
+
+def store(report: ProbeReport, cache_dir: str | os.PathLike | None = None) -> ProbeReport:
+    """Save ``report`` under its fingerprint; returns it. A failure to write only warns."""
+    path = _path(report.fingerprint, cache_dir)
+    try:
+        write_json_atomic(path, report.to_dict())
+    except OSError as exc:
+        warnings.warn(f"could not write the probe cache {path}: {exc}; the result is not cached", stacklevel=2)
+    return report
+
+
+def load(fp: str, cache_dir: str | os.PathLike | None = None) -> ProbeReport | None:
+    """The cached report for fingerprint ``fp``, or None (missing, corrupt, or not ours: warned)."""
+    path = _path(fp, cache_dir)
+    if not path.exists():
+        return None
+    try:
+        report = ProbeReport.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError) as exc:
+        warnings.warn(f"ignoring probe cache {path}: {exc}", stacklevel=2)
+        return None
+    if report.fingerprint != fp:
+        warnings.warn(f"ignoring probe cache {path}: it was written for another task or device", stacklevel=2)
+        return None
+    logger.info("probe: reusing cached result %s", path)
+    return dataclasses.replace(report, source="cache")

@@ -1,0 +1,180 @@
+"""The command line: ``autoaccum probe`` (and ``autoaccum search`` with the search extra).
+
+Only this module prints. ``--json`` keeps stdout for one JSON document; logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from autoaccum.errors import DoesNotFitError
+from autoaccum.probe import ProbeReport, check_headroom, probe
+from autoaccum.task import Task, load_task
+from autoaccum.units import format_bytes, parse_bytes
+
+__all__ = ["main", "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_DOES_NOT_FIT"]
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_DOES_NOT_FIT = 0, 1, 2, 3
+
+
+def _budget(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _headroom(text: str) -> float:
+    try:
+        return check_headroom(float(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"invalid value {value}: allowed range 1 ~ any positive int")
+    return value
+
+
+def add_task_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options ``probe`` and ``search`` share."""
+    parser.add_argument("--task", metavar="MODULE:FUNCTION",
+                        help="a function returning an autoaccum.Task (default: the built-in TinyGPT demo)")
+    parser.add_argument("--target-batch", type=_positive_int, default=256, help="global batch (default 256)")
+    parser.add_argument("--world-size", type=_positive_int, default=1, help="data-parallel ranks (default 1)")
+    parser.add_argument("--budget", type=_budget, default=None,
+                        help="memory budget, e.g. 8GiB, '8 GB', 8589934592 (default: what the device has free)")
+    parser.add_argument("--headroom", type=_headroom, default=0.1, help="fraction of the budget kept free (0.1)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if present, else cpu)")
+    parser.add_argument("--json", action="store_true", help="print one JSON document on stdout, nothing else")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log each measurement to stderr")
+
+
+def resolve_task(spec: str | None, device: str | None) -> Task:
+    """The user's task (``module:function``) or the demo, with its model moved to ``device``."""
+    from autoaccum.batch import move_to
+    from autoaccum.demo import demo_task
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
+    if spec is None:
+        return demo_task(dev)
+    task = load_task(spec)
+    task.model.to(dev)
+    make_batch = task.make_batch
+    return Task(model=task.model, loss_fn=task.loss_fn, make_batch=lambda b: move_to(make_batch(b), dev),
+                make_optimizer=task.make_optimizer, name=task.name)
+
+
+def _probe_table(report: ProbeReport) -> str:
+    rows = [("micro", "status", "peak", "fwd/bwd", "opt step", "step s", "samples/s")]
+    for c in sorted(report.candidates, key=lambda c: c.micro_batch):
+        rows.append((
+            str(c.micro_batch), c.status,
+            "-" if c.peak_bytes is None else ("~" if c.status == "oom" else "") + format_bytes(c.peak_bytes),
+            "-" if c.fwd_bwd_peak_bytes is None else format_bytes(c.fwd_bwd_peak_bytes),
+            "-" if c.opt_peak_bytes is None else format_bytes(c.opt_peak_bytes),
+            "-" if c.step_time_s is None else f"{c.step_time_s:.4f}",
+            "-" if c.samples_per_s is None else f"{c.samples_per_s:,.0f}",
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)
+
+
+def format_probe(report: ProbeReport) -> str:
+    """The human report: header, candidate table, model, and the one-line recommendation."""
+    lines = []
+    kind = "ESTIMATE on fake cpu tensors (no step ran; CPU kernels differ from a GPU's)" if report.is_estimate \
+        else f"measured with the {report.meter} meter"
+    lines.append(f"autoaccum probe · {report.device} ({report.device_name}) · {kind}")
+    lines.append(f"budget {format_bytes(report.budget_bytes)} ({report.budget_source}), headroom "
+                 f"{report.headroom:.0%} -> usable {format_bytes(report.usable_bytes)}"
+                 + (" · from cache" if report.source == "cache" else ""))
+    lines.append("")
+    lines.append(_probe_table(report))
+    lines.append("")
+    if report.model is not None:
+        m = report.model
+        lines.append(f"memory model: peak(b) = max({format_bytes(m.opt_peak_bytes)}, "
+                     f"{format_bytes(m.base_bytes)} + {format_bytes(m.per_sample_bytes)} x b), "
+                     f"residual {m.residual:.2%} · {report.fit_note}")
+    lines.append(f"probe: {report.probe_steps} training steps, {report.probe_ooms} OOMs, {report.wall_time_s:.2f} s")
+    plan = report.plan
+    chosen = min((c for c in report.candidates if c.status == "ok" and c.micro_batch >= plan.micro_batch),
+                 key=lambda c: c.micro_batch, default=None)
+    speed = "" if chosen is None or chosen.samples_per_s is None or report.is_estimate \
+        else f" · {chosen.samples_per_s:,.0f} samples/s"
+    peak = "" if report.model is None else \
+        f" · peak {'~' if report.is_estimate else ''}{format_bytes(report.model.predict(plan.micro_batch))} " \
+        f"of {format_bytes(report.budget_bytes)}"
+    lines.append(plan.describe() + speed + peak)
+    return "\n".join(lines)
+
+
+def _cmd_probe(args: argparse.Namespace) -> int:
+    task = resolve_task(args.task, args.device)
+    try:
+        report = probe(task, target_batch=args.target_batch, world_size=args.world_size, budget=args.budget,
+                       headroom=args.headroom, max_micro_batch=args.max_micro_batch, estimate=args.estimate,
+                       cache=not args.no_cache, cache_dir=args.cache_dir)
+    except DoesNotFitError as exc:
+        if args.json:
+            print(json.dumps({"kind": "autoaccum.probe", "version": 1, "error": "does_not_fit",
+                              "needed_bytes": exc.needed_bytes, "available_bytes": exc.available_bytes,
+                              "suggestions": list(exc.suggestions)}))
+        print(f"autoaccum: {exc}", file=sys.stderr)
+        return EXIT_DOES_NOT_FIT
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=1))
+    else:
+        print(format_probe(report))
+    if args.plot:
+        from autoaccum.plot import plot_probe
+
+        plot_probe(report, args.plot)
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="autoaccum", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("probe", help="measure training steps, fit the memory model, print the plan")
+    add_task_arguments(p)
+    p.add_argument("--max-micro-batch", type=_positive_int, default=None, help="largest size to try")
+    p.add_argument("--estimate", action="store_true", help="fake-tensor estimate instead of a measurement")
+    p.add_argument("--plot", metavar="FILE.png", default=None, help="plot memory vs micro-batch (plot extra)")
+    p.add_argument("--no-cache", action="store_true", help="measure even if a cached result exists")
+    p.add_argument("--cache-dir", default=None, help="where probe results are cached (~/.cache/autoaccum)")
+    p.set_defaults(handler=_cmd_probe)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(name)s: %(message)s")
+    try:
+        return args.handler(args)
+    except (ValueError, TypeError, ImportError) as exc:
+        print(f"autoaccum: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE if isinstance(exc, (ValueError, TypeError)) else EXIT_ERROR
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

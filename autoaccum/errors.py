@@ -1,0 +1,47 @@
+"""The domain errors of autoaccum. Bad arguments raise ValueError/TypeError instead."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["AutoAccumError", "DoesNotFitError", "TaskError"]
+
+
+class AutoAccumError(Exception):
+    """Base class of every error autoaccum raises for a condition of the run (not of an argument)."""
+
+
+class TaskError(AutoAccumError):
+    """A user task (model, loss, batch maker) did something the training step cannot use."""
+
+
+class DoesNotFitError(AutoAccumError):
+    """Even a micro-batch of one sample does not fit in the memory budget.
+
+    Attributes:
+        needed_bytes: the peak a one-sample step needed (measured, or a lower bound: ``at_least``).
+        available_bytes: the budget the step had to fit in.
+        suggestions: what the user can do about it.
+    """
+
+    def __init__(self, needed_bytes: int | None, available_bytes: int, suggestions: Sequence[str] = (),
+                 *, at_least: bool = False) -> None:
+        from autoaccum.units import format_bytes
+
+        self.needed_bytes = needed_bytes
+        self.available_bytes = int(available_bytes)
+        self.suggestions = tuple(suggestions) or (
+            "use a smaller model or shorter sequences",
+            "enable activation checkpointing or bf16 autocast",
+            "shard the model over more devices (FSDP)",
+            "free memory held by other processes, or raise the budget",
+        )
+        self.at_least = at_least
+        needed = "more than the budget" if needed_bytes is None else \
+            ("at least " if at_least else "") + format_bytes(needed_bytes)
+        lines = [
+            f"a micro-batch of 1 does not fit: needs {needed}, "
+            f"available {format_bytes(self.available_bytes)}.",
+            "What to do:",
+        ] + [f"  - {s}" for s in self.suggestions]
+        super().__init__("\n".join(lines))

@@ -1,0 +1,159 @@
+"""Count live tensor-storage bytes with a TorchDispatchMode; optionally enforce a byte budget.
+
+The counter sees every tensor an ATen op returns while the mode is active (forward, backward
+and optimizer step alike) and every tensor handed to :meth:`TrackedMemory.track`. A storage
+counts once, from the op that created it until its last reference dies (a ``weakref.finalize``
+on the storage). Views and in-place results share an input's storage and count nothing new.
+This is the idea behind ``torch.distributed._tools.mem_tracker``, reduced to the two numbers the
+probe needs: live bytes now and their peak.
+
+It is exact and repeatable on CPU, and it runs unchanged inside ``FakeTensorMode`` (fake
+tensors have storages with sizes, no data), which estimates a step without allocating.
+
+With a budget the counter becomes an emulated device: the op whose result pushes live bytes
+past the budget raises ``torch.OutOfMemoryError`` -- mid-forward, mid-backward or inside the
+optimizer step, where a real device would fail. The result of that op is dropped with the
+exception, so the count falls back as the stack unwinds.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from autoaccum.units import format_bytes, parse_bytes
+
+__all__ = ["TrackedMemory", "emulated_budget", "iter_tensors"]
+
+
+def _storage(t: torch.Tensor) -> Any | None:
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):  # e.g. subclasses without one storage
+        return None
+
+
+def iter_tensors(obj: Any) -> Iterable[torch.Tensor]:
+    """Every tensor held by ``obj``: a tensor, a module (parameters, their gradients, buffers),
+    an optimizer (its state), or a list/tuple/dict of those."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+        if obj.grad is not None:
+            yield obj.grad
+    elif isinstance(obj, torch.nn.Module):
+        for p in obj.parameters():
+            yield from iter_tensors(p)
+        yield from obj.buffers()
+    elif isinstance(obj, torch.optim.Optimizer):
+        for state in obj.state.values():
+            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from iter_tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from iter_tensors(v)
+
+
+class TrackedMemory(TorchDispatchMode):
+    """Live tensor bytes and their peak, counted op by op; raises OOM past ``budget_bytes``.
+
+    Use as a context manager. Tensors that existed before entering (parameters, optimizer
+    state) are counted only once handed to :meth:`track`.
+
+    Example::
+
+        with TrackedMemory(budget_bytes=64 * 2**20).track(model, optimizer) as mem:
+            loss = model(x).sum(); loss.backward(); optimizer.step()
+        print(mem.peak_bytes)
+    """
+
+    kind = "tracked"
+
+    def __init__(self, budget_bytes: int | str | None = None) -> None:
+        super().__init__()
+        self.budget_bytes = None if budget_bytes is None else parse_bytes(budget_bytes)
+        self.current_bytes = 0
+        self.peak_bytes = 0
+        self.oom_count = 0
+        #: bytes in use plus the allocation that crossed the budget, at the last emulated OOM
+        self.last_oom_needed_bytes: int | None = None
+        self._live: dict[int, int] = {}  # id(storage) -> bytes, while the storage is alive
+        self._lock = threading.Lock()
+
+    # -- counting ---------------------------------------------------------------------------
+    def _free(self, key: int) -> None:
+        with self._lock:
+            self.current_bytes -= self._live.pop(key, 0)
+
+    def _add(self, storage: Any) -> int:
+        """Count ``storage`` if it is new; returns the bytes added."""
+        key = id(storage)
+        if key in self._live:
+            return 0
+        nbytes = int(storage.nbytes())
+        with self._lock:
+            self._live[key] = nbytes
+            self.current_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        weakref.finalize(storage, self._free, key)
+        return nbytes
+
+    def track(self, *objs: Any) -> TrackedMemory:
+        """Count tensors that already exist (modules, optimizers, tensors, containers of them).
+        Never raises for the budget: what exists already is the device's starting state."""
+        for t in (t for obj in objs for t in iter_tensors(obj)):
+            storage = _storage(t)
+            if storage is not None:
+                self._add(storage)
+        return self
+
+    def reset_peak(self) -> None:
+        """Start a new peak from the bytes live now."""
+        with self._lock:
+            self.peak_bytes = self.current_bytes
+
+    def alloc_retries(self) -> int:
+        return 0  # an allocator-retry counter exists only on CUDA
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(s) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+                  for s in (_storage(t),) if s is not None}
+        added = 0
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = _storage(t)
+                if storage is not None and id(storage) not in inputs:  # views/in-place add nothing
+                    added += self._add(storage)
+        if added and self.budget_bytes is not None and self.current_bytes > self.budget_bytes:
+            self.oom_count += 1
+            self.last_oom_needed_bytes = self.current_bytes
+            in_use = self.current_bytes - added
+            message = (
+                f"Emulated out of memory in {func}: tried to allocate {format_bytes(added)}; "
+                f"{format_bytes(in_use)} in use of a budget of {format_bytes(self.budget_bytes)} "
+                f"(autoaccum emulated budget)"
+            )
+            del out, t, storage  # drop the result so its bytes are freed as the error unwinds
+            raise torch.OutOfMemoryError(message)
+        return out
+
+
+def emulated_budget(budget: int | str, *track: Any) -> TrackedMemory:
+    """A context manager that makes any device behave as if it had only ``budget`` bytes.
+
+    Everything allocated inside counts, plus what ``track`` names (model, optimizer, tensors)
+    that exists already. The allocation that crosses the budget raises ``torch.OutOfMemoryError``,
+    exactly where a device with that much memory would fail::
+
+        with autoaccum.emulated_budget("256MiB", model, optimizer):
+            train_step()   # raises torch.OutOfMemoryError like a small GPU would
+    """
+    return TrackedMemory(budget_bytes=budget).track(*track)

@@ -1,0 +1,433 @@
+"""The probe: measure real training steps at a few micro-batch sizes, fit the memory model, plan.
+
+For each candidate size the probe runs ``steps_per_size`` complete training steps (forward,
+backward, optimizer step; the optimizer's state appears lazily in the first, so the peak is
+usually in the second) and records the forward/backward peak and the optimizer-step peak apart.
+Candidates are chosen, not laddered: two small sizes, then the size the fitted model says is the
+largest under the budget, verified by a measurement, refined by bisection where the model does
+not hold. Afterwards the model, optimizer and RNG are exactly as before (invariant 4).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from autoaccum import state as training_state
+from autoaccum.batch import Batch, move_to
+from autoaccum.errors import DoesNotFitError
+from autoaccum.memory import CudaMeter, MemoryMeter, TrackedMemory, device_capacity
+from autoaccum.memory_model import MemoryModel, MemoryPoint
+from autoaccum.oom import is_oom
+from autoaccum.plan import Plan, check_positive_int
+from autoaccum.task import LossFn, Task, check_loss, default_optimizer, trainable_parameters
+from autoaccum.units import parse_bytes
+
+__all__ = ["Candidate", "ProbeReport", "probe", "check_headroom", "REPORT_VERSION"]
+
+logger = logging.getLogger(__name__)
+
+REPORT_VERSION = 1
+Status = Literal["ok", "over_budget", "oom"]
+#: throughputs within this fraction of the best count as a tie, and ties go to the larger size
+THROUGHPUT_TIE = 0.05
+
+
+def check_headroom(headroom: float) -> float:
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 1:
+        raise ValueError(f"Invalid headroom: {headroom!r}. Allowed range: 0 <= headroom < 1 (a fraction of the "
+                         f"budget kept free, e.g. 0.1)")
+    return float(headroom)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One probed micro-batch size.
+
+    Attributes:
+        micro_batch: samples per step.
+        status: ``ok`` (fits under the usable budget), ``over_budget`` (ran, but its peak is
+            above ``budget * (1 - headroom)``) or ``oom`` (ran out of memory).
+        peak_bytes: the step's peak (max of the two phases); for ``oom`` the bytes it asked for.
+        fwd_bwd_peak_bytes / opt_peak_bytes: the phases' peaks (None after an OOM).
+        step_time_s: the fastest complete step after the first (None after an OOM).
+    """
+
+    micro_batch: int
+    status: Status
+    peak_bytes: int | None
+    fwd_bwd_peak_bytes: int | None = None
+    opt_peak_bytes: int | None = None
+    step_time_s: float | None = None
+
+    @property
+    def samples_per_s(self) -> float | None:
+        return None if not self.step_time_s else self.micro_batch / self.step_time_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "samples_per_s": self.samples_per_s}
+
+
+@dataclass(frozen=True)
+class ProbeReport:
+    """What the probe measured and what it recommends.
+
+    Attributes:
+        plan: the recommended plan for ``target_batch``.
+        candidates: every size measured, in the order measured.
+        model: the fitted memory model (None when fewer than two sizes ran).
+        device, meter: where it ran and how memory was read (``cuda``, ``tracked``, ``fake``).
+        is_estimate: True when no real step ran (fake tensors): an estimate, not a measurement.
+        budget_bytes, headroom: the budget and the fraction kept free.
+        probe_steps: training steps run while probing; probe_ooms: OOMs the probe triggered.
+        fit_note: why the model was or was not trusted.
+        source: ``probe`` or ``cache``.
+    """
+
+    plan: Plan
+    candidates: tuple[Candidate, ...]
+    model: MemoryModel | None
+    device: str
+    device_name: str
+    meter: str
+    is_estimate: bool
+    budget_bytes: int
+    budget_source: str
+    headroom: float
+    probe_steps: int
+    probe_ooms: int
+    wall_time_s: float
+    fit_note: str
+    fingerprint: str = ""
+    source: str = "probe"
+    torch_version: str = field(default_factory=lambda: torch.__version__)
+
+    @property
+    def usable_bytes(self) -> int:
+        return int(self.budget_bytes * (1 - self.headroom))
+
+    @property
+    def max_fitting_micro_batch(self) -> int:
+        return max((c.micro_batch for c in self.candidates if c.status == "ok"), default=0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": REPORT_VERSION, "kind": "autoaccum.probe",
+            "source": self.source, "fingerprint": self.fingerprint, "torch_version": self.torch_version,
+            "device": self.device, "device_name": self.device_name, "meter": self.meter,
+            "is_estimate": self.is_estimate, "budget_bytes": self.budget_bytes,
+            "budget_source": self.budget_source, "headroom": self.headroom, "usable_bytes": self.usable_bytes,
+            "candidates": [c.to_dict() for c in self.candidates],
+            "model": None if self.model is None else self.model.to_dict(),
+            "fit_note": self.fit_note, "plan": self.plan.to_dict(),
+            "probe_steps": self.probe_steps, "probe_ooms": self.probe_ooms, "wall_time_s": self.wall_time_s,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ProbeReport:
+        """Rebuild a report from :meth:`to_dict`'s output. Raises ValueError for anything else."""
+        if not isinstance(data, dict) or data.get("kind") != "autoaccum.probe":
+            raise ValueError("not an autoaccum probe report (missing kind 'autoaccum.probe')")
+        if data.get("version") != REPORT_VERSION:
+            raise ValueError(f"probe report version {data.get('version')!r} is not supported (expected {REPORT_VERSION})")
+        try:
+            fields = {"micro_batch", "status", "peak_bytes", "fwd_bwd_peak_bytes", "opt_peak_bytes", "step_time_s"}
+            return cls(
+                plan=Plan.from_dict(data["plan"]),
+                candidates=tuple(Candidate(**{k: v for k, v in c.items() if k in fields}) for c in data["candidates"]),
+                model=None if data["model"] is None else MemoryModel.from_dict(data["model"]),
+                device=str(data["device"]), device_name=str(data["device_name"]), meter=str(data["meter"]),
+                is_estimate=bool(data["is_estimate"]), budget_bytes=int(data["budget_bytes"]),
+                budget_source=str(data["budget_source"]), headroom=float(data["headroom"]),
+                probe_steps=int(data["probe_steps"]), probe_ooms=int(data["probe_ooms"]),
+                wall_time_s=float(data["wall_time_s"]), fit_note=str(data["fit_note"]),
+                fingerprint=str(data["fingerprint"]), source=str(data["source"]),
+                torch_version=str(data["torch_version"]),
+            )
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"malformed probe report: {exc!r}") from None
+
+
+# -- measuring one size ---------------------------------------------------------------------------
+
+class _Stepper:
+    """Runs measured training steps of one task on one meter."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
+                 make_batch: Callable[[int], Batch], device: torch.device, meter: MemoryMeter,
+                 usable_bytes: int, steps_per_size: int) -> None:
+        self.model, self.optimizer, self.loss_fn, self.make_batch = model, optimizer, loss_fn, make_batch
+        self.device, self.meter, self.usable_bytes, self.steps_per_size = device, meter, usable_bytes, steps_per_size
+        self.steps = 0
+        self.ooms = 0
+        self.measured: dict[int, Candidate] = {}
+        self.start_bytes = 0  # bytes live when the last measured step began (weights, state, batch)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _run(self, size: int) -> Candidate:
+        fwd_bwd = opt = 0
+        times: list[float] = []
+        batch = move_to(self.make_batch(size), self.device)
+        for _ in range(self.steps_per_size):
+            self.optimizer.zero_grad(set_to_none=True)
+            self._sync()
+            start = time.perf_counter()
+            self.meter.reset_peak()
+            self.start_bytes = self.meter.current_bytes
+            loss, _ = check_loss(self.loss_fn(self.model, batch))
+            loss.backward()
+            del loss
+            fwd_bwd = max(fwd_bwd, self.meter.peak_bytes)
+            self.meter.reset_peak()
+            self.optimizer.step()
+            opt = max(opt, self.meter.peak_bytes)
+            self._sync()
+            times.append(time.perf_counter() - start)
+            self.steps += 1
+        peak = max(fwd_bwd, opt)
+        status: Status = "ok" if peak <= self.usable_bytes else "over_budget"
+        return Candidate(size, status, peak, fwd_bwd, opt, min(times[1:] or times))
+
+    def measure(self, size: int) -> Candidate:
+        if size in self.measured:
+            return self.measured[size]
+        failed = False
+        try:
+            candidate = self._run(size)
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            failed = True
+            del exc  # the traceback holds the failed step's activations
+        if failed:  # recover outside the except block, with the traceback gone
+            self.steps += 1
+            self.ooms += 1
+            self.optimizer.zero_grad(set_to_none=True)
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            needed = getattr(self.meter, "last_oom_needed_bytes", None)
+            candidate = Candidate(size, "oom", needed)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.measured[size] = candidate
+        logger.info("probe micro-batch %d: %s, peak %s", size, candidate.status, candidate.peak_bytes)
+        return candidate
+
+
+def _fit(candidates: Iterable[Candidate], largest: int = 3) -> MemoryModel | None:
+    """The model fitted on the ``largest`` biggest sizes that ran.
+
+    The forward/backward peak is convex in ``b`` (at small ``b`` the peak sits late in backward,
+    where gradients dominate; at large ``b`` at its start, where activations do), so a line
+    through the sizes near the limit predicts the limit better than one through all sizes."""
+    ran = sorted((c for c in candidates if c.fwd_bwd_peak_bytes is not None), key=lambda c: c.micro_batch)
+    if len(ran) < 2:
+        return None
+    return MemoryModel.fit([MemoryPoint(c.micro_batch, c.fwd_bwd_peak_bytes, c.opt_peak_bytes)  # type: ignore[arg-type]
+                            for c in ran[-largest:]])
+
+
+def _search(stepper: _Stepper, upper: int, budget_bytes: int, headroom: float,
+            max_candidates: int) -> tuple[MemoryModel | None, str]:
+    """Measure sizes until the largest fitting one is known (or the candidate budget is spent)."""
+    usable = budget_bytes * (1 - headroom)
+    first = stepper.measure(1)
+    if first.status != "ok":
+        raise DoesNotFitError(first.peak_bytes, int(usable), at_least=first.status == "oom")
+    if upper == 1:
+        return None, "only micro-batch 1 was needed"
+    # A safe second size from one measurement: everything a one-sample step added on top of what
+    # was live at its start is an upper bound on the bytes per sample (it includes the gradients).
+    start = stepper.start_bytes
+    per_sample_bound = max(first.fwd_bwd_peak_bytes - start, 1)  # type: ignore[operator]
+    stepper.measure(min(max(int((usable - start) // per_sample_bound), 2), upper))
+    note = ""
+    while len(stepper.measured) < max_candidates:
+        measured = stepper.measured.values()
+        lo = max(c.micro_batch for c in measured if c.status == "ok")
+        hi = min((c.micro_batch for c in measured if c.status != "ok"), default=upper + 1)
+        if lo >= upper or hi - lo <= 1:
+            note = f"limit bracketed by measurement: {lo} fits" + (f", {hi} does not" if hi <= upper else "")
+            break
+        model = _fit(measured)
+        predicted = model.max_batch(budget_bytes, headroom) if model is not None else 0
+        if model is not None and model.is_good_fit and model.num_points >= 3 and predicted <= lo:
+            note = f"fit verified at {lo}: residual {model.residual:.2%} on the {model.num_points} largest sizes"
+            break
+        if model is not None and model.is_good_fit and lo < predicted < hi:
+            guess = predicted  # jump to the predicted limit, then verify it
+        else:  # the points do not follow the model, or it predicts past a failure: bisection
+            guess = (lo + hi) // 2
+            if model is not None and not model.is_good_fit:
+                logger.warning("probe: memory does not follow the model (residual %.1f%% > 5%%); bisecting",
+                               100 * model.residual)
+        if guess in stepper.measured:
+            guess = (lo + hi) // 2
+        stepper.measure(guess)
+    else:
+        note = f"stopped after {max_candidates} candidates"
+    return _fit(stepper.measured.values()), note
+
+
+def choose_micro_batch(candidates: Iterable[Candidate]) -> int:
+    """The fitting size with the best measured samples/s; sizes within THROUGHPUT_TIE of the best tie,
+    and ties go to the larger size."""
+    fitting = [c for c in candidates if c.status == "ok"]
+    best = max(c.samples_per_s or 0.0 for c in fitting)
+    return max(c.micro_batch for c in fitting if (c.samples_per_s or 0.0) >= best * (1 - THROUGHPUT_TIE))
+
+
+# -- the public entry point ---------------------------------------------------------------------
+
+def _fake_copy(model: torch.nn.Module, fake_mode: Any) -> torch.nn.Module:
+    with fake_mode:
+        return copy.deepcopy(model)
+
+
+def probe(
+    task: Task | None = None,
+    *,
+    model: torch.nn.Module | None = None,
+    loss_fn: LossFn | None = None,
+    make_batch: Callable[[int], Batch] | None = None,
+    optimizer: torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None = None,
+    target_batch: int = 256,
+    world_size: int = 1,
+    budget: int | str | None = None,
+    headroom: float = 0.1,
+    max_micro_batch: int | None = None,
+    estimate: bool = False,
+    steps_per_size: int = 3,
+    max_candidates: int = 10,
+    cache: bool = False,
+    cache_dir: str | None = None,
+) -> ProbeReport:
+    """Measure the memory and speed of real training steps and plan micro-batch x accumulation.
+
+    Give either a :class:`Task` or its parts (``model``, ``loss_fn``, ``make_batch`` and an
+    ``optimizer`` instance or factory; default AdamW). Steps run on the model's device.
+
+    Args:
+        target_batch: samples per optimizer step over all ranks; the plan covers it exactly.
+        world_size: data-parallel ranks sharing the target.
+        budget: bytes the step may use ("8GiB", "8 GB", int). Default: what the device has free
+            (CUDA: free + this process's cache; CPU: available host RAM). On devices other than
+            CUDA the budget is enforced by the tracked counter (an emulated OOM at the crossing).
+        headroom: fraction of the budget kept free (fragmentation, other processes), in [0, 1).
+        max_micro_batch: largest size worth trying (default: the per-rank share of the target).
+        estimate: run the steps on fake tensors (no memory, no real compute): a fake-``cpu``
+            estimate, reported as such; CPU kernels differ from a GPU's.
+        steps_per_size: training steps per candidate, at least 2.
+        max_candidates: most sizes to measure.
+        cache, cache_dir: reuse a report with the same fingerprint (see ``autoaccum.cache``).
+
+    Returns:
+        A :class:`ProbeReport` with the plan, the candidates and the fitted model.
+
+    Raises:
+        DoesNotFitError: a micro-batch of 1 does not fit in the budget.
+        ValueError, TypeError: invalid arguments.
+    """
+    if task is None:
+        if model is None or loss_fn is None or make_batch is None:
+            raise TypeError("probe() needs a Task or model=, loss_fn= and make_batch=")
+        factory = optimizer if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) \
+            else default_optimizer
+        task = Task(model=model, loss_fn=loss_fn, make_batch=make_batch, make_optimizer=factory)
+    elif any(x is not None for x in (model, loss_fn, make_batch)):
+        raise TypeError("pass either a Task or model=/loss_fn=/make_batch=, not both")
+    check_positive_int(target_batch, "target_batch")
+    check_positive_int(world_size, "world_size")
+    check_headroom(headroom)
+    steps_per_size = check_positive_int(steps_per_size, "steps_per_size")
+    if steps_per_size < 2:
+        raise ValueError(f"Invalid steps_per_size: {steps_per_size}. Allowed range: >= 2 (optimizer state is "
+                         f"created in the first step, so the peak is usually in the second)")
+    check_positive_int(max_candidates, "max_candidates")
+    if max_candidates < 3:
+        raise ValueError(f"Invalid max_candidates: {max_candidates}. Allowed range: >= 3")
+    share = Plan.for_target(target_batch, 1, world_size).rank_batch(0)
+    upper = share if max_micro_batch is None else min(check_positive_int(max_micro_batch, "max_micro_batch"), share)
+    params = trainable_parameters(task.model)
+    device = params[0].device
+    capacity = device_capacity(device)
+    budget_bytes = capacity.available_bytes if budget is None else parse_bytes(budget)
+    budget_source = capacity.source if budget is None else "given"
+    usable = int(budget_bytes * (1 - headroom))
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    task.batch(1)  # fail fast on a batch maker that returns the wrong size
+
+    from autoaccum import cache as probe_cache  # cache -> probe would be a cycle at import time
+
+    fingerprint = probe_cache.fingerprint(task, optimizer, device=device, capacity_bytes=capacity.total_bytes,
+                                          budget_bytes=budget_bytes, headroom=headroom, target_batch=target_batch,
+                                          world_size=world_size, upper=upper, estimate=estimate)
+    if cache:
+        cached = probe_cache.load(fingerprint, cache_dir)
+        if cached is not None:
+            return cached
+
+    started = time.perf_counter()
+    run_model = task.model
+    run_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+    snapshot = training_state.capture(task.model, run_optimizer)
+    fake_mode: Any = None
+    if estimate:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        # Fake tensors carry shapes, no data: the steps allocate nothing. Fake "cuda" cannot run
+        # autograd on a CPU build of torch, so the estimate runs on fake cpu.
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        run_model = _fake_copy(task.model.cpu() if device.type != "cpu" else task.model, fake_mode)
+        run_optimizer = None
+        device = torch.device("cpu")
+    meter: Any
+    if device.type == "cuda" and not estimate:
+        meter = CudaMeter(device)
+    else:
+        meter = TrackedMemory(budget_bytes=None if estimate else budget_bytes)
+    outer = fake_mode if fake_mode is not None else contextlib.nullcontext()
+    try:
+        with outer:
+            if run_optimizer is None:
+                run_optimizer = task.make_optimizer([p for p in run_model.parameters() if p.requires_grad])
+                if not isinstance(run_optimizer, torch.optim.Optimizer):
+                    raise TypeError(f"the optimizer factory returned {type(run_optimizer).__name__}, "
+                                    f"not a torch.optim.Optimizer")
+            if isinstance(meter, TrackedMemory):
+                meter.track(run_model, run_optimizer)
+            with meter:
+                stepper = _Stepper(run_model, run_optimizer, task.loss_fn, task.batch, device, meter, usable,
+                                   steps_per_size)
+                model_fit, note = _search(stepper, upper, budget_bytes, headroom, max_candidates)
+    finally:
+        if not estimate:
+            training_state.restore(snapshot, task.model, optimizer if isinstance(optimizer, torch.optim.Optimizer)
+                                   else None)
+        else:
+            training_state.restore_rng(snapshot.rng)
+    candidates = tuple(stepper.measured.values())
+    # Fake steps take no real time: an estimate plans from memory alone.
+    best = max(c.micro_batch for c in candidates if c.status == "ok") if estimate else choose_micro_batch(candidates)
+    report = ProbeReport(
+        plan=Plan.balanced(target_batch, best, world_size), candidates=candidates, model=model_fit,
+        device=str(params[0].device), device_name=device_name, meter="fake" if estimate else meter.kind,
+        is_estimate=estimate, budget_bytes=budget_bytes, budget_source=budget_source, headroom=headroom,
+        probe_steps=stepper.steps, probe_ooms=stepper.ooms, wall_time_s=time.perf_counter() - started,
+        fit_note=note, fingerprint=fingerprint,
+    )
+    if cache:
+        probe_cache.store(report, cache_dir)
+    return report

@@ -1,0 +1,54 @@
+"""Byte sizes: parse what users type ("8GiB", "8 GB", "8589934592"), print what people read."""
+
+from __future__ import annotations
+
+import math
+import re
+
+__all__ = ["parse_bytes", "format_bytes"]
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: int | float | str, *, name: str = "budget") -> int:
+    """Turn ``8GiB``, ``"8 GB"``, ``8589934592`` or ``"8589934592"`` into a positive number of bytes.
+
+    Decimal units (kB, MB, GB) are powers of 1000, binary units (KiB, MiB, GiB) powers of 1024.
+
+    Raises:
+        ValueError: the value is not a size, or not > 0.
+        TypeError: the value is neither a number nor a string.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise TypeError(f"{name} must be a number of bytes or a string like '8GiB', got {type(value).__name__}")
+    if isinstance(value, str):
+        match = _PATTERN.match(value)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise ValueError(
+                f"Invalid {name} {value!r}: expected a number of bytes with an optional unit "
+                f"(B, kB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '8GiB' or '8589934592'"
+            )
+        number = float(match.group(1)) * _UNITS[unit]
+    else:
+        number = float(value)
+    if not math.isfinite(number) or number < 1:
+        raise ValueError(f"Invalid {name} {value!r}: must be at least 1 byte. Allowed range: 1 B ~ any finite size")
+    return int(number)
+
+
+def format_bytes(num_bytes: int | float) -> str:
+    """``1536 -> '1.5 KiB'``: binary units, three significant digits."""
+    value = float(num_bytes)
+    sign = "-" if value < 0 else ""
+    value = abs(value)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{sign}{value:.0f} {unit}" if unit == "B" else f"{sign}{value:.3g} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
