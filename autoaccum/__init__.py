@@ -3,7 +3,8 @@
 ``import autoaccum`` initialises no CUDA and imports no optuna or matplotlib.
 """
 
-from autoaccum.errors import AutoAccumError, DoesNotFitError, TaskError
+from autoaccum.errors import AutoAccumError, DoesNotFitError, OptimizerStepOOMError, TaskError
+from autoaccum.guard import OOMGuard, PlanChange, StepResult
 from autoaccum.memory import TrackedMemory, emulated_budget
 from autoaccum.memory_model import MemoryModel
 from autoaccum.oom import is_oom
@@ -15,6 +16,7 @@ from autoaccum.units import format_bytes, parse_bytes
 __version__ = "0.1.0"
 
 __all__ = [
-    "AutoAccumError", "Candidate", "DoesNotFitError", "MemoryModel", "Plan", "ProbeReport", "Task", "TaskError",
+    "AutoAccumError", "Candidate", "DoesNotFitError", "MemoryModel", "OOMGuard", "OptimizerStepOOMError", "Plan",
+    "PlanChange", "ProbeReport", "StepResult", "Task", "TaskError",
     "TrackedMemory", "emulated_budget", "format_bytes", "is_oom", "parse_bytes", "probe",
 ]

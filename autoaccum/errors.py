@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["AutoAccumError", "DoesNotFitError", "TaskError"]
+__all__ = ["AutoAccumError", "DoesNotFitError", "OptimizerStepOOMError", "TaskError"]
 
 
 class AutoAccumError(Exception):
     """Base class of every error autoaccum raises for a condition of the run (not of an argument)."""
 
 
-class TaskError(AutoAccumError):
+class TaskError(AutoAccumError, ValueError):
     """A user task (model, loss, batch maker) did something the training step cannot use."""
 
 
@@ -45,3 +45,12 @@ class DoesNotFitError(AutoAccumError):
             "What to do:",
         ] + [f"  - {s}" for s in self.suggestions]
         super().__init__("\n".join(lines))
+
+
+class OptimizerStepOOMError(AutoAccumError):
+    """Out of memory after the micro-batches: in gradient clipping or inside ``optimizer.step()``.
+
+    That memory does not depend on the micro-batch, so shrinking it cannot help, and an OOM
+    inside ``optimizer.step()`` may leave some parameters updated and others not: the guard
+    stops rather than replay a step on half-updated weights.
+    """

@@ -1,0 +1,56 @@
+"""How the ranks of a step agree: the local (one-process) case. The distributed one lives in
+``autoaccum.distributed`` and has the same methods.
+
+The guard asks three things of a sync, in this order, once per optimizer step:
+1. ``no_sync()`` around every micro-batch's forward and backward: no gradient collective runs
+   while a rank may still hit an OOM;
+2. ``agree(status)``: the worst status over all ranks (OK < OOM < ERROR), exchanged where no
+   gradient collective can be in flight, so an OOM on one rank becomes a shrink on every rank;
+3. ``reduce_gradients()`` and ``sum_items(n)``: gradients summed over ranks once, token counts too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+
+__all__ = ["GradSync", "LocalSync", "OK", "OOM", "ERROR"]
+
+OK, OOM, ERROR = 0, 1, 2
+
+
+class GradSync(Protocol):
+    rank: int
+    world_size: int
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]: ...
+    def agree(self, status: int) -> int: ...
+    def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None: ...
+    def sum_items(self, count: torch.Tensor) -> torch.Tensor: ...
+    def agree_micro_batch(self, micro_batch: int) -> int: ...
+
+
+class LocalSync:
+    """One process: nothing to exchange."""
+
+    rank = 0
+    world_size = 1
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        yield
+
+    def agree(self, status: int) -> int:
+        return status
+
+    def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        return None
+
+    def sum_items(self, count: torch.Tensor) -> torch.Tensor:
+        return count
+
+    def agree_micro_batch(self, micro_batch: int) -> int:
+        return micro_batch
