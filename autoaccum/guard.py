@@ -208,7 +208,8 @@ class OOMGuard:
         """
         n = self.size_fn(batch) if self.size_fn is not None else batch_size(batch)
         expected = self.plan.rank_batch(self.sync.rank)
-        if n != expected and not (partial and 0 < n < expected):
+        # partial: the epoch's last batch; under torch.distributed a rank's share of it may be empty
+        if n != expected and not (partial and 0 <= n < expected and (n > 0 or self.sync.world_size > 1)):
             hint = " (pass partial=True for the smaller last batch of an epoch)" if 0 < n < expected else ""
             raise ValueError(f"batch holds {n} samples; this rank's share of target_batch {self.plan.target_batch} "
                              f"is {expected}{hint}. The global batch is never changed silently.")
@@ -340,19 +341,25 @@ class OOMGuard:
         failed = False
         try:
             self.sync.reduce_gradients(self.params)
-            loss_total = self.sync.sum_items(loss_sum)
+            # One exchange for every scalar of the step: loss sum, item count, and which kind of loss
+            # each rank saw (a rank with an empty share of the last batch saw none).
+            local = torch.stack([loss_sum, torch.as_tensor(items, dtype=torch.float64, device=self.device).reshape(()),
+                                 loss_sum.new_tensor(float(mode == "mean")), loss_sum.new_tensor(float(mode == "sum"))])
+            loss_total, item_total, mean_ranks, sum_ranks = self.sync.sum_items(local).tolist()
+            if mean_ranks and sum_ranks:
+                raise TaskError("loss_fn returned mean losses on some ranks and (loss_sum, num_items) on others")
             num_items: int | None = None
-            if mode == "sum":
-                total = self.sync.sum_items(torch.as_tensor(items, dtype=torch.float64, device=self.device))
-                num_items = int(total.item())
+            if sum_ranks:
+                num_items = int(item_total)
                 if num_items == 0:
                     raise TaskError("the step's loss_fn reported 0 items over all micro-batches; nothing to average")
                 grads = [p.grad for p in self.params if p.grad is not None]
                 if grads:
+                    # token-level: the summed gradient divided once by the step's item count
                     torch._foreach_div_(grads, float(num_items))
-                loss = float(loss_total.item()) / num_items
+                loss = loss_total / num_items
             else:
-                loss = float(loss_total.item()) / num_samples
+                loss = loss_total / num_samples
             if self.scaler is not None:
                 phase = "GradScaler.unscale_"
                 self.scaler.unscale_(self.optimizer)
