@@ -4,7 +4,9 @@
 """
 
 from autoaccum.errors import AutoAccumError, DoesNotFitError, OptimizerStepOOMError, TaskError
+from autoaccum.fit import FitResult, fit
 from autoaccum.guard import OOMGuard, PlanChange, StepResult
+from autoaccum.lr import scale_lr
 from autoaccum.memory import TrackedMemory, emulated_budget
 from autoaccum.memory_model import MemoryModel
 from autoaccum.oom import is_oom
@@ -16,7 +18,7 @@ from autoaccum.units import format_bytes, parse_bytes
 __version__ = "0.1.0"
 
 __all__ = [
-    "AutoAccumError", "Candidate", "DoesNotFitError", "MemoryModel", "OOMGuard", "OptimizerStepOOMError", "Plan",
+    "AutoAccumError", "Candidate", "DoesNotFitError", "FitResult", "fit", "scale_lr", "MemoryModel", "OOMGuard", "OptimizerStepOOMError", "Plan",
     "PlanChange", "ProbeReport", "StepResult", "Task", "TaskError",
     "TrackedMemory", "emulated_budget", "format_bytes", "is_oom", "parse_bytes", "probe",
 ]
