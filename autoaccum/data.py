@@ -101,14 +101,22 @@ class GlobalBatches:
     def epoch(self, epoch: int, start: int = 0) -> Iterator[RankBatch]:
         """This rank's batches of ``epoch``, from global batch number ``start`` on."""
         if self.iterable is not None:
-            for index, batch in enumerate(self.iterable):
-                if index < start:
-                    continue  # resuming: an iterable is exact to resume only if it repeats its order
-                n = batch_size(batch)
-                if n > self.target_batch // self.world_size + 1:
-                    raise ValueError(f"the data yielded a batch of {n} samples; with target_batch "
-                                     f"{self.target_batch} each batch must hold at most this rank's share")
-                yield RankBatch(batch, epoch, index, n * self.world_size, False)
+            share = -(-self.target_batch // self.world_size)  # the largest rank share
+            iterator = iter(self.iterable)
+            ahead = next(iterator, None)
+            index = 0
+            while ahead is not None:
+                batch, ahead = ahead, next(iterator, None)  # look one ahead: only the last may be short
+                if index >= start:  # resuming: an iterable is exact to resume only if it repeats its order
+                    n = batch_size(batch)
+                    if n > share or (n < share - 1 and ahead is not None):
+                        raise ValueError(
+                            f"the data yielded a batch of {n} samples at position {index}; with target_batch "
+                            f"{self.target_batch} over {self.world_size} rank(s) every batch but the last must hold "
+                            f"this rank's share ({share}). The global batch is never changed silently: batch the "
+                            f"loader at the target (or pass a tuple of tensors / a Dataset and let fit batch it)")
+                    yield RankBatch(batch, epoch, index, n * self.world_size, ahead is None and n < share)
+                index += 1
             return
         order = self._order(epoch)
         for index in range(start, self.steps_per_epoch):  # type: ignore[arg-type]
