@@ -101,7 +101,8 @@ class GlobalBatches:
     def epoch(self, epoch: int, start: int = 0) -> Iterator[RankBatch]:
         """This rank's batches of ``epoch``, from global batch number ``start`` on."""
         if self.iterable is not None:
-            share = -(-self.target_batch // self.world_size)  # the largest rank share
+            bounds = rank_slice(self.target_batch, self.rank, self.world_size)
+            share = bounds.stop - bounds.start  # this rank's samples of a full global batch
             iterator = iter(self.iterable)
             ahead = next(iterator, None)
             index = 0
@@ -109,7 +110,7 @@ class GlobalBatches:
                 batch, ahead = ahead, next(iterator, None)  # look one ahead: only the last may be short
                 if index >= start:  # resuming: an iterable is exact to resume only if it repeats its order
                     n = batch_size(batch)
-                    if n > share or (n < share - 1 and ahead is not None):
+                    if n > share or (n < share and ahead is not None):
                         raise ValueError(
                             f"the data yielded a batch of {n} samples at position {index}; with target_batch "
                             f"{self.target_batch} over {self.world_size} rank(s) every batch but the last must hold "
