@@ -6,8 +6,10 @@ Three kinds of data:
 - any other iterable (a DataLoader, a generator) that already yields global batches -- under
   torch.distributed, each rank's iterable yields that rank's share.
 
-For the first two, each epoch is a fresh permutation drawn from ``seed + epoch`` (so a resumed run
-draws the same order), cut into consecutive global batches of ``target_batch``; the last batch of
+For the first two, epoch ``e`` visits the samples in the order
+``torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed * 1_000_003 + e))``
+(a fresh permutation per epoch that a resumed run draws again; the factor keeps ``(seed, e)`` and
+``(seed + 1, e - 1)`` apart), cut into consecutive global batches of ``target_batch``; the last batch of
 an epoch holds the samples that remain and is a real, exactly weighted step on them (nothing
 dropped, nothing repeated). Each global batch is split over ranks in rank order, rank ``r``
 taking ``plan.rank_batch(r)`` consecutive samples (fewer in the last, partial batch).
@@ -15,6 +17,7 @@ taking ``plan.rank_batch(r)`` consecutive samples (fewer in the last, partial ba
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -25,6 +28,7 @@ from torch.utils.data import default_collate
 
 from autoaccum.batch import Batch, batch_size
 from autoaccum.plan import check_positive_int
+from autoaccum.state import capture_rng, restore_rng
 
 __all__ = ["GlobalBatches", "RankBatch", "rank_slice"]
 
@@ -56,6 +60,8 @@ class GlobalBatches:
         self.tensors: tuple[torch.Tensor, ...] | None = None
         self.dataset: Any = None
         self.iterable: Iterable[Batch] | None = None
+        self._head: list[Batch] = []  # the first batch of a one-shot iterator, taken by sample()
+        self._head_pending = False  # ... and not yet yielded by epoch()
         if isinstance(data, torch.Tensor):
             data = (data,)
         if isinstance(data, (tuple, list)) and data and all(isinstance(t, torch.Tensor) for t in data):
@@ -104,6 +110,8 @@ class GlobalBatches:
             bounds = rank_slice(self.target_batch, self.rank, self.world_size)
             share = bounds.stop - bounds.start  # this rank's samples of a full global batch
             iterator = iter(self.iterable)
+            if self._head_pending:  # sample() took the first batch of a one-shot iterator: it comes first
+                iterator, self._head_pending = itertools.chain(self._head, iterator), False
             ahead = next(iterator, None)
             index = 0
             while ahead is not None:
@@ -128,7 +136,7 @@ class GlobalBatches:
     def sample(self, size: int) -> Batch:
         """``size`` samples for the probe: the first of epoch 0's order (or of the first batch)."""
         if self.iterable is not None:
-            first = next(iter(self.iterable))
+            first = self._first_batch()
             have = batch_size(first)
             if size > have:
                 raise ValueError(f"the probe needs {size} samples but the data's batches hold {have}")
@@ -139,4 +147,20 @@ class GlobalBatches:
             raise ValueError(f"the probe asked for {size} samples but data holds only {self.num_samples}")
         return self._gather(self._order(0)[:size])
 
+    def _first_batch(self) -> Batch:
+        """The iterable's first batch, fetched once for all of the probe's samples.
 
+        A one-shot iterator (a generator) keeps it for ``epoch()`` to yield first, so probing drops
+        no batch. A re-iterable (a DataLoader) is iterated afresh; the global RNG it drew from (a
+        shuffling DataLoader seeds its sampler from it) is put back, so probing leaves no trace."""
+        if self._head:
+            return self._head[0]
+        one_shot = isinstance(self.iterable, Iterator)  # iter() of a DataLoader would draw from the RNG
+        rng = None if one_shot else capture_rng()
+        first = next(iter(self.iterable), None)  # type: ignore[arg-type]
+        if rng is not None:
+            restore_rng(rng)
+        if first is None:
+            raise ValueError("data yielded no batch: there is nothing to train on (an exhausted or empty iterable?)")
+        self._head, self._head_pending = [first], one_shot
+        return first
