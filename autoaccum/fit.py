@@ -29,7 +29,7 @@ from autoaccum.batch import Batch, batch_size, split_batch
 from autoaccum.data import GlobalBatches
 from autoaccum.errors import AutoAccumError, TaskError
 from autoaccum.guard import OOMGuard, PlanChange
-from autoaccum.lr import LR_RULES, scale_lr, warmup_lambda
+from autoaccum.lr import LR_RULES, scale_adam_hparams, scale_lr, warmup_lambda
 from autoaccum.memory import TrackedMemory
 from autoaccum.oom import is_oom
 from autoaccum.plan import Plan, check_positive_int
@@ -348,7 +348,12 @@ def fit(
             group["lr"] = lr
     if base_batch is not None and base_batch != target_batch and not resume:
         for group in optimizer.param_groups:
-            group["lr"] = scale_lr(group["lr"], base_batch, target_batch, lr_rule)  # type: ignore[arg-type]
+            if lr_rule == "adam_sde" and "betas" in group and "eps" in group:
+                # Malladi et al. 2022: lr * sqrt(k), 1 - beta -> k * (1 - beta), eps / sqrt(k)
+                group["lr"], group["betas"], group["eps"] = scale_adam_hparams(
+                    group["lr"], tuple(group["betas"]), group["eps"], base_batch, target_batch)
+            else:
+                group["lr"] = scale_lr(group["lr"], base_batch, target_batch, lr_rule)  # type: ignore[arg-type]
     run_lr = float(optimizer.param_groups[0]["lr"])
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_lambda(warmup_steps)) if warmup_steps else None
     autocast_dtype = _AUTOCAST[precision]
