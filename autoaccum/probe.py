@@ -262,7 +262,8 @@ def _search(stepper: _Stepper, upper: int, budget_bytes: int, headroom: float,
             note = f"limit bracketed by measurement: {lo} fits" + (f", {hi} does not" if hi <= upper else "")
             break
         model = _fit(measured)
-        predicted = model.max_batch(budget_bytes, headroom) if model is not None else 0
+        # a limit past ``upper`` means ``upper`` itself is the size to verify, not a reason to bisect
+        predicted = min(model.max_batch(budget_bytes, headroom), upper) if model is not None else 0
         if model is not None and model.is_good_fit and model.num_points >= 3 and predicted <= lo:
             note = f"fit verified at {lo}: residual {model.residual:.2%} on the {model.num_points} largest sizes"
             break
@@ -292,8 +293,19 @@ def choose_micro_batch(candidates: Iterable[Candidate]) -> int:
 # -- the public entry point ---------------------------------------------------------------------
 
 def _fake_copy(model: torch.nn.Module, fake_mode: Any) -> torch.nn.Module:
-    with fake_mode:
-        return copy.deepcopy(model)
+    """A copy of ``model`` whose parameters and buffers are fake ``cpu`` tensors; ``model`` is untouched.
+
+    Each tensor is converted with ``fake_mode.from_tensor`` (metadata only: no data is copied,
+    nothing is allocated on the model's device). A plain ``deepcopy`` under the fake mode fails
+    for buffers (``Tensor.__deepcopy__`` copies the real storage, then ``set_`` refuses to put it
+    into a fake tensor), and moving the model to cpu first would move the user's model."""
+    memo: dict[int, Any] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        fake = fake_mode.from_tensor(t.detach())
+        with fake_mode:
+            fake = fake.to("cpu")
+        memo[id(t)] = torch.nn.Parameter(fake, t.requires_grad) if isinstance(t, torch.nn.Parameter) else fake
+    return copy.deepcopy(model, memo)
 
 
 def probe(
@@ -390,7 +402,7 @@ def probe(
         # Fake tensors carry shapes, no data: the steps allocate nothing. Fake "cuda" cannot run
         # autograd on a CPU build of torch, so the estimate runs on fake cpu.
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        run_model = _fake_copy(task.model.cpu() if device.type != "cpu" else task.model, fake_mode)
+        run_model = _fake_copy(task.model, fake_mode)
         run_optimizer = None
         device = torch.device("cpu")
     meter: Any

@@ -1,0 +1,136 @@
+"""autoaccum.plan: the target global batch is covered exactly (invariant 1)."""
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autoaccum.plan import Plan
+
+
+def check_covers_target(plan: Plan, requested_micro: int) -> None:
+    """Every property of an exact plan, checked on every rank."""
+    assert 1 <= plan.micro_batch <= requested_micro
+    total = 0
+    shares = []
+    for rank in range(plan.world_size):
+        sizes = plan.micro_sizes(rank)
+        assert len(sizes) == plan.accum_steps
+        assert all(0 <= s <= plan.micro_batch for s in sizes)
+        assert sum(sizes) == plan.rank_batch(rank)
+        # full micro-batches first, one shorter (or empty) one last: no gaps in the middle
+        assert all(s == plan.micro_batch for s in sizes[:-1])
+        shares.append(plan.rank_batch(rank))
+        total += sum(sizes)
+    assert total == plan.target_batch
+    assert max(shares) - min(shares) <= 1  # the target split as evenly as it goes
+    assert plan.micro_sizes(0)[-1] >= 1  # rank 0 (the largest share) never runs an empty micro-step
+    # the fewest micro-steps for this micro-batch: one fewer would not hold rank 0's share
+    assert (plan.accum_steps - 1) * plan.micro_batch < plan.rank_batch(0) <= plan.accum_steps * plan.micro_batch
+
+
+def check_plan_family(target: int, world: int, micro: int) -> None:
+    plan = Plan.for_target(target, micro, world)
+    assert (plan.target_batch, plan.world_size) == (target, world)
+    check_covers_target(plan, micro)
+
+    balanced = Plan.balanced(target, micro, world)
+    check_covers_target(balanced, micro)
+    assert balanced.micro_batch <= plan.micro_batch
+    assert balanced.accum_steps == plan.accum_steps
+
+    if plan.micro_batch > 1:
+        halved = plan.halved()
+        assert halved.target_batch == target and halved.world_size == world
+        assert halved.micro_batch <= plan.micro_batch // 2
+        check_covers_target(halved, plan.micro_batch // 2)
+
+
+@settings(max_examples=600, deadline=None)
+@given(target=st.integers(1, 1024), world=st.integers(1, 8), micro=st.integers(1, 1100))
+def test_plans_cover_the_target_exactly(target, world, micro):
+    if target < world:
+        with pytest.raises(ValueError, match="smaller than world_size"):
+            Plan.for_target(target, micro, world)
+        return
+    check_plan_family(target, world, micro)
+
+
+def test_plans_cover_the_target_exactly_exhaustive_small():
+    for target in range(1, 65):
+        for world in range(1, 9):
+            if target < world:
+                continue
+            for micro in range(1, 70):
+                check_plan_family(target, world, micro)
+
+
+def test_plans_cover_the_target_exactly_for_every_target_and_world_at_edge_micro_sizes():
+    for target in range(1, 1025):
+        for world in range(1, min(8, target) + 1):
+            share = math.ceil(target / world)
+            for micro in {share, share + 1, max(1, share - 1), max(1, share // 2), max(1, share // 3) + 1}:
+                check_plan_family(target, world, micro)
+
+
+def test_halving_down_to_one_keeps_the_target():
+    plan = Plan.for_target(1000, 1000, 8)
+    micros = [plan.micro_batch]
+    while plan.micro_batch > 1:
+        plan = plan.halved()
+        micros.append(plan.micro_batch)
+        assert sum(sum(plan.micro_sizes(r)) for r in range(8)) == 1000
+    assert micros == [125, 62, 31, 15, 7, 3, 1]
+    with pytest.raises(ValueError, match="micro-batch of 1 cannot be halved"):
+        plan.halved()
+
+
+def test_known_plans():
+    plan = Plan.for_target(256, 48)
+    assert (plan.micro_batch, plan.accum_steps, plan.last_micro_batch) == (48, 6, 16)
+    assert plan.micro_sizes() == (48, 48, 48, 48, 48, 16)
+    assert plan.describe() == "target 256 = micro 48 x accum 6 (last micro 16) x world 1"
+    assert Plan.for_target(256, 64).describe() == "target 256 = micro 64 x accum 4 x world 1"
+    assert Plan.for_target(256, 1000) == Plan(256, 1, 1, 256)  # capped at the rank share
+
+    # the docstring's example: same number of passes, a lower peak
+    assert Plan.balanced(256, 200) == Plan(128, 2, 1, 256)
+    assert Plan.balanced(256, 48) == Plan(43, 6, 1, 256)
+
+    # 10 samples over 3 ranks: shares 4, 3, 3; micro 3 -> two micro-steps, ranks 1 and 2 end empty
+    plan = Plan.for_target(10, 3, 3)
+    assert [plan.rank_batch(r) for r in range(3)] == [4, 3, 3]
+    assert [plan.micro_sizes(r) for r in range(3)] == [(3, 1), (3, 0), (3, 0)]
+
+
+def test_plan_that_does_not_cover_the_target_is_rejected_with_the_right_accum():
+    with pytest.raises(ValueError, match=r"accum_steps must be 6.*Plan.for_target"):
+        Plan(48, 5, 1, 256)
+    with pytest.raises(ValueError, match=r"accum_steps must be 6"):
+        Plan(48, 7, 1, 256)  # too many: an empty micro-step on every rank
+
+
+@pytest.mark.parametrize("field", ["micro_batch", "accum_steps", "world_size", "target_batch"])
+@pytest.mark.parametrize("value, error", [(0, ValueError), (-3, ValueError), (2.5, TypeError), (True, TypeError),
+                                          ("8", TypeError)])
+def test_invalid_fields_name_the_value_and_range(field, value, error):
+    fields = {"micro_batch": 4, "accum_steps": 1, "world_size": 1, "target_batch": 4, field: value}
+    with pytest.raises(error, match=field) as info:
+        Plan(**fields)
+    if error is ValueError:
+        assert f"Invalid {field}: {value}. Allowed range: 1" in str(info.value)
+
+
+@pytest.mark.parametrize("target", [0, -1, 2.0, True, None])
+def test_for_target_rejects_bad_targets(target):
+    with pytest.raises((ValueError, TypeError), match="target_batch"):
+        Plan.for_target(target, 4)
+
+
+def test_dict_round_trip_and_missing_keys():
+    plan = Plan.for_target(1000, 48, 4)
+    assert Plan.from_dict(plan.to_dict()) == plan
+    with pytest.raises(ValueError, match="missing 'world_size'"):
+        Plan.from_dict({"micro_batch": 4, "accum_steps": 1, "target_batch": 4})
+    assert plan.with_world_size(2) == Plan.for_target(1000, 48, 2)

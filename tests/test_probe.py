@@ -1,0 +1,361 @@
+"""autoaccum.probe: real training steps measured under a budget; the plan; no trace left behind."""
+
+import copy
+import random
+import resource
+
+import pytest
+import torch
+
+import autoaccum
+import autoaccum.state
+from autoaccum import AutoAccumError, DoesNotFitError, Plan, ProbeReport, TaskError, probe
+from autoaccum.demo import TinyGPT, synthetic_tokens, token_loss
+from autoaccum.probe import THROUGHPUT_TIE, Candidate, choose_micro_batch
+from _probe_models import (
+    convnet, gpt_batch, gpt_loss, image_batch, largest_fitting, mlp, mlp_batch, mlp_loss, runs_under,
+    stateful_batch, stateful_mlp, tiny_gpt,
+)
+
+HEADROOM = 0.1
+TARGET = 4096  # large enough that the target never caps the search
+
+SHAPES = {
+    "mlp": (mlp, mlp_batch(), mlp_loss, 500_000),  # the probe runs into two OOMs on the way here
+    "tinygpt": (tiny_gpt, gpt_batch(), gpt_loss, 3_000_000),
+    "convnet": (convnet, image_batch, mlp_loss, 1_000_000),
+}
+
+
+# -- the plan against brute force -----------------------------------------------------------------
+
+@pytest.mark.parametrize("name", SHAPES)
+def test_planned_micro_batch_is_within_90_percent_of_brute_force_and_runs(name):
+    make_model, make_batch, loss_fn, budget = SHAPES[name]
+    usable = int(budget * (1 - HEADROOM))
+    model = make_model()
+    report = probe(model=model, loss_fn=loss_fn, make_batch=make_batch, target_batch=TARGET, budget=budget,
+                   headroom=HEADROOM)
+    best = largest_fitting(make_model(), make_batch, loss_fn, usable)  # real runs, not the probe's search
+    assert best > 1
+    found = report.max_fitting_micro_batch
+    assert 0.9 * best <= found <= best, (found, best, [(c.micro_batch, c.status) for c in report.candidates])
+    # the plan: the fastest fitting size (ties to the larger), cut evenly over the target
+    assert report.plan == Plan.balanced(TARGET, choose_micro_batch(report.candidates), 1)
+    assert report.plan.micro_batch <= found
+    # what the probe says fits, fits; what it says does not, does not (under the usable budget),
+    # and the plan's micro-batch runs under the usable budget and under the budget itself
+    for c in report.candidates:
+        assert runs_under(make_model(), make_batch, loss_fn, c.micro_batch, usable) == (c.status == "ok"), c
+    assert runs_under(make_model(), make_batch, loss_fn, report.plan.micro_batch, usable)
+    assert runs_under(make_model(), make_batch, loss_fn, report.plan.micro_batch, budget)
+    # bookkeeping: 3 steps per size that ran, one per size that ran out of memory
+    ran = [c for c in report.candidates if c.status != "oom"]
+    assert report.probe_ooms == sum(c.status == "oom" for c in report.candidates)
+    assert report.probe_steps == 3 * len(ran) + report.probe_ooms
+    assert len(report.candidates) <= 10
+    assert (report.meter, report.is_estimate, report.source) == ("tracked", False, "probe")
+    assert (report.budget_bytes, report.budget_source, report.usable_bytes) == (budget, "given", usable)
+
+
+def test_when_everything_fits_the_search_goes_straight_to_the_largest_size():
+    # 512 samples need 0.68 MB: the model predicts the limit far past 512, so 512 is the size to
+    # verify (a regression: it used to bisect towards it, 10 sizes, 30 steps)
+    report = probe(model=mlp(), loss_fn=mlp_loss, make_batch=mlp_batch(), target_batch=512, budget=8_000_000)
+    sizes = [c.micro_batch for c in report.candidates]
+    assert sizes[0] == 1 and 1 < sizes[1] < 512 and sizes[2:] == [512], sizes
+    assert report.probe_steps == 9 and report.probe_ooms == 0
+    assert report.plan == Plan(512, 1, 1, 512)
+    assert report.fit_note == "limit bracketed by measurement: 512 fits"
+
+
+def test_the_search_never_passes_max_micro_batch_or_the_rank_share():
+    report = probe(model=mlp(), loss_fn=mlp_loss, make_batch=mlp_batch(), target_batch=512, budget="64MiB",
+                   max_micro_batch=100)
+    assert max(c.micro_batch for c in report.candidates) == 100
+    assert report.plan == Plan.balanced(512, choose_micro_batch(report.candidates))
+    assert report.plan.micro_batch <= 100
+    report = probe(model=mlp(), loss_fn=mlp_loss, make_batch=mlp_batch(), target_batch=100, world_size=8,
+                   budget="64MiB")
+    assert max(c.micro_batch for c in report.candidates) == 13  # ceil(100 / 8)
+    assert report.plan == Plan.balanced(100, choose_micro_batch(report.candidates), 8)
+
+
+def test_a_target_of_one_measures_one_size():
+    report = probe(model=mlp(), loss_fn=mlp_loss, make_batch=mlp_batch(), target_batch=1, budget="64MiB",
+                   steps_per_size=2)
+    assert [c.micro_batch for c in report.candidates] == [1]
+    assert report.probe_steps == 2 and report.model is None
+    assert report.plan == Plan(1, 1, 1, 1)
+
+
+# -- invariant 4: probing leaves no trace ---------------------------------------------------------
+
+def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "buffers": {n: b.clone() for n, b in model.named_buffers()},
+        "grads": {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()},
+        "optimizer": copy.deepcopy(optimizer.state_dict()),
+        "torch_rng": torch.get_rng_state(),
+        "python_rng": random.getstate(),
+        "param_ids": [id(p) for p in model.parameters()],
+    }
+
+
+def _differences(a, b, path="") -> list[str]:
+    """Where two nested states differ; tensors compared bit for bit."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        same = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype \
+            and a.shape == b.shape and torch.equal(a, b)
+        return [] if same else [path]
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return [f"{path} keys"]
+        return [d for k in a for d in _differences(a[k], b[k], f"{path}/{k}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{path}[{i}]")]
+    return [] if a == b else [path]
+
+
+def _trained(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A model mid-training: optimizer state from two steps, gradients of a third, batch-norm
+    statistics moved, and an RNG that has been drawn from."""
+    model = stateful_mlp(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for b in (3, 5):
+        optimizer.zero_grad()
+        mlp_loss(model, stateful_batch(b)).backward()
+        optimizer.step()
+    mlp_loss(model, stateful_batch(4)).backward()
+    torch.manual_seed(1234)
+    random.seed(99)
+    torch.rand(3)
+    return model, optimizer
+
+
+def _probe_keeping(model, optimizer, budget, **kwargs) -> tuple[list[str], object]:
+    before = _state(model, optimizer)
+    result: object
+    try:
+        result = probe(model=model, loss_fn=mlp_loss, make_batch=stateful_batch, optimizer=optimizer,
+                       target_batch=TARGET, budget=budget, **kwargs)
+    except Exception as exc:  # noqa: BLE001 -- the test looks at which one
+        result = type(exc)
+    return _differences(before, _state(model, optimizer)), result
+
+
+def test_probe_leaves_no_trace():
+    model, optimizer = _trained()
+    differences, report = _probe_keeping(model, optimizer, 1_000_000)
+    assert isinstance(report, ProbeReport) and report.probe_ooms == 0 and len(report.candidates) >= 3
+    assert differences == []
+
+
+def test_probe_with_an_oom_leaves_no_trace():
+    model, optimizer = _trained()
+    differences, report = _probe_keeping(model, optimizer, 300_000)
+    assert isinstance(report, ProbeReport) and report.probe_ooms >= 1
+    assert differences == []
+
+
+def test_probe_that_does_not_fit_leaves_no_trace():
+    model, optimizer = _trained()
+    differences, result = _probe_keeping(model, optimizer, 40_000)
+    assert result is DoesNotFitError
+    assert differences == []
+
+
+def test_probe_that_fails_on_a_bad_loss_leaves_no_trace():
+    model, optimizer = _trained()
+    before = _state(model, optimizer)
+
+    def loss_fn(model, batch):  # fine for small sizes, a per-sample vector for large ones
+        losses = torch.nn.functional.cross_entropy(model(batch[0]), batch[1], reduction="none")
+        return losses if len(losses) > 8 else losses.mean()
+
+    with pytest.raises(TaskError, match="scalar"):
+        probe(model=model, loss_fn=loss_fn, make_batch=stateful_batch, optimizer=optimizer, target_batch=64,
+              budget="64MiB")
+    assert _differences(before, _state(model, optimizer)) == []
+
+
+def test_probe_with_an_optimizer_factory_leaves_no_trace():
+    model, _ = _trained()
+    spare = torch.optim.SGD(model.parameters())  # no state: only to compare the model
+    before = _state(model, spare)
+    report = probe(model=model, loss_fn=mlp_loss, make_batch=stateful_batch, target_batch=64, budget="64MiB",
+                   optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
+    assert report.probe_steps > 0
+    assert _differences(before, _state(model, spare)) == []
+
+
+def test_negative_control_without_the_restore_the_probe_leaves_traces(monkeypatch):
+    monkeypatch.setattr(autoaccum.state, "restore", lambda *args, **kwargs: None)
+    model, optimizer = _trained()
+    differences, report = _probe_keeping(model, optimizer, 1_000_000)
+    assert isinstance(report, ProbeReport)
+    kinds = {d.split("/")[1] for d in differences}
+    assert kinds == {"params", "buffers", "grads", "optimizer", "torch_rng"}, differences
+
+
+# -- does not fit ---------------------------------------------------------------------------------
+
+def test_micro_batch_one_that_runs_out_of_memory_raises_does_not_fit():
+    with pytest.raises(DoesNotFitError) as info:
+        probe(model=mlp(), loss_fn=mlp_loss, make_batch=mlp_batch(), budget=20_000, headroom=0.1)
+    exc = info.value
+    assert isinstance(exc, AutoAccumError)
+    assert exc.available_bytes == 18_000
+    assert exc.at_least and exc.needed_bytes > 20_000  # the OOM's bytes: a lower bound
+    assert "a micro-batch of 1 does not fit: needs at least" in str(exc)
+    assert "available 17.6 KiB" in str(exc) and "What to do" in str(exc)
+    assert exc.suggestions
+
+
+def test_micro_batch_one_over_the_usable_budget_raises_with_its_measured_peak():
+    one = probe(model=mlp(), loss_fn=mlp_loss, make_batch=mlp_batch(), budget="64MiB", target_batch=1).candidates[0]
+    budget = one.peak_bytes + 10  # it runs, but into the headroom
+    with pytest.raises(DoesNotFitError) as info:
+        probe(model=mlp(), loss_fn=mlp_loss, make_batch=mlp_batch(), budget=budget, headroom=0.1)
+    assert not info.value.at_least
+    assert info.value.needed_bytes == one.peak_bytes
+    assert info.value.available_bytes == int(budget * 0.9)
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+def _probe(**kwargs):
+    args = {"model": mlp(), "loss_fn": mlp_loss, "make_batch": mlp_batch(), "budget": "64MiB", "target_batch": 8}
+    return probe(**{**args, **kwargs})
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"target_batch": 0}, ValueError, r"Invalid target_batch: 0\. Allowed range: 1"),
+    ({"target_batch": -5}, ValueError, r"Invalid target_batch: -5\. Allowed range: 1"),
+    ({"target_batch": 2.5}, TypeError, r"target_batch must be an int, got 2\.5"),
+    ({"target_batch": "256"}, TypeError, r"target_batch must be an int, got '256'"),
+    ({"target_batch": True}, TypeError, r"target_batch must be an int, got True"),
+    ({"budget": 0}, ValueError, r"Invalid budget 0: must be at least 1 byte\. Allowed range"),
+    ({"budget": -1}, ValueError, r"Invalid budget -1: must be at least 1 byte"),
+    ({"budget": "8 GB of RAM"}, ValueError, r"Invalid budget '8 GB of RAM'.*'8GiB'"),
+    ({"headroom": 1}, ValueError, r"Invalid headroom: 1\. Allowed range: 0 <= headroom < 1"),
+    ({"headroom": -0.1}, ValueError, r"Invalid headroom: -0\.1\. Allowed range: 0 <= headroom < 1"),
+    ({"headroom": 1.5}, ValueError, r"Invalid headroom: 1\.5"),
+    ({"headroom": float("nan")}, ValueError, r"Invalid headroom: nan"),
+    ({"world_size": 0}, ValueError, r"Invalid world_size: 0"),
+    ({"steps_per_size": 1}, ValueError, r"Invalid steps_per_size: 1\. Allowed range: >= 2"),
+    ({"max_candidates": 2}, ValueError, r"Invalid max_candidates: 2\. Allowed range: >= 3"),
+    ({"max_micro_batch": 0}, ValueError, r"Invalid max_micro_batch: 0"),
+])
+def test_bad_arguments_name_the_value_and_the_allowed_range(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        _probe(**kwargs)
+
+
+def test_headroom_zero_is_allowed():
+    assert _probe(headroom=0).usable_bytes == 64 * 2**20
+
+
+def test_model_without_trainable_parameters():
+    frozen = mlp().requires_grad_(False)
+    with pytest.raises(ValueError, match="Sequential has no trainable parameters.*Unfreeze"):
+        _probe(model=frozen)
+    with pytest.raises(ValueError, match="ReLU has no trainable parameters"):
+        _probe(model=torch.nn.ReLU())
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got str"):
+        _probe(model="mlp")
+
+
+def test_batch_maker_that_returns_the_wrong_size():
+    with pytest.raises(TaskError, match=r"make_batch\(1\) returned a batch of 2 samples.*exactly"):
+        _probe(make_batch=lambda b: mlp_batch()(b + 1))
+    # right at b=1, wrong later: caught at the size it goes wrong
+    with pytest.raises(TaskError, match=r"make_batch\(8\) returned a batch of 4 samples"):
+        _probe(make_batch=lambda b: mlp_batch()(min(b, 4)))
+    with pytest.raises(ValueError, match="disagree in dim 0"):
+        _probe(make_batch=lambda b: (torch.randn(b, 32), torch.zeros(b + 1, dtype=torch.long)))
+
+
+@pytest.mark.parametrize("loss_fn, message", [
+    (lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1], reduction="none"),
+     r"loss_fn must return a scalar tensor, got \(8,\)"),  # shape (1,) passes at b=1
+    (lambda m, b: m(b[0]).sum(dim=1), r"loss_fn must return a scalar tensor"),
+    (lambda m, b: float(mlp_loss(m, b)), r"loss_fn must return a scalar tensor, got float"),
+    (lambda m, b: mlp_loss(m, b).detach(), r"requires grad.*torch.no_grad"),
+    (lambda m, b: (mlp_loss(m, b), 2, 3), r"returned a tuple of 3 items"),
+])
+def test_loss_that_is_not_a_scalar_tensor(loss_fn, message):
+    with pytest.raises(TaskError, match=message):
+        _probe(loss_fn=loss_fn)
+
+
+def test_optimizer_factory_must_return_an_optimizer():
+    with pytest.raises(TypeError, match="the optimizer factory returned list"):
+        _probe(optimizer=lambda params: list(params))
+
+
+def test_task_or_parts_not_both():
+    with pytest.raises(TypeError, match="needs a Task or model="):
+        probe(model=mlp())
+    task = autoaccum.Task(model=mlp(), loss_fn=mlp_loss, make_batch=mlp_batch())
+    with pytest.raises(TypeError, match="not both"):
+        probe(task, model=mlp())
+
+
+# -- estimates on fake tensors --------------------------------------------------------------------
+
+def test_estimate_matches_the_measurement_and_touches_nothing():
+    model, optimizer = _trained()
+    before = _state(model, optimizer)
+    kwargs = {"model": model, "loss_fn": mlp_loss, "make_batch": stateful_batch, "budget": 1_000_000,
+              "target_batch": TARGET}
+    estimate = probe(**kwargs, estimate=True)
+    assert _differences(before, _state(model, optimizer)) == []
+    assert (estimate.is_estimate, estimate.meter) == (True, "fake")
+    measured = {c.micro_batch: c for c in probe(**kwargs).candidates}
+    for c in estimate.candidates:
+        if c.micro_batch in measured:
+            assert c.peak_bytes == pytest.approx(measured[c.micro_batch].peak_bytes, rel=1e-3)
+    assert estimate.max_fitting_micro_batch == pytest.approx(max(
+        b for b, c in measured.items() if c.status == "ok"), rel=0.1)
+
+
+def test_estimate_of_a_large_step_allocates_nothing():
+    torch.manual_seed(0)
+    model = TinyGPT()  # the demo model: about 1.25 MiB of activations per sample
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    report = probe(model=model, loss_fn=token_loss, make_batch=lambda b: synthetic_tokens(b, seed=b),
+                   target_batch=8192, budget="64GiB", estimate=True)
+    assert report.is_estimate and report.max_fitting_micro_batch == 8192
+    peak = max(c.peak_bytes for c in report.candidates)
+    assert peak > 8 * 2**30  # a real step would need more than 8 GiB ...
+    rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    assert rss_after - rss_before < 2**30  # ... this process grew by less than 1 GiB
+
+
+# -- choosing among fitting sizes -----------------------------------------------------------------
+
+def _candidate(b, samples_per_s, status="ok"):
+    return Candidate(b, status, 1000 * b, 1000 * b, 10, b / samples_per_s)
+
+
+def test_choose_prefers_measured_throughput_and_ties_go_to_the_larger():
+    fast_small = [_candidate(16, 1000), _candidate(32, 700), _candidate(64, 500)]
+    assert choose_micro_batch(fast_small) == 16
+    tie = [_candidate(16, 1000), _candidate(32, 1000 * (1 - THROUGHPUT_TIE) + 1), _candidate(64, 900)]
+    assert choose_micro_batch(tie) == 32
+    not_fitting = [_candidate(16, 500), _candidate(64, 2000, "over_budget"), Candidate(128, "oom", 10**9)]
+    assert choose_micro_batch(not_fitting) == 16
+
+
+def test_report_round_trips_through_its_dict():
+    report = _probe()
+    again = ProbeReport.from_dict(report.to_dict())
+    assert again == report
+    with pytest.raises(ValueError, match="not an autoaccum probe report"):
+        ProbeReport.from_dict({"kind": "something else"})
+    with pytest.raises(ValueError, match="version 99 is not supported"):
+        ProbeReport.from_dict({**report.to_dict(), "version": 99})
+    with pytest.raises(ValueError, match="malformed"):
+        ProbeReport.from_dict({k: v for k, v in report.to_dict().items() if k != "candidates"})

@@ -1,0 +1,65 @@
+"""autoaccum.units: byte sizes users type, and the ones we print."""
+
+import math
+
+import pytest
+
+from autoaccum.units import format_bytes, parse_bytes
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("8 GiB", 8 * 2**30),
+    ("8GiB", 8 * 2**30),
+    (" 8 gib ", 8 * 2**30),
+    ("8GB", 8 * 10**9),
+    ("8 gb", 8 * 10**9),
+    ("8589934592", 8589934592),
+    (8589934592, 8589934592),
+    ("1.5 KiB", 1536),
+    ("512MiB", 512 * 2**20),
+    ("2 TiB", 2 * 2**40),
+    ("1e3", 1000),
+    ("64 kB", 64_000),
+    ("100 B", 100),
+    (1.0, 1),
+])
+def test_accepted_sizes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("value", [0, -1, "0", "0 GiB", 0.5, "0.5B", math.inf, math.nan, "1e400"])
+def test_non_positive_or_infinite_budget_is_a_value_error_naming_value_and_range(value):
+    with pytest.raises(ValueError, match=r"Invalid budget .*at least 1 byte.*Allowed range"):
+        parse_bytes(value)
+
+
+@pytest.mark.parametrize("text", ["eight", "8 XB", "GiB", "", "8.5.1 GB", "-8GiB", "8 G iB", "8GiBs"])
+def test_unparsable_budget_names_the_value_and_the_accepted_units(text):
+    with pytest.raises(ValueError) as info:
+        parse_bytes(text)
+    assert repr(text) in str(info.value)
+    assert "GiB" in str(info.value) and "8589934592" in str(info.value)
+
+
+@pytest.mark.parametrize("value", [None, [8], True, b"8GiB"])
+def test_wrong_type_is_a_type_error(value):
+    with pytest.raises(TypeError, match="budget must be a number of bytes"):
+        parse_bytes(value)
+
+
+def test_the_name_appears_in_the_message():
+    with pytest.raises(ValueError, match="Invalid memory_limit"):
+        parse_bytes("lots", name="memory_limit")
+
+
+@pytest.mark.parametrize("num_bytes, text", [
+    (0, "0 B"), (1023, "1023 B"), (1536, "1.5 KiB"), (8 * 2**30, "8 GiB"), (6.1 * 2**30, "6.1 GiB"),
+    (57.6 * 2**20, "57.6 MiB"), (3 * 2**40, "3 TiB"), (5000 * 2**40, "5e+03 TiB"), (-2048, "-2 KiB"),
+])
+def test_format_bytes(num_bytes, text):
+    assert format_bytes(num_bytes) == text
+
+
+@pytest.mark.parametrize("num_bytes", [1, 1536, 8 * 2**30, 3 * 2**40])
+def test_format_then_parse_round_trips_exact_binary_sizes(num_bytes):
+    assert parse_bytes(format_bytes(num_bytes)) == num_bytes
