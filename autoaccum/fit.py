@@ -330,6 +330,8 @@ def fit(
     model, sync = _make_sync(model)
     inner = getattr(model, "module", model)
     batches = GlobalBatches(data, target_batch, seed=seed, rank=sync.rank, world_size=sync.world_size)
+    eval_batches = None if eval_data is None else \
+        GlobalBatches(eval_data, target_batch, seed=seed, rank=sync.rank, world_size=sync.world_size)
     if batches.num_samples is not None and batches.is_indexed and batches.num_samples < target_batch:
         raise ValueError(f"data holds {batches.num_samples} samples, fewer than one global batch of {target_batch}; "
                          f"lower target_batch or add data (the global batch is never shrunk silently)")
@@ -346,7 +348,9 @@ def fit(
     elif lr is not None:
         for group in optimizer.param_groups:
             group["lr"] = lr
-    if base_batch is not None and base_batch != target_batch and not resume:
+    # resume=True with no checkpoint yet (a restartable job's first start) is a fresh run: the rule applies
+    state = ckpt.load_checkpoint(ckpt_dir) if resume and ckpt_dir is not None else None
+    if base_batch is not None and base_batch != target_batch and state is None:
         for group in optimizer.param_groups:
             if lr_rule == "adam_sde" and "betas" in group and "eps" in group:
                 # Malladi et al. 2022: lr * sqrt(k), 1 - beta -> k * (1 - beta), eps / sqrt(k)
@@ -360,7 +364,6 @@ def fit(
     scaler = torch.amp.GradScaler(dev.type) if precision == "fp16" else None
 
     # -- the plan: checkpoint, given, or probed ----------------------------------------------------
-    state = ckpt.load_checkpoint(ckpt_dir) if resume and ckpt_dir is not None else None
     report: ProbeReport | None = None
     probe_time = 0.0
     if state is not None:
@@ -375,6 +378,9 @@ def fit(
         if state["target_batch"] != target_batch:
             raise ValueError(f"the checkpoint was written with target_batch {state['target_batch']}, this run asks for "
                              f"{target_batch}; resume with the same global batch")
+        if state.get("seed", seed) != seed:  # another order would repeat some samples of the epoch and skip others
+            raise ValueError(f"the checkpoint was written with seed {state['seed']}, this run asks for seed {seed}; "
+                             f"resume with seed={state['seed']} (the data order of the epoch in progress)")
         start_plan = Plan.from_dict(state["guard"]["plan"]).with_world_size(sync.world_size)
         plan_source = "checkpoint"
     elif plan is not None:
@@ -429,8 +435,6 @@ def fit(
                  f"lr {run_lr:.4g}" + ("" if base_batch in (None, target_batch) else
                                         f" ({lr_rule} rule from base batch {base_batch})")
                  + (f" · resuming at step {steps}" if state is not None else ""))
-    eval_batches = None if eval_data is None else \
-        GlobalBatches(eval_data, target_batch, seed=seed, rank=sync.rank, world_size=sync.world_size)
     eval_micro = 2 * start_plan.micro_batch  # no activations are kept for backward: usually fits twice as many
     eval_loss: float | None = None
     eval_ooms = 0
@@ -444,7 +448,9 @@ def fit(
     try:
         done = max_steps is not None and steps >= max_steps
         while not done and (epochs is None or epoch < epochs):
+            fresh_epoch, drawn = index == 0, False
             for rb in batches.epoch(epoch, index):
+                drawn = True
                 result = guard.step(rb.batch, loss_fn, partial=rb.partial or rb.global_size < target_batch)
                 steps += 1
                 samples += result.num_samples
@@ -480,6 +486,10 @@ def fit(
                     done = True
                     break
             else:
+                if fresh_epoch and not drawn:  # an exhausted iterator (a generator): another pass yields nothing
+                    if steps:
+                        logger.warning("the data yielded no batch in epoch %d; stopping after %d steps", epoch, steps)
+                    break
                 epoch, index = epoch + 1, 0
         if eval_batches is not None:
             eval_loss, eval_micro, n = _evaluate(model, eval_batches, loss_fn, eval_micro, sync, dev, autocast_dtype)

@@ -127,6 +127,7 @@ class TrackedMemory(TorchDispatchMode):
         inputs = {id(s) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
                   for s in (_storage(t),) if s is not None}
         added = 0
+        peak_before = self.peak_bytes
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 storage = _storage(t)
@@ -136,6 +137,8 @@ class TrackedMemory(TorchDispatchMode):
             self.oom_count += 1
             self.last_oom_needed_bytes = self.current_bytes
             in_use = self.current_bytes - added
+            # the refused allocation never happens on a device: it is no part of the peak
+            self.peak_bytes = max(peak_before, in_use)
             message = (
                 f"Emulated out of memory in {func}: tried to allocate {format_bytes(added)}; "
                 f"{format_bytes(in_use)} in use of a budget of {format_bytes(self.budget_bytes)} "
