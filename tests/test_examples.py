@@ -1,0 +1,57 @@
+"""The examples run on CPU and print their summary (each in its own interpreter, as a user runs them)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+NAMES = ("quickstart", "existing_loop", "token_lm")
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """All examples, started together (their start-up, mostly importing torch, overlaps)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # on two shared cores, more threads only contend
+    procs = {name: subprocess.Popen([sys.executable, str(EXAMPLES / f"{name}.py")], cwd=EXAMPLES.parent, env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for name in NAMES}
+    out = {}
+    for name, proc in procs.items():
+        try:
+            stdout, stderr = proc.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+        out[name] = (proc.returncode, stdout, stderr)
+    return out
+
+
+def _ok(runs, name):
+    code, stdout, stderr = runs[name]
+    assert code == 0, f"{name} exited {code}\n{stdout}\n{stderr}"
+    return stdout, stderr
+
+
+def test_quickstart(runs):
+    stdout, stderr = _ok(runs, "quickstart")
+    assert "plan: micro " in stdout and "= 256 (from probe" in stdout
+    assert "80 steps, 20,480 samples" in stdout and "train accuracy" in stdout
+    assert "autoaccum fit ·" in stderr and "autoaccum fit done" in stderr  # banner and summary via logging
+
+
+def test_existing_loop(runs):
+    stdout, stderr = _ok(runs, "existing_loop")
+    assert "step 2: OOM in backward at micro 256 -> 128" in stdout
+    assert "16 optimizer steps, 1 OOM(s) recovered" in stdout
+    diff = float(stdout.rsplit("without OOMs: ", 1)[1].split()[0])
+    assert diff < 1e-12  # the run that recovered from an OOM equals the one that never ran out
+
+
+def test_token_lm(runs):
+    stdout, stderr = _ok(runs, "token_lm")
+    assert "48 steps; loss per token" in stdout and "held-out loss" in stdout
+    first, last = (float(v) for v in stdout.split("loss per token ")[1].split(";")[0].split(" -> "))
+    assert last < first / 2  # it learns
+    assert "eval loss" in stderr

@@ -1,0 +1,584 @@
+"""autoaccum.fit: equal to a hand-written full-batch loop, OOM mid-run, SIGKILL + resume, LR rules,
+evaluation, metrics, quiet output, data kinds and bad input.
+
+Every exactness test compares against a reference in ``_fit_models`` that shares no code with
+autoaccum (it draws the documented sample order itself) and has a negative control.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+import autoaccum
+from _fit_models import (RESUME_EPOCHS, RESUME_SAMPLES, Mlp, cross_entropy, global_batches, gpt, gpt_tokens,
+                         max_abs_diff, mlp_data, reference_fit, resumable_run, token_loss)
+from autoaccum import checkpoint, state
+from autoaccum.errors import AutoAccumError, TaskError
+from autoaccum.plan import Plan
+
+TESTS_DIR = Path(__file__).resolve().parent
+N, TARGET, EPOCHS = 150, 64, 2  # 64 + 64 + 22 per epoch: every epoch ends with a partial batch
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Two cores shared with other work: one intra-op thread is both faster and free of
+    # thread-count-dependent reductions (the resume tests compare bits across processes).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# -- equal to a hand-written full-batch loop (fp64, TinyGPT) ---------------------------------------
+
+@pytest.fixture(scope="module")
+def tokens():
+    return gpt_tokens(N)
+
+
+def _gpt_reference(tokens, **kwargs):
+    model = gpt()
+    losses = reference_fit(model, lambda m, idx: token_loss(m, tokens[idx]), N, TARGET, epochs=EPOCHS, **kwargs)
+    return model, losses
+
+
+@pytest.fixture(scope="module")
+def reference(tokens):
+    return _gpt_reference(tokens)
+
+
+@pytest.fixture(scope="module")
+def gpt_peaks(tokens, tmp_path_factory):
+    """Emulated peak bytes of the first two steps at micro-batches 8 and 16 (the optimizer state
+    that AdamW creates in step 1 makes step 2's peak higher)."""
+    peaks = {}
+    for micro in (8, 16):
+        log = tmp_path_factory.mktemp("peaks") / "log.jsonl"
+        autoaccum.fit(gpt(), tokens, TARGET, loss_fn=token_loss, plan=Plan.for_target(TARGET, micro),
+                      budget="1GiB", max_steps=2, progress=False, log_file=log)
+        peaks[micro] = [r["peak_bytes"] for r in _records(log)]
+    return peaks
+
+
+def test_fit_equals_full_batch_loop_fp64(tokens, reference, gpt_peaks, tmp_path):
+    ref_model, ref_losses = reference
+    budget = max(gpt_peaks[8]) + 4096  # micro 8 fits, with little to spare
+    model = gpt()
+    log = tmp_path / "log.jsonl"
+    result = autoaccum.fit(model, tokens, TARGET, loss_fn=token_loss, plan=Plan.for_target(TARGET, 8),
+                           budget=budget, epochs=EPOCHS, progress=False, log_file=log)
+    assert (result.plan.micro_batch, result.plan.accum_steps) == (8, 8)
+    assert result.oom_events == 0 and result.plan_changes == () and result.final_plan == result.plan
+    assert result.optimizer_steps == 6 and result.samples_seen == EPOCHS * N
+    assert 0 < result.peak_bytes <= budget
+    assert [r["samples"] for r in _records(log)] == [64, 128, 150, 214, 278, 300]
+    assert max_abs_diff(model, ref_model) < 1e-10
+    assert result.losses == pytest.approx(ref_losses, rel=1e-12, abs=0)
+
+
+def test_negative_controls_differ(tokens, reference):
+    ref_model, _ = reference
+    other_seed, _ = _gpt_reference(tokens, seed=1)
+    unweighted, _ = _gpt_reference(tokens, unweighted_micro=8)  # 22 = 8 + 8 + 6, each mean weighted 1/3
+    assert max_abs_diff(other_seed, ref_model) > 1e-4
+    assert max_abs_diff(unweighted, ref_model) > 1e-7  # far above the 1e-10 the test above allows
+
+
+def test_oom_mid_run_changes_nothing_but_the_plan(tokens, reference, gpt_peaks, tmp_path):
+    ref_model, ref_losses = reference
+    # micro 16 fits step 1 but not step 2 (AdamW's state exists then); micro 8 fits throughout
+    budget = (gpt_peaks[16][0] + gpt_peaks[16][1]) // 2
+    assert gpt_peaks[16][0] < budget < gpt_peaks[16][1] and max(gpt_peaks[8]) < budget
+    model = gpt()
+    log = tmp_path / "log.jsonl"
+    result = autoaccum.fit(model, tokens, TARGET, loss_fn=token_loss, plan=Plan.for_target(TARGET, 16),
+                           budget=budget, epochs=EPOCHS, progress=False, log_file=log)
+    assert result.oom_events == 1
+    [change] = result.plan_changes
+    assert (change.step, change.reason, change.old.micro_batch, change.new.micro_batch) == (2, "oom", 16, 8)
+    assert result.plan.micro_batch == 16 and result.final_plan == Plan.for_target(TARGET, 8)
+    records = _records(log)
+    assert [r["micro_batch"] for r in records] == [16, 8, 8, 8, 8, 8]
+    assert [r["accum_steps"] for r in records] == [4, 8, 8, 8, 8, 8]
+    assert [r["ooms"] for r in records] == [0, 1, 0, 0, 0, 0]
+    assert {r["lr"] for r in records} == {1e-3} and result.lr == 1e-3  # an OOM never changes the LR
+    assert result.peak_bytes <= budget
+    assert max_abs_diff(model, ref_model) < 1e-10
+    assert result.losses == pytest.approx(ref_losses, rel=1e-12, abs=0)
+
+
+def test_probed_plan_under_a_budget_equals_the_loop(tokens, reference, gpt_peaks):
+    ref_model, _ = reference
+    budget = (gpt_peaks[16][0] + gpt_peaks[16][1]) // 2
+    model = gpt()
+    result = autoaccum.fit(model, tokens, TARGET, loss_fn=token_loss, budget=budget, epochs=EPOCHS, progress=False)
+    assert result.plan_source == "probe" and result.probe is not None and result.probe_time_s > 0
+    assert result.final_plan.micro_batch <= 16 and result.peak_bytes <= budget
+    # whatever the probe picked and the guard did, the probe left no trace and the result is the loop's
+    assert max_abs_diff(model, ref_model) < 1e-10
+
+
+# -- resume after SIGKILL: bit for bit (CPU, fp32) -----------------------------------------------
+
+_CHILD = """
+import io, os, signal, sys
+import torch
+sys.path.insert(0, {tests!r})
+torch.set_num_threads(1)
+import autoaccum.checkpoint as ckpt
+from _fit_models import cross_entropy, resumable_run
+
+mode, at, directory = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+calls = [0]
+
+def tick():
+    calls[0] += 1
+    return calls[0] == at
+
+loss_fn = None
+if mode == "step":  # killed in the forward of a micro-batch, mid-step
+    def loss_fn(model, batch):
+        if tick():
+            os.kill(os.getpid(), signal.SIGKILL)
+        return cross_entropy(model, batch)
+elif mode == "rename":  # killed between the two renames of a save: only <name>.prev is left
+    real_replace = os.replace
+    def replace(src, dst):
+        if tick():
+            os.kill(os.getpid(), signal.SIGKILL)
+        real_replace(src, dst)
+    ckpt.os.replace = replace
+elif mode == "write":  # killed halfway through writing the temp file
+    real_save = torch.save
+    def save(obj, f):
+        if not tick():
+            return real_save(obj, f)
+        buffer = io.BytesIO()
+        real_save(obj, buffer)
+        f.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+        f.flush()
+        os.fsync(f.fileno())
+        os.kill(os.getpid(), signal.SIGKILL)
+    ckpt.torch.save = save
+resumable_run(directory, loss_fn=loss_fn)
+print("not killed")
+"""
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    return resumable_run(tmp_path_factory.mktemp("full"))
+
+
+@pytest.mark.parametrize(("mode", "at", "resumes_after"), [
+    ("step", 15, 4),  # 4 + 4 + 2 micro-batches per epoch: call 15 is the first of step 5 (epoch 1)
+    ("rename", 5, 2),  # save k >= 2 renames twice: call 5 is save 3's; falls back to save 2's .prev
+    ("write", 4, 3),  # save 4 cut short: save 3 (the end of epoch 0) stays the newest
+])
+def test_resume_after_sigkill_is_bit_identical(mode, at, resumes_after, uninterrupted, tmp_path):
+    full_result, full_model = uninterrupted
+    directory = tmp_path / "ckpt"
+    script = tmp_path / "child.py"
+    script.write_text(_CHILD.format(tests=str(TESTS_DIR)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    child = subprocess.run([sys.executable, str(script), mode, str(at), str(directory)], env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert child.returncode == -signal.SIGKILL, child.stdout + child.stderr
+    names = sorted(p.name for p in directory.iterdir())
+    if mode == "rename":
+        assert "checkpoint.pt" not in names and "checkpoint.pt.prev" in names
+    if mode == "write":
+        assert any(n.endswith(".tmp") for n in names) and "checkpoint.pt" in names
+
+    log = tmp_path / "resumed.jsonl"
+    if mode == "rename":
+        with pytest.warns(RuntimeWarning, match="loaded the previous one"):
+            result, model = resumable_run(directory, log_file=log)
+    else:
+        result, model = resumable_run(directory, log_file=log)
+    assert result.plan_source == "checkpoint"
+    assert [r["step"] for r in _records(log)][0] == resumes_after + 1  # it resumed, did not start afresh
+    assert result.optimizer_steps == full_result.optimizer_steps == 3 * RESUME_EPOCHS
+    assert result.samples_seen == full_result.samples_seen == RESUME_SAMPLES * RESUME_EPOCHS
+    assert result.losses == full_result.losses
+    assert result.lr == full_result.lr == pytest.approx(0.05 * math.sqrt(2))
+    for (name, a), b in zip(model.named_parameters(), full_model.parameters()):
+        assert torch.equal(a, b), name
+    assert not any(p.name.endswith(".tmp") for p in directory.iterdir())  # the next save cleaned up
+
+
+def test_resume_with_another_rng_state_differs(uninterrupted, tmp_path):
+    # negative control for the test above: dropout draws from the global RNG, so a resume that did
+    # not restore it (here: a checkpoint whose RNG state was replaced) is not bit-identical
+    _, full_model = uninterrupted
+    directory = tmp_path / "ckpt"
+    resumable_run(directory, max_steps=4)
+    saved = checkpoint.load_checkpoint(directory)
+    torch.manual_seed(999)
+    saved["rng"] = checkpoint.rng_to_plain(state.capture_rng())
+    checkpoint.save_checkpoint(directory, saved)
+    _, resumed = resumable_run(directory)
+    assert any(not torch.equal(a, b) for a, b in zip(resumed.parameters(), full_model.parameters()))
+
+
+def test_resume_of_a_finished_run_trains_no_more(uninterrupted, tmp_path):
+    full_result, full_model = uninterrupted
+    directory = tmp_path / "done"
+    resumable_run(directory)
+    result, model = resumable_run(directory)
+    assert result.optimizer_steps == full_result.optimizer_steps and result.losses == full_result.losses
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), full_model.parameters()))
+
+
+# -- LR rules ------------------------------------------------------------------------------------
+
+def _small(n: int = 128, seed: int = 0):
+    model = Mlp(p=0.0, seed=seed, dtype=torch.float64)
+    return model, mlp_data(n, dtype=torch.float64)
+
+
+@pytest.mark.parametrize(("rule", "expected"), [("linear", 0.02), ("sqrt", 0.01 * math.sqrt(2)), ("none", 0.01)])
+def test_lr_rules(rule, expected, tmp_path):
+    model, data = _small()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    log = tmp_path / "log.jsonl"
+    result = autoaccum.fit(model, data, 64, optimizer=opt, lr=0.01, base_batch=32, lr_rule=rule,
+                           plan=Plan.for_target(64, 16), progress=False, log_file=log)
+    assert result.lr == pytest.approx(expected, rel=1e-15)
+    assert opt.param_groups[0]["lr"] == pytest.approx(expected, rel=1e-15)
+    assert [r["lr"] for r in _records(log)] == pytest.approx([expected] * 2, rel=1e-15)
+
+
+def test_lr_rule_is_not_applied_at_the_base_batch():
+    model, data = _small()
+    result = autoaccum.fit(model, data, 64, lr=0.01, base_batch=64, lr_rule="linear",
+                           plan=Plan.for_target(64, 16), progress=False)
+    assert result.lr == 0.01
+
+
+def test_lr_rule_applies_on_a_first_run_with_resume(tmp_path):
+    # resume=True on an empty checkpoint_dir (a restartable job's first start) is a fresh run
+    model, data = _small()
+    result = autoaccum.fit(model, data, 64, lr=0.01, base_batch=32, lr_rule="linear", plan=Plan.for_target(64, 16),
+                           checkpoint_dir=tmp_path / "ckpt", resume=True, progress=False)
+    assert result.plan_source == "given" and result.lr == pytest.approx(0.02)
+
+
+def test_adam_sde_rule_scales_betas_and_eps():
+    model, data = _small()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.9, 0.99), eps=1e-8)
+    result = autoaccum.fit(model, data, 64, optimizer=opt, base_batch=32, lr_rule="adam_sde",
+                           plan=Plan.for_target(64, 16), progress=False)
+    group = opt.param_groups[0]
+    assert result.lr == group["lr"] == pytest.approx(0.01 * math.sqrt(2))
+    assert group["betas"] == pytest.approx((0.8, 0.98)) and group["eps"] == pytest.approx(1e-8 / math.sqrt(2))
+
+
+def test_warmup_values_per_step_and_the_lr_actually_used(tmp_path):
+    # SGD without momentum: each step moves the weights by exactly lr_k * grad, so a loop that
+    # uses the documented schedule lr * min(1, k / 4) (k = 1, 2, ...) gives the same weights
+    n, target, lr, warmup = 64 * 6, 64, 0.2, 4
+    model, (x, y) = _small(n)
+    ref = Mlp(p=0.0, seed=0, dtype=torch.float64)
+    log = tmp_path / "log.jsonl"
+    autoaccum.fit(model, (x, y), target, optimizer=torch.optim.SGD(model.parameters(), lr=lr),
+                  warmup_steps=warmup, plan=Plan.for_target(target, 16), progress=False, log_file=log)
+    expected = [lr * min(1.0, k / warmup) for k in range(1, 7)]
+    assert [r["lr"] for r in _records(log)] == pytest.approx(expected, rel=1e-15)
+    for k, idx in enumerate(global_batches(n, target, 0, 1)):
+        ref.zero_grad()
+        cross_entropy(ref, (x[idx], y[idx])).backward()
+        with torch.no_grad():
+            for p in ref.parameters():
+                p -= expected[k] * p.grad
+    assert max_abs_diff(model, ref) < 1e-12
+
+
+def test_warmup_lr_is_the_same_with_an_oom(tmp_path):
+    class Flaky(Mlp):
+        """Runs out of memory once, at the ``fail_at``-th forward (the first micro-batch of step 2)."""
+
+        def __init__(self, fail_at):
+            super().__init__(p=0.0, dtype=torch.float64)
+            self.fail_at, self.calls = fail_at, 0
+
+        def forward(self, x):
+            self.calls += 1
+            if self.calls == self.fail_at:
+                raise torch.OutOfMemoryError("injected")
+            return super().forward(x)
+
+    lrs = []
+    for fail_at in (None, 3):
+        log = tmp_path / f"{fail_at}.jsonl"
+        result = autoaccum.fit(Flaky(fail_at), mlp_data(64 * 4, dtype=torch.float64), 64, lr=0.1, warmup_steps=3,
+                               plan=Plan.for_target(64, 32), progress=False, log_file=log)
+        assert result.oom_events == (fail_at is not None)
+        lrs.append([r["lr"] for r in _records(log)])
+    assert lrs[0] == lrs[1] == pytest.approx([0.1 / 3, 0.2 / 3, 0.1, 0.1], rel=1e-15)
+
+
+# -- evaluation ----------------------------------------------------------------------------------
+
+class _Recorder(nn.Module):
+    """A linear model that records (training, rows) of every forward; in eval mode it runs out of
+    memory above ``eval_cap`` rows."""
+
+    def __init__(self, eval_cap: int | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(6, 3).double()
+        self.calls: list[tuple[bool, int]] = []
+        self.eval_cap = eval_cap
+
+    def forward(self, x):
+        self.calls.append((self.training, x.shape[0]))
+        if not self.training and self.eval_cap is not None and x.shape[0] > self.eval_cap:
+            raise torch.OutOfMemoryError(f"injected: {x.shape[0]} rows in eval")
+        return self.lin(x)
+
+
+def _eval_run(eval_cap=None, **kwargs):
+    model = _Recorder(eval_cap)
+    train, held_out = mlp_data(128, dtype=torch.float64), mlp_data(40, seed=9, dtype=torch.float64)
+    result = autoaccum.fit(model, train, 32, plan=Plan.for_target(32, 8), eval_data=held_out, eval_every=2,
+                           epochs=None, max_steps=5, progress=False, **kwargs)
+    with torch.no_grad():
+        expected = F.cross_entropy(model.lin(held_out[0]), held_out[1]).item()
+    return result, model, expected
+
+
+def test_eval_every_n_steps_and_at_the_end():
+    result, model, expected = _eval_run()
+    evals = [rows for training, rows in model.calls if not training]
+    # eval micro-batch 2 x 8; eval data 40 = a global batch of 32 (16 + 16) and one of 8
+    assert evals == [16, 16, 8] * 3  # after steps 2 and 4, and at the end (step 5)
+    assert {rows for training, rows in model.calls if training} == {8}
+    assert result.eval_loss == pytest.approx(expected, rel=1e-12)
+    assert result.eval_ooms == 0
+
+
+def test_eval_oom_shrinks_only_the_eval_batch():
+    result, model, expected = _eval_run(eval_cap=8)
+    evals = [rows for training, rows in model.calls if not training]
+    assert evals == [16] + [8, 8, 8, 8, 8] + [8, 8, 8, 8, 8] * 2  # halved once, then kept
+    assert result.eval_ooms == 1 and result.oom_events == 0
+    assert result.plan_changes == () and result.final_plan == result.plan == Plan.for_target(32, 8)
+    assert {rows for training, rows in model.calls if training} == {8}
+    assert result.eval_loss == pytest.approx(expected, rel=1e-12)
+
+
+# -- metrics file and quiet output -----------------------------------------------------------------
+
+def test_metrics_file(tmp_path):
+    model, data = _small(150)
+    log = tmp_path / "metrics.jsonl"
+    result = autoaccum.fit(model, data, 64, plan=Plan.for_target(64, 16), budget="64MiB", progress=False, log_file=log)
+    records = _records(log)
+    for record in records:
+        assert {"step", "loss", "lr", "samples", "micro_batch", "accum_steps", "peak_bytes",
+                "step_time_s"} <= set(record)
+        assert isinstance(record["peak_bytes"], int) and record["peak_bytes"] > 0 and record["step_time_s"] > 0
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["samples"] for r in records] == [64, 128, 150]
+    assert [(r["micro_batch"], r["accum_steps"]) for r in records] == [(16, 4)] * 3
+    assert [r["loss"] for r in records] == list(result.losses)
+    autoaccum.fit(model, data, 64, plan=Plan.for_target(64, 16), progress=False, log_file=log)
+    assert len(_records(log)) == 6  # appended, not overwritten
+
+
+@pytest.mark.parametrize("progress", [False, True])  # True: stderr is not a terminal under capsys
+def test_quiet_apart_from_logging(progress, capsys, caplog):
+    model, data = _small()
+    with caplog.at_level("INFO", logger="autoaccum"):
+        autoaccum.fit(model, data, 64, plan=Plan.for_target(64, 16), progress=progress)
+    assert capsys.readouterr() == ("", "")
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("target 64 = micro 16 x accum 4" in m and "plan from given" in m for m in messages)
+    assert any("autoaccum fit done" in m for m in messages)
+
+
+# -- data kinds ----------------------------------------------------------------------------------
+
+class _DictData(Dataset):
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"features": self.x[i], "label": int(self.y[i])}
+
+
+def test_map_style_dataset_of_dicts_equals_the_tuple_of_tensors():
+    (x, y), runs = mlp_data(150, dtype=torch.float64), []
+    for data, loss_fn in [((x, y), None),
+                          (_DictData(x, y), lambda m, b: F.cross_entropy(m(b["features"]), b["label"]))]:
+        model = Mlp(p=0.0, dtype=torch.float64)
+        result = autoaccum.fit(model, data, 64, loss_fn=loss_fn, plan=Plan.for_target(64, 16), epochs=2,
+                               seed=5, progress=False)
+        runs.append((result, model))
+    (r1, m1), (r2, m2) = runs
+    assert r1.losses == r2.losses and r2.samples_seen == 300
+    assert all(torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters()))
+
+
+def test_loader_of_global_batches_equals_a_sequential_loop():
+    x, y = mlp_data(150, dtype=torch.float64)
+    loader = DataLoader(TensorDataset(x, y), batch_size=64)  # 64, 64, 22: the last one is partial
+    model, ref = Mlp(p=0.0, dtype=torch.float64), Mlp(p=0.0, dtype=torch.float64)
+    result = autoaccum.fit(model, loader, 64, plan=Plan.for_target(64, 16), epochs=2, progress=False)
+    assert result.optimizer_steps == 6 and result.samples_seen == 300
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for _ in range(2):
+        for i in range(0, 150, 64):
+            opt.zero_grad()
+            cross_entropy(ref, (x[i:i + 64], y[i:i + 64])).backward()
+            opt.step()
+    assert max_abs_diff(model, ref) < 1e-12
+
+
+def test_generator_of_batches_loses_no_batch_to_the_probe():
+    x, y = mlp_data(64 * 3)
+    batches = [(x[i:i + 64], y[i:i + 64]) for i in range(0, 192, 64)]
+    result = autoaccum.fit(Mlp(p=0.0), iter(batches), 64, budget="64MiB", epochs=None, max_steps=10,
+                           progress=False)
+    assert result.plan_source == "probe"
+    assert result.optimizer_steps == 3 and result.samples_seen == 192  # then the generator ran out
+
+
+# -- bad input -----------------------------------------------------------------------------------
+
+class _Spy:
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, model, batch):
+        self.calls += 1
+        return cross_entropy(model, batch)
+
+
+def _fit_bad(data=None, target=64, **kwargs):
+    spy = _Spy()
+    model = kwargs.pop("model", None) or Mlp(p=0.0)
+    kwargs.setdefault("plan", Plan.for_target(target, 16))
+    kwargs.setdefault("progress", False)
+    try:
+        return autoaccum.fit(model, mlp_data(128) if data is None else data, target, loss_fn=spy, **kwargs)
+    finally:
+        assert spy.calls == 0  # refused before any work
+
+
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    (dict(data=(torch.zeros(0, 6), torch.zeros(0, dtype=torch.long))), ValueError, "empty"),
+    (dict(data=[]), ValueError, "empty"),
+    (dict(data=mlp_data(50)), ValueError, "50 samples, fewer than one global batch of 64"),
+    (dict(data=(torch.zeros(128, 6), torch.zeros(127, dtype=torch.long))), ValueError, "disagree in dim 0"),
+    (dict(lr_rule="cubic", base_batch=32), ValueError, "Invalid lr_rule: 'cubic'. Allowed values: linear, sqrt"),
+    (dict(base_batch=0), ValueError, "Invalid base_batch: 0. Allowed range: 1"),
+    (dict(base_batch=-32), ValueError, "Invalid base_batch: -32"),
+    (dict(base_batch=32.0), TypeError, "base_batch must be an int"),
+    (dict(epochs=None, max_steps=None), ValueError, "give epochs= .* or max_steps="),
+    (dict(epochs=0), ValueError, "Invalid epochs: 0"),
+    (dict(epochs=None, max_steps=0), ValueError, "Invalid max_steps: 0"),
+    (dict(epochs=1.5), TypeError, "epochs must be an int"),
+    (dict(max_steps="10"), TypeError, "max_steps must be an int"),
+    (dict(lr=-1.0), ValueError, "Invalid lr"),
+    (dict(warmup_steps=-1), ValueError, "Invalid warmup_steps"),
+    (dict(plan=Plan.for_target(32, 16)), ValueError, "plan is for target_batch 32, this run's is 64"),
+    (dict(precision="fp8"), ValueError, "Invalid precision"),
+    (dict(resume=True), ValueError, "resume=True needs checkpoint_dir"),
+    (dict(eval_data=(torch.zeros(10, 6), torch.zeros(9))), ValueError, "disagree in dim 0"),
+    (dict(eval_data=(torch.zeros(10, 6), torch.zeros(9)), plan=None, budget="64MiB"), ValueError, "disagree"),
+    (dict(optimizer="adam"), TypeError, "optimizer must be a torch.optim.Optimizer"),
+])
+def test_bad_input_is_refused_before_any_work(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        _fit_bad(**kwargs)
+
+
+def test_unwritable_checkpoint_dir(tmp_path):
+    regular = tmp_path / "file"
+    regular.write_text("not a directory")
+    with pytest.raises(ValueError, match="Invalid checkpoint_dir: .* cannot be written"):
+        _fit_bad(checkpoint_dir=regular / "ckpt")
+
+
+def test_checkpoint_of_another_model_shape(tmp_path):
+    directory = tmp_path / "ckpt"
+    autoaccum.fit(Mlp(p=0.0), mlp_data(128), 64, plan=Plan.for_target(64, 16), checkpoint_dir=directory,
+                  progress=False)
+    with pytest.raises(ValueError, match=r"other shapes \(first difference: 'net\.(0|3)\.(weight|bias)'"):
+        _fit_bad(model=Mlp(p=0.0, hidden=24), checkpoint_dir=directory, resume=True)
+
+
+def test_checkpoint_of_another_seed_or_target(tmp_path):
+    directory = tmp_path / "ckpt"
+    autoaccum.fit(Mlp(p=0.0), mlp_data(128), 64, plan=Plan.for_target(64, 16), checkpoint_dir=directory,
+                  progress=False, seed=1)
+    with pytest.raises(ValueError, match="seed 1.*seed 2"):  # another order would repeat and skip samples
+        _fit_bad(checkpoint_dir=directory, resume=True, seed=2)
+    with pytest.raises(ValueError, match="target_batch 64, this run asks for 32"):
+        _fit_bad(target=32, checkpoint_dir=directory, resume=True)
+
+
+@pytest.mark.parametrize("given_plan", [True, False])
+def test_nan_loss_stops_at_once(given_plan, tmp_path):
+    model = Mlp(p=0.0)
+    opt = torch.optim.AdamW(model.parameters())
+    log = tmp_path / "log.jsonl"
+
+    def nan_loss(m, batch):
+        return cross_entropy(m, batch) * float("nan")
+
+    started = time.perf_counter()
+    with pytest.raises(AutoAccumError, match="the loss is nan at optimizer step 1 .*stopping"):
+        autoaccum.fit(model, mlp_data(640), 64, loss_fn=nan_loss, optimizer=opt, epochs=None, max_steps=10_000,
+                      plan=Plan.for_target(64, 16) if given_plan else None, budget=None if given_plan else "64MiB",
+                      progress=False, log_file=log)
+    assert time.perf_counter() - started < 30
+    assert {int(s["step"]) for s in opt.state.values()} == {1}  # one optimizer step, no loop
+    assert not log.exists() or log.read_text() == ""
+
+
+def test_default_loss_needs_pairs():
+    with pytest.raises(TaskError, match=r"needs \(inputs, targets\) batches"):
+        autoaccum.fit(Mlp(p=0.0), (torch.zeros(64, 6),), 64, plan=Plan.for_target(64, 16), progress=False)
+
+
+def test_an_exhausted_iterable_ends_the_run_instead_of_looping():
+    def stopper(signum, frame):
+        raise TimeoutError("fit looped on an exhausted iterable")
+
+    previous = signal.signal(signal.SIGALRM, stopper)
+    signal.alarm(20)
+    try:
+        with pytest.raises(AutoAccumError, match="yielded no batch"):
+            autoaccum.fit(Mlp(p=0.0), iter([]), 64, plan=Plan.for_target(64, 16), epochs=None, max_steps=5,
+                          progress=False)
+        x, y = mlp_data(128)
+        result = autoaccum.fit(Mlp(p=0.0), iter([(x[:64], y[:64]), (x[64:], y[64:])]), 64,
+                               plan=Plan.for_target(64, 16), epochs=None, max_steps=5, progress=False)
+        assert result.optimizer_steps == 2
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
