@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -32,7 +33,12 @@ def _budget(text: str) -> int:
 
 def _headroom(text: str) -> float:
     try:
-        return check_headroom(float(text))
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"Invalid headroom: {text!r}. Allowed range: 0 <= headroom < 1 "
+                                         f"(a fraction of the budget kept free, e.g. 0.1)") from None
+    try:
+        return check_headroom(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -73,6 +79,10 @@ def resolve_task(spec: str | None, device: str | None) -> Task:
         raise ValueError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
     if spec is None:
         return demo_task(dev)
+    # The console script's sys.path[0] is its bin/ folder, not the working directory (which
+    # ``python -m autoaccum`` puts first): a task module next to the user must import either way.
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     task = load_task(spec)
     task.model.to(dev)
     make_batch = task.make_batch

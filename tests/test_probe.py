@@ -65,7 +65,7 @@ def test_when_everything_fits_the_search_goes_straight_to_the_largest_size():
     sizes = [c.micro_batch for c in report.candidates]
     assert sizes[0] == 1 and 1 < sizes[1] < 512 and sizes[2:] == [512], sizes
     assert report.probe_steps == 9 and report.probe_ooms == 0
-    assert report.plan == Plan(512, 1, 1, 512)
+    assert report.max_fitting_micro_batch == 512
     assert report.fit_note == "limit bracketed by measurement: 512 fits"
 
 

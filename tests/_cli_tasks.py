@@ -1,0 +1,29 @@
+"""Tasks for ``autoaccum probe --task _cli_tasks:NAME`` in the CLI tests (tests/ is on sys.path)."""
+
+import torch
+
+import autoaccum
+from _probe_models import mlp, mlp_batch, mlp_loss
+
+
+def tiny() -> autoaccum.Task:
+    return autoaccum.Task(model=mlp(), loss_fn=mlp_loss, make_batch=mlp_batch(), name="tiny mlp")
+
+
+def bad_loss() -> autoaccum.Task:
+    return autoaccum.Task(model=mlp(), loss_fn=lambda m, b: m(b[0]).pow(2), make_batch=mlp_batch())
+
+
+def wrong_batch() -> autoaccum.Task:
+    return autoaccum.Task(model=mlp(), loss_fn=mlp_loss, make_batch=lambda b: mlp_batch()(2 * b))
+
+
+def frozen() -> autoaccum.Task:
+    return autoaccum.Task(model=mlp().requires_grad_(False), loss_fn=mlp_loss, make_batch=mlp_batch())
+
+
+def not_a_task() -> int:
+    return 42
+
+
+CONSTANT = torch.zeros(1)  # a name that is not callable

@@ -1,0 +1,187 @@
+"""autoaccum probe: the command line (human table, --json, exit codes, --task, cache, plot)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from autoaccum.cli import EXIT_DOES_NOT_FIT, EXIT_OK, EXIT_USAGE, main
+
+TESTS = Path(__file__).parent
+TINY = ["probe", "--task", "_cli_tasks:tiny", "--budget", "400000", "--target-batch", "64"]
+
+
+def run(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_json_is_one_document_on_stdout(capsys):
+    code, out, _ = run(capsys, *TINY, "--json", "--no-cache", "-v")
+    assert code == EXIT_OK
+    doc = json.loads(out)  # nothing but the document on stdout
+    assert doc["version"] == 1 and doc["kind"] == "autoaccum.probe"
+    assert doc["device"] == "cpu" and doc["budget_bytes"] == 400_000 and doc["meter"] == "tracked"
+    assert doc["is_estimate"] is False and doc["source"] == "probe"
+    assert doc["candidates"] and {"micro_batch", "status", "peak_bytes", "step_time_s", "samples_per_s"} <= set(
+        doc["candidates"][0])
+    assert {"base_bytes", "per_sample_bytes", "opt_peak_bytes", "residual"} <= set(doc["model"])
+    plan = doc["plan"]
+    assert plan["target_batch"] == 64 and plan["world_size"] == 1
+    assert plan["micro_batch"] * plan["accum_steps"] >= 64
+    # (-v's logs on stderr are checked in a subprocess: pytest's own log handlers catch them here)
+
+
+def test_human_output_is_a_table_and_one_plan_line(capsys):
+    code, out, _ = run(capsys, *TINY, "--no-cache")
+    assert code == EXIT_OK
+    lines = out.splitlines()
+    assert lines[0] == "autoaccum probe · cpu (cpu) · measured with the tracked meter"
+    assert lines[1].startswith("budget 391 KiB (given), headroom 10% -> usable 352 KiB")
+    assert any(line.split() == ["micro", "status", "peak", "fwd/bwd", "opt", "step", "step", "s", "samples/s"]
+               for line in lines)
+    assert any(line.startswith("probe: ") and " training steps, " in line for line in lines)
+    last = lines[-1]
+    assert last.startswith("target 64 = micro ") and " x world 1 · " in last
+    assert " samples/s · peak " in last and last.endswith(" of 391 KiB")
+
+
+def test_estimate_says_so(capsys):
+    code, out, _ = run(capsys, *TINY, "--no-cache", "--estimate")
+    assert code == EXIT_OK
+    assert "ESTIMATE on fake cpu tensors" in out.splitlines()[0]
+    code, out, _ = run(capsys, *TINY, "--no-cache", "--estimate", "--json")
+    doc = json.loads(out)
+    assert doc["is_estimate"] is True and doc["meter"] == "fake"
+
+
+def test_the_default_is_the_demo(capsys):
+    code, out, _ = run(capsys, "probe", "--budget", "12MiB", "--target-batch", "16", "--no-cache", "--json")
+    assert code == EXIT_OK
+    doc = json.loads(out)
+    assert doc["plan"]["target_batch"] == 16 and doc["device"] == "cpu"
+    fitting = [c["micro_batch"] for c in doc["candidates"] if c["status"] == "ok"]
+    assert 1 < max(fitting) < 16  # 12 MiB is too small for 16 demo sequences at once
+
+
+def test_does_not_fit_exits_3_with_needed_and_available_bytes(capsys):
+    code, out, err = run(capsys, *TINY, "--no-cache", "--budget", "10KiB")
+    assert code == EXIT_DOES_NOT_FIT == 3
+    assert out == ""
+    assert "a micro-batch of 1 does not fit: needs at least " in err and "available 9 KiB" in err
+    code, out, err = run(capsys, *TINY, "--no-cache", "--budget", "10KiB", "--json")
+    assert code == EXIT_DOES_NOT_FIT
+    doc = json.loads(out)
+    assert doc["error"] == "does_not_fit" and doc["version"] == 1
+    assert doc["needed_bytes"] > doc["available_bytes"] == 9216
+    assert doc["suggestions"]
+
+
+@pytest.mark.parametrize("task, message", [
+    ("no_such_module_xyz:make", "cannot import module 'no_such_module_xyz'"),
+    ("_cli_tasks:missing", "module '_cli_tasks' has no callable 'missing'"),
+    ("_cli_tasks:CONSTANT", "module '_cli_tasks' has no callable 'CONSTANT'"),
+    ("_cli_tasks", "expected 'module:function'"),
+    (":tiny", "expected 'module:function'"),
+    ("_cli_tasks:not_a_task", "not_a_task() returned int, expected autoaccum.Task"),
+    ("_cli_tasks:bad_loss", "loss_fn must return a scalar tensor"),
+    ("_cli_tasks:wrong_batch", "make_batch(1) returned a batch of 2 samples"),
+    ("_cli_tasks:frozen", "no trainable parameters"),
+])
+def test_a_bad_task_exits_2_with_a_message(capsys, task, message):
+    code, out, err = run(capsys, "probe", "--task", task, "--no-cache", "--budget", "1MiB")
+    assert code == EXIT_USAGE == 2
+    assert out == ""
+    assert err.startswith("autoaccum: error: ") and message in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--budget", "eight"], "Invalid budget 'eight'"),
+    (["--budget", "0"], "must be at least 1 byte"),
+    (["--budget=-8GiB"], "Invalid budget '-8GiB'"),
+    (["--headroom", "1"], "Invalid headroom: 1.0. Allowed range: 0 <= headroom < 1"),
+    (["--headroom", "-0.5"], "Invalid headroom: -0.5"),
+    (["--headroom", "lots"], "Invalid headroom: 'lots'. Allowed range: 0 <= headroom < 1"),
+    (["--target-batch", "0"], "invalid value 0: allowed range 1 ~ any positive int"),
+    (["--target-batch", "2.5"], "invalid int value: '2.5'"),
+])
+def test_bad_options_exit_2_naming_the_value(capsys, args, message):
+    with pytest.raises(SystemExit) as info:
+        main(["probe", *args])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("budget", ["8 GiB", "8GB", "8589934592"])
+def test_budget_spellings(capsys, budget):
+    code, out, _ = run(capsys, "probe", "--task", "_cli_tasks:tiny", "--budget", budget, "--target-batch", "4",
+                       "--no-cache", "--json")
+    assert code == EXIT_OK
+    assert json.loads(out)["budget_bytes"] == {"8 GiB": 8 * 2**30, "8GB": 8 * 10**9, "8589934592": 8589934592}[budget]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_without_cuda_is_a_usage_error(capsys):
+    code, _, err = run(capsys, *TINY, "--no-cache", "--device", "cuda")
+    assert code == EXIT_USAGE and "CUDA is not available on this machine; use --device cpu" in err
+
+
+def test_cache_reused_unless_no_cache(capsys, tmp_path):
+    cache = ["--cache-dir", str(tmp_path)]
+    code, out, _ = run(capsys, *TINY, *cache, "--json")
+    first = json.loads(out)
+    assert code == EXIT_OK and first["source"] == "probe"
+    assert len(list(tmp_path.glob("probe-*.json"))) == 1
+    code, out, _ = run(capsys, *TINY, *cache, "--json")
+    second = json.loads(out)
+    assert second["source"] == "cache" and second["candidates"] == first["candidates"]
+    code, out, _ = run(capsys, *TINY, *cache)
+    assert "from cache" in out.splitlines()[1]
+    code, out, _ = run(capsys, *TINY, *cache, "--no-cache", "--json")
+    assert json.loads(out)["source"] == "probe"
+
+
+def test_plot_writes_a_png(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "probe.png"
+    code, _, err = run(capsys, *TINY, "--no-cache", "--plot", str(path))
+    assert code == EXIT_OK and f"plot written to {path}" in err
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _subprocess(args: list[str], cwd: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}  # never the user's ~/.cache
+    env.pop("PYTHONPATH", None)
+    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_python_m_autoaccum_keeps_stdout_for_json(tmp_path):
+    result = _subprocess([sys.executable, "-m", "autoaccum", *TINY, "--json", "-v"], TESTS, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["kind"] == "autoaccum.probe"
+    assert "probe micro-batch" in result.stderr
+
+
+def test_console_script_finds_a_task_module_in_the_working_directory(tmp_path):
+    script = Path(sys.executable).parent / "autoaccum"
+    if not script.exists():
+        pytest.skip("the autoaccum console script is not installed next to this python")
+    result = _subprocess([str(script), *TINY, "--json"], TESTS, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["plan"]["target_batch"] == 64
+    assert list(tmp_path.glob("autoaccum/probe-*.json"))  # cached under XDG_CACHE_HOME
+
+
+@pytest.mark.gpu
+def test_probe_on_cuda(tmp_path):
+    result = _subprocess([sys.executable, "-m", "autoaccum", "probe", "--device", "cuda", "--budget", "2GiB",
+                          "--json", "--no-cache"], TESTS, tmp_path)
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["device"].startswith("cuda") and doc["meter"] == "cuda" and not doc["is_estimate"]
+    assert doc["plan"]["target_batch"] == 256
