@@ -392,6 +392,7 @@ def probe(
             return cached
 
     started = time.perf_counter()
+    make_optimizer = task.make_optimizer
     run_model = task.model
     run_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
     snapshot = training_state.capture(task.model, run_optimizer)
@@ -405,6 +406,17 @@ def probe(
         run_model = _fake_copy(task.model, fake_mode)
         run_optimizer = None
         device = torch.device("cpu")
+        if isinstance(optimizer, torch.optim.Optimizer):
+            # the fake copy needs an optimizer of its own: the user's type and settings, not the default
+            opt_type, opt_defaults = type(optimizer), dict(optimizer.defaults)
+
+            def make_optimizer(params: Any) -> torch.optim.Optimizer:
+                try:
+                    return opt_type(params, **opt_defaults)
+                except TypeError as exc:
+                    raise TypeError(f"estimate=True builds a new {opt_type.__name__} for the fake model from its "
+                                    f"defaults and could not ({exc}); pass optimizer= a factory instead, e.g. "
+                                    f"lambda params: {opt_type.__name__}(params, ...)") from None
     meter: Any
     if device.type == "cuda" and not estimate:
         meter = CudaMeter(device)
@@ -414,7 +426,7 @@ def probe(
     try:
         with outer:
             if run_optimizer is None:
-                run_optimizer = task.make_optimizer([p for p in run_model.parameters() if p.requires_grad])
+                run_optimizer = make_optimizer([p for p in run_model.parameters() if p.requires_grad])
                 if not isinstance(run_optimizer, torch.optim.Optimizer):
                     raise TypeError(f"the optimizer factory returned {type(run_optimizer).__name__}, "
                                     f"not a torch.optim.Optimizer")

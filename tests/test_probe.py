@@ -321,6 +321,36 @@ def test_estimate_matches_the_measurement_and_touches_nothing():
         b for b, c in measured.items() if c.status == "ok"), rel=0.1)
 
 
+@pytest.mark.parametrize("make_optimizer", [lambda params: torch.optim.SGD(params, lr=0.1),
+                                            lambda params: torch.optim.Adam(params, amsgrad=True)])
+def test_estimate_uses_the_optimizer_instance_it_was_given(make_optimizer):
+    """A regression: an optimizer instance was estimated as the default AdamW (SGD keeps no state,
+    amsgrad keeps a third buffer)."""
+    model = mlp()
+    kwargs = {"model": model, "loss_fn": mlp_loss, "make_batch": mlp_batch(), "budget": 400_000,
+              "target_batch": TARGET, "optimizer": make_optimizer(model.parameters())}
+    estimate, measured = probe(**kwargs, estimate=True), probe(**kwargs)
+    assert estimate.max_fitting_micro_batch == measured.max_fitting_micro_batch
+    estimated = {c.micro_batch: c for c in estimate.candidates}
+    for c in measured.candidates:
+        if c.status != "oom" and c.micro_batch in estimated:
+            assert estimated[c.micro_batch].peak_bytes == pytest.approx(c.peak_bytes, rel=1e-3)
+
+
+def test_estimate_with_an_optimizer_it_cannot_rebuild_asks_for_a_factory():
+    class FixedSGD(torch.optim.SGD):
+        def __init__(self, params):
+            super().__init__(params, lr=0.1)
+
+    model = mlp()
+    with pytest.raises(TypeError, match=r"could not .*pass optimizer= a factory instead"):
+        probe(model=model, loss_fn=mlp_loss, make_batch=mlp_batch(), optimizer=FixedSGD(model.parameters()),
+              budget="1MiB", estimate=True)
+    report = probe(model=model, loss_fn=mlp_loss, make_batch=mlp_batch(), optimizer=FixedSGD, budget="1MiB",
+                   target_batch=8, estimate=True)
+    assert report.is_estimate
+
+
 def test_estimate_of_a_large_step_allocates_nothing():
     torch.manual_seed(0)
     model = TinyGPT()  # the demo model: about 1.25 MiB of activations per sample
