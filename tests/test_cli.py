@@ -15,6 +15,12 @@ TESTS = Path(__file__).parent
 TINY = ["probe", "--task", "_cli_tasks:tiny", "--budget", "400000", "--target-batch", "64"]
 
 
+@pytest.fixture(autouse=True)
+def _keep_sys_path(monkeypatch):
+    """resolve_task puts the working directory on sys.path; keep that out of the other tests."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+
+
 def run(capsys, *args: str) -> tuple[int, str, str]:
     code = main(list(args))
     out, err = capsys.readouterr()
