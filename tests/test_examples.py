@@ -43,7 +43,7 @@ def test_quickstart(runs):
 
 def test_existing_loop(runs):
     stdout, stderr = _ok(runs, "existing_loop")
-    assert "step 2: OOM in backward at micro 256 -> 128" in stdout
+    assert "step 2: OOM in " in stdout and "micro 256 -> 128" in stdout  # once AdamW's state exists
     assert "16 optimizer steps, 1 OOM(s) recovered" in stdout
     diff = float(stdout.rsplit("without OOMs: ", 1)[1].split()[0])
     assert diff < 1e-12  # the run that recovered from an OOM equals the one that never ran out
