@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import copy
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -23,6 +24,20 @@ def _tensors(batch: Batch) -> list[torch.Tensor]:
     return []
 
 
+def _like(batch: Mapping, items: Iterable[tuple[Any, Any]]) -> Mapping:
+    """A mapping of ``batch``'s type holding ``items``."""
+    if type(batch) is dict:
+        return dict(items)
+    items = list(items)
+    try:
+        return type(batch)(items)
+    except TypeError:  # e.g. defaultdict, whose first argument is its default factory
+        out = copy.copy(batch)
+        out.clear()
+        out.update(items)
+        return out
+
+
 def batch_size(batch: Batch) -> int:
     """The number of samples in ``batch``: the shared dim 0 of its tensors.
 
@@ -33,7 +48,7 @@ def batch_size(batch: Batch) -> int:
     if not sizes:
         raise ValueError(
             f"cannot tell the batch size of a {type(batch).__name__}: expected a tensor or a tuple/list/dict "
-            f"of tensors with the samples along dim 0 (pass split_fn= for other batch types)")
+            f"of tensors with the samples along dim 0 (pass split_fn= and size_fn= for other batch types)")
     if len(sizes) > 1:
         raise ValueError(f"the tensors of a batch disagree in dim 0: sizes {sorted(sizes)}; every tensor of a "
                          f"batch must hold one row per sample")
@@ -45,8 +60,7 @@ def move_to(batch: Batch, device: torch.device) -> Batch:
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=batch.is_pinned()) if batch.device != device else batch
     if isinstance(batch, Mapping):
-        return type(batch)((k, move_to(v, device)) for k, v in batch.items()) if type(batch) is not dict \
-            else {k: move_to(v, device) for k, v in batch.items()}
+        return _like(batch, ((k, move_to(v, device)) for k, v in batch.items()))
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
         return type(batch)(*(move_to(v, device) for v in batch))
     if isinstance(batch, (list, tuple)):
@@ -59,8 +73,7 @@ def _split(batch: Batch, sizes: Sequence[int]) -> list[Batch]:
         return list(torch.split(batch, list(sizes), dim=0)) if batch.dim() > 0 else [batch] * len(sizes)
     if isinstance(batch, Mapping):
         parts = {k: _split(v, sizes) for k, v in batch.items()}
-        return [type(batch)((k, parts[k][i]) for k in batch) if type(batch) is not dict
-                else {k: parts[k][i] for k in batch} for i in range(len(sizes))]
+        return [_like(batch, ((k, parts[k][i]) for k in batch)) for i in range(len(sizes))]
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
         parts = [_split(v, sizes) for v in batch]
         return [type(batch)(*(p[i] for p in parts)) for i in range(len(sizes))]

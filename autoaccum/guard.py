@@ -9,7 +9,8 @@ block, drops every reference to the failed attempt, clears the partial gradients
 scaler's per-step state, releases cached memory, restores the RNG state captured at the start of
 the step, halves the micro-batch (accumulation steps follow, the global batch does not change)
 and replays the same step on the same samples. The replayed step equals a run that had planned
-the smaller micro-batch (invariant 3).
+the smaller micro-batch (invariant 3). Buffers a forward updates (BatchNorm running statistics)
+are put back to their values at the start of the step before the replay.
 """
 
 from __future__ import annotations
@@ -95,6 +96,12 @@ def batchnorm_layers(model: torch.nn.Module) -> list[str]:
             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
 
 
+def _state_buffers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
+    """(module, name) of every persistent buffer: the buffers that are training state."""
+    return [(module, name) for module in model.modules() for name in module._buffers
+            if name not in module._non_persistent_buffers_set]
+
+
 def _reset_scaler_step(scaler: Any) -> None:
     """Forget a GradScaler's per-step record (unscaled or not, inf found or not) of a failed attempt."""
     if scaler is None:
@@ -127,8 +134,10 @@ class OOMGuard:
         autocast_dtype: run forward and loss under ``torch.autocast`` with this dtype.
         split_fn, size_fn: cut and count batches of types other than tensors/tuples/lists/dicts.
         sync: how ranks agree (default: one process). See ``autoaccum.distributed``.
-        grow_after: after this many steps without OOM, try doubling the micro-batch back toward
-            the initial one (off by default: growth can cost a failed attempt each time).
+        grow_after: after this many steps without OOM, grow the micro-batch back toward the initial
+            one: at most double it, never to a size that failed, and only where that saves micro-steps
+            (then the smallest micro-batch with that many steps). An OOM at a grown size goes back to
+            the last size that worked. Off by default: growth can cost a failed attempt each time.
         thrash_steps: on CUDA, shrink after this many consecutive steps with allocator retries.
         meter: a meter whose peak each step reports (the CUDA allocator is used on CUDA anyway).
     """
@@ -152,9 +161,18 @@ class OOMGuard:
         thrash_steps: int = 2,
         meter: TrackedMemory | None = None,
     ) -> None:
-        self.params = trainable_parameters(model)
+        model_params = trainable_parameters(model)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        # The step's gradient is that of every trainable parameter of the model and of every parameter
+        # the optimizer steps (e.g. a temperature owned by the loss): token-level normalisation,
+        # clipping and clearing cover them all. Model parameters outside the optimizer are cleared
+        # here too, or their gradients would carry into the next step (and into its clipping norm).
+        in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        self._outside_optimizer = [p for p in model_params if id(p) not in in_optimizer]
+        seen = {id(p) for p in model_params}
+        self.params = model_params + [p for group in optimizer.param_groups for p in group["params"]
+                                      if p.requires_grad and id(p) not in seen]
         self.sync: GradSync = sync if sync is not None else LocalSync()
         if plan is None:
             if target_batch is None or micro_batch is None:
@@ -181,7 +199,9 @@ class OOMGuard:
         self.device = self.params[0].device
         self.plan = plan
         self.initial_micro_batch = plan.micro_batch
-        self.ceiling: int | None = None  # smallest micro-batch that failed since the last success
+        self.ceiling: int | None = None  # smallest micro-batch that failed
+        self.floor: int | None = None  # micro-batch of the last step that succeeded
+        self._buffer_slots = _state_buffers(model)
         self.steps = 0  # optimizer steps taken
         self.ooms = 0  # OOMs recovered
         self.changes: list[PlanChange] = []
@@ -215,12 +235,15 @@ class OOMGuard:
                              f"is {expected}{hint}. The global batch is never changed silently.")
         started = time.perf_counter()
         self._reset_peak()
+        lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this step uses (the scheduler moves it after)
         rng = capture_rng()
+        buffers = self._capture_buffers()
         num_samples = int(self.sync.sum_items(torch.tensor(n, dtype=torch.int64)).item()) \
             if self.sync.world_size > 1 else n
         changes: list[PlanChange] = []
         attempts = 0
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
+        start_bytes = self._live_bytes()
         while True:
             attempts += 1
             status, where, payload = self._accumulate(batch, n, num_samples, loss_fn)
@@ -232,19 +255,24 @@ class OOMGuard:
                     raise payload  # the original exception, unchanged
                 raise AutoAccumError("another rank failed with an error during this step; see its log")
             payload = None  # OOM here or on another rank: replay smaller, from the same start
-            self._release()
+            self._release(start_bytes)
             restore_rng(rng)
+            self._restore_buffers(buffers)
             changes.append(self._shrink("oom", where or "another rank"))
         loss_sum, items, mode = payload
         payload = None
+        buffers = None
         loss, num_items, grad_norm, skipped = self._finish(loss_sum, items, mode, num_samples)
         self.steps += 1
-        changes.extend(self._adapt(attempts))
+        self.floor = self.plan.micro_batch
+        stats = self._cuda_stats()
+        peak_bytes = self._peak(stats)
+        changes.extend(self._adapt(attempts, stats))
         return StepResult(
             loss=loss, num_samples=num_samples, num_items=num_items, grad_norm=grad_norm, skipped=skipped,
             plan=self.plan, changes=tuple(changes), attempts=attempts,
-            step_time_s=time.perf_counter() - started, peak_bytes=self._peak(),
-            lr=float(self.optimizer.param_groups[0]["lr"]),
+            step_time_s=time.perf_counter() - started, peak_bytes=peak_bytes,
+            lr=lr,
         )
 
     def wrap(self, fn: Callable[[Batch], Any]) -> Callable[..., StepResult]:
@@ -267,7 +295,7 @@ class OOMGuard:
     def state_dict(self) -> dict[str, Any]:
         """The current plan and counters, so a resumed run does not rediscover its micro-batch."""
         return {"plan": self.plan.to_dict(), "initial_micro_batch": self.initial_micro_batch,
-                "ceiling": self.ceiling, "steps": self.steps, "ooms": self.ooms}
+                "ceiling": self.ceiling, "floor": self.floor, "steps": self.steps, "ooms": self.ooms}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         plan = Plan.from_dict(state["plan"])
@@ -277,6 +305,7 @@ class OOMGuard:
         self.plan = plan.with_world_size(self.sync.world_size)
         self.initial_micro_batch = int(state["initial_micro_batch"])
         self.ceiling = None if state["ceiling"] is None else int(state["ceiling"])
+        self.floor = None if state.get("floor") is None else int(state["floor"])
         self.steps, self.ooms = int(state["steps"]), int(state["ooms"])
         self._warn_batchnorm()
 
@@ -300,7 +329,9 @@ class OOMGuard:
         """
         sizes = self._micro_sizes(n)
         where = "forward/loss"
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        # summed in fp64 where the device has it (MPS has no float64)
+        loss_sum = torch.zeros((), dtype=torch.float32 if self.device.type == "mps" else torch.float64,
+                               device=self.device)
         items: torch.Tensor | int = 0
         mode: str | None = None
         try:
@@ -319,11 +350,11 @@ class OOMGuard:
                     if num_items is None:
                         # each .backward() adds to .grad: weight each mean by its share of the samples
                         weighted = loss * (size / num_samples)
-                        loss_sum += loss.detach().double() * size
+                        loss_sum.add_(loss.detach(), alpha=size)  # one kernel, summed in fp64
                     else:
                         # token-level: sum now, divide the whole step by its item count once (_finish)
                         weighted = loss
-                        loss_sum += loss.detach().double()
+                        loss_sum.add_(loss.detach())
                         items = items + num_items
                     where = "backward"
                     (self.scaler.scale(weighted) if self.scaler is not None else weighted).backward()
@@ -341,32 +372,38 @@ class OOMGuard:
         failed = False
         try:
             self.sync.reduce_gradients(self.params)
-            # One exchange for every scalar of the step: loss sum, item count, and which kind of loss
-            # each rank saw (a rank with an empty share of the last batch saw none).
-            local = torch.stack([loss_sum, torch.as_tensor(items, dtype=torch.float64, device=self.device).reshape(()),
-                                 loss_sum.new_tensor(float(mode == "mean")), loss_sum.new_tensor(float(mode == "sum"))])
-            loss_total, item_total, mean_ranks, sum_ranks = self.sync.sum_items(local).tolist()
+            loss_total: torch.Tensor | float
+            if self.sync.world_size == 1:
+                # One process: the kind of loss is known here, and no number on the device is needed
+                # before the optimizer step. Reading one would wait for the last backward to finish
+                # and stall the launch of the step behind it (the hand-written loop does not).
+                loss_total, item_total, mean_ranks, sum_ranks = loss_sum, items, mode == "mean", mode == "sum"
+            else:
+                # One exchange for every scalar of the step: loss sum, item count, and which kind of
+                # loss each rank saw (a rank with an empty share of the last batch saw none).
+                count = torch.as_tensor(items, dtype=loss_sum.dtype, device=self.device).reshape(())
+                local = torch.stack([loss_sum, count, loss_sum.new_tensor(float(mode == "mean")),
+                                     loss_sum.new_tensor(float(mode == "sum"))])
+                loss_total, item_total, mean_ranks, sum_ranks = self.sync.sum_items(local).tolist()
             if mean_ranks and sum_ranks:
                 raise TaskError("loss_fn returned mean losses on some ranks and (loss_sum, num_items) on others")
             num_items: int | None = None
+            divisor = num_samples
             if sum_ranks:
-                num_items = int(item_total)
+                num_items = divisor = int(item_total)  # a count on the device is read here (one sync)
                 if num_items == 0:
                     raise TaskError("the step's loss_fn reported 0 items over all micro-batches; nothing to average")
                 grads = [p.grad for p in self.params if p.grad is not None]
                 if grads:
                     # token-level: the summed gradient divided once by the step's item count
                     torch._foreach_div_(grads, float(num_items))
-                loss = loss_total / num_items
-            else:
-                loss = loss_total / num_samples
             if self.scaler is not None:
                 phase = "GradScaler.unscale_"
                 self.scaler.unscale_(self.optimizer)
-            grad_norm = None
+            norm: torch.Tensor | None = None
             if self.max_grad_norm is not None:
                 phase = "gradient clipping"
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
+                norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)  # read after the step
             phase = "optimizer.step()"
             skipped = False
             if self.scaler is not None:
@@ -381,7 +418,7 @@ class OOMGuard:
                 raise
             failed = True
         if failed:  # outside the except block: the traceback is gone
-            self._release()
+            self._release(None)
             partly = " Some parameters may already be updated and others not." if phase == "optimizer.step()" else ""
             raise OptimizerStepOOMError(
                 f"out of memory in {phase} at optimizer step {self.steps + 1}.{partly} This memory does not depend "
@@ -390,15 +427,45 @@ class OOMGuard:
                 f"the step's peak; fused=True on CUDA); or shard optimizer state (FSDP).")
         if not skipped and self.scheduler is not None:
             self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
+        loss = float(loss_total) / divisor  # the step's one wait for the device, after the step's launch
+        grad_norm = None if norm is None else float(norm)
         return loss, num_items, grad_norm, skipped
 
     # -- recovery and adaptation -------------------------------------------------------------------
-    def _release(self) -> None:
-        """Drop everything of a failed attempt: gradients, the scaler's step record, cached blocks."""
+    def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+        for p in self._outside_optimizer:
+            p.grad = None
+
+    def _capture_buffers(self) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
+        """Copies of the buffers a forward may update (BatchNorm running stats), taken at the step's start.
+
+        Only persistent buffers of modules in training mode: what a forward in training changes.
+        Non-persistent buffers (masks, rotary tables) are derived and not copied."""
+        return [(module, name, buffer.clone()) for module, name in self._buffer_slots if module.training
+                for buffer in (module._buffers.get(name),) if buffer is not None]
+
+    @staticmethod
+    def _restore_buffers(buffers: list[tuple[torch.nn.Module, str, torch.Tensor]]) -> None:
+        """Undo the failed attempt's forwards: a replay starts from the step's running statistics."""
+        with torch.no_grad():
+            for module, name, saved in buffers:
+                current = module._buffers.get(name)
+                if current is not None and current.shape == saved.shape and current.dtype == saved.dtype:
+                    current.copy_(saved)
+                else:
+                    module._buffers[name] = saved
+
+    def _release(self, start_bytes: int | None) -> None:
+        """Drop everything of a failed attempt: gradients, the scaler's step record, cached blocks."""
+        self._zero_grad()
         _reset_scaler_step(self.scaler)
-        gc.collect()  # frames of the failed attempt may sit in reference cycles
+        live = self._live_bytes()
+        if live is None or start_bytes is None or live > start_bytes:
+            # Frames of the failed attempt sit in reference cycles. A full collection takes from tens
+            # of milliseconds to seconds in a big process, so only when memory did not come back.
+            gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -408,7 +475,11 @@ class OOMGuard:
         if old.micro_batch == 1:
             raise self._does_not_fit()
         self.ceiling = old.micro_batch if self.ceiling is None else min(self.ceiling, old.micro_batch)
-        self.plan = self.sync_plan(old.halved())
+        new = old.halved()
+        if self.floor is not None and new.micro_batch < self.floor < old.micro_batch:
+            # a grown micro-batch failed: go back to the size that worked, not below it
+            new = Plan.for_target(old.target_batch, self.floor, old.world_size)
+        self.plan = self.sync_plan(new)
         return self._record(reason, where, old)
 
     def sync_plan(self, plan: Plan) -> Plan:
@@ -424,12 +495,13 @@ class OOMGuard:
         self._warn_batchnorm()
         return change
 
-    def _adapt(self, attempts: int) -> list[PlanChange]:
+    def _adapt(self, attempts: int, stats: dict[str, Any] | None) -> list[PlanChange]:
         """After a successful step: shrink on allocator thrashing, or grow after a calm stretch."""
         changes: list[PlanChange] = []
-        if self.device.type == "cuda":
-            retries = int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
-            rising = self._last_retries is not None and retries > self._last_retries
+        if stats is not None:
+            retries = int(stats.get("num_alloc_retries", 0))
+            # a step that replayed after an OOM retried by definition: that OOM was acted on already
+            rising = self._last_retries is not None and retries > self._last_retries and attempts == 1
             self._last_retries = retries
             self._thrash_streak = self._thrash_streak + 1 if rising else 0
             if self._thrash_streak >= self.thrash_steps and self.plan.micro_batch > 1:
@@ -438,14 +510,18 @@ class OOMGuard:
                 return changes
         self._ok_streak = self._ok_streak + 1 if attempts == 1 else 0
         if self.grow_after is not None and self._ok_streak >= self.grow_after:
-            limit = self.initial_micro_batch if self.ceiling is None else self.ceiling - 1
-            target = min(self.plan.micro_batch * 2, limit)
-            if target > self.plan.micro_batch:
-                old = self.plan
-                self.plan = self.sync_plan(Plan.for_target(old.target_batch, target, old.world_size))
+            self._ok_streak = 0
+            old = self.plan
+            # at most double, never to a size that failed, and only where it saves micro-steps:
+            # a bigger micro-batch with as many passes costs memory and gains nothing
+            limit = self.initial_micro_batch if self.ceiling is None else min(self.initial_micro_batch,
+                                                                              self.ceiling - 1)
+            bigger = Plan.for_target(old.target_batch, min(old.micro_batch * 2, limit), old.world_size)
+            if bigger.accum_steps < old.accum_steps:
+                # that many passes with the smallest micro-batch that makes them: the lowest peak
+                self.plan = self.sync_plan(Plan.balanced(old.target_batch, bigger.micro_batch, old.world_size))
                 if self.plan.micro_batch != old.micro_batch:
                     changes.append(self._record("grow", "", old))
-            self._ok_streak = 0
         return changes
 
     def _does_not_fit(self) -> DoesNotFitError:
@@ -482,9 +558,18 @@ class OOMGuard:
         elif self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
-    def _peak(self) -> int | None:
+    def _cuda_stats(self) -> dict[str, Any] | None:
+        # The nested form: torch.cuda.memory_stats() flattens it in Python, ~0.1 ms per call.
+        return torch.cuda.memory_stats_as_nested_dict(self.device) if self.device.type == "cuda" else None
+
+    def _live_bytes(self) -> int | None:
+        """Bytes allocated now (the meter's count, or the CUDA allocator's); None where unknown."""
+        if self.meter is not None:
+            return int(self.meter.current_bytes)
+        stats = self._cuda_stats()
+        return None if stats is None else int(stats["allocated_bytes"]["all"]["current"])
+
+    def _peak(self, stats: dict[str, Any] | None) -> int | None:
         if self.meter is not None:
             return int(self.meter.peak_bytes)
-        if self.device.type == "cuda":
-            return int(torch.cuda.max_memory_allocated(self.device))
-        return None
+        return None if stats is None else int(stats["allocated_bytes"]["all"]["peak"])

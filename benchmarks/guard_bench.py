@@ -1,0 +1,216 @@
+"""Guard benchmark (issue 3): what ``OOMGuard.step`` costs over a hand-written accumulation loop,
+and what one OOM recovery costs.
+
+1. Per-step overhead. The same model (TinyGPT), the same AdamW, the same micro-batch and the same
+   pre-made global batches, stepped by
+   - ``hand``: the loop everyone writes (zero_grad; per micro-batch: loss * share, backward;
+     step; zero_grad; the step's loss as a float), and
+   - ``guard``: ``guard.step(batch, token_loss)``.
+   The variants alternate in blocks (order flipped every repeat); each block times ``--steps``
+   steps after warm-up. Reported: the median per-step time of each variant and the median of the
+   per-repeat ratios guard / hand (the paired ratio, robust to drift of the machine).
+2. OOM recovery. An injected ``torch.OutOfMemoryError`` in the loss of the first micro-batch (no
+   work lost) or of the last one (almost a whole step lost); the guard releases, halves the
+   micro-batch and replays. Reported: the wall time of that step against a normal step at the
+   starting micro-batch and at the halved one, and the time spent releasing memory
+   (``gc.collect`` and, on CUDA, ``empty_cache``).
+
+Prints a table, then one JSON document. Not part of the test run.
+
+    python benchmarks/guard_bench.py [--device cpu|cuda] [--json-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+import autoaccum
+from autoaccum import OOMGuard, Plan
+from autoaccum.demo import TinyGPT, synthetic_tokens, token_loss
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def hand_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor, micro: int) -> float:
+    """The accumulation loop one writes by hand (nanoGPT's, with an exact share per micro-batch)."""
+    optimizer.zero_grad(set_to_none=True)
+    n = batch.shape[0]
+    loss_sum = torch.zeros((), device=batch.device)
+    for part in batch.split(micro):
+        loss = token_loss(model, part)
+        (loss * (part.shape[0] / n)).backward()  # each .backward() adds to .grad: weight by the share
+        loss_sum += loss.detach() * part.shape[0]
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(loss_sum.item()) / n
+
+
+def _time_block(step: Callable[[torch.Tensor], float], batches: list[torch.Tensor], device: torch.device) -> float:
+    """Seconds per step over the batches, synchronised at both ends."""
+    _sync(device)
+    started = time.perf_counter()
+    for batch in batches:
+        step(batch)
+    _sync(device)
+    return (time.perf_counter() - started) / len(batches)
+
+
+def overhead(args: argparse.Namespace, device: torch.device) -> dict:
+    torch.manual_seed(0)
+    base = TinyGPT(vocab_size=256, seq_len=args.seq_len, dim=args.dim, layers=args.layers, heads=args.heads).to(device)
+    hand_model, guard_model = base, copy.deepcopy(base)
+    hand_opt = torch.optim.AdamW(hand_model.parameters(), lr=1e-4)
+    guard_opt = torch.optim.AdamW(guard_model.parameters(), lr=1e-4)
+    guard = OOMGuard(guard_model, guard_opt, target_batch=args.target, micro_batch=args.micro)
+    batches = [synthetic_tokens(args.target, seq_len=args.seq_len, seed=i).to(device) for i in range(args.steps)]
+    variants: dict[str, Callable[[torch.Tensor], float]] = {
+        "hand": lambda b: hand_step(hand_model, hand_opt, b, args.micro),
+        "guard": lambda b: guard.step(b, token_loss).loss,
+    }
+    for step in variants.values():  # warm-up: lazy optimizer state, allocator, kernels
+        _time_block(step, batches[: args.warmup], device)
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for r in range(args.repeats):
+        order = list(variants) if r % 2 == 0 else list(reversed(variants))
+        for name in order:
+            times[name].append(_time_block(variants[name], batches, device))
+    ratios = [g / h for g, h in zip(times["guard"], times["hand"])]
+    hand_med, guard_med = statistics.median(times["hand"]), statistics.median(times["guard"])
+    return {
+        "hand_step_s": times["hand"], "guard_step_s": times["guard"],
+        "hand_median_s": hand_med, "guard_median_s": guard_med,
+        "ratio_of_medians": guard_med / hand_med, "paired_ratio_median": statistics.median(ratios),
+        "paired_ratios": ratios, "plan": guard.plan.describe(),
+    }
+
+
+def recovery(args: argparse.Namespace, device: torch.device) -> dict:
+    """Wall time of a step with one injected OOM, against normal steps at micro and micro / 2."""
+    torch.manual_seed(0)
+    model = TinyGPT(vocab_size=256, seq_len=args.seq_len, dim=args.dim, layers=args.layers, heads=args.heads).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batch = synthetic_tokens(args.target, seq_len=args.seq_len, seed=0).to(device)
+    accum = Plan.for_target(args.target, args.micro).accum_steps
+    release_s: list[float] = []
+
+    def guarded(micro: int) -> OOMGuard:
+        guard = OOMGuard(model, optimizer, target_batch=args.target, micro_batch=micro)
+        release = guard._release
+
+        def timed_release(*args: object) -> None:
+            _sync(device)
+            started = time.perf_counter()
+            release(*args)
+            _sync(device)
+            release_s.append(time.perf_counter() - started)
+
+        guard._release = timed_release  # type: ignore[method-assign]
+        return guard
+
+    def failing_loss(fail_at: int) -> Callable:
+        calls = [0]
+
+        def loss_fn(m: torch.nn.Module, part: torch.Tensor) -> torch.Tensor:
+            calls[0] += 1
+            loss = token_loss(m, part)
+            if calls[0] == fail_at:
+                raise torch.OutOfMemoryError("benchmark: injected OOM")
+            return loss
+        return loss_fn
+
+    def normal(micro: int) -> float:
+        guard = guarded(micro)
+        return _time_block(lambda b: guard.step(b, token_loss).loss, [batch], device)
+
+    for micro in (args.micro, args.micro // 2):  # warm-up
+        normal(micro)
+    cases = {"first micro-batch": 1, "last micro-batch": accum}
+    samples: dict[str, list[float]] = {"normal_micro_s": [], "normal_half_s": [],
+                                       **{f"oom_{name}_s": [] for name in cases}}
+    for _ in range(args.repeats):
+        samples["normal_micro_s"].append(normal(args.micro))
+        samples["normal_half_s"].append(normal(args.micro // 2))
+        for name, fail_at in cases.items():
+            guard = guarded(args.micro)
+            loss_fn = failing_loss(fail_at)
+            t = _time_block(lambda b: guard.step(b, loss_fn).loss, [batch], device)
+            assert guard.plan.micro_batch == args.micro // 2 and len(guard.changes) == 1
+            samples[f"oom_{name}_s"].append(t)
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    out: dict = {"samples": samples, "medians_s": med, "release_median_s": statistics.median(release_s),
+                 "release_s": release_s, "cases": {}}
+    for name in cases:
+        t = med[f"oom_{name}_s"]
+        out["cases"][name] = {"step_s": t, "x_normal_step": t / med["normal_micro_s"],
+                              "extra_over_half_step_s": t - med["normal_half_s"]}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--target", type=int, default=32, help="global batch")
+    parser.add_argument("--micro", type=int, default=8, help="micro-batch of both variants")
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=5, help="steps per timed block")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    parser.add_argument("--json-only", action="store_true")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    logging.getLogger("autoaccum.guard").setLevel(logging.ERROR)  # the injected OOMs are expected
+    device = torch.device(args.device)
+    ov = overhead(args, device)
+    rec = recovery(args, device)
+    result = {
+        "benchmark": "guard", "autoaccum": autoaccum.__version__, "torch": torch.__version__,
+        "python": platform.python_version(), "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "threads": torch.get_num_threads(),
+        "model": {"name": "TinyGPT", "dim": args.dim, "layers": args.layers, "heads": args.heads,
+                  "seq_len": args.seq_len},
+        "target_batch": args.target, "micro_batch": args.micro, "steps_per_block": args.steps,
+        "repeats": args.repeats, "overhead": ov, "recovery": rec,
+    }
+    if not args.json_only:
+        ms = 1e3
+        print(f"guard benchmark on {result['device_name']} ({device}, {result['threads']} threads), torch "
+              f"{torch.__version__}; TinyGPT dim {args.dim} x {args.layers} layers, seq {args.seq_len}; "
+              f"{ov['plan']}; AdamW; {args.repeats} repeats x {args.steps} steps")
+        print(f"{'':34}{'median ms/step':>16}{'min':>10}{'max':>10}")
+        for name, label in (("hand", "hand-written accumulation loop"), ("guard", "guard.step")):
+            t = ov[f"{name}_step_s"]
+            print(f"{label:34}{statistics.median(t) * ms:16.2f}{min(t) * ms:10.2f}{max(t) * ms:10.2f}")
+        print(f"{'guard / hand':34}{ov['ratio_of_medians']:16.4f}   paired median {ov['paired_ratio_median']:.4f}"
+              f" (range {min(ov['paired_ratios']):.4f} .. {max(ov['paired_ratios']):.4f})")
+        m = rec["medians_s"]
+        print(f"OOM recovery, micro {args.micro} -> {args.micro // 2}: normal step {m['normal_micro_s'] * ms:.2f} ms "
+              f"at micro {args.micro}, {m['normal_half_s'] * ms:.2f} ms at micro {args.micro // 2}; "
+              f"release {rec['release_median_s'] * ms:.2f} ms")
+        for name, case in rec["cases"].items():
+            print(f"  OOM in the loss of the {name:18}{case['step_s'] * ms:8.2f} ms = {case['x_normal_step']:.2f} x a "
+                  f"normal step; {case['extra_over_half_step_s'] * ms:+.2f} ms over a step at micro {args.micro // 2}")
+    print(json.dumps(result, indent=None if args.json_only else 1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,748 @@
+"""The OOM guard (autoaccum.guard): exact accumulation, step boundaries, and OOM replay.
+
+References are hand-written (tests/_guard_models.py): a full-batch step, or a plain accumulation
+loop that planned the smaller micro-batch. fp64 agrees to 1e-12, fp32 to rtol 1e-5. Every rule
+has a negative control: the wrong way of doing it, shown to differ from the reference.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import autoaccum.guard as guard_module
+from _guard_models import (
+    Net, RecordingSGD, TokenModel, data, full_step, manual_step, max_diff, mse, pair, params_of, phase_peaks, sizes_for,
+    token_batch, token_mean, token_sum,
+)
+from autoaccum import DoesNotFitError, OOMGuard, OptimizerStepOOMError, Plan, emulated_budget
+from autoaccum.errors import TaskError
+
+TOL = {torch.float64: {"rtol": 0.0, "atol": 1e-12}, torch.float32: {"rtol": 1e-5, "atol": 1e-6}}
+DTYPES = pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+WHERE = {"forward": "forward/loss", "loss": "forward/loss", "backward": "backward"}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: one intra-op thread is fastest, and keeps the run quick on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def assert_close(a, b, dtype=torch.float64):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, **TOL[dtype])
+
+
+def changes_of(guard):
+    return [(c.step, c.reason, c.where, c.old.micro_batch, c.new.micro_batch, c.new.accum_steps)
+            for c in guard.changes]
+
+
+# -- exact accumulation ---------------------------------------------------------------------------
+
+@DTYPES
+@pytest.mark.parametrize("micro", [64, 32, 16, 8, 1, 7], ids=lambda m: f"micro{m}")
+def test_accumulated_equals_full_batch(dtype, micro):
+    (model, opt), (ref, ref_opt) = pair(Net(dtype=dtype))
+    guard = OOMGuard(model, opt, target_batch=64, micro_batch=micro)
+    for s in range(3):
+        batch = data(64, dtype=dtype, seed=s)
+        full_loss, _ = full_step(ref, ref_opt, batch)
+        result = guard.step(batch, mse)
+        assert result.loss == pytest.approx(full_loss, rel=1e-12 if dtype == torch.float64 else 1e-5)
+        assert (result.num_samples, result.num_items, result.attempts, result.skipped) == (64, None, 1, False)
+    for got, want in zip(opt.grads, ref_opt.grads):
+        assert_close(got, want, dtype)
+    assert_close(params_of(model), params_of(ref), dtype)
+    assert model.trigger.sizes == sizes_for(64, micro) * 3  # the exact micro-batches run
+    assert guard.plan == Plan.for_target(64, micro) and guard.changes == [] and guard.steps == 3
+
+
+@pytest.mark.parametrize("weighting, micro", [("sum", 8), ("mean", 7)])
+def test_negative_control_unweighted_micro_losses_differ_from_full_batch(weighting, micro):
+    """The naive loop (sum of micro means), or a mean of means over an uneven split, is not the
+    full-batch gradient; the same loop with share weighting is."""
+    batch = data(64)
+    (model, opt), (ref, ref_opt) = pair(Net())
+    exact = copy.deepcopy(model)
+    exact_opt = RecordingSGD(exact.parameters(), lr=0.1, momentum=0.9)
+    manual_step(model, opt, batch, sizes_for(64, micro), weighting=weighting)
+    manual_step(exact, exact_opt, batch, sizes_for(64, micro), weighting="share")
+    full_step(ref, ref_opt, batch)
+    assert max_diff(opt.grads[0], ref_opt.grads[0]) > 1e-3
+    assert max_diff(exact_opt.grads[0], ref_opt.grads[0]) < 1e-12
+
+
+def _token_reference(model, opt, batch, loss=token_mean, **kw):
+    opt.zero_grad(set_to_none=True)
+    value = loss(model, batch, **kw)
+    value.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(value.detach())
+
+
+@pytest.mark.parametrize("counts", ["tensor", "int"])
+@pytest.mark.parametrize("micro", [32, 8, 5, 1])
+def test_token_level_loss_equals_the_full_batch_token_mean(micro, counts):
+    (model, opt), (ref, ref_opt) = pair(TokenModel())
+    guard = OOMGuard(model, opt, target_batch=32, micro_batch=micro)
+
+    def loss_fn(m, b):
+        loss, count = token_sum(m, b)
+        return loss, (count if counts == "tensor" else int(count))
+
+    for s in range(3):
+        batch = token_batch(seed=s)
+        want = _token_reference(ref, ref_opt, batch)
+        result = guard.step(batch, loss_fn)
+        assert result.loss == pytest.approx(want, rel=1e-12)
+        assert result.num_items == int((batch["labels"] != -100).sum())
+    for got, ref_grads in zip(opt.grads, ref_opt.grads):
+        assert_close(got, ref_grads)
+    assert_close(params_of(model), params_of(ref))
+
+
+def test_negative_control_mean_of_token_means_differs_from_token_mean():
+    (model, opt), (ref, ref_opt) = pair(TokenModel())
+    guard = OOMGuard(model, opt, target_batch=32, micro_batch=8)
+    batch = token_batch()
+    want = _token_reference(ref, ref_opt, batch)
+    result = guard.step(batch, token_mean)  # each micro-batch's own token mean, weighted by samples
+    assert abs(result.loss - want) > 1e-3
+    assert max_diff(opt.grads[0], ref_opt.grads[0]) > 1e-3
+
+
+def test_token_level_divides_optimizer_parameters_outside_the_model():
+    """A parameter the loss owns (a temperature) is stepped by the optimizer: its gradient is
+    normalised by the step's token count like the model's."""
+    model, ref = TokenModel(), TokenModel()
+    temp, ref_temp = (nn.Parameter(torch.tensor(0.7, dtype=torch.float64)) for _ in range(2))
+    opt = RecordingSGD([*model.parameters(), temp], lr=0.1)
+    ref_opt = RecordingSGD([*ref.parameters(), ref_temp], lr=0.1)
+    guard = OOMGuard(model, opt, target_batch=32, micro_batch=8)
+    for s in range(2):
+        batch = token_batch(seed=s)
+        _token_reference(ref, ref_opt, batch, scale=ref_temp)
+        guard.step(batch, lambda m, b: token_sum(m, b, scale=temp))
+    for got, want in zip(opt.grads, ref_opt.grads):
+        assert_close(got, want)
+    assert_close([temp.detach()], [ref_temp.detach()])
+
+
+def test_mixing_mean_and_token_sum_losses_in_one_step_is_a_task_error():
+    model = TokenModel()
+    guard = OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), target_batch=32, micro_batch=8)
+    calls = [0]
+
+    def loss_fn(m, b):
+        calls[0] += 1
+        return token_sum(m, b) if calls[0] == 2 else token_mean(m, b)
+
+    with pytest.raises(TaskError, match="same kind"):
+        guard.step(token_batch(), loss_fn)
+    assert calls[0] == 2 and guard.changes == []
+
+
+# -- step boundaries: clipping, scheduler, scaler ---------------------------------------------------
+
+@DTYPES
+def test_clipping_once_equals_full_batch_clipping(dtype):
+    max_norm = 0.05
+    (model, opt), (ref, ref_opt) = pair(Net(dtype=dtype))
+    guard = OOMGuard(model, opt, target_batch=64, micro_batch=8, max_grad_norm=max_norm)
+    for s in range(3):
+        batch = data(64, dtype=dtype, seed=s)
+        _, norm = full_step(ref, ref_opt, batch, max_grad_norm=max_norm)
+        assert norm > 4 * max_norm  # clipping is active
+        result = guard.step(batch, mse)
+        assert result.grad_norm == pytest.approx(norm, rel=1e-12 if dtype == torch.float64 else 1e-5)
+    for got, want in zip(opt.grads, ref_opt.grads):  # gradients as the optimizer saw them: clipped
+        assert_close(got, want, dtype)
+    assert_close(params_of(model), params_of(ref), dtype)
+
+
+def test_negative_control_clipping_each_micro_batch_differs():
+    (model, opt), (ref, ref_opt) = pair(Net())
+    batch = data(64)
+    manual_step(model, opt, batch, sizes_for(64, 8), max_grad_norm=0.05, clip_each=True)
+    full_step(ref, ref_opt, batch, max_grad_norm=0.05)
+    assert max_diff(opt.grads[0], ref_opt.grads[0]) > 1e-4
+
+
+def test_parameters_outside_the_optimizer_carry_no_gradient_into_the_next_step():
+    """fc1 trains no further (not in the optimizer) but still has requires_grad: its gradient
+    counts in the clipping norm of each step, and only that step's, replay included."""
+    (model, _), (ref, _) = pair(Net(p=0.0))
+    opt = RecordingSGD(model.fc2.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = RecordingSGD(ref.fc2.parameters(), lr=0.1, momentum=0.9)
+    guard = OOMGuard(model, opt, target_batch=64, micro_batch=16, max_grad_norm=0.05)
+    for s in range(3):
+        if s == 1:
+            model.trigger.arm("backward", at=3)  # partial gradients of the failed attempt
+        batch = data(64, seed=s)
+        _, norm = full_step(ref, ref_opt, batch, max_grad_norm=0.05)
+        assert guard.step(batch, mse).grad_norm == pytest.approx(norm, rel=1e-12)
+    assert_close(params_of(model), params_of(ref))
+
+
+def test_scheduler_steps_once_per_optimizer_step_never_per_micro_batch():
+    model = Net()
+    opt = RecordingSGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    calls = [0]
+    step = sched.step
+
+    def counting_step(*args, **kwargs):
+        calls[0] += 1
+        return step(*args, **kwargs)
+
+    sched.step = counting_step
+    guard = OOMGuard(model, opt, target_batch=64, micro_batch=8, scheduler=sched)
+    lrs = []
+    for s in range(3):
+        if s == 1:
+            model.trigger.arm("backward", at=5)  # a replay must not step the scheduler again
+        lrs.append(guard.step(data(64, seed=s), mse).lr)
+    assert (calls[0], sched.last_epoch, opt.calls) == (3, 3, 3)
+    assert lrs == [0.1, 0.05, 0.025]  # the learning rate each step used
+    assert opt.param_groups[0]["lr"] == 0.0125
+
+
+def _counting_unscale(scaler):
+    calls = [0]
+    unscale = scaler.unscale_
+
+    def counting(optimizer):
+        calls[0] += 1
+        return unscale(optimizer)
+
+    scaler.unscale_ = counting
+    return calls
+
+
+def test_grad_scaler_unscales_once_per_step_before_clipping():
+    dtype = torch.float32
+    (model, opt), (ref, ref_opt) = pair(Net(dtype=dtype))
+    scaler = torch.amp.GradScaler("cpu")
+    calls = _counting_unscale(scaler)
+    guard = OOMGuard(model, opt, target_batch=64, micro_batch=16, scaler=scaler, max_grad_norm=0.05)
+    for s in range(3):
+        if s == 1:
+            model.trigger.arm("backward", at=3)  # replayed with the scaler's state reset
+        batch = data(64, dtype=dtype, seed=s)
+        _, norm = full_step(ref, ref_opt, batch, max_grad_norm=0.05)
+        result = guard.step(batch, mse)
+        assert not result.skipped and result.grad_norm == pytest.approx(norm, rel=1e-5)
+    assert calls[0] == 3
+    assert scaler.get_scale() == 65536.0
+    assert_close(params_of(model), params_of(ref), dtype)
+
+
+def test_grad_scaler_skip_leaves_parameters_optimizer_and_scheduler_untouched():
+    model = Net(dtype=torch.float32)
+    opt = RecordingSGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    guard = OOMGuard(model, opt, target_batch=64, micro_batch=16, scaler=scaler, scheduler=sched, max_grad_norm=1.0)
+    factor = [1.0]
+
+    def loss_fn(m, b):
+        return mse(m, b) * factor[0]
+
+    first = guard.step(data(64, dtype=torch.float32, seed=0), loss_fn)
+    params, state = params_of(model), copy.deepcopy(opt.state_dict())
+    factor[0] = float("inf")  # inf/NaN gradients on this step only
+    skipped = guard.step(data(64, dtype=torch.float32, seed=1), loss_fn)
+    assert not first.skipped and skipped.skipped
+    assert all(torch.equal(a, b) for a, b in zip(params_of(model), params))
+    assert sched.last_epoch == 1 and opt.param_groups[0]["lr"] == 0.05
+    torch.testing.assert_close(opt.state_dict(), state, rtol=0, atol=0)
+    assert scaler.get_scale() == 2.0**9
+    factor[0] = 1.0
+    after = guard.step(data(64, dtype=torch.float32, seed=2), loss_fn)
+    assert not after.skipped and sched.last_epoch == 2 and max_diff(params_of(model), params) > 0
+
+
+# -- OOM replay -----------------------------------------------------------------------------------
+
+def _guarded_run(model, opt, arm=None, oom_step=2, steps=5, micro=16, dtype=torch.float64, **kwargs):
+    guard = OOMGuard(model, opt, target_batch=64, micro_batch=micro, **kwargs)
+    model.guard = guard
+    torch.manual_seed(7)
+    results = []
+    for s in range(steps):
+        if s == oom_step and arm is not None:
+            model.trigger.arm(*arm)
+        results.append(guard.step(data(64, dtype=dtype, seed=s), mse))
+    return guard, results
+
+
+def _reference_run(model, opt, micro_per_step, target=64, dtype=torch.float64):
+    torch.manual_seed(7)
+    for s, micro in enumerate(micro_per_step):
+        manual_step(model, opt, data(target, dtype=dtype, seed=s), sizes_for(target, micro))
+
+
+@pytest.mark.parametrize("at", [1, 3], ids=["first-micro", "third-micro"])
+@pytest.mark.parametrize("phase", ["forward", "loss", "backward"])
+def test_injected_oom_replays_the_step_as_if_planned_smaller(phase, at):
+    (model, opt), (ref, ref_opt) = pair(Net(p=0.2))
+    guard, results = _guarded_run(model, opt, arm=(phase, at))
+    _reference_run(ref, ref_opt, [16, 16, 8, 8, 8])
+    assert max_diff(params_of(model), params_of(ref)) < 1e-12
+    assert model.trigger.fired == [(phase, at)]
+    assert changes_of(guard) == [(3, "oom", WHERE[phase], 16, 8, 8)]
+    assert [r.attempts for r in results] == [1, 1, 2, 1, 1]
+    assert model.trigger.sizes == [16] * 8 + [16] * at + [8] * 24  # the failed attempt, then 8s
+    assert model.dead_at_replay == [True]  # no activation of the failed attempt outlived it
+    assert opt.calls == 5 and guard.ooms == 1
+
+
+def test_injected_oom_replay_fp32():
+    (model, opt), (ref, ref_opt) = pair(Net(p=0.2, dtype=torch.float32))
+    _guarded_run(model, opt, arm=("backward", 2), dtype=torch.float32)
+    _reference_run(ref, ref_opt, [16, 16, 8, 8, 8], dtype=torch.float32)
+    assert_close(params_of(model), params_of(ref), torch.float32)
+
+
+def test_negative_control_without_rng_restore_the_replay_differs(monkeypatch):
+    monkeypatch.setattr(guard_module, "restore_rng", lambda state: None)
+    (model, opt), (ref, ref_opt) = pair(Net(p=0.2))
+    _guarded_run(model, opt, arm=("backward", 3))
+    _reference_run(ref, ref_opt, [16, 16, 8, 8, 8])
+    assert max_diff(params_of(model), params_of(ref)) > 1e-6
+
+
+def test_negative_control_a_kept_traceback_keeps_the_failed_activations_alive(monkeypatch):
+    """The weakref check can fail: keep the exception (and its traceback) and it does."""
+    kept = []
+    is_oom = guard_module.is_oom
+
+    def keeping(exc):
+        kept.append(exc)
+        return is_oom(exc)
+
+    monkeypatch.setattr(guard_module, "is_oom", keeping)
+    model, _ = pair(Net(p=0.2))[0]
+    _guarded_run(model, torch.optim.SGD(model.parameters(), lr=0.1), arm=("forward", 2), steps=3)
+    assert model.dead_at_replay == [False]
+
+
+def test_plain_runtime_error_from_the_cpu_allocator_counts_as_oom():
+    model = Net()
+    guard = OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), target_batch=64, micro_batch=16)
+    calls = [0]
+
+    def loss_fn(m, b):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: "
+                               "you tried to allocate 4096 bytes.")
+        return mse(m, b)
+
+    result = guard.step(data(64), loss_fn)
+    assert result.attempts == 2 and changes_of(guard) == [(1, "oom", "forward/loss", 16, 8, 8)]
+
+
+@pytest.mark.parametrize("case", ["forward-first", "backward-first", "backward-later"])
+def test_emulated_budget_oom_replays_the_step_as_if_planned_smaller(case, monkeypatch):
+    """A byte budget that micro-batch 64 crosses (in a chosen phase) and 32 does not."""
+    target = 128 if case == "backward-later" else 64
+    (model, opt), (ref, ref_opt) = pair(Net(hidden=256, p=0.2))
+    guard = OOMGuard(model, opt, target_batch=target, micro_batch=64)
+    model.guard = guard
+    torch.manual_seed(7)
+    for s in range(2):
+        guard.step(data(target, seed=s), mse)
+    big = phase_peaks(model, opt, data(target, seed=2), target, 64)
+    small = max(phase_peaks(model, opt, data(target, seed=2), target, 32).values())
+    fwd1, bwd1 = big[("forward", 1)], big[("backward", 1)]
+    lo, hi = {"forward-first": (small, fwd1),
+              "backward-first": (max(small, fwd1), bwd1),
+              "backward-later": (max(small, fwd1, bwd1, big.get(("forward", 2), 0)), big.get(("backward", 2), 0))}[case]
+    assert lo < hi, f"no budget between {lo} and {hi} bytes for {case}: {big}"
+    collections = []
+    monkeypatch.setattr(guard_module.gc, "collect", lambda *a: collections.append(a))
+    with emulated_budget((lo + hi) // 2, model, opt) as mem:
+        guard.meter = mem  # the guard reads live bytes from the meter: memory came back, no gc needed
+        for s in range(2, 5):
+            result = guard.step(data(target, seed=s), mse)
+            assert result.peak_bytes is not None and (s == 2 or result.peak_bytes <= (lo + hi) // 2)
+    assert mem.oom_count == 1 and collections == []
+    _reference_run(ref, ref_opt, [64, 64, 32, 32, 32], target=target)
+    assert max_diff(params_of(model), params_of(ref)) < 1e-12
+    where = "forward/loss" if case == "forward-first" else "backward"
+    assert changes_of(guard) == [(3, "oom", where, 64, 32, target // 32)]
+    failed = {"forward-first": 0, "backward-first": 1, "backward-later": 2}[case]  # forwards that got through
+    assert model.trigger.sizes == [64] * (2 * target // 64 + failed) + [32] * (3 * target // 32)
+    assert model.dead_at_replay == [True]
+
+
+def test_replay_restores_batchnorm_running_stats():
+    """The failed attempt's forwards updated the running statistics: the replay starts from the
+    statistics the step started with, as a run that planned the smaller micro-batch would."""
+    (model, opt), (ref, ref_opt) = pair(Net(p=0.2, batchnorm=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the BatchNorm warning has its own test
+        _guarded_run(model, opt, arm=("backward", 3))
+    _reference_run(ref, ref_opt, [16, 16, 8, 8, 8])
+    assert max_diff(params_of(model), params_of(ref)) < 1e-12
+    assert_close(list(model.buffers()), list(ref.buffers()))
+    assert int(model.norm.num_batches_tracked) == 4 + 4 + 8 * 3
+
+
+# -- errors ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("error", [ValueError("label 7 is out of range for 3 classes"),
+                                   RuntimeError("CUDA error: an illegal memory access was encountered"),
+                                   KeyError("tokens")], ids=["ValueError", "illegal-access", "KeyError"])
+@pytest.mark.parametrize("at", [1, 3])
+def test_non_oom_error_propagates_unchanged_and_keeps_the_plan(error, at):
+    model = Net()
+    opt = RecordingSGD(model.parameters(), lr=0.1)
+    guard = OOMGuard(model, opt, target_batch=64, micro_batch=16)
+    guard.step(data(64, seed=0), mse)
+    before, message = params_of(model), str(error)
+    calls = [0]
+
+    def loss_fn(m, b):
+        calls[0] += 1
+        if calls[0] == at:
+            raise error
+        return mse(m, b)
+
+    with pytest.raises(type(error)) as info:
+        guard.step(data(64, seed=1), loss_fn)
+    assert info.value is error and str(info.value) == message and type(info.value) is type(error)
+    assert calls[0] == at  # not replayed
+    assert guard.plan == Plan.for_target(64, 16) and guard.changes == [] and guard.ooms == 0
+    assert guard.steps == 1 and opt.calls == 1
+    assert all(torch.equal(a, b) for a, b in zip(params_of(model), before))
+
+
+def test_micro_batch_1_oom_raises_does_not_fit_after_halving_down():
+    model = Net()
+    model.trigger.cap = 0  # nothing fits
+    guard = OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), target_batch=4, micro_batch=4)
+    with pytest.raises(DoesNotFitError, match="micro-batch of 1 does not fit") as info:
+        guard.step(data(4), mse)
+    assert model.trigger.sizes == [4, 2, 1]
+    assert changes_of(guard) == [(1, "oom", "forward/loss", 4, 2, 2), (1, "oom", "forward/loss", 2, 1, 4)]
+    assert info.value.suggestions and "What to do" in str(info.value)
+
+
+def test_micro_batch_1_oom_under_a_budget_reports_needed_and_available_bytes():
+    model = Net(hidden=256)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    mem = emulated_budget(param_bytes + 1024, model, opt)
+    guard = OOMGuard(model, opt, target_batch=4, micro_batch=4, meter=mem)
+    with mem, pytest.raises(DoesNotFitError) as info:
+        guard.step(data(4), mse)
+    assert info.value.available_bytes == param_bytes + 1024
+    assert info.value.needed_bytes > info.value.available_bytes and info.value.at_least
+    assert [(c.old.micro_batch, c.new.micro_batch) for c in guard.changes] == [(4, 2), (2, 1)]
+
+
+def test_oom_inside_optimizer_step_raises_and_does_not_replay():
+    model = Net()
+    opt = RecordingSGD(model.parameters(), lr=0.1)
+    guard = OOMGuard(model, opt, target_batch=64, micro_batch=16)
+    guard.step(data(64, seed=0), mse)
+    opt.fail_next = True
+    with pytest.raises(OptimizerStepOOMError, match=r"optimizer\.step\(\) at optimizer step 2.*not replayed"):
+        guard.step(data(64, seed=1), mse)
+    assert model.trigger.sizes == [16] * 8  # one attempt per step: no replay
+    assert guard.changes == [] and guard.plan == Plan.for_target(64, 16) and opt.calls == 2
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_oom_in_gradient_clipping_raises_before_the_optimizer_steps(monkeypatch):
+    model = Net()
+    opt = RecordingSGD(model.parameters(), lr=0.1)
+    guard = OOMGuard(model, opt, target_batch=64, micro_batch=16, max_grad_norm=1.0)
+    before = params_of(model)
+
+    def clip(*args, **kwargs):
+        raise torch.OutOfMemoryError("injected OOM in clip_grad_norm_")
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+    with pytest.raises(OptimizerStepOOMError, match="gradient clipping"):
+        guard.step(data(64), mse)
+    assert opt.calls == 0 and guard.changes == [] and model.trigger.sizes == [16] * 4
+    assert all(torch.equal(a, b) for a, b in zip(params_of(model), before))
+
+
+def test_after_an_oom_in_clipping_the_scaler_is_ready_for_the_next_step(monkeypatch):
+    """The OOM struck after unscale_: the scaler's record of that is dropped, so a caller who
+    goes on (parameters were not touched) gets a normal next step, not "unscale_() already called"."""
+    model = Net(dtype=torch.float32)
+    opt = RecordingSGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    calls = _counting_unscale(scaler)
+    guard = OOMGuard(model, opt, target_batch=64, micro_batch=16, scaler=scaler, max_grad_norm=1.0)
+    clip = torch.nn.utils.clip_grad_norm_
+
+    def failing(*args, **kwargs):
+        raise torch.OutOfMemoryError("injected OOM in clip_grad_norm_")
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", failing)
+    with pytest.raises(OptimizerStepOOMError, match="gradient clipping"):
+        guard.step(data(64, dtype=torch.float32), mse)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+    result = guard.step(data(64, dtype=torch.float32, seed=1), mse)
+    assert not result.skipped and opt.calls == 1 and calls[0] == 2
+
+
+# -- plan changes, logging, state -----------------------------------------------------------------
+
+def test_each_plan_change_is_logged_once_in_order(caplog):
+    caplog.set_level(logging.WARNING, logger="autoaccum.guard")
+    model = Net()
+    guard = OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), target_batch=64, micro_batch=64)
+    model.trigger.arm("forward", 1)
+    r0 = guard.step(data(64, seed=0), mse)
+    r1 = guard.step(data(64, seed=1), mse)
+    model.trigger.arm("backward", 2)
+    r2 = guard.step(data(64, seed=2), mse)
+    model.trigger.cap = 4  # two halvings within one step
+    r3 = guard.step(data(64, seed=3), mse)
+    messages = [r.getMessage() for r in caplog.records if r.name == "autoaccum.guard"]
+    assert messages == [
+        "OOM in forward/loss at micro 64 -> 32, accum 1 -> 2, global batch 64 unchanged",
+        "OOM in backward at micro 32 -> 16, accum 2 -> 4, global batch 64 unchanged",
+        "OOM in forward/loss at micro 16 -> 8, accum 4 -> 8, global batch 64 unchanged",
+        "OOM in forward/loss at micro 8 -> 4, accum 8 -> 16, global batch 64 unchanged",
+    ]
+    assert [len(r.changes) for r in (r0, r1, r2, r3)] == [1, 0, 1, 2]
+    assert [r.attempts for r in (r0, r1, r2, r3)] == [2, 1, 2, 3]
+    assert list(r0.changes + r2.changes + r3.changes) == guard.changes
+    assert [c.step for c in guard.changes] == [1, 3, 4, 4]
+    assert [r.plan.micro_batch for r in (r0, r1, r2, r3)] == [32, 32, 16, 4]
+
+
+def test_batch_of_the_wrong_size_is_a_value_error_before_any_work():
+    model = Net()
+    guard = OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), target_batch=64, micro_batch=16)
+    with pytest.raises(ValueError, match=r"batch holds 63 samples.* is 64 \(pass partial=True"):
+        guard.step(data(63), mse)
+    with pytest.raises(ValueError, match="batch holds 65 samples"):
+        guard.step(data(65), mse)
+    with pytest.raises(ValueError, match="batch holds 65 samples"):
+        guard.step(data(65), mse, partial=True)
+    with pytest.raises(ValueError, match="batch holds 0 samples"):
+        guard.step(data(0), mse, partial=True)
+    assert model.trigger.sizes == [] and guard.steps == 0
+
+
+@DTYPES
+def test_partial_last_batch_is_an_exact_step_on_its_samples(dtype):
+    (model, opt), (ref, ref_opt) = pair(Net(dtype=dtype))
+    guard = OOMGuard(model, opt, target_batch=64, micro_batch=16)
+    guard.step(data(64, dtype=dtype, seed=0), mse)
+    full_step(ref, ref_opt, data(64, dtype=dtype, seed=0))
+    result = guard.step(data(40, dtype=dtype, seed=1), mse, partial=True)
+    full_loss, _ = full_step(ref, ref_opt, data(40, dtype=dtype, seed=1))
+    assert result.num_samples == 40 and result.loss == pytest.approx(full_loss, rel=1e-5)
+    assert model.trigger.sizes == [16] * 4 + [16, 16, 8]
+    assert_close(opt.grads[1], ref_opt.grads[1], dtype)
+    assert_close(params_of(model), params_of(ref), dtype)
+    assert guard.plan == Plan.for_target(64, 16)
+
+
+def test_state_dict_carries_the_micro_batch_to_a_fresh_guard():
+    model = Net()
+    model.trigger.cap = 20
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    first = OOMGuard(model, opt, target_batch=64, micro_batch=64)
+    first.step(data(64), mse)
+    assert first.plan == Plan.for_target(64, 16)
+    state = copy.deepcopy(first.state_dict())
+    fresh = OOMGuard(model, opt, target_batch=64, micro_batch=64)
+    fresh.load_state_dict(state)
+    assert fresh.plan == first.plan and (fresh.steps, fresh.ooms) == (1, 2)
+    fired = len(model.trigger.fired)
+    assert fresh.step(data(64, seed=1), mse).attempts == 1
+    assert len(model.trigger.fired) == fired  # no rediscovery
+    other = OOMGuard(model, opt, target_batch=32, micro_batch=32)
+    with pytest.raises(ValueError, match="target_batch 64"):
+        other.load_state_dict(state)
+
+
+def test_batchnorm_with_accumulation_warns_once_naming_the_layers():
+    model = Net(batchnorm=True)
+    with pytest.warns(UserWarning, match=r"BatchNorm layers \(norm\).*SyncBatchNorm.*GroupNorm") as record:
+        guard = OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), target_batch=64, micro_batch=16)
+    assert len(record) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.trigger.arm("backward", 2)
+        guard.step(data(64), mse)  # a shrink does not warn again
+        guard.step(data(64, seed=1), mse)
+
+
+def test_no_batchnorm_warning_without_batchnorm_or_without_accumulation():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plain = Net()
+        OOMGuard(plain, torch.optim.SGD(plain.parameters(), lr=0.1), target_batch=64, micro_batch=16)
+        bn = Net(batchnorm=True)
+        guard = OOMGuard(bn, torch.optim.SGD(bn.parameters(), lr=0.1), target_batch=64, micro_batch=64)
+        guard.step(data(64), mse)
+    bn.trigger.arm("forward", 1)
+    with pytest.warns(UserWarning, match=r"BatchNorm layers \(norm\)"):
+        guard.step(data(64), mse)  # the OOM brought accumulation: now it matters
+
+
+def test_wrap_gives_the_same_result_as_step():
+    (model, opt), (ref, ref_opt) = pair(Net(p=0.2))
+    wrapped_guard = OOMGuard(model, opt, target_batch=64, micro_batch=16, max_grad_norm=0.5)
+    guard = OOMGuard(ref, ref_opt, target_batch=64, micro_batch=16, max_grad_norm=0.5)
+
+    @wrapped_guard.wrap
+    def train_step(batch):
+        """Forward and loss of one micro-batch."""
+        x, y = batch
+        return F.mse_loss(model(x), y)
+
+    results = []
+    for run, m in ((lambda b, **kw: train_step(b, **kw)), model), ((lambda b, **kw: guard.step(b, mse, **kw)), ref):
+        torch.manual_seed(3)
+        m.trigger.sizes = []
+        out = []
+        for s in range(3):
+            if s == 1:
+                m.trigger.arm("forward", 2)
+            out.append(run(data(64, seed=s)))
+        out.append(run(data(20, seed=9), partial=True))
+        results.append(out)
+    assert [r.loss for r in results[0]] == [r.loss for r in results[1]]
+    assert [r.changes for r in results[0]] == [r.changes for r in results[1]]
+    assert all(torch.equal(a, b) for a, b in zip(params_of(model), params_of(ref)))
+    assert train_step.__doc__ == "Forward and loss of one micro-batch."
+    assert train_step.__wrapped__.__name__ == "train_step"
+
+
+def test_grow_after_calm_steps_never_tries_a_size_that_failed():
+    """A device that holds 40 samples: 64 fails, and each growth is the smallest micro-batch that
+    saves a micro-step, below every size that failed, back down to the last size that worked on
+    an OOM. Throughout, every step is the exact full-batch step."""
+    (model, opt), (ref, ref_opt) = pair(Net())
+    model.trigger.cap = 40
+    guard = OOMGuard(model, opt, target_batch=256, micro_batch=64, grow_after=2)
+    micros = []
+    for s in range(14):
+        batch = data(256, seed=s)
+        full_step(ref, ref_opt, batch)
+        micros.append(guard.step(batch, mse).plan.micro_batch)
+    assert [(c.reason, c.old.micro_batch, c.new.micro_batch, c.new.accum_steps) for c in guard.changes] == [
+        ("oom", 64, 32, 8), ("grow", 32, 52, 5),
+        ("oom", 52, 32, 8), ("grow", 32, 43, 6),
+        ("oom", 43, 32, 8), ("grow", 32, 37, 7),
+    ]
+    assert [c.step for c in guard.changes] == [1, 4, 4, 7, 7, 10]
+    assert micros[-1] == 37 and guard.plan == Plan.for_target(256, 37)
+    assert [size for size in model.trigger.sizes if size > 40] == [64, 52, 43]  # each failure once
+    assert max_diff(params_of(model), params_of(ref)) < 1e-12
+
+
+def test_no_growth_by_default():
+    model = Net()
+    model.trigger.arm("forward", 1)
+    guard = OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), target_batch=64, micro_batch=64)
+    for s in range(6):
+        guard.step(data(64, seed=s), mse)
+    assert changes_of(guard) == [(1, "oom", "forward/loss", 64, 32, 2)]
+
+
+def test_invalid_arguments_name_the_value_and_the_range():
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"Invalid max_grad_norm: -1.*Allowed range"):
+        OOMGuard(model, opt, target_batch=64, micro_batch=8, max_grad_norm=-1)
+    with pytest.raises(TypeError, match="plan=, or target_batch= and micro_batch="):
+        OOMGuard(model, opt, target_batch=64)
+    with pytest.raises(ValueError, match="differs from plan.target_batch"):
+        OOMGuard(model, opt, target_batch=32, plan=Plan.for_target(64, 8))
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        OOMGuard(model, object(), target_batch=64, micro_batch=8)
+    with pytest.raises(ValueError, match="grow_after"):
+        OOMGuard(model, opt, target_batch=64, micro_batch=8, grow_after=0)
+
+
+def test_allocator_thrashing_on_consecutive_steps_shrinks_but_an_oom_step_does_not_count():
+    """CUDA's allocator retries (num_alloc_retries) are fed by hand: the statistics are CUDA-only."""
+    model = Net()
+    guard = OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), target_batch=64, micro_batch=32)
+
+    def after_step(retries, attempts=1):
+        return guard._adapt(attempts, {"num_alloc_retries": retries})
+
+    assert after_step(0) == [] and after_step(0) == []
+    assert after_step(1, attempts=2) == []  # the OOM's own retry: acted on by the replay
+    assert after_step(2) == []  # one step with retries is not thrashing yet
+    (change,) = after_step(3)  # the second in a row is
+    assert (change.reason, change.old.micro_batch, change.new.micro_batch) == ("thrash", 32, 16)
+    assert after_step(3) == [] and after_step(4) == []
+    with pytest.raises(TypeError):
+        OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), target_batch=64, micro_batch=32,
+                 thrash_steps=1.5)
+
+
+# -- on a real device -----------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_real_cuda_oom_replays_the_step_as_if_planned_smaller():
+    """The CUDA allocator itself raises (a per-process memory cap between the peaks of micro-batch
+    256 and 512); the run ends equal to one that planned 256 from that step on, dropout included."""
+    device = torch.device("cuda", torch.cuda.current_device())
+
+    def make():
+        model = Net(d_in=64, hidden=8192, p=0.2).to(device)
+        return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def batch(s):
+        return tuple(t.to(device) for t in data(1024, d_in=64, seed=s))
+
+    def peak(micro):
+        model, opt = make()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        for s in range(2):
+            OOMGuard(model, opt, target_batch=1024, micro_batch=micro).step(batch(s), mse)
+        return torch.cuda.max_memory_allocated()
+
+    big, small = peak(512), peak(256)
+    assert small < 0.8 * big
+    (model, opt), (ref, ref_opt) = make(), make()
+    guard = OOMGuard(model, opt, target_batch=1024, micro_batch=512)
+    model.guard = guard
+    torch.manual_seed(7)
+    for s in range(2):
+        guard.step(batch(s), mse)
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction((small + big) / 2 / total, device)
+    try:
+        for s in range(2, 6):
+            guard.step(batch(s), mse)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+    assert [c[:2] + c[3:] for c in changes_of(guard)] == [(3, "oom", 512, 256, 4)]  # and no thrash shrink
+    assert model.dead_at_replay == [True]
+    torch.manual_seed(7)
+    for s, micro in enumerate([512, 512, 256, 256, 256, 256]):
+        manual_step(ref, ref_opt, batch(s), sizes_for(1024, micro))
+    assert max_diff(params_of(model), params_of(ref)) < 1e-12
