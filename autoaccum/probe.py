@@ -38,6 +38,10 @@ logger = logging.getLogger(__name__)
 
 REPORT_VERSION = 1
 Status = Literal["ok", "over_budget", "oom"]
+#: the most the probe multiplies the largest fitting size by in one jump
+MAX_JUMP = 8
+#: how far towards a predicted limit more than 2x past the largest fitting size the probe jumps
+LONG_JUMP_FRACTION = 0.75
 #: throughputs within this fraction of the best count as a tie, and ties go to the larger size
 THROUGHPUT_TIE = 0.05
 
@@ -269,14 +273,19 @@ def _search(stepper: _Stepper, upper: int, budget_bytes: int, headroom: float,
             break
         if model is not None and model.is_good_fit and lo < predicted < hi:
             guess = predicted  # jump to the predicted limit, then verify it
+            if predicted > 2 * lo:  # a long extrapolation: land short of it rather than past the budget
+                guess = lo + int(LONG_JUMP_FRACTION * (predicted - lo))
         else:  # the points do not follow the model, or it predicts past a failure: bisection
             guess = (lo + hi) // 2
             if model is not None and not model.is_good_fit:
-                logger.warning("probe: memory does not follow the model (residual %.1f%% > 5%%); bisecting",
-                               100 * model.residual)
+                logger.info("probe: memory does not follow the model (residual %.1f%% > 5%%); bisecting",
+                            100 * model.residual)
         if guess in stepper.measured:
             guess = (lo + hi) // 2
-        stepper.measure(guess)
+        # Never extrapolate more than MAX_JUMP x past the largest size that fits: at small sizes the
+        # peak sits late in backward and grows slowly with b, so a line through them overshoots.
+        # Each capped jump lands in the steeper regime, and the next line goes through it.
+        stepper.measure(max(lo + 1, min(guess, lo * MAX_JUMP)))
     else:
         note = f"stopped after {max_candidates} candidates"
     return _fit(stepper.measured.values()), note
@@ -437,6 +446,8 @@ def probe(
                                    steps_per_size)
                 model_fit, note = _search(stepper, upper, budget_bytes, headroom, max_candidates)
     finally:
+        if isinstance(meter, TrackedMemory):
+            meter.close()
         if not estimate:
             training_state.restore(snapshot, task.model, optimizer if isinstance(optimizer, torch.optim.Optimizer)
                                    else None)

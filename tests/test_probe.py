@@ -21,7 +21,7 @@ HEADROOM = 0.1
 TARGET = 4096  # large enough that the target never caps the search
 
 SHAPES = {
-    "mlp": (mlp, mlp_batch(), mlp_loss, 500_000),  # the probe runs into two OOMs on the way here
+    "mlp": (mlp, mlp_batch(), mlp_loss, 500_000),
     "tinygpt": (tiny_gpt, gpt_batch(), gpt_loss, 3_000_000),
     "convnet": (convnet, image_batch, mlp_loss, 1_000_000),
 }
@@ -134,11 +134,11 @@ def _trained(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, optimizer
 
 
-def _probe_keeping(model, optimizer, budget, **kwargs) -> tuple[list[str], object]:
+def _probe_keeping(model, optimizer, budget, loss_fn=mlp_loss, **kwargs) -> tuple[list[str], object]:
     before = _state(model, optimizer)
     result: object
     try:
-        result = probe(model=model, loss_fn=mlp_loss, make_batch=stateful_batch, optimizer=optimizer,
+        result = probe(model=model, loss_fn=loss_fn, make_batch=stateful_batch, optimizer=optimizer,
                        target_batch=TARGET, budget=budget, **kwargs)
     except Exception as exc:  # noqa: BLE001 -- the test looks at which one
         result = type(exc)
@@ -154,7 +154,14 @@ def test_probe_leaves_no_trace():
 
 def test_probe_with_an_oom_leaves_no_trace():
     model, optimizer = _trained()
-    differences, report = _probe_keeping(model, optimizer, 300_000)
+
+    def loss_that_runs_out(model, batch):  # an OOM no memory model can foresee, after real work
+        loss = mlp_loss(model, batch)
+        if batch[0].shape[0] > 20:
+            raise torch.OutOfMemoryError("injected: out of memory above 20 samples")
+        return loss
+
+    differences, report = _probe_keeping(model, optimizer, 300_000, loss_fn=loss_that_runs_out)
     assert isinstance(report, ProbeReport) and report.probe_ooms >= 1
     assert differences == []
 

@@ -85,12 +85,14 @@ class TrackedMemory(TorchDispatchMode):
         #: bytes in use plus the allocation that crossed the budget, at the last emulated OOM
         self.last_oom_needed_bytes: int | None = None
         self._live: dict[int, int] = {}  # id(storage) -> bytes, while the storage is alive
+        self._finalizers: dict[int, weakref.finalize] = {}
         self._lock = threading.Lock()
 
     # -- counting ---------------------------------------------------------------------------
     def _free(self, key: int) -> None:
         with self._lock:
             self.current_bytes -= self._live.pop(key, 0)
+            self._finalizers.pop(key, None)
 
     def _add(self, storage: Any) -> int:
         """Count ``storage`` if it is new; returns the bytes added."""
@@ -102,7 +104,7 @@ class TrackedMemory(TorchDispatchMode):
             self._live[key] = nbytes
             self.current_bytes += nbytes
             self.peak_bytes = max(self.peak_bytes, self.current_bytes)
-        weakref.finalize(storage, self._free, key)
+        self._finalizers[key] = weakref.finalize(storage, self._free, key)
         return nbytes
 
     def track(self, *objs: Any) -> TrackedMemory:
@@ -121,6 +123,16 @@ class TrackedMemory(TorchDispatchMode):
 
     def alloc_retries(self) -> int:
         return 0  # an allocator-retry counter exists only on CUDA
+
+    def close(self) -> None:
+        """Stop counting frees: drop the finalizers left on storages that outlive this meter
+        (parameters, optimizer state), so that repeated meters do not pile them up. The last
+        readings stay."""
+        with self._lock:
+            finalizers, self._finalizers = list(self._finalizers.values()), {}
+            self._live.clear()
+        for f in finalizers:
+            f.detach()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         out = func(*args, **(kwargs or {}))
