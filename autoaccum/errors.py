@@ -20,16 +20,16 @@ class DoesNotFitError(AutoAccumError):
 
     Attributes:
         needed_bytes: the peak a one-sample step needed (measured, or a lower bound: ``at_least``).
-        available_bytes: the budget the step had to fit in.
+        available_bytes: the budget the step had to fit in (None where no meter could tell).
         suggestions: what the user can do about it.
     """
 
-    def __init__(self, needed_bytes: int | None, available_bytes: int, suggestions: Sequence[str] = (),
+    def __init__(self, needed_bytes: int | None, available_bytes: int | None, suggestions: Sequence[str] = (),
                  *, at_least: bool = False) -> None:
         from autoaccum.units import format_bytes
 
         self.needed_bytes = needed_bytes
-        self.available_bytes = int(available_bytes)
+        self.available_bytes = None if available_bytes is None else int(available_bytes)
         self.suggestions = tuple(suggestions) or (
             "use a smaller model or shorter sequences",
             "enable activation checkpointing or bf16 autocast",
@@ -41,7 +41,7 @@ class DoesNotFitError(AutoAccumError):
             ("at least " if at_least else "") + format_bytes(needed_bytes)
         lines = [
             f"a micro-batch of 1 does not fit: needs {needed}, "
-            f"available {format_bytes(self.available_bytes)}.",
+            f"available {'unknown (no memory meter)' if self.available_bytes is None else format_bytes(self.available_bytes)}.",
             "What to do:",
         ] + [f"  - {s}" for s in self.suggestions]
         super().__init__("\n".join(lines))

@@ -526,9 +526,9 @@ class OOMGuard:
 
     def _does_not_fit(self) -> DoesNotFitError:
         needed: int | None = None
-        available = 0
+        available: int | None = None
         if self.meter is not None:
-            needed, available = self.meter.last_oom_needed_bytes, self.meter.budget_bytes or 0
+            needed, available = self.meter.last_oom_needed_bytes, self.meter.budget_bytes
         elif self.device.type == "cuda":
             needed = int(torch.cuda.max_memory_allocated(self.device))
             available = int(torch.cuda.mem_get_info(self.device)[1])
