@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from autoaccum import checkpoint as ckpt
+from autoaccum import distributed
 from autoaccum.batch import Batch, batch_size, split_batch
 from autoaccum.data import GlobalBatches
 from autoaccum.errors import AutoAccumError, TaskError
@@ -119,8 +120,15 @@ def load_plan(plan: Plan | ProbeReport | dict | str | os.PathLike, target_batch:
 
 
 def _make_sync(model: torch.nn.Module) -> tuple[torch.nn.Module, GradSync]:
-    """The model to train (wrapped for data parallelism where needed) and how its ranks agree."""
-    return model, LocalSync()
+    """The model to train (wrapped for data parallelism where needed) and how its ranks agree.
+
+    Under torch.distributed with more than one rank: DDP unless the model is already DDP or FSDP2
+    (``fully_shard``), and a :class:`~autoaccum.distributed.DistributedSync` (every micro-batch under
+    no_sync, the OOM flag exchanged after them, gradients summed once per step)."""
+    if not distributed.is_distributed() or distributed.world_info().world_size == 1:
+        return model, LocalSync()
+    model = distributed.wrap_model(model)
+    return model, distributed.DistributedSync(model)
 
 
 def _check_args(target_batch: int, lr: float | None, base_batch: int | None, lr_rule: str, warmup_steps: int,
@@ -170,7 +178,8 @@ class _Reporter:
         self.log = open(log_file, "a") if log_file is not None and rank == 0 else None  # noqa: SIM115
 
     def say(self, message: str) -> None:
-        logger.info(message)
+        if self.rank == 0:
+            logger.info(message)
         if self.interactive:
             self.bar.write(message, file=sys.stderr)
 
@@ -323,6 +332,7 @@ def fit(
     if resume and checkpoint_dir is None:
         raise ValueError("resume=True needs checkpoint_dir= (where the checkpoint is)")
     ckpt_dir = None if checkpoint_dir is None else ckpt.check_writable(checkpoint_dir)
+    distributed.init_from_env()  # under torchrun without a process group: create it (and pick cuda:LOCAL_RANK)
     dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     trainable_parameters(model)
     model.to(dev)
@@ -386,12 +396,19 @@ def fit(
     elif plan is not None:
         start_plan, plan_source = load_plan(plan, target_batch, sync.world_size), "given"
     else:
+        if isinstance(sync, distributed.DistributedSync) and sync.kind == "fsdp2":
+            raise ValueError("fit cannot probe an FSDP2 (fully_shard) model: the probe's steps would run collectives "
+                             "whose number depends on each rank's measurements. Pass plan= (e.g. a probe report "
+                             "of one unsharded replica, or autoaccum.Plan.for_target(target_batch, micro_batch))")
         sample = batches.sample
-        task = Task(model=model, loss_fn=loss_fn, make_batch=sample, name="fit")
+        # the module itself, not a DDP wrapper: each rank measures on its own, with no collective
+        task = Task(model=inner, loss_fn=loss_fn, make_batch=sample, name="fit")
         report = probe(task, optimizer=optimizer, target_batch=target_batch, world_size=sync.world_size,
                        budget=budget_bytes, headroom=headroom, cache=probe_cache)
         probe_time = report.wall_time_s
         start_plan, plan_source = report.plan, report.source
+    if sync.world_size > 1:  # one plan for every rank: the smallest micro-batch any rank can run
+        start_plan = distributed.broadcast_plan(start_plan)
     meter = TrackedMemory(budget_bytes=budget_bytes) if budget_bytes is not None and dev.type != "cuda" else None
     guard = OOMGuard(model, optimizer, plan=start_plan, scheduler=scheduler, scaler=scaler,
                      max_grad_norm=max_grad_norm, autocast_dtype=autocast_dtype, sync=sync, meter=meter,
@@ -399,8 +416,7 @@ def fit(
 
     epoch, index, steps, samples, losses = 0, 0, 0, 0, []
     if state is not None:
-        inner.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        distributed.load_full_state_dicts(model, optimizer, state["model"], state["optimizer"])
         if scheduler is not None and state["scheduler"] is not None:
             scheduler.load_state_dict(state["scheduler"])
         if scaler is not None and state["scaler"] is not None:
@@ -413,10 +429,13 @@ def fit(
         run_lr = float(state["lr"])
 
     def save(position_epoch: int, position_index: int) -> None:
-        if ckpt_dir is None or sync.rank != 0:
+        if ckpt_dir is None:
+            return
+        model_state, optimizer_state = distributed.full_state_dicts(model, optimizer)  # FSDP2: every rank gathers
+        if sync.rank != 0:  # one writer
             return
         ckpt.save_checkpoint(ckpt_dir, {
-            "format": CHECKPOINT_FORMAT, "model": inner.state_dict(), "optimizer": optimizer.state_dict(),
+            "format": CHECKPOINT_FORMAT, "model": model_state, "optimizer": optimizer_state,
             "scheduler": None if scheduler is None else scheduler.state_dict(),
             "scaler": None if scaler is None else scaler.state_dict(), "guard": guard.state_dict(),
             "position": {"epoch": position_epoch, "index": position_index}, "seed": seed,

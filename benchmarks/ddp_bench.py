@@ -1,0 +1,151 @@
+"""Distributed benchmark (issue 5): what skipping gradient sync on the micro-batches saves.
+
+Two ranks (gloo, CPU), one model, ``accum`` micro-batches per optimizer step, three ways:
+
+- ``autoaccum``: ``OOMGuard`` + ``DistributedSync`` on a DDP model: every micro-batch under
+  ``no_sync``, the OOM flag exchanged after them, gradients all-reduced once per step (in flat
+  buckets), plus the guard's small exchanges (sample count, flag, presence, loss/items);
+- ``ddp_sync_every_micro``: plain DDP, no ``no_sync``: DDP all-reduces every micro-batch's
+  gradients in its backward (``accum`` gradient all-reduces per step);
+- ``ddp_no_sync_last``: the usual hand-written loop, ``no_sync`` on all but the last micro-batch,
+  DDP's reducer syncing in the last backward (1 gradient all-reduce per step, overlapped with
+  that backward, and the hazard the guard avoids: an OOM there cannot be agreed on safely).
+
+Each rank runs with one intra-op thread. Prints a table, then one JSON document. Not part of the
+test run.
+
+    python benchmarks/ddp_bench.py [--accum 8] [--micro 8] [--steps 20] [--hidden 1024] [--json-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import multiprocessing
+import os
+import platform
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+MODES = ("autoaccum", "ddp_sync_every_micro", "ddp_no_sync_last")
+
+
+def _model(hidden: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, hidden),
+                               torch.nn.GELU(), torch.nn.Linear(hidden, 10))
+
+
+def _run_mode(mode: str, rank: int, args: argparse.Namespace) -> dict[str, Any]:
+    import autoaccum
+    from autoaccum.distributed import DistributedSync
+
+    model = torch.nn.parallel.DistributedDataParallel(_model(args.hidden))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    share = args.micro * args.accum
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(share, 64, generator=g), torch.randint(0, 10, (share,), generator=g)
+    guard = None
+    if mode == "autoaccum":
+        guard = autoaccum.OOMGuard(model, opt, target_batch=share * 2, micro_batch=args.micro,
+                                   sync=DistributedSync(model))
+
+    def loss_fn(m: torch.nn.Module, batch: Any) -> torch.Tensor:
+        return F.cross_entropy(m(batch[0]), batch[1])
+
+    def step() -> None:
+        if guard is not None:
+            guard.step((x, y), loss_fn)
+            return
+        opt.zero_grad(set_to_none=True)
+        for i in range(args.accum):
+            part = slice(i * args.micro, (i + 1) * args.micro)
+            last = i == args.accum - 1
+            quiet = model.no_sync() if mode == "ddp_no_sync_last" and not last else contextlib.nullcontext()
+            with quiet:
+                # DDP averages over ranks: weight by the rank's share, as the guard does by the global one
+                (loss_fn(model, (x[part], y[part])) / args.accum).backward()
+        opt.step()
+
+    for _ in range(args.warmup):
+        step()
+    dist.barrier()
+    started = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    dist.barrier()
+    seconds = time.perf_counter() - started
+    return {"mode": mode, "steps_per_s": args.steps / seconds, "step_time_s": seconds / args.steps}
+
+
+def _worker(rank: int, port: int, out: str, args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=120))
+    rows = []
+    for _ in range(args.repeats):  # interleaved, so that a slow moment of the machine hits every mode
+        for mode in MODES:
+            rows.append(_run_mode(mode, rank, args))
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--accum", type=int, default=8, help="micro-batches per optimizer step")
+    parser.add_argument("--micro", type=int, default=8, help="samples per micro-batch per rank")
+    parser.add_argument("--hidden", type=int, default=1024, help="MLP width (gradient size ~ hidden^2 floats)")
+    parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per mode and repeat")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds over the modes; the best is reported")
+    parser.add_argument("--json-only", action="store_true")
+    args = parser.parse_args()
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = Path(tempfile.mkdtemp()) / "rows.json"
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(rank, port, str(out), args)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(900)
+    if any(p.exitcode != 0 for p in procs):
+        sys.exit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
+    rows = json.loads(out.read_text())
+    best = {mode: max(r["steps_per_s"] for r in rows if r["mode"] == mode) for mode in MODES}
+    params = sum(p.numel() for p in _model(args.hidden).parameters())
+    grad_allreduces = {"autoaccum": 1, "ddp_sync_every_micro": args.accum, "ddp_no_sync_last": 1}
+    report = {
+        "benchmark": "ddp_bench", "backend": "gloo", "device": "cpu", "world_size": 2,
+        "accum_steps": args.accum, "micro_batch": args.micro, "params": params,
+        "grad_bytes": params * 4, "steps": args.steps, "repeats": args.repeats,
+        "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
+        "results": [{"mode": m, "steps_per_s": best[m], "grad_allreduces_per_step": grad_allreduces[m],
+                     "vs_sync_every_micro": best[m] / best["ddp_sync_every_micro"]} for m in MODES],
+    }
+    if not args.json_only:
+        print(f"2 ranks (gloo, CPU), {params:,} parameters ({params * 4 / 2**20:.1f} MiB of fp32 gradients), "
+              f"{args.accum} micro-batches of {args.micro} per rank per step; best of {args.repeats}")
+        print(f"{'mode':<24}{'steps/s':>10}{'grad all-reduces/step':>24}{'vs sync every micro':>22}")
+        for r in report["results"]:
+            print(f"{r['mode']:<24}{r['steps_per_s']:>10.2f}{r['grad_allreduces_per_step']:>24}"
+                  f"{r['vs_sync_every_micro']:>21.2f}x")
+        print()
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
