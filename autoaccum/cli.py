@@ -160,6 +160,31 @@ def _cmd_probe(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_search(args: argparse.Namespace) -> int:
+    from autoaccum.search import SearchError, format_search, require_optuna, search
+
+    require_optuna()  # before the probe: a missing extra should not cost a probe first
+    if not args.verbose:
+        logging.getLogger("optuna").setLevel(logging.WARNING)  # one INFO line per trial otherwise
+    task = resolve_task(args.task, args.device)
+    try:
+        report = probe(task, target_batch=args.target_batch, world_size=args.world_size, budget=args.budget,
+                       headroom=args.headroom, max_micro_batch=args.max_micro_batch, cache=not args.no_cache,
+                       cache_dir=args.cache_dir)
+        result = search(task, args.target_batch, world_size=args.world_size, report=report, n_trials=args.n_trials,
+                        timeout_s=args.timeout, storage=args.storage, study_name=args.study_name,
+                        patience=args.patience, seed=args.seed)
+    except (DoesNotFitError, SearchError) as exc:
+        if args.json:
+            print(json.dumps({"kind": "autoaccum.search", "version": 1, "error": "does_not_fit", "message": str(exc)}))
+        print(f"autoaccum: {exc}", file=sys.stderr)
+        return EXIT_DOES_NOT_FIT
+    print(json.dumps(result.to_dict(), indent=1) if args.json else format_search(result))
+    if args.out:
+        print(f"plan written to {result.save(args.out)}", file=sys.stderr)
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autoaccum", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -171,6 +196,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cache", action="store_true", help="measure even if a cached result exists")
     p.add_argument("--cache-dir", default=None, help="where probe results are cached (~/.cache/autoaccum)")
     p.set_defaults(handler=_cmd_probe)
+    s = sub.add_parser("search", help="measure micro-batches and knobs with Optuna: the fastest that fits "
+                                      "(search extra)")
+    add_task_arguments(s)
+    s.add_argument("--max-micro-batch", type=_positive_int, default=None, help="largest size the probe tries")
+    s.add_argument("--no-cache", action="store_true", help="probe even if a cached result exists")
+    s.add_argument("--cache-dir", default=None, help="where probe results are cached (~/.cache/autoaccum)")
+    s.add_argument("--n-trials", type=_positive_int, default=20, help="most trials to run (default 20)")
+    s.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="stop starting trials after this")
+    s.add_argument("--storage", default=None, metavar="URL",
+                   help="Optuna storage, e.g. sqlite:///autoaccum.db (resumes the study)")
+    s.add_argument("--study-name", default=None, help="study to create or resume (default: from task and device)")
+    s.add_argument("--patience", type=_positive_int, default=8, help="stop after this many trials without gain (8)")
+    s.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
+    s.add_argument("--out", metavar="PLAN.json", default=None, help="write the winner as a plan file")
+    s.set_defaults(handler=_cmd_search)
     return parser
 
 
