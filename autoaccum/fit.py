@@ -16,7 +16,6 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -28,7 +27,7 @@ from autoaccum import checkpoint as ckpt
 from autoaccum import distributed
 from autoaccum.batch import Batch, batch_size, split_batch
 from autoaccum.data import GlobalBatches
-from autoaccum.errors import AutoAccumError, TaskError
+from autoaccum.errors import AutoAccumError, DoesNotFitError, TaskError
 from autoaccum.guard import OOMGuard, PlanChange
 from autoaccum.lr import LR_RULES, scale_adam_hparams, scale_lr, warmup_lambda
 from autoaccum.memory import TrackedMemory
@@ -233,11 +232,16 @@ def _evaluate(model: torch.nn.Module, batches: GlobalBatches, loss_fn: LossFn, m
                                 part_total += torch.tensor([float(out) * size, size, 0.0], dtype=torch.float64)
                     done = True
                 except Exception as exc:
-                    if not is_oom(exc) or micro == 1:
+                    if not is_oom(exc):
                         raise
                     failed = True
                 if failed:  # outside the except block: the failed pass's tensors are free now
                     ooms += 1
+                    if micro == 1:
+                        raise DoesNotFitError(None, None, suggestions=(
+                            "evaluate on shorter sequences or a smaller model",
+                            "evaluate under bf16 autocast (precision='bf16')",
+                            "pass eval_data=None and evaluate separately on a larger device"))
                     old, micro = micro, micro // 2
                     logger.warning("OOM in evaluation: eval micro-batch %d -> %d (training plan unchanged)", old, micro)
                     if device.type == "cuda":
@@ -457,6 +461,7 @@ def fit(
     eval_micro = 2 * start_plan.micro_batch  # no activations are kept for backward: usually fits twice as many
     eval_loss: float | None = None
     eval_ooms = 0
+    evaluated_at: int | None = None
     first_samples = samples
     peak: int | None = None
     skipped_streak = 0
@@ -498,6 +503,7 @@ def fit(
                     eval_loss, eval_micro, n = _evaluate(model, eval_batches, loss_fn, eval_micro, sync, dev,
                                                          autocast_dtype)
                     eval_ooms += n
+                    evaluated_at = steps
                     reporter.say(f"step {steps}: eval loss {eval_loss:.4g}")
                 if checkpoint_every is not None and steps % checkpoint_every == 0:
                     save(epoch, index)
@@ -510,7 +516,7 @@ def fit(
                         logger.warning("the data yielded no batch in epoch %d; stopping after %d steps", epoch, steps)
                     break
                 epoch, index = epoch + 1, 0
-        if eval_batches is not None:
+        if eval_batches is not None and evaluated_at != steps:  # the end, unless just evaluated
             eval_loss, eval_micro, n = _evaluate(model, eval_batches, loss_fn, eval_micro, sync, dev, autocast_dtype)
             eval_ooms += n
         save(epoch, index)
@@ -523,6 +529,7 @@ def fit(
     finally:
         if meter is not None:
             meter.__exit__(None, None, None)
+            meter.close()
         reporter.close()
     if not losses:
         raise AutoAccumError("no optimizer step ran: the data yielded no batch")
