@@ -168,9 +168,10 @@ class _Stepper:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
                  make_batch: Callable[[int], Batch], device: torch.device, meter: MemoryMeter,
-                 usable_bytes: int, steps_per_size: int) -> None:
+                 usable_bytes: int, steps_per_size: int, share: int) -> None:
         self.model, self.optimizer, self.loss_fn, self.make_batch = model, optimizer, loss_fn, make_batch
         self.device, self.meter, self.usable_bytes, self.steps_per_size = device, meter, usable_bytes, steps_per_size
+        self.share = share  # a micro-batch smaller than this rank's share accumulates
         self.steps = 0
         self.ooms = 0
         self.measured: dict[int, Candidate] = {}
@@ -184,8 +185,14 @@ class _Stepper:
         fwd_bwd = opt = 0
         times: list[float] = []
         batch = move_to(self.make_batch(size), self.device)
-        for _ in range(self.steps_per_size):
-            self.optimizer.zero_grad(set_to_none=True)
+        # In an accumulation step every micro-batch after the first runs forward and backward with
+        # the summed gradients of the earlier ones in memory: a size that will accumulate keeps its
+        # gradients from step to step, so that steps 2.. measure exactly that peak. A size that is
+        # the whole share runs alone, and starts each step without gradients as the guard does.
+        accumulates = size < self.share
+        for step in range(self.steps_per_size):
+            if step == 0 or not accumulates:
+                self.optimizer.zero_grad(set_to_none=True)
             self._sync()
             start = time.perf_counter()
             self.meter.reset_peak()
@@ -230,13 +237,19 @@ class _Stepper:
         return candidate
 
 
-def _fit(candidates: Iterable[Candidate], largest: int = 3) -> MemoryModel | None:
+def _fit(candidates: Iterable[Candidate], share: int, largest: int = 3) -> MemoryModel | None:
     """The model fitted on the ``largest`` biggest sizes that ran.
+
+    Sizes below ``share`` were measured as accumulation steps (gradients held while the next
+    micro-batch runs); the whole share runs alone, a point on another line, used only when there
+    are not two accumulating ones.
 
     The forward/backward peak is convex in ``b`` (at small ``b`` the peak sits late in backward,
     where gradients dominate; at large ``b`` at its start, where activations do), so a line
     through the sizes near the limit predicts the limit better than one through all sizes."""
     ran = sorted((c for c in candidates if c.fwd_bwd_peak_bytes is not None), key=lambda c: c.micro_batch)
+    accumulating = [c for c in ran if c.micro_batch < share]
+    ran = accumulating if len(accumulating) >= 2 else ran
     if len(ran) < 2:
         return None
     return MemoryModel.fit([MemoryPoint(c.micro_batch, c.fwd_bwd_peak_bytes, c.opt_peak_bytes)  # type: ignore[arg-type]
@@ -265,7 +278,7 @@ def _search(stepper: _Stepper, upper: int, budget_bytes: int, headroom: float,
         if lo >= upper or hi - lo <= 1:
             note = f"limit bracketed by measurement: {lo} fits" + (f", {hi} does not" if hi <= upper else "")
             break
-        model = _fit(measured)
+        model = _fit(measured, stepper.share)
         # a limit past ``upper`` means ``upper`` itself is the size to verify, not a reason to bisect
         predicted = min(model.max_batch(budget_bytes, headroom), upper) if model is not None else 0
         if model is not None and model.is_good_fit and model.num_points >= 3 and predicted <= lo:
@@ -288,7 +301,7 @@ def _search(stepper: _Stepper, upper: int, budget_bytes: int, headroom: float,
         stepper.measure(max(lo + 1, min(guess, lo * MAX_JUMP)))
     else:
         note = f"stopped after {max_candidates} candidates"
-    return _fit(stepper.measured.values()), note
+    return _fit(stepper.measured.values(), stepper.share), note
 
 
 def choose_micro_batch(candidates: Iterable[Candidate]) -> int:
@@ -443,7 +456,7 @@ def probe(
                 meter.track(run_model, run_optimizer)
             with meter:
                 stepper = _Stepper(run_model, run_optimizer, task.loss_fn, task.batch, device, meter, usable,
-                                   steps_per_size)
+                                   steps_per_size=steps_per_size, share=share)
                 model_fit, note = _search(stepper, upper, budget_bytes, headroom, max_candidates)
     finally:
         if isinstance(meter, TrackedMemory):

@@ -48,7 +48,8 @@ def format_bytes(num_bytes: int | float) -> str:
     sign = "-" if value < 0 else ""
     value = abs(value)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{sign}{value:.0f} {unit}" if unit == "B" else f"{sign}{value:.3g} {unit}"
+        if value < 1023.5 or unit == "TiB":  # 1023.5 KiB and up print as 1 MiB, not "1.02e+03 KiB"
+            digits = f"{value:.0f}" if unit == "B" or value >= 100 else f"{value:.3g}"
+            return f"{sign}{digits} {unit}"
         value /= 1024
     raise AssertionError("unreachable")

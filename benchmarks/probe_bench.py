@@ -5,8 +5,9 @@ the crossing, so a CPU behaves like a small device) it reports:
 
 - probe: wall time, training steps spent, OOMs it triggered, the largest micro-batch it found to
   fit (``max_fitting_micro_batch``) and the plan's micro-batch;
-- brute force: the largest micro-batch that truly runs two full training steps (forward,
-  backward, AdamW step) of a fresh model copy under ``budget * (1 - headroom)``, found by
+- brute force: the largest micro-batch that truly runs two full accumulation steps (two
+  forward/backward passes summed into the gradients, then the AdamW step) of a fresh model copy
+  under ``budget * (1 - headroom)``, found by
   doubling + bisection over real runs and checked at ``b`` and ``b + 1``;
 - ladder: 1, 2, 4, ... with the same steps per size as the probe, stopping at the first size that
   runs out of memory or over the usable budget; its choice is the last power of two that fit.
@@ -96,12 +97,16 @@ SHAPES = (
 
 
 def _steps(model: nn.Module, optimizer: torch.optim.Optimizer, shape: Shape, b: int, steps: int) -> None:
+    """``steps`` accumulation steps at micro-batch ``b``: two forward/backward passes summing into
+    the gradients (the second runs with the first's gradients in memory), then the AdamW step --
+    what a training step at a target of 4096 really runs."""
     batch = shape.make_batch(b)
     for _ in range(steps):
         optimizer.zero_grad(set_to_none=True)
-        loss = shape.loss_fn(model, batch)
-        loss.backward()
-        del loss
+        for _micro in range(2):
+            loss = shape.loss_fn(model, batch)
+            loss.backward()
+            del loss
         optimizer.step()
 
 
@@ -230,7 +235,7 @@ def write_section(result: dict, command: str, path: Path = RESULTS) -> None:
         "Columns: *probe s / steps / OOMs / sizes* = the probe's wall time, training steps it ran (a step that "
         "ran out of memory counts as one), OOMs it triggered and sizes it measured; *found* = "
         "`max_fitting_micro_batch`, the largest size it measured under `budget x (1 - headroom)`; *brute force* "
-        "= the largest micro-batch whose two full training steps on a fresh model run under that usable budget "
+        "= the largest micro-batch whose two full accumulation steps (two micro-batches, then AdamW) on a fresh model run under that usable budget "
         "(doubling + bisection over real runs, checked at b and b + 1); *ladder* = a naive 1, 2, 4, ... "
         "doubling ladder with the same steps per size, stopping at the first OOM or size over the usable "
         "budget; its pick is the last power of two that fit. Wall times are of a shared machine: compare "

@@ -73,8 +73,10 @@ gpt_loss = token_loss
 
 def runs_under(model: nn.Module, make_batch: Callable, loss_fn: Callable, micro_batch: int, budget_bytes: int,
                steps: int = 2) -> bool:
-    """True when ``steps`` full training steps (forward, backward, AdamW step) of a fresh copy of
-    ``model`` with a fresh AdamW run at ``micro_batch`` without an emulated OOM."""
+    """True when ``steps`` full accumulation steps of a fresh copy of ``model`` with a fresh AdamW
+    run at ``micro_batch`` without an emulated OOM. A step is what the guard runs when the target
+    needs more than one micro-batch: two forward/backward passes summing into the gradients (the
+    second with the first's gradients in memory), then the AdamW step."""
     model = copy.deepcopy(model)
     optimizer = torch.optim.AdamW(model.parameters())
     try:
@@ -82,9 +84,10 @@ def runs_under(model: nn.Module, make_batch: Callable, loss_fn: Callable, micro_
             batch = make_batch(micro_batch)
             for _ in range(steps):
                 optimizer.zero_grad(set_to_none=True)
-                loss = loss_fn(model, batch)
-                loss.backward()
-                del loss
+                for _micro in range(2):
+                    loss = loss_fn(model, batch)
+                    loss.backward()
+                    del loss
                 optimizer.step()
     except torch.OutOfMemoryError:
         return False
