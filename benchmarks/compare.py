@@ -1214,10 +1214,11 @@ details; every number is also in its JSON output.
 How each system behaves, by construction (the numbers below show it):
 - **autoaccum**: the probe measures real steps per candidate size and plans micro x accum covering
   the target exactly (weighted last micro-batch); the guard replays a step that ran out of memory on
-  the same samples with half the micro-batch. The probe measures *lone* steps: an accumulation step's
-  later micro-batches run their forward with the gradients of the earlier ones alive, so a plan near
-  the limit can still run out of memory once in training (shown as "+N OOM in training"; the guard
-  recovers, but halving overshoots to about half the size that fits).
+  the same samples with half the micro-batch. A size that will accumulate is probed as an
+  accumulation step (later micro-batches run with the earlier ones' gradients alive), so the plan
+  fits as trained; it keeps 10% headroom, spreads the target evenly over the micro-steps, and picks
+  among fitting sizes by measured samples/s (ties within 5% to the larger), so its micro-batch is
+  below the brute-force limit. After an OOM, halving overshoots to about half the size that fits.
 - **accelerate**: `find_executable_batch_size(starting_batch_size=target)` multiplies the batch by
   0.9 after every OOM and restarts the whole training function; with `gradient_accumulation_steps =
   target // micro` the global batch is `micro x accum`, not the target, unless micro divides it.
