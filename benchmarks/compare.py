@@ -1324,6 +1324,8 @@ def main(argv: list[str] | None = None) -> int:
         return _child(Setup(**json.loads(args.child)), rest[0])
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.device == "cuda":  # an index: set_per_process_memory_fraction refuses a bare "cuda"
+        args.device = "cuda:0"
     if args.steps < MIN_STEPS:
         parser.error(f"--steps must be >= {MIN_STEPS} (the budget drops after 2 steps; steady state needs more)")
     config = Config(size=args.size, models=tuple(args.models), systems=tuple(args.systems), steps=args.steps,
