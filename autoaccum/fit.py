@@ -17,7 +17,6 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal, get_args
 
 import torch
@@ -32,7 +31,7 @@ from autoaccum.guard import OOMGuard, PlanChange
 from autoaccum.lr import LR_RULES, scale_adam_hparams, scale_lr, warmup_lambda
 from autoaccum.memory import TrackedMemory
 from autoaccum.oom import is_oom
-from autoaccum.plan import Plan, check_positive_int
+from autoaccum.plan import Plan, check_positive_int, read_plan
 from autoaccum.probe import ProbeReport, check_headroom, probe
 from autoaccum.state import capture_rng, restore_rng
 from autoaccum.sync import GradSync, LocalSync
@@ -98,20 +97,9 @@ def default_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     return F.cross_entropy(model(inputs), targets)
 
 
-def load_plan(plan: Plan | ProbeReport | dict | str | os.PathLike, target_batch: int, world_size: int) -> Plan:
-    """A :class:`Plan` from a Plan, a ProbeReport, a dict or a JSON file (probe report or search plan
-    file: anything with a ``"plan"`` entry), checked against the run's target and world size."""
-    if isinstance(plan, ProbeReport):
-        plan = plan.plan
-    elif isinstance(plan, (str, os.PathLike)):
-        try:
-            plan = json.loads(Path(plan).read_text())
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"Invalid plan file {str(plan)!r}: {exc}") from None
-    if isinstance(plan, dict):
-        plan = Plan.from_dict(plan.get("plan", plan))
-    if not isinstance(plan, Plan):
-        raise TypeError(f"plan must be a Plan, a ProbeReport, a dict or a JSON path, got {type(plan).__name__}")
+def load_plan(plan: Any, target_batch: int, world_size: int) -> Plan:
+    """:func:`~autoaccum.plan.read_plan`, checked against the run's target and world size."""
+    plan = read_plan(plan)
     if plan.target_batch != target_batch:
         raise ValueError(f"the plan is for target_batch {plan.target_batch}, this run's is {target_batch}; the "
                          f"global batch is never changed silently: pass target_batch={plan.target_batch} or re-plan")

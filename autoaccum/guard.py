@@ -31,7 +31,7 @@ from autoaccum.batch import Batch, SplitFn, batch_size, move_to, split_batch
 from autoaccum.errors import AutoAccumError, DoesNotFitError, OptimizerStepOOMError, TaskError
 from autoaccum.memory import TrackedMemory
 from autoaccum.oom import is_oom
-from autoaccum.plan import Plan, check_positive_int
+from autoaccum.plan import Plan, check_positive_int, read_plan
 from autoaccum.state import capture_rng, restore_rng
 from autoaccum.sync import ERROR, OK, OOM, GradSync, LocalSync
 from autoaccum.task import LossFn, check_loss, trainable_parameters
@@ -178,9 +178,9 @@ class OOMGuard:
             if target_batch is None or micro_batch is None:
                 raise TypeError("OOMGuard needs plan=, or target_batch= and micro_batch=")
             plan = Plan.for_target(target_batch, micro_batch, self.sync.world_size)
-        elif not isinstance(plan, Plan):
-            raise TypeError(f"plan must be an autoaccum.Plan, got {type(plan).__name__}")
-        elif target_batch is not None and target_batch != plan.target_batch:
+        else:
+            plan = read_plan(plan)  # a Plan, a probe report, a search result or a plan file
+        if target_batch is not None and target_batch != plan.target_batch:
             raise ValueError(f"target_batch {target_batch} differs from plan.target_batch {plan.target_batch}; "
                              f"give one of them")
         if plan.world_size != self.sync.world_size:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
 
-__all__ = ["Plan", "check_positive_int"]
+__all__ = ["Plan", "check_positive_int", "read_plan"]
 
 
 def check_positive_int(value: object, name: str, *, hint: str = "") -> int:
@@ -120,3 +124,27 @@ class Plan:
 
     def replace(self, **changes: int) -> Plan:
         return replace(self, **changes)
+
+
+def read_plan(source: Any) -> Plan:
+    """A :class:`Plan` from what the tools write: a Plan; an object with a ``.plan`` (ProbeReport,
+    SearchResult); a dict (a plan, or a document with a ``"plan"`` entry); or the path of such a
+    JSON document (``autoaccum probe --json``, ``autoaccum search --out``).
+
+    Raises:
+        ValueError: the file cannot be read or holds no plan.
+        TypeError: ``source`` is none of those.
+    """
+    if isinstance(source, Plan):
+        return source
+    if isinstance(getattr(source, "plan", None), Plan):
+        return source.plan
+    if isinstance(source, (str, os.PathLike)):
+        try:
+            source = json.loads(Path(source).read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"Invalid plan file {str(source)!r}: {exc}") from None
+    if isinstance(source, dict):
+        return Plan.from_dict(source["plan"] if isinstance(source.get("plan"), dict) else source)
+    raise TypeError(f"plan must be a Plan, a probe report, a search result, a dict or a JSON path, "
+                    f"got {type(source).__name__}")

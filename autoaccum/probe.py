@@ -14,7 +14,6 @@ import contextlib
 import copy
 import gc
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field

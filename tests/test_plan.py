@@ -134,3 +134,29 @@ def test_dict_round_trip_and_missing_keys():
     with pytest.raises(ValueError, match="missing 'world_size'"):
         Plan.from_dict({"micro_batch": 4, "accum_steps": 1, "target_batch": 4})
     assert plan.with_world_size(2) == Plan.for_target(1000, 48, 2)
+
+
+def test_read_plan_accepts_what_the_tools_write(tmp_path):
+    from autoaccum.plan import read_plan
+
+    plan = Plan.for_target(256, 48)
+    doc = {"kind": "autoaccum.probe", "plan": plan.to_dict()}
+    path = tmp_path / "plan.json"
+    path.write_text(__import__("json").dumps(doc))
+    assert read_plan(plan) is plan
+    assert read_plan(doc) == plan and read_plan(plan.to_dict()) == plan
+    assert read_plan(path) == plan and read_plan(str(path)) == plan
+
+    class Report:  # a ProbeReport or SearchResult: anything with a .plan
+        pass
+
+    report = Report()
+    report.plan = plan
+    assert read_plan(report) == plan
+    with pytest.raises(TypeError, match="plan must be"):
+        read_plan(5)
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="Invalid plan file"):
+        read_plan(tmp_path / "bad.json")
+    with pytest.raises(ValueError, match="missing"):
+        read_plan({"plan": {"micro_batch": 4}})
