@@ -16,7 +16,9 @@ import math
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, get_args
 
 import torch
@@ -104,6 +106,27 @@ def load_plan(plan: Any, target_batch: int, world_size: int) -> Plan:
         raise ValueError(f"the plan is for target_batch {plan.target_batch}, this run's is {target_batch}; the "
                          f"global batch is never changed silently: pass target_batch={plan.target_batch} or re-plan")
     return plan.with_world_size(world_size) if plan.world_size != world_size else plan
+
+
+def _warn_unapplied_knobs(plan: Any, precision: str) -> None:
+    """A search plan file also names knobs (autocast, checkpointing, compile); fit applies only the
+    plan and its own ``precision``, so say so rather than train differently from what was measured."""
+    doc: Any = plan
+    if isinstance(plan, (str, os.PathLike)):
+        try:
+            doc = json.loads(Path(plan).read_text())
+        except (OSError, ValueError):
+            return  # load_plan has read it already; nothing more to say
+    knobs = doc.get("knobs") if isinstance(doc, dict) else getattr(getattr(doc, "knobs", None), "__dict__", None)
+    if not isinstance(knobs, dict):
+        return
+    autocast = knobs.get("autocast", "fp32")
+    extra = [k for k in ("checkpointing", "compile") if knobs.get(k)]
+    if extra or autocast != precision:
+        warnings.warn(f"the plan was measured with knobs {knobs}; fit applies the plan's micro-batch and "
+                      f"precision={precision!r} only. Pass precision={autocast!r}"
+                      + (f" and apply {', '.join(extra)} with autoaccum.knobs.apply_knobs(model, ...)" if extra else "")
+                      + " to train as measured.", stacklevel=3)
 
 
 def _make_sync(model: torch.nn.Module) -> tuple[torch.nn.Module, GradSync]:
@@ -387,6 +410,7 @@ def fit(
         plan_source = "checkpoint"
     elif plan is not None:
         start_plan, plan_source = load_plan(plan, target_batch, sync.world_size), "given"
+        _warn_unapplied_knobs(plan, precision)
     else:
         if isinstance(sync, distributed.DistributedSync) and sync.kind == "fsdp2":
             raise ValueError("fit cannot probe an FSDP2 (fully_shard) model: the probe's steps would run collectives "

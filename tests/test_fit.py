@@ -582,3 +582,23 @@ def test_an_exhausted_iterable_ends_the_run_instead_of_looping():
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_plan_file_with_knobs_fit_does_not_apply_is_named(tmp_path):
+    import json
+    import warnings
+
+    from autoaccum import fit
+
+    x, y = torch.randn(128, 4), torch.randint(0, 2, (128,))
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"kind": "autoaccum.plan", "knobs": {"checkpointing": True, "autocast": "bf16",
+                                                                   "compile": False},
+                                "plan": {"micro_batch": 32, "accum_steps": 2, "world_size": 1, "target_batch": 64}}))
+    with pytest.warns(UserWarning, match=r"precision='bf16' and apply checkpointing"):
+        fit(torch.nn.Linear(4, 2), (x, y), 64, plan=path, progress=False, max_steps=1)
+    plain = tmp_path / "plain.json"  # a probe report or a plan without knobs: nothing to say
+    plain.write_text(json.dumps({"plan": {"micro_batch": 32, "accum_steps": 2, "world_size": 1, "target_batch": 64}}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fit(torch.nn.Linear(4, 2), (x, y), 64, plan=plain, progress=False, max_steps=1)
