@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from autoaccum import checkpoint as ckpt
 from autoaccum import distributed
-from autoaccum.batch import Batch, batch_size, split_batch
+from autoaccum.batch import Batch, batch_size, micro_sizes, split_batch
 from autoaccum.data import GlobalBatches
 from autoaccum.errors import AutoAccumError, DoesNotFitError, TaskError
 from autoaccum.guard import OOMGuard, PlanChange
@@ -231,7 +231,7 @@ def _evaluate(model: torch.nn.Module, batches: GlobalBatches, loss_fn: LossFn, m
                 part_total = torch.zeros(3, dtype=torch.float64)
                 failed = False
                 try:
-                    sizes = [min(micro, n - i) for i in range(0, n, micro)]
+                    sizes = micro_sizes(n, micro)
                     with torch.no_grad():
                         for part, size in zip(split_batch(rb.batch, sizes), sizes):
                             with torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else \

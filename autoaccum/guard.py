@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import torch
 
-from autoaccum.batch import Batch, SplitFn, batch_size, move_to, split_batch
+from autoaccum.batch import Batch, SplitFn, batch_size, micro_sizes, move_to, split_batch
 from autoaccum.errors import AutoAccumError, DoesNotFitError, OptimizerStepOOMError, TaskError
 from autoaccum.memory import TrackedMemory
 from autoaccum.oom import is_oom
@@ -315,10 +315,6 @@ class OOMGuard:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def _micro_sizes(self, n: int) -> list[int]:
-        micro = self.plan.micro_batch
-        return [min(micro, n - i) for i in range(0, n, micro)]
-
     def _accumulate(self, batch: Batch, n: int, num_samples: int, loss_fn: LossFn) -> tuple[int, str, Any]:
         """Forward and backward of every micro-batch, gradients summed locally.
 
@@ -327,7 +323,7 @@ class OOMGuard:
         exception (and the activations its traceback holds) inside this frame, which is gone
         once the caller recovers.
         """
-        sizes = self._micro_sizes(n)
+        sizes = micro_sizes(n, self.plan.micro_batch)
         where = "forward/loss"
         # summed in fp64 where the device has it (MPS has no float64)
         loss_sum = torch.zeros((), dtype=torch.float32 if self.device.type == "mps" else torch.float64,

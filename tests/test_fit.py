@@ -33,14 +33,7 @@ TESTS_DIR = Path(__file__).resolve().parent
 N, TARGET, EPOCHS = 150, 64, 2  # 64 + 64 + 22 per epoch: every epoch ends with a partial batch
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Two cores shared with other work: one intra-op thread is both faster and free of
-    # thread-count-dependent reductions (the resume tests compare bits across processes).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one intra-op thread
 
 
 def _records(path: Path) -> list[dict]:
