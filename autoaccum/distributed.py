@@ -56,7 +56,7 @@ from autoaccum.plan import Plan
 
 __all__ = [
     "DistributedSync", "WorldInfo", "broadcast_plan", "full_state_dicts", "init_from_env", "is_distributed",
-    "is_fsdp2", "is_rank_zero", "load_full_state_dicts", "log_rank_zero", "model_kind", "unwrap_model",
+    "is_fsdp2", "is_rank_zero", "load_full_state_dicts", "model_kind", "unwrap_model",
     "world_info", "wrap_model",
 ]
 
@@ -123,12 +123,6 @@ def init_from_env(backend: str | None = None, timeout_s: float | None = None) ->
 def is_rank_zero(group: Any = None) -> bool:
     """True in the process that logs, writes checkpoints and shows progress (rank 0, or the only one)."""
     return world_info(group).rank == 0
-
-
-def log_rank_zero(log: logging.Logger, level: int, msg: str, *args: Any) -> None:
-    """``log.log(level, msg, *args)`` on rank 0 only, so that N ranks do not print the same line N times."""
-    if is_rank_zero():
-        log.log(level, msg, *args)
 
 
 # -- models ------------------------------------------------------------------------------------------

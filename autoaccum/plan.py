@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -121,9 +121,6 @@ class Plan:
             return cls(**{k: data[k] for k in ("micro_batch", "accum_steps", "world_size", "target_batch")})
         except KeyError as exc:
             raise ValueError(f"a plan needs micro_batch, accum_steps, world_size and target_batch; missing {exc}") from None
-
-    def replace(self, **changes: int) -> Plan:
-        return replace(self, **changes)
 
 
 def read_plan(source: Any) -> Plan:
