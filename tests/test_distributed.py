@@ -56,6 +56,12 @@ def _entry(fn: Any, rank: int, world_size: int, port: int, out: str, kwargs: dic
         (Path(out) / f"rank{rank}.error").write_text(f"{type(exc).__name__}\n{traceback.format_exc()}")
         raise
     dist.destroy_process_group()
+    # Known, not yet fixed: after fit() under gloo, about 1 run in 4 aborts in interpreter
+    # finalization ("terminate called without an active exception"), after all work and results
+    # are done. Leave without finalization so the exit code reports the work (see the README).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(fn: Any, tmp_path: Path, *, world_size: int = 2, timeout_s: float = TIMEOUT_S, allow_hang: bool = False,
