@@ -5,15 +5,16 @@
 
 from autoaccum.distributed import DistributedSync, broadcast_plan, init_from_env, wrap_model
 from autoaccum.errors import AutoAccumError, DoesNotFitError, OptimizerStepOOMError, TaskError
-from autoaccum.fit import FitResult, fit
-from autoaccum.guard import OOMGuard, PlanChange, StepResult
+from autoaccum.fit import FitConfig, FitResult, fit
+from autoaccum.guard import AccumulateResult, OOMGuard, PlanChange, StepResult
 from autoaccum.knobs import Knobs
 from autoaccum.lr import LR_RULES, scale_adam_hparams, scale_lr
 from autoaccum.memory import TrackedMemory, emulated_budget
 from autoaccum.memory_model import MemoryModel
 from autoaccum.oom import is_oom
 from autoaccum.plan import Plan
-from autoaccum.probe import Candidate, ProbeReport, probe
+from autoaccum.probe import probe
+from autoaccum.report import Candidate, ProbeReport
 from autoaccum.search import SearchResult, SearchSpace, load_plan_file, search
 from autoaccum.task import Task
 from autoaccum.units import format_bytes, parse_bytes
@@ -21,7 +22,7 @@ from autoaccum.units import format_bytes, parse_bytes
 __version__ = "0.1.0"
 
 __all__ = [
-    "LR_RULES", "AutoAccumError", "Candidate", "DistributedSync", "DoesNotFitError", "FitResult", "Knobs",
+    "LR_RULES", "AccumulateResult", "AutoAccumError", "Candidate", "DistributedSync", "DoesNotFitError", "FitConfig", "FitResult", "Knobs",
     "MemoryModel", "OOMGuard", "OptimizerStepOOMError", "Plan", "PlanChange", "ProbeReport", "SearchResult",
     "SearchSpace", "StepResult", "Task", "TaskError", "TrackedMemory", "broadcast_plan", "emulated_budget", "fit",
     "format_bytes", "init_from_env", "is_oom", "load_plan_file", "parse_bytes", "probe", "scale_adam_hparams",

@@ -1,18 +1,16 @@
 """Probe results kept on disk as JSON, keyed by a fingerprint of everything the memory depends on.
 
-Files are written atomically (temporary file, fsync, rename). A file that is corrupt, of another
+Files are written atomically (``autoaccum.jsonio``: temporary file, fsync, rename, fsync of the folder). A file that is corrupt, of another
 version or of another fingerprint is ignored with a warning: never trusted blindly, never unpickled.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
 import os
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -20,10 +18,11 @@ from typing import Any
 import torch
 
 from autoaccum.batch import describe_batch
-from autoaccum.probe import ProbeReport
+from autoaccum.jsonio import write_json_atomic
+from autoaccum.report import ProbeReport
 from autoaccum.task import Task
 
-__all__ = ["fingerprint", "load", "store", "default_cache_dir", "write_json_atomic"]
+__all__ = ["fingerprint", "load", "store", "default_cache_dir"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,22 +57,6 @@ def fingerprint(task: Task, optimizer: Any, *, device: torch.device, capacity_by
 def _path(fp: str, cache_dir: str | os.PathLike | None) -> Path:
     folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     return folder / f"probe-{fp[:24]}.json"
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write ``data`` as JSON to ``path`` so that readers see the old file or the new one, never half."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):  # keep the original error
-            os.unlink(tmp)
-        raise
 
 
 def store(report: ProbeReport, cache_dir: str | os.PathLike | None = None) -> ProbeReport:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from autoaccum.errors import AutoAccumError
+from autoaccum.jsonio import fsync_dir
 from autoaccum.state import RngState
 
 __all__ = [
@@ -95,17 +96,6 @@ def _check_plain(obj: Any, where: str, on_path: set[int]) -> None:
     on_path.discard(id(obj))
 
 
-def _fsync_dir(directory: Path) -> None:
-    # Makes the renames durable; directories cannot be opened for fsync on Windows.
-    if os.name != "posix":
-        return
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(path: str | os.PathLike[str], state: dict) -> None:
     """Write ``state`` to ``path`` atomically, keeping the previous checkpoint as ``<path>.prev``.
 
@@ -146,7 +136,7 @@ def save_checkpoint(path: str | os.PathLike[str], state: dict) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(directory)
+    fsync_dir(directory)
     # Temp files of writes that were killed: nothing else writes this path (one writer per path).
     for stale in directory.iterdir():
         if stale.name.startswith(f".{path.name}.") and stale.name.endswith(_TMP_SUFFIX):

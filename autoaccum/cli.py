@@ -15,7 +15,9 @@ from collections.abc import Sequence
 import torch
 
 from autoaccum.errors import DoesNotFitError
-from autoaccum.probe import ProbeReport, check_headroom, probe
+from autoaccum.probe import probe
+from autoaccum.report import ProbeReport
+from autoaccum.validate import check_headroom
 from autoaccum.task import Task, load_task
 from autoaccum.units import format_bytes, parse_bytes
 

@@ -27,10 +27,11 @@ import torch
 from torch.utils.data import default_collate
 
 from autoaccum.batch import Batch, batch_size
-from autoaccum.plan import check_positive_int
+from autoaccum.plan import rank_share
+from autoaccum.validate import check_positive_int
 from autoaccum.state import capture_rng, restore_rng
 
-__all__ = ["GlobalBatches", "RankBatch", "rank_slice"]
+__all__ = ["GlobalBatches", "RankBatch"]
 
 
 @dataclass(frozen=True)
@@ -42,13 +43,6 @@ class RankBatch:
     index: int  # global batch number within the epoch
     global_size: int  # samples in the global batch, all ranks together
     partial: bool  # the epoch's smaller last batch
-
-
-def rank_slice(global_size: int, rank: int, world_size: int) -> slice:
-    """Which samples of a global batch of ``global_size`` rank ``rank`` takes (consecutive, even split)."""
-    base, extra = divmod(global_size, world_size)
-    start = rank * base + min(rank, extra)
-    return slice(start, start + base + (1 if rank < extra else 0))
 
 
 class GlobalBatches:
@@ -107,7 +101,7 @@ class GlobalBatches:
     def epoch(self, epoch: int, start: int = 0) -> Iterator[RankBatch]:
         """This rank's batches of ``epoch``, from global batch number ``start`` on."""
         if self.iterable is not None:
-            bounds = rank_slice(self.target_batch, self.rank, self.world_size)
+            bounds = rank_share(self.target_batch, self.rank, self.world_size)
             share = bounds.stop - bounds.start  # this rank's samples of a full global batch
             iterator = iter(self.iterable)
             if self._head_pending:  # sample() took the first batch of a one-shot iterator: it comes first
@@ -130,7 +124,7 @@ class GlobalBatches:
         order = self._order(epoch)
         for index in range(start, self.steps_per_epoch):  # type: ignore[arg-type]
             chunk = order[index * self.target_batch:(index + 1) * self.target_batch]
-            mine = chunk[rank_slice(len(chunk), self.rank, self.world_size)]
+            mine = chunk[rank_share(len(chunk), self.rank, self.world_size)]
             yield RankBatch(self._gather(mine), epoch, index, len(chunk), len(chunk) < self.target_batch)
 
     def sample(self, size: int) -> Batch:

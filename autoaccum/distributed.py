@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from autoaccum.plan import Plan
+from autoaccum.validate import check_positive_int
 
 __all__ = [
     "DistributedSync", "WorldInfo", "broadcast_plan", "full_state_dicts", "init_from_env", "is_distributed",
@@ -267,7 +268,7 @@ def broadcast_plan(plan: Plan | None, group: Any = None) -> Plan:
                          f"{world_min}..{-neg_world_max}; every rank must plan the same target_batch and world_size")
     if plan is not None and plan.micro_batch == micro:
         return plan
-    return Plan.for_target(int(target_min), int(micro), int(world_min))
+    return Plan.for_target(int(target_min), int(micro), int(world_min))  # the smallest micro-batch wins
 
 
 # -- the sync ----------------------------------------------------------------------------------------
@@ -313,8 +314,7 @@ class DistributedSync:
         if not is_distributed():
             raise RuntimeError("DistributedSync needs an initialised process group (torchrun + "
                                "autoaccum.distributed.init_from_env(), or torch.distributed.init_process_group)")
-        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-            raise ValueError(f"Invalid bucket_bytes: {bucket_bytes!r}. Allowed range: an int >= 1")
+        check_positive_int(bucket_bytes, "bucket_bytes")
         self.model, self.group, self.bucket_bytes = model, group, bucket_bytes
         self.kind: ModelKind = model_kind(model)
         self.rank = dist.get_rank(group)
@@ -353,9 +353,15 @@ class DistributedSync:
             self._fsdp.dirty = True
         return agreed
 
-    def agree_micro_batch(self, micro_batch: int) -> int:
-        """The smallest micro-batch any rank proposes."""
-        return int(_all_reduce(torch.tensor([micro_batch], dtype=torch.int64), dist.ReduceOp.MIN, self.group).item())
+    def agree_plan(self, plan: Plan) -> Plan:
+        """One plan for every rank: the smallest micro-batch any rank proposes (:func:`broadcast_plan`)."""
+        return broadcast_plan(plan, self.group)
+
+    def rank_sizes(self, num_samples: int) -> tuple[int, ...]:
+        """Every rank's sample count, in rank order: one all-reduce of a vector with ours at our rank."""
+        counts = torch.zeros(self.world_size, dtype=torch.int64)
+        counts[self.rank] = num_samples
+        return tuple(int(c) for c in _all_reduce(counts, dist.ReduceOp.SUM, self.group).tolist())
 
     def sum_items(self, count: torch.Tensor) -> torch.Tensor:
         """``count`` summed over ranks (same device and dtype as given)."""

@@ -10,20 +10,14 @@ import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from autoaccum.plan import check_positive_int
+import torch
 
-__all__ = ["LR_RULES", "LinearWarmup", "LrRule", "scale_adam_hparams", "scale_lr", "warmup_lambda"]
+from autoaccum.validate import check_non_negative_int, check_positive_float, check_positive_int, is_number
+
+__all__ = ["LR_RULES", "LinearWarmup", "LrRule", "apply_lr_rule", "scale_adam_hparams", "scale_lr", "warmup_lambda"]
 
 LrRule = Literal["linear", "sqrt", "none", "adam_sde"]
 LR_RULES: tuple[str, ...] = get_args(LrRule)
-
-
-def _check_positive_finite(value: object, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float, got {value!r} ({type(value).__name__})")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"Invalid {name}: {value!r}. Allowed range: finite and > 0")
-    return float(value)
 
 
 def scale_lr(base_lr: float, base_batch: int, batch: int, rule: LrRule) -> float:
@@ -65,7 +59,7 @@ def scale_lr(base_lr: float, base_batch: int, batch: int, rule: LrRule) -> float
     """
     if rule not in LR_RULES:
         raise ValueError(f"Invalid rule: {rule!r}. Allowed values: {', '.join(map(repr, LR_RULES))}")
-    base_lr = _check_positive_finite(base_lr, "base_lr")
+    base_lr = check_positive_float(base_lr, "base_lr")
     check_positive_int(base_batch, "base_batch")
     check_positive_int(batch, "batch")
     kappa = batch / base_batch
@@ -113,18 +107,15 @@ def scale_adam_hparams(lr: float, betas: tuple[float, float], eps: float, base_b
             would be negative.
         TypeError: a value has the wrong type.
     """
-    lr = _check_positive_finite(lr, "lr")
+    lr = check_positive_float(lr, "lr")
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise TypeError(f"betas must be a pair (beta1, beta2), got {betas!r}")
     for i, beta in enumerate(betas, start=1):
-        if isinstance(beta, bool) or not isinstance(beta, (int, float)):
+        if not is_number(beta):
             raise TypeError(f"beta{i} must be a float, got {beta!r} ({type(beta).__name__})")
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"Invalid beta{i}: {beta!r}. Allowed range: 0 <= beta{i} < 1")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        raise TypeError(f"eps must be a float, got {eps!r} ({type(eps).__name__})")
-    if not math.isfinite(eps) or eps < 0:
-        raise ValueError(f"Invalid eps: {eps!r}. Allowed range: finite and >= 0")
+    check_positive_float(eps, "eps", minimum=0.0, inclusive=True)
     check_positive_int(base_batch, "base_batch")
     check_positive_int(batch, "batch")
     beta1, beta2 = float(betas[0]), float(betas[1])
@@ -158,11 +149,7 @@ class LinearWarmup:
     warmup_steps: int
 
     def __post_init__(self) -> None:
-        steps = self.warmup_steps
-        if isinstance(steps, bool) or not isinstance(steps, int):
-            raise TypeError(f"warmup_steps must be an int, got {steps!r} ({type(steps).__name__})")
-        if steps < 0:
-            raise ValueError(f"Invalid warmup_steps: {steps}. Allowed range: 0 ~ any positive int (0: no warmup)")
+        check_non_negative_int(self.warmup_steps, "warmup_steps", hint=" (0: no warmup)")
 
     def __call__(self, step: int) -> float:
         if self.warmup_steps == 0:
@@ -186,3 +173,21 @@ def warmup_lambda(warmup_steps: int) -> LinearWarmup:
         ValueError: ``warmup_steps`` is negative.
     """
     return LinearWarmup(warmup_steps)
+
+
+def apply_lr_rule(optimizer: torch.optim.Optimizer, base_batch: int | None, batch: int, rule: LrRule) -> float:
+    """Rescale every parameter group of ``optimizer`` from ``base_batch`` to the global ``batch``.
+
+    Each group's ``lr`` (and for ``adam_sde`` its ``betas`` and ``eps``, where it has them) was tuned
+    at ``base_batch``; nothing changes when ``base_batch`` is None or equals ``batch``. Invariant
+    5: this depends on the global batch only. Returns the first group's learning rate.
+    """
+    if base_batch is not None and base_batch != batch:
+        for group in optimizer.param_groups:
+            if rule == "adam_sde" and "betas" in group and "eps" in group:
+                # Malladi et al. 2022: lr * sqrt(k), 1 - beta -> k * (1 - beta), eps / sqrt(k)
+                group["lr"], group["betas"], group["eps"] = scale_adam_hparams(
+                    group["lr"], tuple(group["betas"]), group["eps"], base_batch, batch)
+            else:
+                group["lr"] = scale_lr(group["lr"], base_batch, batch, rule)
+    return float(optimizer.param_groups[0]["lr"])

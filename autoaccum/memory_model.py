@@ -14,6 +14,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from autoaccum.memory import usable_bytes
+
 __all__ = ["MemoryModel", "MemoryPoint", "GOOD_FIT_RESIDUAL"]
 
 #: the largest relative error of the line on its own points for which the model is trusted
@@ -85,7 +87,7 @@ class MemoryModel:
 
     def max_batch(self, budget_bytes: int, headroom: float = 0.0) -> int:
         """The largest micro-batch predicted to fit in ``budget_bytes * (1 - headroom)``; 0 if none."""
-        usable = budget_bytes * (1.0 - headroom)
+        usable = usable_bytes(budget_bytes, headroom)
         if self.opt_peak_bytes > usable:
             return 0
         if self.per_sample_bytes <= 0:

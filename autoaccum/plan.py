@@ -9,16 +9,37 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Plan", "check_positive_int", "read_plan"]
+from autoaccum.validate import check_positive_int
+
+__all__ = ["Plan", "micro_sizes", "micro_step_count", "rank_share", "read_plan", "read_plan_document"]
 
 
-def check_positive_int(value: object, name: str, *, hint: str = "") -> int:
-    """``value`` as an int >= 1, or a ValueError/TypeError naming it and the allowed range."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__}){hint}")
-    if value < 1:
-        raise ValueError(f"Invalid {name}: {value}. Allowed range: 1 ~ any positive int{hint}")
-    return value
+def rank_share(global_size: int, rank: int, world_size: int) -> slice:
+    """Which samples of a global batch of ``global_size`` rank ``rank`` takes: consecutive, split
+    as evenly as it goes, the first ``global_size % world_size`` ranks taking one more. The one
+    formula for a rank's share (the plan, the data and the guard all use it)."""
+    base, extra = divmod(global_size, world_size)
+    start = rank * base + min(rank, extra)
+    return slice(start, start + base + (1 if rank < extra else 0))
+
+
+def micro_step_count(largest_share: int, micro_batch: int) -> int:
+    """Micro-steps every rank runs when the largest share of any rank is ``largest_share``."""
+    return -(-largest_share // micro_batch)
+
+
+def micro_sizes(share: int, micro_batch: int, steps: int) -> tuple[int, ...]:
+    """``share`` samples cut into ``steps`` micro-batches of at most ``micro_batch``: full ones first,
+    then the remainder, then empty ones. Every rank runs the same ``steps`` (ranks that run
+    different numbers of micro-steps can deadlock FSDP's collectives); a rank with a smaller share
+    ends with an empty micro-step, which runs no forward.
+
+    Raises:
+        ValueError: ``share`` does not fit in ``steps`` micro-batches of ``micro_batch``.
+    """
+    if share > steps * micro_batch:
+        raise ValueError(f"{share} samples do not fit in {steps} micro-batches of {micro_batch}")
+    return tuple(min(micro_batch, max(0, share - i * micro_batch)) for i in range(steps))
 
 
 @dataclass(frozen=True)
@@ -52,7 +73,7 @@ class Plan:
                 f"{self.world_size}; every rank needs at least one sample. Use target_batch >= {self.world_size}."
             )
         share = self.rank_batch(0)
-        if self.accum_steps != math.ceil(share / self.micro_batch):
+        if self.accum_steps != micro_step_count(share, self.micro_batch):
             raise ValueError(
                 f"Plan does not cover target_batch {self.target_batch} exactly: micro_batch {self.micro_batch} "
                 f"x accum_steps {self.accum_steps} x world_size {self.world_size}; for a share of {share} "
@@ -81,15 +102,14 @@ class Plan:
 
     def rank_batch(self, rank: int = 0) -> int:
         """Samples rank ``rank`` sees per optimizer step (the first ``target % world`` ranks get one more)."""
-        base, extra = divmod(self.target_batch, self.world_size)
-        return base + (1 if rank < extra else 0)
+        bounds = rank_share(self.target_batch, rank, self.world_size)
+        return bounds.stop - bounds.start
 
     def micro_sizes(self, rank: int = 0) -> tuple[int, ...]:
         """Micro-batch sizes of one optimizer step on ``rank``; they sum to ``rank_batch(rank)``.
-        A rank with one sample fewer than rank 0 may end with an empty micro-step."""
-        share = self.rank_batch(rank)
-        sizes = [min(self.micro_batch, max(0, share - i * self.micro_batch)) for i in range(self.accum_steps)]
-        return tuple(sizes)
+        Every rank has ``accum_steps`` of them; a rank with one sample fewer than rank 0 may end
+        with an empty micro-step."""
+        return micro_sizes(self.rank_batch(rank), self.micro_batch, self.accum_steps)
 
     @property
     def last_micro_batch(self) -> int:
@@ -123,25 +143,40 @@ class Plan:
             raise ValueError(f"a plan needs micro_batch, accum_steps, world_size and target_batch; missing {exc}") from None
 
 
-def read_plan(source: Any) -> Plan:
-    """A :class:`Plan` from what the tools write: a Plan; an object with a ``.plan`` (ProbeReport,
-    SearchResult); a dict (a plan, or a document with a ``"plan"`` entry); or the path of such a
-    JSON document (``autoaccum probe --json``, ``autoaccum search --out``).
+def read_plan_document(source: Any) -> tuple[Plan, dict[str, Any] | None]:
+    """The plan in ``source``, and the knobs it was measured with (None where it names none).
+
+    ``source`` is what the tools write: a Plan; an object with a ``.plan`` (ProbeReport,
+    SearchResult, and its ``.knobs``); a dict (a plan, or a document with a ``"plan"`` entry and
+    maybe ``"knobs"``); or the path of such a JSON document (``autoaccum probe --json``,
+    ``autoaccum search --out``). The one reader of plan files.
 
     Raises:
         ValueError: the file cannot be read or holds no plan.
         TypeError: ``source`` is none of those.
     """
     if isinstance(source, Plan):
-        return source
+        return source, None
     if isinstance(getattr(source, "plan", None), Plan):
-        return source.plan
+        knobs = getattr(source, "knobs", None)
+        return source.plan, (knobs.to_dict() if hasattr(knobs, "to_dict") else None)
     if isinstance(source, (str, os.PathLike)):
         try:
             source = json.loads(Path(source).read_text())
         except (OSError, ValueError) as exc:
             raise ValueError(f"Invalid plan file {str(source)!r}: {exc}") from None
     if isinstance(source, dict):
-        return Plan.from_dict(source["plan"] if isinstance(source.get("plan"), dict) else source)
+        document = source if isinstance(source.get("plan"), dict) else {"plan": source}
+        try:
+            plan = Plan.from_dict(document["plan"])
+        except TypeError as exc:
+            raise ValueError(f"malformed plan: {exc}") from None
+        knobs = document.get("knobs")
+        return plan, (dict(knobs) if isinstance(knobs, dict) else None)
     raise TypeError(f"plan must be a Plan, a probe report, a search result, a dict or a JSON path, "
                     f"got {type(source).__name__}")
+
+
+def read_plan(source: Any) -> Plan:
+    """The :class:`Plan` in ``source`` (see :func:`read_plan_document`)."""
+    return read_plan_document(source)[0]

@@ -12,31 +12,29 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import gc
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
+from autoaccum import cache as probe_cache
 from autoaccum import state as training_state
 from autoaccum.batch import Batch, move_to
 from autoaccum.errors import DoesNotFitError
-from autoaccum.memory import CudaMeter, MemoryMeter, TrackedMemory, device_capacity
+from autoaccum.memory import CudaMeter, Meter, TrackedMemory, device_capacity, resolve_budget
 from autoaccum.memory_model import MemoryModel, MemoryPoint
-from autoaccum.oom import is_oom
-from autoaccum.plan import Plan, check_positive_int
-from autoaccum.task import LossFn, Task, check_loss, default_optimizer, trainable_parameters
-from autoaccum.units import parse_bytes
+from autoaccum.plan import Plan
+from autoaccum.recovery import catch_oom, release_memory
+from autoaccum.report import Candidate, ProbeReport, Status
+from autoaccum.task import LossFn, Task, check_loss, default_optimizer, resolve_task, trainable_parameters
+from autoaccum.validate import check_positive_int
 
-__all__ = ["Candidate", "ProbeReport", "probe", "check_headroom", "REPORT_VERSION"]
+__all__ = ["Candidate", "ProbeReport", "probe", "choose_micro_batch"]
 
 logger = logging.getLogger(__name__)
 
-REPORT_VERSION = 1
-Status = Literal["ok", "over_budget", "oom"]
 #: the most the probe multiplies the largest fitting size by in one jump
 MAX_JUMP = 8
 #: how far towards a predicted limit more than 2x past the largest fitting size the probe jumps
@@ -45,128 +43,13 @@ LONG_JUMP_FRACTION = 0.75
 THROUGHPUT_TIE = 0.05
 
 
-def check_headroom(headroom: float) -> float:
-    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 1:
-        raise ValueError(f"Invalid headroom: {headroom!r}. Allowed range: 0 <= headroom < 1 (a fraction of the "
-                         f"budget kept free, e.g. 0.1)")
-    return float(headroom)
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One probed micro-batch size.
-
-    Attributes:
-        micro_batch: samples per step.
-        status: ``ok`` (fits under the usable budget), ``over_budget`` (ran, but its peak is
-            above ``budget * (1 - headroom)``) or ``oom`` (ran out of memory).
-        peak_bytes: the step's peak (max of the two phases); for ``oom`` the bytes it asked for.
-        fwd_bwd_peak_bytes / opt_peak_bytes: the phases' peaks (None after an OOM).
-        step_time_s: the fastest complete step after the first (None after an OOM).
-    """
-
-    micro_batch: int
-    status: Status
-    peak_bytes: int | None
-    fwd_bwd_peak_bytes: int | None = None
-    opt_peak_bytes: int | None = None
-    step_time_s: float | None = None
-
-    @property
-    def samples_per_s(self) -> float | None:
-        return None if not self.step_time_s else self.micro_batch / self.step_time_s
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "samples_per_s": self.samples_per_s}
-
-
-@dataclass(frozen=True)
-class ProbeReport:
-    """What the probe measured and what it recommends.
-
-    Attributes:
-        plan: the recommended plan for ``target_batch``.
-        candidates: every size measured, in the order measured.
-        model: the fitted memory model (None when fewer than two sizes ran).
-        device, meter: where it ran and how memory was read (``cuda``, ``tracked``, ``fake``).
-        is_estimate: True when no real step ran (fake tensors): an estimate, not a measurement.
-        budget_bytes, headroom: the budget and the fraction kept free.
-        probe_steps: training steps run while probing; probe_ooms: OOMs the probe triggered.
-        fit_note: why the model was or was not trusted.
-        source: ``probe`` or ``cache``.
-    """
-
-    plan: Plan
-    candidates: tuple[Candidate, ...]
-    model: MemoryModel | None
-    device: str
-    device_name: str
-    meter: str
-    is_estimate: bool
-    budget_bytes: int
-    budget_source: str
-    headroom: float
-    probe_steps: int
-    probe_ooms: int
-    wall_time_s: float
-    fit_note: str
-    fingerprint: str = ""
-    source: str = "probe"
-    torch_version: str = field(default_factory=lambda: torch.__version__)
-
-    @property
-    def usable_bytes(self) -> int:
-        return int(self.budget_bytes * (1 - self.headroom))
-
-    @property
-    def max_fitting_micro_batch(self) -> int:
-        return max((c.micro_batch for c in self.candidates if c.status == "ok"), default=0)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "version": REPORT_VERSION, "kind": "autoaccum.probe",
-            "source": self.source, "fingerprint": self.fingerprint, "torch_version": self.torch_version,
-            "device": self.device, "device_name": self.device_name, "meter": self.meter,
-            "is_estimate": self.is_estimate, "budget_bytes": self.budget_bytes,
-            "budget_source": self.budget_source, "headroom": self.headroom, "usable_bytes": self.usable_bytes,
-            "candidates": [c.to_dict() for c in self.candidates],
-            "model": None if self.model is None else self.model.to_dict(),
-            "fit_note": self.fit_note, "plan": self.plan.to_dict(),
-            "probe_steps": self.probe_steps, "probe_ooms": self.probe_ooms, "wall_time_s": self.wall_time_s,
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ProbeReport:
-        """Rebuild a report from :meth:`to_dict`'s output. Raises ValueError for anything else."""
-        if not isinstance(data, dict) or data.get("kind") != "autoaccum.probe":
-            raise ValueError("not an autoaccum probe report (missing kind 'autoaccum.probe')")
-        if data.get("version") != REPORT_VERSION:
-            raise ValueError(f"probe report version {data.get('version')!r} is not supported (expected {REPORT_VERSION})")
-        try:
-            fields = {"micro_batch", "status", "peak_bytes", "fwd_bwd_peak_bytes", "opt_peak_bytes", "step_time_s"}
-            return cls(
-                plan=Plan.from_dict(data["plan"]),
-                candidates=tuple(Candidate(**{k: v for k, v in c.items() if k in fields}) for c in data["candidates"]),
-                model=None if data["model"] is None else MemoryModel.from_dict(data["model"]),
-                device=str(data["device"]), device_name=str(data["device_name"]), meter=str(data["meter"]),
-                is_estimate=bool(data["is_estimate"]), budget_bytes=int(data["budget_bytes"]),
-                budget_source=str(data["budget_source"]), headroom=float(data["headroom"]),
-                probe_steps=int(data["probe_steps"]), probe_ooms=int(data["probe_ooms"]),
-                wall_time_s=float(data["wall_time_s"]), fit_note=str(data["fit_note"]),
-                fingerprint=str(data["fingerprint"]), source=str(data["source"]),
-                torch_version=str(data["torch_version"]),
-            )
-        except (KeyError, TypeError) as exc:
-            raise ValueError(f"malformed probe report: {exc!r}") from None
-
-
 # -- measuring one size ---------------------------------------------------------------------------
 
 class _Stepper:
     """Runs measured training steps of one task on one meter."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
-                 make_batch: Callable[[int], Batch], device: torch.device, meter: MemoryMeter,
+                 make_batch: Callable[[int], Batch], device: torch.device, meter: Meter,
                  usable_bytes: int, steps_per_size: int, share: int) -> None:
         self.model, self.optimizer, self.loss_fn, self.make_batch = model, optimizer, loss_fn, make_batch
         self.device, self.meter, self.usable_bytes, self.steps_per_size = device, meter, usable_bytes, steps_per_size
@@ -213,23 +96,15 @@ class _Stepper:
     def measure(self, size: int) -> Candidate:
         if size in self.measured:
             return self.measured[size]
-        failed = False
-        try:
-            candidate = self._run(size)
-        except Exception as exc:
-            if not is_oom(exc):
-                raise
-            failed = True
-            del exc  # the traceback holds the failed step's activations
-        if failed:  # recover outside the except block, with the traceback gone
+        ran, failed = catch_oom(self._run, size)
+        if failed:  # outside any except block: the failed step's activations are gone
             self.steps += 1
             self.ooms += 1
             self.optimizer.zero_grad(set_to_none=True)
-            gc.collect()
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-            needed = getattr(self.meter, "last_oom_needed_bytes", None)
-            candidate = Candidate(size, "oom", needed)
+            release_memory(self.device)
+            candidate = Candidate(size, "oom", self.meter.last_oom_needed_bytes)
+        else:
+            candidate = ran  # type: ignore[assignment]
         self.optimizer.zero_grad(set_to_none=True)
         self.measured[size] = candidate
         logger.info("probe micro-batch %d: %s, peak %s", size, candidate.status, candidate.peak_bytes)
@@ -258,7 +133,7 @@ def _fit(candidates: Iterable[Candidate], share: int, largest: int = 3) -> Memor
 def _search(stepper: _Stepper, upper: int, budget_bytes: int, headroom: float,
             max_candidates: int) -> tuple[MemoryModel | None, str]:
     """Measure sizes until the largest fitting one is known (or the candidate budget is spent)."""
-    usable = budget_bytes * (1 - headroom)
+    usable = stepper.usable_bytes
     first = stepper.measure(1)
     if first.status != "ok":
         raise DoesNotFitError(first.peak_bytes, int(usable), at_least=first.status == "oom")
@@ -373,17 +248,11 @@ def probe(
         DoesNotFitError: a micro-batch of 1 does not fit in the budget.
         ValueError, TypeError: invalid arguments.
     """
-    if task is None:
-        if model is None or loss_fn is None or make_batch is None:
-            raise TypeError("probe() needs a Task or model=, loss_fn= and make_batch=")
-        factory = optimizer if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) \
-            else default_optimizer
-        task = Task(model=model, loss_fn=loss_fn, make_batch=make_batch, make_optimizer=factory)
-    elif any(x is not None for x in (model, loss_fn, make_batch)):
-        raise TypeError("pass either a Task or model=/loss_fn=/make_batch=, not both")
+    factory = optimizer if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) \
+        else default_optimizer
+    task = resolve_task(task, model=model, loss_fn=loss_fn, make_batch=make_batch, make_optimizer=factory)
     check_positive_int(target_batch, "target_batch")
     check_positive_int(world_size, "world_size")
-    check_headroom(headroom)
     steps_per_size = check_positive_int(steps_per_size, "steps_per_size")
     if steps_per_size < 2:
         raise ValueError(f"Invalid steps_per_size: {steps_per_size}. Allowed range: >= 2 (optimizer state is "
@@ -396,13 +265,10 @@ def probe(
     params = trainable_parameters(task.model)
     device = params[0].device
     capacity = device_capacity(device)
-    budget_bytes = capacity.available_bytes if budget is None else parse_bytes(budget)
-    budget_source = capacity.source if budget is None else "given"
-    usable = int(budget_bytes * (1 - headroom))
+    plan_budget = resolve_budget(budget, device, headroom)
+    budget_bytes, usable = plan_budget.budget_bytes, plan_budget.usable_bytes
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     task.batch(1)  # fail fast on a batch maker that returns the wrong size
-
-    from autoaccum import cache as probe_cache  # cache -> probe would be a cycle at import time
 
     fingerprint = probe_cache.fingerprint(task, optimizer, device=device, capacity_bytes=capacity.total_bytes,
                                           budget_bytes=budget_bytes, headroom=headroom, target_batch=target_batch,
@@ -440,7 +306,7 @@ def probe(
                                     f"lambda params: {opt_type.__name__}(params, ...)") from None
     meter: Any
     if device.type == "cuda" and not estimate:
-        meter = CudaMeter(device)
+        meter = CudaMeter(device, budget_bytes)
     else:
         meter = TrackedMemory(budget_bytes=None if estimate else budget_bytes)
     outer = fake_mode if fake_mode is not None else contextlib.nullcontext()
@@ -471,7 +337,7 @@ def probe(
     report = ProbeReport(
         plan=Plan.balanced(target_batch, best, world_size), candidates=candidates, model=model_fit,
         device=str(params[0].device), device_name=device_name, meter="fake" if estimate else meter.kind,
-        is_estimate=estimate, budget_bytes=budget_bytes, budget_source=budget_source, headroom=headroom,
+        is_estimate=estimate, budget_bytes=budget_bytes, budget_source=plan_budget.source, headroom=headroom,
         probe_steps=stepper.steps, probe_ooms=stepper.ooms, wall_time_s=time.perf_counter() - started,
         fit_note=note, fingerprint=fingerprint,
     )

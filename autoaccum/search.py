@@ -51,9 +51,12 @@ import torch
 
 from autoaccum import state as training_state
 from autoaccum.errors import AutoAccumError
+from autoaccum.jsonio import write_json_atomic
 from autoaccum.knobs import Knobs, available_knobs
-from autoaccum.plan import Plan, check_positive_int
-from autoaccum.probe import ProbeReport, check_headroom, probe
+from autoaccum.plan import Plan
+from autoaccum.probe import probe
+from autoaccum.report import ProbeReport
+from autoaccum.validate import check_headroom, check_positive_int
 from autoaccum.task import LossFn, Task, default_optimizer, trainable_parameters
 from autoaccum.throughput import Clock, Measurement, Status, make_bench
 from autoaccum.units import format_bytes, parse_bytes
@@ -237,11 +240,7 @@ class SearchResult:
 
     def save(self, path: str | Path) -> Path:
         """Write the plan file (JSON, atomically) to ``path``; read it back with :func:`load_plan_file`."""
-        from autoaccum.cache import write_json_atomic
-
-        path = Path(path)
-        write_json_atomic(path, self.plan_file())
-        return path
+        return write_json_atomic(path, self.plan_file())
 
 
 def read_plan_file(path: str | Path) -> tuple[Plan, Knobs]:

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["RngState", "TrainingSnapshot", "capture_rng", "restore_rng", "capture", "restore"]
+__all__ = ["BufferSnapshot", "RngState", "TrainingSnapshot", "capture", "capture_buffers", "capture_rng", "restore",
+           "restore_buffers", "restore_rng", "state_buffers"]
 
 
 @dataclass(frozen=True)
@@ -93,3 +94,32 @@ def restore(snapshot: TrainingSnapshot, model: torch.nn.Module, optimizer: torch
     if scaler is not None and snapshot.scaler is not None:
         scaler.load_state_dict(copy.deepcopy(snapshot.scaler))
     restore_rng(snapshot.rng)
+
+
+# -- buffers a forward updates (BatchNorm running statistics): a replayed step starts from them -------
+BufferSnapshot = list[tuple[torch.nn.Module, str, torch.Tensor]]
+
+
+def state_buffers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
+    """(module, name) of every persistent buffer: the buffers that are training state.
+    Non-persistent buffers (masks, rotary tables) are derived, not state."""
+    return [(module, name) for module in model.modules() for name in module._buffers
+            if name not in module._non_persistent_buffers_set]
+
+
+def capture_buffers(slots: list[tuple[torch.nn.Module, str]]) -> BufferSnapshot:
+    """Copies of the buffers of ``slots`` (from :func:`state_buffers`) that a forward in training may
+    change: those of modules in training mode."""
+    return [(module, name, buffer.clone()) for module, name in slots if module.training
+            for buffer in (module._buffers.get(name),) if buffer is not None]
+
+
+def restore_buffers(snapshot: BufferSnapshot) -> None:
+    """Put the buffers back as :func:`capture_buffers` copied them."""
+    with torch.no_grad():
+        for module, name, saved in snapshot:
+            current = module._buffers.get(name)
+            if current is not None and current.shape == saved.shape and current.dtype == saved.dtype:
+                current.copy_(saved)
+            else:
+                module._buffers[name] = saved

@@ -1,12 +1,15 @@
 """How the ranks of a step agree: the local (one-process) case. The distributed one lives in
 ``autoaccum.distributed`` and has the same methods.
 
-The guard asks three things of a sync, in this order, once per optimizer step:
-1. ``no_sync()`` around every micro-batch's forward and backward: no gradient collective runs
+The guard asks these things of a sync, in this order, once per optimizer step:
+1. ``rank_sizes(n)``: every rank's sample count of the step (its sum is the global batch, its
+   maximum sets the micro-steps every rank runs);
+2. ``no_sync()`` around every micro-batch's forward and backward: no gradient collective runs
    while a rank may still hit an OOM;
-2. ``agree(status)``: the worst status over all ranks (OK < OOM < ERROR), exchanged where no
+3. ``agree(status)``: the worst status over all ranks (OK < OOM < ERROR), exchanged where no
    gradient collective can be in flight, so an OOM on one rank becomes a shrink on every rank;
-3. ``reduce_gradients()`` and ``sum_items(n)``: gradients summed over ranks once, token counts too.
+   after a shrink, ``agree_plan(plan)``: the smallest micro-batch any rank proposes;
+4. ``reduce_gradients()`` and ``sum_items(n)``: gradients summed over ranks once, token counts too.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from collections.abc import Iterator
 from typing import Protocol
 
 import torch
+
+from autoaccum.plan import Plan
 
 __all__ = ["GradSync", "LocalSync", "OK", "OOM", "ERROR"]
 
@@ -30,7 +35,8 @@ class GradSync(Protocol):
     def agree(self, status: int) -> int: ...
     def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None: ...
     def sum_items(self, count: torch.Tensor) -> torch.Tensor: ...
-    def agree_micro_batch(self, micro_batch: int) -> int: ...
+    def rank_sizes(self, num_samples: int) -> tuple[int, ...]: ...
+    def agree_plan(self, plan: Plan) -> Plan: ...
 
 
 class LocalSync:
@@ -52,5 +58,8 @@ class LocalSync:
     def sum_items(self, count: torch.Tensor) -> torch.Tensor:
         return count
 
-    def agree_micro_batch(self, micro_batch: int) -> int:
-        return micro_batch
+    def rank_sizes(self, num_samples: int) -> tuple[int, ...]:
+        return (num_samples,)
+
+    def agree_plan(self, plan: Plan) -> Plan:
+        return plan

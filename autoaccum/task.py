@@ -16,7 +16,8 @@ import torch
 from autoaccum.batch import Batch, batch_size
 from autoaccum.errors import TaskError
 
-__all__ = ["Task", "LossFn", "LossOutput", "default_optimizer", "load_task", "check_loss", "trainable_parameters"]
+__all__ = ["Task", "LossFn", "LossOutput", "default_optimizer", "load_task", "check_loss", "resolve_task",
+           "trainable_parameters"]
 
 LossOutput = Union[torch.Tensor, tuple[torch.Tensor, Union[torch.Tensor, int]]]
 LossFn = Callable[[torch.nn.Module, Batch], LossOutput]
@@ -73,8 +74,31 @@ class Task:
         return batch
 
 
-def check_loss(output: Any) -> tuple[torch.Tensor, torch.Tensor | int | None]:
+def resolve_task(task: Task | None, *, model: torch.nn.Module | None = None, loss_fn: LossFn | None = None,
+                 make_batch: Callable[[int], Batch] | None = None, make_optimizer: OptimizerFactory | None = None,
+                 caller: str = "probe") -> Task:
+    """``task``, or a :class:`Task` built from its parts: the one rule for APIs that take either.
+
+    Raises:
+        TypeError: neither a task nor all of ``model``, ``loss_fn`` and ``make_batch``; or both.
+    """
+    parts = (model, loss_fn, make_batch)
+    if task is None:
+        if any(x is None for x in parts):
+            raise TypeError(f"{caller}() needs a Task or model=, loss_fn= and make_batch=")
+        return Task(model=model, loss_fn=loss_fn, make_batch=make_batch,  # type: ignore[arg-type]
+                    make_optimizer=make_optimizer or default_optimizer)
+    if any(x is not None for x in parts):
+        raise TypeError("pass either a Task or model=/loss_fn=/make_batch=, not both")
+    if not isinstance(task, Task):
+        raise TypeError(f"task must be an autoaccum.Task, got {type(task).__name__}")
+    return task
+
+
+def check_loss(output: Any, *, requires_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | int | None]:
     """Split a loss function's output into ``(loss, num_items)``; ``num_items`` is None for a mean loss.
+
+    ``requires_grad``: the loss must carry a gradient (training); False for evaluation.
 
     Raises:
         TaskError: the loss is not a scalar floating tensor, or ``num_items`` is not a count.
@@ -94,7 +118,7 @@ def check_loss(output: Any) -> tuple[torch.Tensor, torch.Tensor | int | None]:
         shape = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
         raise TaskError(f"loss_fn must return a scalar tensor, got {shape}; reduce the loss (e.g. .mean()) "
                         f"or return (loss_sum, num_items)")
-    if not output.dtype.is_floating_point or not output.requires_grad:
+    if not output.dtype.is_floating_point or (requires_grad and not output.requires_grad):
         raise TaskError(f"the loss must be a floating tensor that requires grad (dtype {output.dtype}, "
                         f"requires_grad={output.requires_grad}); was it computed under torch.no_grad()?")
     return output.reshape(()), num_items

@@ -39,7 +39,8 @@ from autoaccum.guard import OOMGuard
 from autoaccum.knobs import Knobs, apply_knobs
 from autoaccum.memory import TrackedMemory, device_capacity
 from autoaccum.oom import is_oom
-from autoaccum.plan import Plan, check_positive_int
+from autoaccum.plan import Plan
+from autoaccum.validate import check_headroom, check_positive_int
 from autoaccum.task import LossFn, Task, trainable_parameters
 from autoaccum.units import parse_bytes
 
@@ -268,8 +269,6 @@ def measure(task: Task, target_batch: int, micro_batch: int, knobs: Knobs | None
         warmup_steps, measure_steps: optimizer steps before timing (>= 2), and timed.
         clock: ``wall`` (default) or ``cpu`` time (see :data:`Clock`).
     """
-    from autoaccum.probe import check_headroom
-
     check_headroom(headroom)
     share = Plan.for_target(target_batch, 1, world_size).rank_batch(0)
     micro_batch = min(check_positive_int(micro_batch, "micro_batch"), share)

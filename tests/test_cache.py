@@ -9,7 +9,7 @@ import torch
 
 import autoaccum
 from autoaccum import probe
-from autoaccum.cache import default_cache_dir, fingerprint, write_json_atomic
+from autoaccum.cache import default_cache_dir, fingerprint
 from _probe_models import mlp, mlp_batch, mlp_loss
 
 
@@ -127,16 +127,6 @@ def test_a_cache_that_cannot_be_written_only_warns(tmp_path):
     with pytest.warns(UserWarning, match="could not write the probe cache"):
         report = _probe(blocker / "cache")
     assert report.source == "probe"
-
-
-def test_atomic_write_leaves_the_old_file_or_the_new_one(tmp_path):
-    path = tmp_path / "sub" / "x.json"
-    write_json_atomic(path, {"a": 1})
-    assert json.loads(path.read_text()) == {"a": 1}
-    with pytest.raises(TypeError):
-        write_json_atomic(path, {"a": object()})  # fails half-way through writing
-    assert json.loads(path.read_text()) == {"a": 1}
-    assert os.listdir(path.parent) == ["x.json"]  # no temporary file left behind
 
 
 def test_default_cache_dir_follows_xdg(monkeypatch, tmp_path):

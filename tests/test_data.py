@@ -7,7 +7,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from _fit_models import epoch_order
-from autoaccum.data import GlobalBatches, rank_slice
+from autoaccum.data import GlobalBatches
+from autoaccum.plan import rank_share
 
 
 def _ids(n: int) -> torch.Tensor:
@@ -69,9 +70,9 @@ def test_rank_shares_cover_each_global_batch_in_rank_order(target, world):
         assert {s.global_size for s in shares} == {len(rb.batch)}
 
 
-def test_rank_slice():
-    assert [rank_slice(10, r, 3) for r in range(3)] == [slice(0, 4), slice(4, 7), slice(7, 10)]
-    assert [rank_slice(1, r, 2) for r in range(2)] == [slice(0, 1), slice(1, 1)]
+def test_rank_share():
+    assert [rank_share(10, r, 3) for r in range(3)] == [slice(0, 4), slice(4, 7), slice(7, 10)]
+    assert [rank_share(1, r, 2) for r in range(2)] == [slice(0, 1), slice(1, 1)]
 
 
 def test_tuple_of_tensors_stays_aligned():

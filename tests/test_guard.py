@@ -16,7 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import autoaccum.accumulate as accumulate_module
 import autoaccum.guard as guard_module
+from autoaccum.memory import MemoryReading
+import autoaccum.recovery as recovery_module
 from _guard_models import (
     Net, RecordingSGD, TokenModel, data, full_step, manual_step, max_diff, mse, pair, params_of, phase_peaks, sizes_for,
     token_batch, token_mean, token_sum,
@@ -322,13 +325,13 @@ def test_negative_control_without_rng_restore_the_replay_differs(monkeypatch):
 def test_negative_control_a_kept_traceback_keeps_the_failed_activations_alive(monkeypatch):
     """The weakref check can fail: keep the exception (and its traceback) and it does."""
     kept = []
-    is_oom = guard_module.is_oom
+    is_oom = accumulate_module.is_oom
 
     def keeping(exc):
         kept.append(exc)
         return is_oom(exc)
 
-    monkeypatch.setattr(guard_module, "is_oom", keeping)
+    monkeypatch.setattr(accumulate_module, "is_oom", keeping)
     model, _ = pair(Net(p=0.2))[0]
     _guarded_run(model, torch.optim.SGD(model.parameters(), lr=0.1), arm=("forward", 2), steps=3)
     assert model.dead_at_replay == [False]
@@ -368,7 +371,7 @@ def test_emulated_budget_oom_replays_the_step_as_if_planned_smaller(case, monkey
               "backward-later": (max(small, fwd1, bwd1, big.get(("forward", 2), 0)), big.get(("backward", 2), 0))}[case]
     assert lo < hi, f"no budget between {lo} and {hi} bytes for {case}: {big}"
     collections = []
-    monkeypatch.setattr(guard_module.gc, "collect", lambda *a: collections.append(a))
+    monkeypatch.setattr(recovery_module.gc, "collect", lambda *a: collections.append(a))
     with emulated_budget((lo + hi) // 2, model, opt) as mem:
         guard.meter = mem  # the guard reads live bytes from the meter: memory came back, no gc needed
         for s in range(2, 5):
@@ -682,7 +685,7 @@ def test_allocator_thrashing_on_consecutive_steps_shrinks_but_an_oom_step_does_n
     guard = OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), target_batch=64, micro_batch=32)
 
     def after_step(retries, attempts=1):
-        return guard._adapt(attempts, {"num_alloc_retries": retries})
+        return guard._adapt(attempts, MemoryReading(0, 0, retries))
 
     assert after_step(0) == [] and after_step(0) == []
     assert after_step(1, attempts=2) == []  # the OOM's own retry: acted on by the replay

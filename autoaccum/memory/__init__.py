@@ -1,44 +1,28 @@
-"""Memory meters: the CUDA allocator's statistics, or live tensor bytes counted on any device.
+"""Memory: meters that read it, the capacity of a device, and the budget a plan is made for.
 
-A meter is entered around a region, ``reset_peak()`` starts a phase and ``peak_bytes`` reads its
-peak. Bytes are absolute: everything the meter counts as live, not only the region's growth.
+This package is the only place autoaccum reads memory. A meter (:class:`Meter`) is entered around
+a region; ``reset_peak()`` starts a phase and ``read()`` returns the live bytes and their peak.
+Bytes are absolute: everything the meter counts as live, not only the region's growth.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
-
-import psutil
 import torch
 
-from autoaccum.memory.cuda import CudaMeter, DeviceCapacity, cuda_capacity
+from autoaccum.memory.capacity import (
+    Budget, DeviceCapacity, cuda_capacity, device_capacity, resolve_budget, usable_bytes,
+)
+from autoaccum.memory.cuda import CudaMeter
+from autoaccum.memory.meter import MemoryReading, Meter, NullMeter
 from autoaccum.memory.tracked import TrackedMemory, emulated_budget, iter_tensors
 
 __all__ = [
-    "CudaMeter", "DeviceCapacity", "MemoryMeter", "TrackedMemory",
-    "device_capacity", "emulated_budget", "iter_tensors",
+    "Budget", "CudaMeter", "DeviceCapacity", "MemoryReading", "Meter", "NullMeter", "TrackedMemory",
+    "cuda_capacity", "default_meter", "device_capacity", "emulated_budget", "iter_tensors", "resolve_budget",
+    "usable_bytes",
 ]
 
 
-class MemoryMeter(Protocol):
-    """What the probe needs of a meter."""
-
-    kind: str
-
-    def __enter__(self) -> Any: ...
-    def __exit__(self, *exc: object) -> Any: ...
-    def reset_peak(self) -> None: ...
-    @property
-    def peak_bytes(self) -> int: ...
-    @property
-    def current_bytes(self) -> int: ...
-    def alloc_retries(self) -> int: ...
-
-
-def device_capacity(device: torch.device) -> DeviceCapacity:
-    """Total and available memory of ``device``: CUDA allocator + NVML, or host RAM (psutil)."""
-    if device.type == "cuda":
-        return cuda_capacity(device)
-    vm = psutil.virtual_memory()
-    return DeviceCapacity(total_bytes=int(vm.total), available_bytes=int(vm.available),
-                          other_process_bytes=None, source="psutil")
+def default_meter(device: torch.device) -> CudaMeter | NullMeter:
+    """The meter that reads ``device`` without changing how it runs: the CUDA allocator, or nothing."""
+    return CudaMeter(device) if device.type == "cuda" else NullMeter()

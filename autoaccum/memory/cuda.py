@@ -1,46 +1,38 @@
-"""What the CUDA caching allocator and NVML report. Nothing here initialises CUDA at import."""
+"""What the CUDA caching allocator and NVML report. Nothing here initialises CUDA at import.
+
+The allocator's statistics are host-side bookkeeping (a block is counted when an op is launched and
+released when its tensor dies), so reading them needs no device synchronisation."""
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
-__all__ = ["CudaMeter", "DeviceCapacity", "cuda_capacity", "nvml_other_process_bytes"]
+from autoaccum.memory.meter import MemoryReading
+
+__all__ = ["CudaMeter", "nvml_other_process_bytes"]
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class DeviceCapacity:
-    """How much memory a device has and how much of it this process may use.
-
-    Attributes:
-        total_bytes: the device's (or host's) total memory.
-        available_bytes: what this process can still use: free memory plus memory this process
-            already holds in its allocator cache.
-        other_process_bytes: memory held by other processes (NVML), None where unknown.
-        source: where the numbers came from, e.g. ``"cuda+nvml"``, ``"psutil"``.
-    """
-
-    total_bytes: int
-    available_bytes: int
-    other_process_bytes: int | None
-    source: str
-
-
 class CudaMeter:
-    """Peak and current allocated bytes from the CUDA caching allocator of one device."""
+    """Peak and current allocated bytes from the CUDA caching allocator of one device (a :class:`Meter`).
+
+    Args:
+        device: the CUDA device.
+        budget_bytes: the budget the run plans for, if known; default: the device's total memory.
+    """
 
     kind = "cuda"
 
-    def __init__(self, device: torch.device | str | int) -> None:
+    def __init__(self, device: torch.device | str | int, budget_bytes: int | None = None) -> None:
         self.device = torch.device(device)
         if self.device.type != "cuda":
             raise ValueError(f"CudaMeter needs a cuda device, got {self.device}")
+        self._budget_bytes = budget_bytes
 
     def __enter__(self) -> CudaMeter:
         torch.cuda.synchronize(self.device)
@@ -49,13 +41,28 @@ class CudaMeter:
     def __exit__(self, *exc: object) -> None:
         torch.cuda.synchronize(self.device)
 
+    @property
+    def budget_bytes(self) -> int:
+        if self._budget_bytes is not None:
+            return self._budget_bytes
+        return int(torch.cuda.mem_get_info(self.device)[1])
+
+    @property
+    def last_oom_needed_bytes(self) -> int:
+        """A lower bound on what the failed step needed: the allocator's peak (the failed request is not in it)."""
+        return int(torch.cuda.max_memory_allocated(self.device))
+
     def reset_peak(self) -> None:
-        torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
+
+    def read(self) -> MemoryReading:
+        # One query: the nested form, since torch.cuda.memory_stats() flattens it in Python (~0.1 ms).
+        stats = torch.cuda.memory_stats_as_nested_dict(self.device)
+        allocated = stats["allocated_bytes"]["all"]
+        return MemoryReading(int(allocated["current"]), int(allocated["peak"]), int(stats.get("num_alloc_retries", 0)))
 
     @property
     def peak_bytes(self) -> int:
-        torch.cuda.synchronize(self.device)
         return int(torch.cuda.max_memory_allocated(self.device))
 
     @property
@@ -105,17 +112,3 @@ def nvml_other_process_bytes(device: torch.device) -> int | None:
     except Exception as exc:
         logger.debug("NVML query failed: %s", exc)
         return None
-
-
-def cuda_capacity(device: torch.device) -> DeviceCapacity:
-    """Total memory of a CUDA device and what this process can still use of it."""
-    free, total = torch.cuda.mem_get_info(device)
-    # Memory cached by our own allocator is reusable by us, though the driver counts it as used.
-    reusable = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    others = nvml_other_process_bytes(device)
-    return DeviceCapacity(
-        total_bytes=int(total),
-        available_bytes=int(free + reusable + torch.cuda.memory_allocated(device)),
-        other_process_bytes=others,
-        source="cuda+nvml" if others is not None else "cuda",
-    )

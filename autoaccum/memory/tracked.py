@@ -27,6 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from autoaccum.memory.meter import MemoryReading
 from autoaccum.units import format_bytes, parse_bytes
 
 __all__ = ["TrackedMemory", "emulated_budget", "iter_tensors"]
@@ -123,6 +124,9 @@ class TrackedMemory(TorchDispatchMode):
 
     def alloc_retries(self) -> int:
         return 0  # an allocator-retry counter exists only on CUDA
+
+    def read(self) -> MemoryReading:
+        return MemoryReading(self.current_bytes, self.peak_bytes, None)
 
     def close(self) -> None:
         """Stop counting frees: drop the finalizers left on storages that outlive this meter

@@ -1,0 +1,92 @@
+"""How much memory a device has, and the budget a plan is made for.
+
+The usable part of a budget is ``budget * (1 - headroom)``: :func:`usable_bytes` is the only
+place that formula is written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from autoaccum.memory.cuda import nvml_other_process_bytes
+from autoaccum.units import parse_bytes
+from autoaccum.validate import check_headroom
+
+__all__ = ["Budget", "DeviceCapacity", "cuda_capacity", "device_capacity", "resolve_budget", "usable_bytes"]
+
+
+@dataclass(frozen=True)
+class DeviceCapacity:
+    """How much memory a device has and how much of it this process may use.
+
+    Attributes:
+        total_bytes: the device's (or host's) total memory.
+        available_bytes: what this process can still use: free memory plus memory this process
+            already holds in its allocator cache.
+        other_process_bytes: memory held by other processes (NVML), None where unknown.
+        source: where the numbers came from, e.g. ``"cuda+nvml"``, ``"psutil"``.
+    """
+
+    total_bytes: int
+    available_bytes: int
+    other_process_bytes: int | None
+    source: str
+
+
+def usable_bytes(budget_bytes: int, headroom: float) -> int:
+    """The part of ``budget_bytes`` a plan may use: ``budget * (1 - headroom)``."""
+    return int(budget_bytes * (1 - headroom))
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The memory a run plans for.
+
+    Attributes:
+        budget_bytes: the whole budget.
+        headroom: the fraction kept free (fragmentation, other processes), in [0, 1).
+        source: ``given`` (by the user), or where the device's capacity was read (``cuda+nvml``, ``psutil``).
+    """
+
+    budget_bytes: int
+    headroom: float
+    source: str
+
+    @property
+    def usable_bytes(self) -> int:
+        return usable_bytes(self.budget_bytes, self.headroom)
+
+
+def cuda_capacity(device: torch.device) -> DeviceCapacity:
+    """Total memory of a CUDA device and what this process can still use of it."""
+    free, total = torch.cuda.mem_get_info(device)
+    # Memory cached by our own allocator is reusable by us, though the driver counts it as used.
+    reusable = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    others = nvml_other_process_bytes(device)
+    return DeviceCapacity(
+        total_bytes=int(total),
+        available_bytes=int(free + reusable + torch.cuda.memory_allocated(device)),
+        other_process_bytes=others,
+        source="cuda+nvml" if others is not None else "cuda",
+    )
+
+
+def device_capacity(device: torch.device) -> DeviceCapacity:
+    """Total and available memory of ``device``: CUDA allocator + NVML, or host RAM (psutil)."""
+    if device.type == "cuda":
+        return cuda_capacity(device)
+    vm = psutil.virtual_memory()
+    return DeviceCapacity(total_bytes=int(vm.total), available_bytes=int(vm.available),
+                          other_process_bytes=None, source="psutil")
+
+
+def resolve_budget(budget: int | str | None, device: torch.device, headroom: float) -> Budget:
+    """The budget a run plans for: ``budget`` as given ("8GiB", bytes), or what ``device`` has free."""
+    headroom = check_headroom(headroom)
+    if budget is not None:
+        return Budget(parse_bytes(budget), headroom, "given")
+    capacity = device_capacity(device)
+    return Budget(capacity.available_bytes, headroom, capacity.source)

@@ -1,0 +1,64 @@
+"""What the guard changes a plan to, and the record of each change. Pure functions of plans.
+
+- after an OOM (or allocator thrashing): half the micro-batch, the accumulation steps it then
+  takes; the global batch never changes. Where a grown micro-batch failed, back to the last size
+  that worked rather than below it.
+- after calm steps (``grow_after``): at most double, never to a size that failed, and only where
+  that saves micro-steps; then the smallest micro-batch with that many steps (the lowest peak).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from autoaccum.plan import Plan
+
+__all__ = ["PlanChange", "Reason", "grown_plan", "shrunk_plan"]
+
+Reason = Literal["oom", "thrash", "grow"]
+
+
+@dataclass(frozen=True)
+class PlanChange:
+    """One change of plan: why, at which optimizer step, and where the OOM struck."""
+
+    step: int
+    reason: Reason
+    where: str
+    old: Plan
+    new: Plan
+
+    def describe(self) -> str:
+        what = {"oom": f"OOM in {self.where} at", "thrash": "allocator thrashing at", "grow": "no OOM for a while:"}
+        return (f"{what[self.reason]} micro {self.old.micro_batch} -> {self.new.micro_batch}, accum "
+                f"{self.old.accum_steps} -> {self.new.accum_steps}, global batch {self.new.target_batch} unchanged")
+
+
+def shrunk_plan(plan: Plan, floor: int | None = None) -> Plan:
+    """The plan after an OOM: half the micro-batch; or ``floor`` (the micro-batch of the last step
+    that succeeded) where halving a grown micro-batch would go below it.
+
+    Raises:
+        ValueError: the micro-batch is 1 already.
+    """
+    new = plan.halved()
+    if floor is not None and new.micro_batch < floor < plan.micro_batch:
+        return Plan.for_target(plan.target_batch, floor, plan.world_size)
+    return new
+
+
+def grown_plan(plan: Plan, initial_micro_batch: int, ceiling: int | None) -> Plan | None:
+    """The plan after calm steps, or None where growing saves no micro-step.
+
+    Args:
+        plan: the plan in force.
+        initial_micro_batch: the micro-batch the run started with (never grown past).
+        ceiling: the smallest micro-batch that failed (never grown to), None if none did.
+    """
+    limit = initial_micro_batch if ceiling is None else min(initial_micro_batch, ceiling - 1)
+    bigger = Plan.for_target(plan.target_batch, max(1, min(plan.micro_batch * 2, limit)), plan.world_size)
+    if bigger.accum_steps >= plan.accum_steps:
+        return None  # a bigger micro-batch with as many passes costs memory and gains nothing
+    # that many passes with the smallest micro-batch that makes them: the lowest peak
+    return Plan.balanced(plan.target_batch, bigger.micro_batch, plan.world_size)

@@ -1,0 +1,237 @@
+"""``fit``'s options as a few typed config dataclasses, validated in one place.
+
+``fit(model, data, target_batch, **options)`` takes flat keyword options (``lr=``, ``epochs=``,
+``budget=`` ...); :meth:`FitConfig.from_options` sorts them into the groups below, and
+:meth:`FitConfig.check` finds every problem before any work is done: one problem is raised as
+it is (a ``TypeError`` or ``ValueError`` naming the option, the value and the allowed range),
+several as one ``ValueError`` listing each. An unknown option name is a ``TypeError`` that
+suggests the closest known one.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import torch
+
+from autoaccum.lr import LR_RULES, LrRule
+from autoaccum.precision import Precision, check_precision
+from autoaccum.units import parse_bytes
+from autoaccum.validate import (
+    check_choice, check_headroom, check_non_negative_int, check_positive_float, check_positive_int,
+)
+
+__all__ = ["CheckpointConfig", "FitConfig", "LRConfig", "MemoryConfig", "OutputConfig", "StopConfig"]
+
+
+def _option(name: str | None = None, **kwargs: Any) -> Any:
+    """A field that ``fit(**options)`` sets by the keyword ``name`` (default: the field's own name)."""
+    return field(metadata={"option": name}, **kwargs)
+
+
+@dataclass(frozen=True)
+class LRConfig:
+    """The learning rate and the rule that moves it with the global batch (invariant 5).
+
+    Attributes:
+        lr: the learning rate tuned for ``base_batch`` (default: the optimizer's, or 1e-3).
+        base_batch: the global batch ``lr`` was tuned for; when it differs from ``target_batch``
+            the LR is rescaled by ``rule``.
+        rule: ``linear``, ``sqrt``, ``adam_sde`` or ``none``.
+        warmup_steps: linear LR warmup over this many optimizer steps.
+    """
+
+    lr: float | None = _option(default=None)
+    base_batch: int | None = _option(default=None)
+    rule: LrRule = _option("lr_rule", default="linear")
+    warmup_steps: int = _option(default=0)
+
+    def problems(self) -> list[Exception]:
+        return _collect(
+            lambda: self.lr is None or check_positive_float(self.lr, "lr"),
+            lambda: self.base_batch is None or check_positive_int(
+                self.base_batch, "base_batch", hint=" (the global batch the lr was tuned for)"),
+            lambda: check_choice(self.rule, "lr_rule", LR_RULES),
+            lambda: check_non_negative_int(self.warmup_steps, "warmup_steps"),
+        )
+
+
+@dataclass(frozen=True)
+class StopConfig:
+    """How long to train, and the data order.
+
+    Attributes:
+        epochs, max_steps: stop after ``epochs`` passes or ``max_steps`` steps, whichever first.
+        seed: the data order's seed.
+    """
+
+    epochs: int | None = _option(default=1)
+    max_steps: int | None = _option(default=None)
+    seed: int = _option(default=0)
+
+    def problems(self) -> list[Exception]:
+        return _collect(
+            lambda: _require(self.epochs is not None or self.max_steps is not None,
+                             "give epochs= (passes over the data) or max_steps= (optimizer steps), or both"),
+            lambda: self.epochs is None or check_positive_int(self.epochs, "epochs"),
+            lambda: self.max_steps is None or check_positive_int(self.max_steps, "max_steps"),
+            lambda: _require_int(self.seed, "seed"),
+        )
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """Where and how a step runs, and the memory it plans for.
+
+    Attributes:
+        device: default CUDA if available, else CPU.
+        budget: memory budget ("8GiB"): the probe plans for it, and on devices other than CUDA
+            training runs under an emulated budget of that size (a real OOM at the crossing).
+        headroom: fraction of the budget the plan keeps free.
+        plan: skip probing: a Plan, a ProbeReport, or a probe/search JSON file.
+        precision: ``fp32``, ``bf16`` (autocast) or ``fp16`` (autocast + GradScaler).
+        max_grad_norm: clip the global gradient norm once per step.
+        grow_after: let the guard grow the micro-batch back after this many calm steps.
+        probe_cache: reuse a cached probe result with the same fingerprint.
+    """
+
+    device: str | torch.device | None = _option(default=None)
+    budget: int | str | None = _option(default=None)
+    headroom: float = _option(default=0.1)
+    plan: Any = _option(default=None)
+    precision: Precision = _option(default="fp32")
+    max_grad_norm: float | None = _option(default=None)
+    grow_after: int | None = _option(default=None)
+    probe_cache: bool = _option(default=False)
+
+    @property
+    def budget_bytes(self) -> int | None:
+        return None if self.budget is None else parse_bytes(self.budget)
+
+    def problems(self) -> list[Exception]:
+        return _collect(
+            lambda: self.budget is None or parse_bytes(self.budget),
+            lambda: check_headroom(self.headroom),
+            lambda: check_precision(self.precision),
+            lambda: self.max_grad_norm is None or check_positive_float(
+                self.max_grad_norm, "max_grad_norm", hint=", or None for no clipping"),
+            lambda: self.grow_after is None or check_positive_int(self.grow_after, "grow_after"),
+        )
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpoints and resume.
+
+    Attributes:
+        directory: where checkpoints are written atomically (None: no checkpoints).
+        every: save every this many optimizer steps (and always at the end).
+        resume: continue from the checkpoint in ``directory``; bit-identical to a run that was
+            never interrupted (CPU, fp32).
+    """
+
+    directory: str | os.PathLike[str] | None = _option("checkpoint_dir", default=None)
+    every: int | None = _option("checkpoint_every", default=None)
+    resume: bool = _option(default=False)
+
+    def problems(self) -> list[Exception]:
+        return _collect(
+            lambda: self.every is None or check_positive_int(self.every, "checkpoint_every"),
+            lambda: _require(not self.resume or self.directory is not None,
+                             "resume=True needs checkpoint_dir= (where the checkpoint is)"),
+        )
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    """What a run reports.
+
+    Attributes:
+        progress: a progress bar on a terminal (stderr); logging otherwise.
+        log_file: append one JSON line of metrics per optimizer step.
+        eval_every: evaluate ``eval_data`` every this many optimizer steps (and at the end).
+    """
+
+    progress: bool = _option(default=True)
+    log_file: str | os.PathLike[str] | None = _option(default=None)
+    eval_every: int | None = _option(default=None)
+
+    def problems(self) -> list[Exception]:
+        return _collect(lambda: self.eval_every is None or check_positive_int(self.eval_every, "eval_every"))
+
+
+@dataclass(frozen=True)
+class FitConfig:
+    """Every option of ``fit``, in groups."""
+
+    lr: LRConfig = field(default_factory=LRConfig)
+    stop: StopConfig = field(default_factory=StopConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    @classmethod
+    def from_options(cls, base: FitConfig | None = None, **options: Any) -> FitConfig:
+        """``base`` (default: the defaults) with the flat keyword ``options`` of ``fit`` applied.
+
+        Raises:
+            TypeError: an unknown option (naming the closest known one).
+        """
+        if base is not None and not isinstance(base, FitConfig):
+            raise TypeError(f"config must be an autoaccum.FitConfig, got {type(base).__name__}")
+        config = base if base is not None else cls()
+        where = _option_table()
+        unknown = [name for name in options if name not in where]
+        if unknown:
+            name = unknown[0]
+            close = difflib.get_close_matches(name, list(where), n=1)
+            raise TypeError(f"fit() got an unknown option {name!r}" + (f"; did you mean {close[0]!r}?" if close else
+                            f". Known options: {', '.join(sorted(where))}"))
+        groups: dict[str, dict[str, Any]] = {}
+        for name, value in options.items():
+            group, attr = where[name]
+            groups.setdefault(group, {})[attr] = value
+        return replace(config, **{g: replace(getattr(config, g), **values) for g, values in groups.items()})
+
+    def check(self) -> FitConfig:
+        """Raise every problem at once (see the module docstring); returns self when there is none."""
+        found = [p for group in (self.lr, self.stop, self.memory, self.checkpoint, self.output)
+                 for p in group.problems()]
+        if len(found) == 1:
+            raise found[0]
+        if found:
+            raise ValueError(f"{len(found)} invalid fit options:\n" + "\n".join(f"  - {p}" for p in found))
+        return self
+
+
+def _option_table() -> dict[str, tuple[str, str]]:
+    """option name -> (group attribute of FitConfig, field of that group)."""
+    table: dict[str, tuple[str, str]] = {}
+    for group in fields(FitConfig):
+        for f in fields(group.default_factory()):  # type: ignore[misc]
+            table[f.metadata.get("option") or f.name] = (group.name, f.name)
+    return table
+
+
+def _require_int(value: object, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _collect(*checks: Any) -> list[Exception]:
+    """The exceptions the checks raise (each check is a callable; a TypeError/ValueError is a problem)."""
+    problems: list[Exception] = []
+    for check in checks:
+        try:
+            check()
+        except (TypeError, ValueError) as exc:
+            problems.append(exc)
+    return problems

@@ -1,0 +1,80 @@
+"""Argument checks: one home for every "is this value allowed" rule.
+
+Each check returns the value (converted where that is lossless) or raises a ``TypeError`` (wrong
+kind) or ``ValueError`` (wrong value) that names the argument, the value and the allowed range, so
+that bad input fails before any work is done (invariant 7). ``bool`` is never accepted as a number:
+``True`` is an int to Python but never what a user meant by ``target_batch=True``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any, TypeVar
+
+__all__ = [
+    "check_choice", "check_fraction", "check_headroom", "check_non_negative_int", "check_positive_float",
+    "check_positive_int", "is_number",
+]
+
+T = TypeVar("T")
+
+
+def is_number(value: object) -> bool:
+    """An int or a float, and not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_positive_int(value: object, name: str, *, hint: str = "") -> int:
+    """``value`` as an int >= 1, or a TypeError/ValueError naming it and the allowed range."""
+    if not _is_int(value):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__}){hint}")
+    if value < 1:  # type: ignore[operator]
+        raise ValueError(f"Invalid {name}: {value}. Allowed range: 1 ~ any positive int{hint}")
+    return value  # type: ignore[return-value]
+
+
+def check_non_negative_int(value: object, name: str, *, hint: str = "") -> int:
+    """``value`` as an int >= 0."""
+    if not _is_int(value):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__}){hint}")
+    if value < 0:  # type: ignore[operator]
+        raise ValueError(f"Invalid {name}: {value}. Allowed range: 0 ~ any positive int{hint}")
+    return value  # type: ignore[return-value]
+
+
+def check_positive_float(value: object, name: str, *, minimum: float = 0.0, inclusive: bool = False,
+                         hint: str = "") -> float:
+    """``value`` as a finite float above ``minimum`` (or at least it, with ``inclusive``)."""
+    if not is_number(value):
+        raise TypeError(f"{name} must be a float, got {value!r} ({type(value).__name__}){hint}")
+    number = float(value)  # type: ignore[arg-type]
+    ok = math.isfinite(number) and (number >= minimum if inclusive else number > minimum)
+    if not ok:
+        bound = f">= {minimum:g}" if inclusive else f"> {minimum:g}"
+        raise ValueError(f"Invalid {name}: {value!r}. Allowed range: finite and {bound}{hint}")
+    return number
+
+
+def check_fraction(value: object, name: str, *, hint: str = "") -> float:
+    """``value`` as a float in [0, 1)."""
+    if not is_number(value) or not 0 <= value < 1:  # type: ignore[operator]
+        raise ValueError(f"Invalid {name}: {value!r}. Allowed range: 0 <= {name} < 1{hint}")
+    return float(value)  # type: ignore[arg-type]
+
+
+def check_headroom(headroom: object) -> float:
+    """The fraction of a memory budget kept free, in [0, 1)."""
+    return check_fraction(headroom, "headroom", hint=" (a fraction of the budget kept free, e.g. 0.1)")
+
+
+def check_choice(value: T, name: str, allowed: Iterable[Any]) -> T:
+    """``value`` if it is one of ``allowed`` (e.g. ``typing.get_args`` of a Literal)."""
+    allowed = tuple(allowed)
+    if value not in allowed:
+        raise ValueError(f"Invalid {name}: {value!r}. Allowed values: {', '.join(map(str, allowed))}")
+    return value
