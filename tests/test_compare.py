@@ -1,4 +1,5 @@
-"""Smoke test of benchmarks/compare.py (issue 7): the autoaccum and hand-written parts, tiny, in-process.
+"""Smoke test of the head-to-head benchmark (issue 7; benchmarks/compare.py, the package
+benchmarks/headtohead/): the autoaccum and hand-written parts, tiny, in-process.
 
 Skipped where the peers (the ``bench`` extra: accelerate, lightning, transformers) are not installed:
 the benchmark exists to compare against them, and CI without them must still pass.
@@ -6,28 +7,33 @@ the benchmark exists to compare against them, and CI without them must still pas
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+
+from autoaccum import TrackedMemory
 
 pytest.importorskip("accelerate")
 pytest.importorskip("lightning")
 pytest.importorskip("transformers")
 
-COMPARE = Path(__file__).resolve().parent.parent / "benchmarks" / "compare.py"
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def compare():
-    spec = importlib.util.spec_from_file_location("compare_bench", COMPARE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["compare_bench"] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("compare_bench", None)
+    """The benchmark's modules, imported from benchmarks/ (not an installed package)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(BENCHMARKS))
+        names = ("workloads", "budget", "runner", "report")
+        modules = {name: importlib.import_module(f"headtohead.{name}") for name in names}
+        yield SimpleNamespace(**modules)
+    for name in [n for n in sys.modules if n == "headtohead" or n.startswith("headtohead.")]:
+        del sys.modules[name]
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +41,9 @@ def doc(compare):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        config = compare.Config(size="tiny", models=("mlp",), systems=("autoaccum", "hand"), steps=4, isolate=False)
-        return compare.run(config)
+        config = compare.runner.Config(size="tiny", models=("mlp",), systems=("autoaccum", "hand"), steps=4,
+                                       isolate=False)
+        return compare.runner.run(config)
     finally:
         torch.set_num_threads(threads)
 
@@ -72,7 +79,7 @@ def test_hand_loop_is_exact_until_the_budget_drops_then_stops(doc):
 
 def test_brute_force_finds_the_budgeted_micro_batch(doc, compare):
     result = doc["results"][0]
-    w = compare.workloads("tiny")["mlp"]
+    w = compare.workloads.workloads("tiny")["mlp"]
     assert result["truly_fits"] == w.micro_target  # the budget is set between micro_target and +1
 
 
@@ -82,8 +89,8 @@ def test_the_peers_recognise_the_benchmark_oom_but_not_the_raw_one(compare):
 
     model = torch.nn.Linear(8, 8)
     errors = {}
-    for name, budget in (("raw", compare.TrackedMemory(budget_bytes=64)),
-                         ("peer", compare.PeerVisibleBudget(64))):
+    for name, budget in (("raw", TrackedMemory(budget_bytes=64)),
+                         ("peer", compare.budget.PeerVisibleBudget(64))):
         with pytest.raises(torch.OutOfMemoryError) as caught, budget.track(model):
             model(torch.ones(4, 8))
         errors[name] = caught.value
@@ -95,18 +102,39 @@ def test_the_peers_recognise_the_benchmark_oom_but_not_the_raw_one(compare):
 def test_results_section_replaces_only_its_own(compare, doc, tmp_path):
     path = tmp_path / "RESULTS.md"
     path.write_text("# Benchmark results\n\n## Probe (issue 2)\n\nkeep me\n\n"
-                    f"{compare.SECTION}\n\nold table\n\n## Later section\n\nkeep me too\n")
-    compare.write_section(doc, "python benchmarks/compare.py --size tiny", path)
+                    f"{compare.report.SECTION}\n\nold table\n\n## Later section\n\nkeep me too\n")
+    compare.report.write_section(doc, "python benchmarks/compare.py --size tiny", path)
     text = path.read_text()
     assert "keep me\n" in text and "keep me too" in text and "old table" not in text
-    assert text.count(compare.SECTION) == 1
+    assert text.count(compare.report.SECTION) == 1
     assert "| mlp | autoaccum |" in text and "torch " + torch.__version__ in text
 
     # a GPU run's table goes beside the CPU one; rewriting the CPU one keeps it
     gpu = {**doc, "config": {**doc["config"], "device": "cuda"}, "machine": "Linux, 16 cores, NVIDIA H100"}
-    compare.write_section(gpu, "python benchmarks/compare.py --device cuda --size gpu", path)
-    compare.write_section(doc, "python benchmarks/compare.py --size tiny", path)
+    compare.report.write_section(gpu, "python benchmarks/compare.py --device cuda --size gpu", path)
+    compare.report.write_section(doc, "python benchmarks/compare.py --size tiny", path)
     text = path.read_text()
     assert "### CPU, emulated budget" in text and "### NVIDIA H100 (cuda)" in text
     assert text.index("### CPU") < text.index("### NVIDIA") < text.index("## Later section")
-    assert text.count(compare.SECTION) == 1 and text.count("### CPU, emulated budget") == 1
+    assert text.count(compare.report.SECTION) == 1 and text.count("### CPU, emulated budget") == 1
+
+
+def test_results_section_keeps_the_method_prose(compare, doc, tmp_path):
+    """The method is written up in RESULTS.md only: rewriting the section must keep it, first, as it is."""
+    path = tmp_path / "RESULTS.md"
+    path.write_text(compare.report.RESULTS.read_text())
+    method = compare.report.METHOD
+    before = path.read_text()
+    kept = before[before.index(method):before.index("\n### ", before.index(method) + 1)]
+    assert "PeerVisibleBudget" in kept  # the real prose, not an empty heading
+
+    compare.report.write_section(doc, "python benchmarks/compare.py --size tiny", path)
+    compare.report.write_section(doc, "python benchmarks/compare.py --size tiny", path)
+    text = path.read_text()
+    assert text.count(method) == 1 and kept in text
+    section = text[text.index(compare.report.SECTION):]
+    assert section.index(compare.report.COLUMNS) < section.index(method) < section.index("### CPU, emulated budget")
+    # everything outside the section is as it was
+    start, end = before.index(compare.report.SECTION), text.index(compare.report.SECTION)
+    assert text[:end] == before[:start]
+    assert text[text.index("\n## ", end + 1):] == before[before.index("\n## ", start + 1):]

@@ -1,0 +1,166 @@
+"""The memory budget every system runs under, and its calibration by brute force.
+
+On CPU the budget is autoaccum's emulated device, re-raising its OOM with the text the peers look
+for; on CUDA the real device made smaller. Why and how: benchmarks/RESULTS.md, head-to-head, Method.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import time
+from typing import Any
+
+import torch
+
+from autoaccum import TrackedMemory
+
+from .context import Context
+from .workloads import loss_sum, make_optimizer, on_device, slice_batch
+
+#: the text the peers' OOM detectors look for; a real CUDA OOM starts with it
+PEER_OOM_PREFIX = "CUDA out of memory. "
+
+
+class PeerVisibleBudget(TrackedMemory):
+    """autoaccum's emulated budget, re-raising its OOM with the text the peers' detectors look for.
+
+    The error is the same ``torch.OutOfMemoryError`` (autoaccum recognises it by type); only the
+    message gains a "CUDA out of memory. " prefix. It is raised outside the ``except`` block, so the
+    original traceback (and the activations it holds) is gone, as after a real allocator failure."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        super().__init__(budget_bytes=budget_bytes)
+        self.oom_times: list[float] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        try:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        except torch.OutOfMemoryError as exc:
+            message = str(exc)
+        self.oom_times.append(time.perf_counter())
+        raise torch.OutOfMemoryError(PEER_OOM_PREFIX + message)
+
+    def set_budget(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+
+    @property
+    def ooms(self) -> int:
+        return len(self.oom_times)
+
+
+class CudaBudget:
+    """A real CUDA device made smaller with ``set_per_process_memory_fraction`` (GPU runs only)."""
+
+    def __init__(self, budget_bytes: int, device: torch.device) -> None:
+        self.device = device
+        self.total = torch.cuda.get_device_properties(device).total_memory
+        self.budget_bytes = budget_bytes
+        self._ooms_at_start = 0
+        self.oom_times: list[float] = []  # not known on CUDA; ``ooms`` reads the allocator's counter
+
+    def track(self, *objs: Any) -> CudaBudget:
+        return self
+
+    def set_budget(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        torch.cuda.set_per_process_memory_fraction(min(budget_bytes / self.total, 1.0), self.device)
+
+    def __enter__(self) -> CudaBudget:
+        gc.collect()
+        torch.cuda.empty_cache()
+        self._ooms_at_start = int(torch.cuda.memory_stats(self.device).get("num_ooms", 0))
+        self.set_budget(self.budget_bytes)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+
+    @property
+    def ooms(self) -> int:
+        return int(torch.cuda.memory_stats(self.device).get("num_ooms", 0)) - self._ooms_at_start
+
+
+def make_budget(budget_bytes: int, device: torch.device) -> PeerVisibleBudget | CudaBudget:
+    return CudaBudget(budget_bytes, device) if device.type == "cuda" else PeerVisibleBudget(budget_bytes)
+
+
+def accumulated_steps(ctx: Context, micro: int, budget: Any, steps: int = 2, accumulate: bool = True) -> None:
+    """Two AdamW steps, each accumulating two micro-batches of ``micro`` (one when ``micro`` is the target,
+    or without ``accumulate``). The second micro-batch's forward runs with the first one's gradients
+    alive: an accumulation step needs more memory than a lone step of the same micro-batch."""
+    target = ctx.workload.target_batch
+    model = copy.deepcopy(ctx.base).to(ctx.device)
+    optimizer = make_optimizer(model)
+    budget.track(model, optimizer)
+    parts = 1 if micro >= target or not accumulate else 2
+    with budget:
+        for step in range(steps):
+            for a in range(parts):
+                start = (step * parts + a) * micro
+                total, count = loss_sum(model, on_device(slice_batch(ctx.data, start, start + micro), ctx.device))
+                (total / count / parts).backward()
+                del total
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+
+class _NoBudget(contextlib.nullcontext):
+    def track(self, *objs: Any) -> _NoBudget:
+        return self
+
+
+def peak_bytes(ctx: Context, micro: int) -> int:
+    if ctx.device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+        accumulated_steps(ctx, micro, _NoBudget())
+        return int(torch.cuda.max_memory_reserved(ctx.device))  # the fraction caps reserved memory
+    meter = TrackedMemory()
+    accumulated_steps(ctx, micro, meter)
+    return meter.peak_bytes
+
+
+def budget_for(ctx: Context, micro: int) -> int:
+    """Bytes in which a plain accumulation loop fits ``micro`` samples but not ``micro + 1``."""
+    low, high = peak_bytes(ctx, micro), peak_bytes(ctx, micro + 1)
+    return (low + high) // 2 if high > low else low
+
+
+def fits(ctx: Context, micro: int, budget_bytes: int, accumulate: bool = True) -> bool:
+    if ctx.device.type == "cuda":  # the counter of a CPU run sees only its own tensors; a GPU sees all
+        gc.collect()
+    budget = make_budget(budget_bytes, ctx.device)
+    try:
+        accumulated_steps(ctx, micro, budget, accumulate=accumulate)
+    except torch.OutOfMemoryError:
+        return False
+    finally:
+        if ctx.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return True
+
+
+def brute_force(ctx: Context, budget_bytes: int, accumulate: bool = True) -> tuple[int, int]:
+    """The largest micro-batch that runs two accumulated AdamW steps under the budget (doubling, then
+    bisection), and how many sizes were tried. ``accumulate=False``: two lone steps of that size."""
+    target = ctx.workload.target_batch
+    tried = 0
+    lo, hi = 0, None
+    size = 1
+    while hi is None:
+        tried += 1
+        if fits(ctx, size, budget_bytes, accumulate):
+            lo = size
+            if size >= target:
+                return target, tried
+            size = min(size * 2, target)
+        else:
+            hi = size
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        tried += 1
+        lo, hi = (mid, hi) if fits(ctx, mid, budget_bytes, accumulate) else (lo, mid)
+    return lo, tried

@@ -1,0 +1,44 @@
+"""The full-batch reference every system's final parameters are compared with."""
+
+from __future__ import annotations
+
+import copy
+
+from torch import nn
+
+from .context import Context
+from .workloads import loss_sum, make_optimizer, on_device, slice_batch
+
+
+def reference(ctx: Context) -> nn.Module:
+    """Full-batch training: one forward/backward on all ``target`` samples per step (item-weighted mean).
+
+    On CUDA the full batch of the ``gpu`` models does not fit even the whole device: there the loss sums
+    of chunks are accumulated and divided once by the step's item count (exact, but for BatchNorm)."""
+    target = ctx.workload.target_batch
+    chunk = target if ctx.device.type != "cuda" else max(ctx.truly_fits, 1)
+    model = copy.deepcopy(ctx.base).to(ctx.device)
+    optimizer = make_optimizer(model)
+    for step in range(ctx.steps):
+        count = int(ctx.data["labels"][step * target:(step + 1) * target].ne(-100).sum())
+        for start in range(step * target, (step + 1) * target, chunk):
+            total, _ = loss_sum(model, on_device(slice_batch(ctx.data, start, min(start + chunk, (step + 1) * target)),
+                                                 ctx.device))
+            (total / count).backward()
+            del total
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return model
+
+
+def param_diff(model: nn.Module | None, ref: nn.Module, init: nn.Module) -> tuple[float, float] | None:
+    """(max rel diff to the reference, max diff relative to the reference's update), over tensors."""
+    if model is None:
+        return None
+    rel = upd = 0.0
+    for p, r, p0 in zip(model.parameters(), ref.parameters(), init.parameters(), strict=True):
+        p, r, p0 = p.detach().cpu().double(), r.detach().cpu().double(), p0.detach().cpu().double()
+        diff = (p - r).abs().max().item()
+        rel = max(rel, diff / max(r.abs().max().item(), 1e-30))
+        upd = max(upd, diff / max((r - p0).abs().max().item(), 1e-30))
+    return rel, upd

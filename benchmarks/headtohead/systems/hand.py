@@ -1,0 +1,44 @@
+"""hand: a nanoGPT-style loop (``loss / accum_steps``) with a fixed micro-batch and no OOM handling."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from ..context import Context, RunResult
+from ..recorder import Recorder
+from ..workloads import make_optimizer, on_device, slice_batch
+from .common import mean_loss
+
+
+def run(ctx: Context, recorder: Recorder, budget: Any) -> RunResult:
+    """nanoGPT-style: ``loss / accum_steps``; a fixed micro-batch chosen by an informed user."""
+    target = ctx.workload.target_batch
+    micro = max(m for m in (2 ** k for k in range(20)) if m <= ctx.truly_fits and target % m == 0)
+    accum = target // micro
+    model = recorder.watch_model(copy.deepcopy(ctx.base).to(ctx.device))
+    optimizer = make_optimizer(model)
+    recorder.watch_optimizer(optimizer)
+    loss_fn = mean_loss(recorder)
+    recorder.phase = "train"
+    recorder.new_attempt()
+    budget.track(model, optimizer)
+    result = RunResult(micro_batch=micro, find_steps=0, find_time_s=0.0, find_ooms=0, model=model)
+    try:
+        with budget:
+            for step in range(ctx.steps):
+                for a in range(accum):
+                    start = step * target + a * micro
+                    loss = loss_fn(model, on_device(slice_batch(ctx.data, start, start + micro),
+                                                    ctx.device)) / accum
+                    loss.backward()
+                    del loss
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+    except torch.OutOfMemoryError as exc:
+        result.error = f"crashed: {type(exc).__name__}: {str(exc)[:60]}"
+    result.notes.append(f"micro {micro} x accum {accum} fixed (largest power of two that fits and divides "
+                        f"{target}); no OOM handling")
+    return result
