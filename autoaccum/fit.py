@@ -43,12 +43,13 @@ from autoaccum.sync import GradSync, LocalSync
 from autoaccum.task import LossFn, Task, trainable_parameters
 from autoaccum.training.config import FitConfig
 from autoaccum.training.evaluate import evaluate
+from autoaccum.training.plans import choose_plan
 from autoaccum.training.progress import Progress
 from autoaccum.training.resume import RunPosition, check_resumable, restore_run, save_run
 from autoaccum.units import format_bytes
 from autoaccum.validate import check_positive_int
 
-__all__ = ["FitConfig", "FitResult", "default_loss", "fit", "load_plan"]
+__all__ = ["FitConfig", "FitResult", "default_loss", "fit"]
 
 logger = logging.getLogger(__name__)
 
@@ -104,42 +105,21 @@ def default_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     return F.cross_entropy(model(inputs), targets)
 
 
-def load_plan(plan: Any, target_batch: int, world_size: int) -> Plan:
-    """:func:`~autoaccum.plan.read_plan`, checked against the run's target and world size."""
-    plan = read_plan(plan)
-    if plan.target_batch != target_batch:
-        raise ValueError(f"the plan is for target_batch {plan.target_batch}, this run's is {target_batch}; the "
-                         f"global batch is never changed silently: pass target_batch={plan.target_batch} or re-plan")
-    return plan.with_world_size(world_size) if plan.world_size != world_size else plan
+def _placed(model: torch.nn.Module, device: Any) -> tuple[torch.nn.Module, GradSync, torch.device]:
+    """The model on its device, in training mode, wrapped for data parallelism where needed, and how
+    its ranks agree. Under torchrun without a process group one is created (cuda:LOCAL_RANK on CUDA).
 
-
-def _warn_unapplied_knobs(plan: Any, precision: str) -> None:
-    """A search plan file also names knobs (autocast, checkpointing, compile); fit applies only the
-    plan and its own ``precision``, so say so rather than train differently from what was measured."""
-    try:
-        knobs = read_plan_document(plan)[1]
-    except (OSError, ValueError, TypeError):
-        return  # load_plan has read it already; nothing more to say
-    if not knobs:
-        return
-    autocast = knobs.get("autocast", "fp32")
-    extra = [k for k in ("checkpointing", "compile") if knobs.get(k)]
-    if extra or autocast != precision:
-        warnings.warn(f"the plan was measured with knobs {knobs}; fit applies the plan's micro-batch and "
-                      f"precision={precision!r} only. Pass precision={autocast!r}"
-                      + (f" and apply {', '.join(extra)} with autoaccum.knobs.apply_knobs(model, ...)" if extra else "")
-                      + " to train as measured.", stacklevel=3)
-
-
-def _make_sync(model: torch.nn.Module) -> tuple[torch.nn.Module, GradSync]:
-    """The model to train (wrapped for data parallelism where needed) and how its ranks agree.
-
-    Under torch.distributed with more than one rank: DDP unless the model is already DDP or FSDP2
-    (``fully_shard``), and a :class:`~autoaccum.distributed.DistributedSync`."""
+    With more than one rank: DDP unless the model is already DDP or FSDP2 (``fully_shard``), and a
+    :class:`~autoaccum.distributed.DistributedSync`."""
+    distributed.init_from_env()
+    dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    trainable_parameters(model)
+    model.to(dev)
+    model.train()
     if not distributed.is_distributed() or distributed.world_info().world_size == 1:
-        return model, LocalSync()
+        return model, LocalSync(), dev
     model = distributed.wrap_model(model)
-    return model, distributed.DistributedSync(model)
+    return model, distributed.DistributedSync(model), dev
 
 
 def _optimizer(model: torch.nn.Module, optimizer: Any, lr: float | None) -> torch.optim.Optimizer:
@@ -170,28 +150,6 @@ class _Run:
     lr: float
     ckpt_dir: Path | None
     position: RunPosition
-
-
-def _choose_plan(cfg: FitConfig, state: dict[str, Any] | None, sync: GradSync, task: Task,
-                 optimizer: torch.optim.Optimizer, target_batch: int) -> tuple[Plan, str, ProbeReport | None]:
-    """The plan training starts with: the checkpoint's, the given one, or the probe's; one for every rank."""
-    report = None
-    if state is not None:
-        plan, source = Plan.from_dict(state["guard"]["plan"]).with_world_size(sync.world_size), "checkpoint"
-    elif cfg.memory.plan is not None:
-        plan, source = load_plan(cfg.memory.plan, target_batch, sync.world_size), "given"
-        _warn_unapplied_knobs(cfg.memory.plan, cfg.memory.precision)
-    else:
-        if isinstance(sync, distributed.DistributedSync) and sync.kind == "fsdp2":
-            raise ValueError("fit cannot probe an FSDP2 (fully_shard) model: the probe's steps would run collectives "
-                             "whose number depends on each rank's measurements. Pass plan= (e.g. a probe report "
-                             "of one unsharded replica, or autoaccum.Plan.for_target(target_batch, micro_batch))")
-        report = probe(task, optimizer=optimizer, target_batch=target_batch, world_size=sync.world_size,
-                       budget=cfg.memory.budget, headroom=cfg.memory.headroom, cache=cfg.memory.probe_cache)
-        plan, source = report.plan, report.source
-    if sync.world_size > 1:  # one plan for every rank: the smallest micro-batch any rank can run
-        plan = sync.agree_plan(plan)
-    return plan, source, report
 
 
 def fit(model: torch.nn.Module, data: Any, target_batch: int = 256, *, loss_fn: LossFn | None = None,
@@ -231,21 +189,10 @@ def fit(model: torch.nn.Module, data: Any, target_batch: int = 256, *, loss_fn: 
     check_positive_int(target_batch, "target_batch")
     cfg = FitConfig.from_options(config, **options).check()
     ckpt_dir = None if cfg.checkpoint.directory is None else ckpt.check_writable(cfg.checkpoint.directory)
-    distributed.init_from_env()  # under torchrun without a process group: create it (and pick cuda:LOCAL_RANK)
-    device = cfg.memory.device
-    dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    trainable_parameters(model)
-    model.to(dev)
-    model.train()
-    model, sync = _make_sync(model)
+    model, sync, dev = _placed(model, cfg.memory.device)
     inner = distributed.unwrap_model(model)
     seed = cfg.stop.seed
-    batches = GlobalBatches(data, target_batch, seed=seed, rank=sync.rank, world_size=sync.world_size)
-    eval_batches = None if eval_data is None else \
-        GlobalBatches(eval_data, target_batch, seed=seed, rank=sync.rank, world_size=sync.world_size)
-    if batches.num_samples is not None and batches.is_indexed and batches.num_samples < target_batch:
-        raise ValueError(f"data holds {batches.num_samples} samples, fewer than one global batch of {target_batch}; "
-                         f"lower target_batch or add data (the global batch is never shrunk silently)")
+    batches, eval_batches = _global_batches(data, eval_data, target_batch, seed, sync)
     loss_fn = loss_fn if loss_fn is not None else default_loss
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
@@ -261,7 +208,7 @@ def fit(model: torch.nn.Module, data: Any, target_batch: int = 256, *, loss_fn: 
     scaler = make_scaler(cfg.memory.precision, dev)
     # the module itself, not a DDP wrapper: each rank measures on its own, with no collective
     task = Task(model=inner, loss_fn=loss_fn, make_batch=batches.sample, name="fit")
-    start_plan, plan_source, report = _choose_plan(cfg, state, sync, task, optimizer, target_batch)
+    start_plan, plan_source, report = choose_plan(cfg, state, sync, task, optimizer, target_batch)
     budget_bytes = cfg.memory.budget_bytes
     meter = TrackedMemory(budget_bytes=budget_bytes) if budget_bytes is not None and dev.type != "cuda" else None
     guard = OOMGuard(model, optimizer, plan=start_plan, scheduler=scheduler, scaler=scaler,
@@ -271,18 +218,8 @@ def fit(model: torch.nn.Module, data: Any, target_batch: int = 256, *, loss_fn: 
         state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, guard=guard)
     run = _Run(model, optimizer, scheduler, scaler, guard, sync, loss_fn, dev, cfg, target_batch, run_lr, ckpt_dir,
                position)
-    per_epoch = batches.steps_per_epoch
-    epochs, max_steps = cfg.stop.epochs, cfg.stop.max_steps
-    total = max_steps if epochs is None or per_epoch is None else \
-        min(max_steps or epochs * per_epoch, epochs * per_epoch)
-    progress = Progress(cfg.output.progress, total, cfg.output.log_file, sync.rank)
-    budget_text = "" if budget_bytes is None else \
-        f" · budget {format_bytes(budget_bytes)}{' (emulated)' if meter is not None else ''}"
-    base_batch = cfg.lr.base_batch
-    progress.say(f"autoaccum fit · {dev}{budget_text} · {start_plan.describe()} (plan from {plan_source}) · "
-                 f"lr {run_lr:.4g}" + ("" if base_batch in (None, target_batch) else
-                                        f" ({cfg.lr.rule} rule from base batch {base_batch})")
-                 + (f" · resuming at step {position.steps}" if state is not None else ""))
+    progress = Progress(cfg.output.progress, _total_steps(cfg, batches), cfg.output.log_file, sync.rank)
+    progress.say(_banner(run, start_plan, plan_source, emulated=meter is not None, resumed=state is not None))
     try:
         if meter is not None:  # the emulated device: the step's allocations count against the budget
             meter.track(model, optimizer)
@@ -301,6 +238,34 @@ def fit(model: torch.nn.Module, data: Any, target_batch: int = 256, *, loss_fn: 
         peak_bytes=summary["peak_bytes"], wall_time_s=time.perf_counter() - started,
         probe_time_s=0.0 if report is None else report.wall_time_s, probe=report,
     )
+
+
+def _global_batches(data: Any, eval_data: Any, target_batch: int, seed: int,
+                    sync: GradSync) -> tuple[GlobalBatches, GlobalBatches | None]:
+    """This rank's global batches of the training data (and of ``eval_data``), checked before any work."""
+    batches = GlobalBatches(data, target_batch, seed=seed, rank=sync.rank, world_size=sync.world_size)
+    eval_batches = None if eval_data is None else \
+        GlobalBatches(eval_data, target_batch, seed=seed, rank=sync.rank, world_size=sync.world_size)
+    if batches.num_samples is not None and batches.is_indexed and batches.num_samples < target_batch:
+        raise ValueError(f"data holds {batches.num_samples} samples, fewer than one global batch of {target_batch}; "
+                         f"lower target_batch or add data (the global batch is never shrunk silently)")
+    return batches, eval_batches
+
+
+def _total_steps(cfg: FitConfig, batches: GlobalBatches) -> int | None:
+    per_epoch, epochs, max_steps = batches.steps_per_epoch, cfg.stop.epochs, cfg.stop.max_steps
+    if epochs is None or per_epoch is None:
+        return max_steps
+    return min(max_steps or epochs * per_epoch, epochs * per_epoch)
+
+
+def _banner(run: _Run, plan: Plan, source: str, *, emulated: bool, resumed: bool) -> str:
+    """The one line a run starts with: device, budget, plan and where it came from, learning rate."""
+    cfg, budget_bytes, base_batch = run.config, run.config.memory.budget_bytes, run.config.lr.base_batch
+    budget = "" if budget_bytes is None else f" · budget {format_bytes(budget_bytes)}{' (emulated)' if emulated else ''}"
+    rule = "" if base_batch in (None, run.target_batch) else f" ({cfg.lr.rule} rule from base batch {base_batch})"
+    return (f"autoaccum fit · {run.device}{budget} · {plan.describe()} (plan from {source}) · lr {run.lr:.4g}{rule}"
+            + (f" · resuming at step {run.position.steps}" if resumed else ""))
 
 
 def _train(run: _Run, batches: GlobalBatches, eval_batches: GlobalBatches | None, progress: Progress,

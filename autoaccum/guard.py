@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,11 +27,12 @@ import torch
 
 from autoaccum.accumulate import Accumulated, StepTotals, accumulate, reduce_gradients
 from autoaccum.batch import Batch, SplitFn, batch_size
+from autoaccum.batchnorm import batchnorm_layers, warn_batchnorm
 from autoaccum.cut import Cutter, SampleCut
 from autoaccum.errors import AutoAccumError, DoesNotFitError
 from autoaccum.memory import Meter, MemoryReading, default_meter
 from autoaccum.optim_step import step_oom_error, step_optimizer
-from autoaccum.plan import Plan, read_plan
+from autoaccum.plan import Plan, resolve_plan
 from autoaccum.policy import PlanChange, Reason, grown_plan, shrunk_plan
 from autoaccum.recovery import catch_oom, release_memory
 from autoaccum.state import capture_buffers, capture_rng, restore_buffers, restore_rng, state_buffers
@@ -83,12 +83,6 @@ class StepResult(AccumulateResult):
     grad_norm: float | None = None
     skipped: bool = False
     lr: float = 0.0
-
-
-def batchnorm_layers(model: torch.nn.Module) -> list[str]:
-    """Names of the BatchNorm layers of ``model`` (their statistics depend on the micro-batch)."""
-    return [name or type(m).__name__ for name, m in model.named_modules()
-            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
 
 
 class OOMGuard:
@@ -157,7 +151,8 @@ class OOMGuard:
         self.params = model_params + [p for group in optimizer.param_groups for p in group["params"]
                                       if p.requires_grad and id(p) not in seen]
         self.sync: GradSync = sync if sync is not None else LocalSync()
-        self.plan = self._initial_plan(plan, target_batch, micro_batch)
+        self.plan = resolve_plan(plan, target_batch=target_batch, micro_batch=micro_batch,
+                                 world_size=self.sync.world_size)
         if max_grad_norm is not None:
             check_positive_float(max_grad_norm, "max_grad_norm", hint=", or None for no clipping")
         if grow_after is not None:
@@ -183,20 +178,6 @@ class OOMGuard:
         self._last_retries: int | None = None
         self._warned_batchnorm = False
         self._warn_batchnorm()
-
-    def _initial_plan(self, plan: Any, target_batch: int | None, micro_batch: int | None) -> Plan:
-        if plan is None:
-            if target_batch is None or micro_batch is None:
-                raise TypeError("OOMGuard needs plan=, or target_batch= and micro_batch=")
-            return Plan.for_target(target_batch, micro_batch, self.sync.world_size)
-        plan = read_plan(plan)  # a Plan, a probe report, a search result or a plan file
-        if target_batch is not None and target_batch != plan.target_batch:
-            raise ValueError(f"target_batch {target_batch} differs from plan.target_batch {plan.target_batch}; "
-                             f"give one of them")
-        if plan.world_size != self.sync.world_size:
-            raise ValueError(f"plan.world_size {plan.world_size} differs from the {self.sync.world_size} ranks "
-                             f"running; use plan.with_world_size({self.sync.world_size})")
-        return plan
 
     # -- public ---------------------------------------------------------------------------------
     def step(self, batch: Batch, loss_fn: LossFn, *, partial: bool = False) -> StepResult:
@@ -389,14 +370,5 @@ class OOMGuard:
         ))
 
     def _warn_batchnorm(self) -> None:
-        if self._warned_batchnorm or (self.plan.accum_steps == 1 and self.plan.world_size == 1):
-            return
-        layers = batchnorm_layers(self.model)
-        if layers:
-            self._warned_batchnorm = True
-            shown = ", ".join(layers[:5]) + (f" and {len(layers) - 5} more" if len(layers) > 5 else "")
-            warnings.warn(
-                f"BatchNorm layers ({shown}) normalise each micro-batch of {self.plan.micro_batch} with its own "
-                f"statistics, not those of the global batch of {self.plan.target_batch}: gradients and running "
-                f"stats differ from a full-batch step. Remedies: SyncBatchNorm across ranks, GroupNorm/LayerNorm, "
-                f"or ghost batch norm with a fixed ghost size independent of the micro-batch.", stacklevel=3)
+        if not self._warned_batchnorm:
+            self._warned_batchnorm = warn_batchnorm(self.model, self.plan, stacklevel=4)

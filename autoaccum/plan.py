@@ -11,7 +11,7 @@ from typing import Any
 
 from autoaccum.validate import check_positive_int
 
-__all__ = ["Plan", "micro_sizes", "micro_step_count", "rank_share", "read_plan", "read_plan_document"]
+__all__ = ["Plan", "micro_sizes", "micro_step_count", "rank_share", "read_plan", "read_plan_document", "resolve_plan"]
 
 
 def rank_share(global_size: int, rank: int, world_size: int) -> slice:
@@ -180,3 +180,32 @@ def read_plan_document(source: Any) -> tuple[Plan, dict[str, Any] | None]:
 def read_plan(source: Any) -> Plan:
     """The :class:`Plan` in ``source`` (see :func:`read_plan_document`)."""
     return read_plan_document(source)[0]
+
+
+def resolve_plan(plan: Any = None, *, target_batch: int | None = None, micro_batch: int | None = None,
+                 world_size: int = 1, adapt_world_size: bool = False) -> Plan:
+    """The plan a run starts with: ``plan`` (anything :func:`read_plan` reads), or one built from
+    ``target_batch`` and ``micro_batch``; checked against the run's target and ranks.
+
+    Args:
+        adapt_world_size: re-cut a plan made for another number of ranks (the global batch and
+            micro-batch stay); otherwise that is an error.
+
+    Raises:
+        TypeError: neither a plan nor target_batch and micro_batch.
+        ValueError: the plan is for another target batch (or, without ``adapt_world_size``, another world size).
+    """
+    if plan is None:
+        if target_batch is None or micro_batch is None:
+            raise TypeError("give plan=, or target_batch= and micro_batch=")
+        return Plan.for_target(target_batch, micro_batch, world_size)
+    plan = read_plan(plan)
+    if target_batch is not None and target_batch != plan.target_batch:
+        raise ValueError(f"the plan is for target_batch {plan.target_batch}, this run's is {target_batch}; the "
+                         f"global batch is never changed silently: pass target_batch={plan.target_batch} or re-plan")
+    if plan.world_size != world_size:
+        if not adapt_world_size:
+            raise ValueError(f"plan.world_size {plan.world_size} differs from the {world_size} ranks running; use "
+                             f"plan.with_world_size({world_size})")
+        plan = plan.with_world_size(world_size)
+    return plan

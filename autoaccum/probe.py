@@ -11,7 +11,6 @@ not hold. Afterwards the model, optimizer and RNG are exactly as before (invaria
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -23,6 +22,7 @@ from autoaccum import cache as probe_cache
 from autoaccum import state as training_state
 from autoaccum.batch import Batch, move_to
 from autoaccum.errors import DoesNotFitError
+from autoaccum.estimate import fake_setup
 from autoaccum.memory import CudaMeter, Meter, TrackedMemory, device_capacity, resolve_budget
 from autoaccum.memory_model import MemoryModel, MemoryPoint
 from autoaccum.plan import Plan
@@ -188,20 +188,23 @@ def choose_micro_batch(candidates: Iterable[Candidate]) -> int:
 
 # -- the public entry point ---------------------------------------------------------------------
 
-def _fake_copy(model: torch.nn.Module, fake_mode: Any) -> torch.nn.Module:
-    """A copy of ``model`` whose parameters and buffers are fake ``cpu`` tensors; ``model`` is untouched.
+def _new_optimizer(make_optimizer: Callable[..., Any], model: torch.nn.Module) -> torch.optim.Optimizer:
+    optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"the optimizer factory returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
+    return optimizer
 
-    Each tensor is converted with ``fake_mode.from_tensor`` (metadata only: no data is copied,
-    nothing is allocated on the model's device). A plain ``deepcopy`` under the fake mode fails
-    for buffers (``Tensor.__deepcopy__`` copies the real storage, then ``set_`` refuses to put it
-    into a fake tensor), and moving the model to cpu first would move the user's model."""
-    memo: dict[int, Any] = {}
-    for t in (*model.parameters(), *model.buffers()):
-        fake = fake_mode.from_tensor(t.detach())
-        with fake_mode:
-            fake = fake.to("cpu")
-        memo[id(t)] = torch.nn.Parameter(fake, t.requires_grad) if isinstance(t, torch.nn.Parameter) else fake
-    return copy.deepcopy(model, memo)
+
+def _check_args(target_batch: int, world_size: int, steps_per_size: int, max_candidates: int) -> None:
+    check_positive_int(target_batch, "target_batch")
+    check_positive_int(world_size, "world_size")
+    check_positive_int(steps_per_size, "steps_per_size")
+    if steps_per_size < 2:
+        raise ValueError(f"Invalid steps_per_size: {steps_per_size}. Allowed range: >= 2 (optimizer state is "
+                         f"created in the first step, so the peak is usually in the second)")
+    check_positive_int(max_candidates, "max_candidates")
+    if max_candidates < 3:
+        raise ValueError(f"Invalid max_candidates: {max_candidates}. Allowed range: >= 3")
 
 
 def probe(
@@ -251,15 +254,7 @@ def probe(
     factory = optimizer if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) \
         else default_optimizer
     task = resolve_task(task, model=model, loss_fn=loss_fn, make_batch=make_batch, make_optimizer=factory)
-    check_positive_int(target_batch, "target_batch")
-    check_positive_int(world_size, "world_size")
-    steps_per_size = check_positive_int(steps_per_size, "steps_per_size")
-    if steps_per_size < 2:
-        raise ValueError(f"Invalid steps_per_size: {steps_per_size}. Allowed range: >= 2 (optimizer state is "
-                         f"created in the first step, so the peak is usually in the second)")
-    check_positive_int(max_candidates, "max_candidates")
-    if max_candidates < 3:
-        raise ValueError(f"Invalid max_candidates: {max_candidates}. Allowed range: >= 3")
+    _check_args(target_batch, world_size, steps_per_size, max_candidates)
     share = Plan.for_target(target_batch, 1, world_size).rank_batch(0)
     upper = share if max_micro_batch is None else min(check_positive_int(max_micro_batch, "max_micro_batch"), share)
     params = trainable_parameters(task.model)
@@ -284,39 +279,19 @@ def probe(
     run_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
     snapshot = training_state.capture(task.model, run_optimizer)
     fake_mode: Any = None
-    if estimate:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        # Fake tensors carry shapes, no data: the steps allocate nothing. Fake "cuda" cannot run
-        # autograd on a CPU build of torch, so the estimate runs on fake cpu.
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        run_model = _fake_copy(task.model, fake_mode)
+    if estimate:  # fake cpu tensors: see autoaccum.estimate
+        fake_mode, run_model, make_optimizer = fake_setup(task.model, optimizer, make_optimizer)
         run_optimizer = None
         device = torch.device("cpu")
-        if isinstance(optimizer, torch.optim.Optimizer):
-            # the fake copy needs an optimizer of its own: the user's type and settings, not the default
-            opt_type, opt_defaults = type(optimizer), dict(optimizer.defaults)
-
-            def make_optimizer(params: Any) -> torch.optim.Optimizer:
-                try:
-                    return opt_type(params, **opt_defaults)
-                except TypeError as exc:
-                    raise TypeError(f"estimate=True builds a new {opt_type.__name__} for the fake model from its "
-                                    f"defaults and could not ({exc}); pass optimizer= a factory instead, e.g. "
-                                    f"lambda params: {opt_type.__name__}(params, ...)") from None
     meter: Any
     if device.type == "cuda" and not estimate:
         meter = CudaMeter(device, budget_bytes)
     else:
         meter = TrackedMemory(budget_bytes=None if estimate else budget_bytes)
-    outer = fake_mode if fake_mode is not None else contextlib.nullcontext()
     try:
-        with outer:
+        with fake_mode if fake_mode is not None else contextlib.nullcontext():
             if run_optimizer is None:
-                run_optimizer = make_optimizer([p for p in run_model.parameters() if p.requires_grad])
-                if not isinstance(run_optimizer, torch.optim.Optimizer):
-                    raise TypeError(f"the optimizer factory returned {type(run_optimizer).__name__}, "
-                                    f"not a torch.optim.Optimizer")
+                run_optimizer = _new_optimizer(make_optimizer, run_model)
             if isinstance(meter, TrackedMemory):
                 meter.track(run_model, run_optimizer)
             with meter:
