@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Batch", "SplitFn", "batch_size", "micro_sizes", "move_to", "split_batch", "describe_batch"]
+__all__ = ["Batch", "SplitFn", "batch_size", "move_to", "split_batch", "describe_batch"]
 
 Batch = Any  # a tensor, or a tuple/list/dict (nested) whose tensors share dim 0
 SplitFn = Callable[[Batch, Sequence[int]], Sequence[Batch]]
@@ -53,11 +53,6 @@ def batch_size(batch: Batch) -> int:
         raise ValueError(f"the tensors of a batch disagree in dim 0: sizes {sorted(sizes)}; every tensor of a "
                          f"batch must hold one row per sample")
     return sizes.pop()
-
-
-def micro_sizes(n: int, micro_batch: int) -> list[int]:
-    """``n`` samples cut into micro-batches of ``micro_batch``, the last one smaller: ``(10, 4) -> [4, 4, 2]``."""
-    return [min(micro_batch, n - i) for i in range(0, n, micro_batch)]
 
 
 def move_to(batch: Batch, device: torch.device) -> Batch:
