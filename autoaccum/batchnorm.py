@@ -8,13 +8,25 @@ import torch
 
 from autoaccum.plan import Plan
 
-__all__ = ["batchnorm_layers", "warn_batchnorm"]
+__all__ = ["batchnorm_layers", "smallest_micro_batch", "warn_batchnorm"]
 
 
 def batchnorm_layers(model: torch.nn.Module) -> list[str]:
     """Names of the BatchNorm layers of ``model`` (their statistics depend on the micro-batch)."""
     return [name or type(m).__name__ for name, m in model.named_modules()
             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+
+
+def smallest_micro_batch(model: torch.nn.Module) -> int:
+    """The smallest micro-batch ``model`` trains at: 2 with a BatchNorm layer in training mode, else 1.
+
+    In training, BatchNorm normalises each channel by statistics over the batch (and any spatial
+    positions); torch refuses a single value per channel ("Expected more than 1 value per channel
+    when training"), which one sample gives for ``BatchNorm1d`` on ``(N, C)`` and for a
+    ``BatchNorm2d`` whose feature map has shrunk to 1 x 1 (the last stage of a ResNet on small
+    images). Two samples always give at least two values."""
+    return 2 if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training for m in model.modules()) \
+        else 1
 
 
 def warn_batchnorm(model: torch.nn.Module, plan: Plan, *, stacklevel: int = 2) -> bool:

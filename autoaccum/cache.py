@@ -33,7 +33,8 @@ def default_cache_dir() -> Path:
 
 
 def fingerprint(task: Task, optimizer: Any, *, device: torch.device, capacity_bytes: int, budget_bytes: int,
-                headroom: float, target_batch: int, world_size: int, upper: int, estimate: bool) -> str:
+                headroom: float, target_batch: int, world_size: int, upper: int, estimate: bool,
+                precision: str = "fp32") -> str:
     """A hash of what a probe's result depends on: parameter and buffer shapes and dtypes, the
     sample's shapes, the optimizer, the device and its capacity, torch, the budget and the target."""
     opt_name = type(optimizer).__name__ if isinstance(optimizer, torch.optim.Optimizer) else \
@@ -49,7 +50,7 @@ def fingerprint(task: Task, optimizer: Any, *, device: torch.device, capacity_by
         "capacity_bytes": capacity_bytes if device.type == "cuda" else None,  # host RAM varies run to run
         "torch": torch.__version__,
         "budget_bytes": budget_bytes, "headroom": headroom, "target_batch": target_batch,
-        "world_size": world_size, "upper": upper, "estimate": estimate,
+        "world_size": world_size, "upper": upper, "estimate": estimate, "precision": precision,
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 

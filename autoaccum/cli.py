@@ -16,7 +16,7 @@ import torch
 
 from autoaccum.errors import DoesNotFitError
 from autoaccum.probe import probe
-from autoaccum.report import ProbeReport
+from autoaccum.report import REPORT_VERSION, ProbeReport
 from autoaccum.validate import check_headroom
 from autoaccum.task import Task, load_task
 from autoaccum.units import format_bytes, parse_bytes
@@ -145,7 +145,7 @@ def _cmd_probe(args: argparse.Namespace) -> int:
                        cache=not args.no_cache, cache_dir=args.cache_dir)
     except DoesNotFitError as exc:
         if args.json:
-            print(json.dumps({"kind": "autoaccum.probe", "version": 1, "error": "does_not_fit",
+            print(json.dumps({"kind": "autoaccum.probe", "version": REPORT_VERSION, "error": "does_not_fit",
                               "needed_bytes": exc.needed_bytes, "available_bytes": exc.available_bytes,
                               "suggestions": list(exc.suggestions)}))
         print(f"autoaccum: {exc}", file=sys.stderr)

@@ -36,11 +36,13 @@ class Cutter(Protocol):
     def __call__(self, batch: Batch, rank_sizes: Sequence[int], rank: int, plan: Plan) -> Iterator[MicroBatch]: ...
 
 
-def step_micro_sizes(rank_sizes: Sequence[int], rank: int, micro_batch: int) -> tuple[int, ...]:
+def step_micro_sizes(rank_sizes: Sequence[int], rank: int, micro_batch: int,
+                     min_micro_batch: int = 1) -> tuple[int, ...]:
     """Micro-batch sizes of ``rank`` in one step when the ranks hold ``rank_sizes`` samples: as many
-    micro-steps on every rank as the largest share needs (at least one)."""
+    micro-steps on every rank as the largest share needs (at least one), each rank's samples
+    spread evenly over its micro-batches (see :func:`autoaccum.plan.micro_sizes`)."""
     steps = max(1, micro_step_count(max(rank_sizes), micro_batch))
-    return micro_sizes(rank_sizes[rank], micro_batch, steps)
+    return micro_sizes(rank_sizes[rank], micro_batch, steps, min_micro_batch)
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,7 @@ class SampleCut:
     split_fn: SplitFn | None = None
 
     def __call__(self, batch: Batch, rank_sizes: Sequence[int], rank: int, plan: Plan) -> Iterator[MicroBatch]:
-        sizes = step_micro_sizes(rank_sizes, rank, plan.micro_batch)
+        sizes = step_micro_sizes(rank_sizes, rank, plan.micro_batch, plan.min_micro_batch)
         filled = [s for s in sizes if s > 0]
         parts = split_batch(batch, filled, self.split_fn) if filled else []
         parts.reverse()  # popped from the end: each part is released as soon as its micro-step is done

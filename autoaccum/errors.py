@@ -16,18 +16,20 @@ class TaskError(AutoAccumError, ValueError):
 
 
 class DoesNotFitError(AutoAccumError):
-    """Even a micro-batch of one sample does not fit in the memory budget.
+    """Even the smallest micro-batch (one sample, or two with BatchNorm) does not fit in the memory budget.
 
     Attributes:
-        needed_bytes: the peak a one-sample step needed (measured, or a lower bound: ``at_least``).
+        needed_bytes: the peak the smallest step needed (measured, or a lower bound: ``at_least``).
         available_bytes: the budget the step had to fit in (None where no meter could tell).
         suggestions: what the user can do about it.
+        micro_batch: the micro-batch that did not fit (the model's smallest).
     """
 
     def __init__(self, needed_bytes: int | None, available_bytes: int | None, suggestions: Sequence[str] = (),
-                 *, at_least: bool = False) -> None:
+                 *, at_least: bool = False, micro_batch: int = 1) -> None:
         from autoaccum.units import format_bytes
 
+        self.micro_batch = micro_batch
         self.needed_bytes = needed_bytes
         self.available_bytes = None if available_bytes is None else int(available_bytes)
         self.suggestions = tuple(suggestions) or (
@@ -40,7 +42,7 @@ class DoesNotFitError(AutoAccumError):
         needed = "more than the budget" if needed_bytes is None else \
             ("at least " if at_least else "") + format_bytes(needed_bytes)
         lines = [
-            f"a micro-batch of 1 does not fit: needs {needed}, "
+            f"a micro-batch of {micro_batch} does not fit: needs {needed}, "
             f"available {'unknown (no memory meter)' if self.available_bytes is None else format_bytes(self.available_bytes)}.",
             "What to do:",
         ] + [f"  - {s}" for s in self.suggestions]

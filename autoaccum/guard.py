@@ -27,10 +27,10 @@ import torch
 
 from autoaccum.accumulate import Accumulated, StepTotals, accumulate, reduce_gradients
 from autoaccum.batch import Batch, SplitFn, batch_size
-from autoaccum.batchnorm import batchnorm_layers, warn_batchnorm
+from autoaccum.batchnorm import batchnorm_layers, smallest_micro_batch, warn_batchnorm
 from autoaccum.cut import Cutter, SampleCut
 from autoaccum.errors import AutoAccumError, DoesNotFitError
-from autoaccum.memory import Meter, MemoryReading, default_meter
+from autoaccum.memory import Meter, MemoryReading, active_budget, default_meter
 from autoaccum.optim_step import step_oom_error, step_optimizer
 from autoaccum.plan import Plan, resolve_plan
 from autoaccum.policy import PlanChange, Reason, grown_plan, shrunk_plan
@@ -153,6 +153,14 @@ class OOMGuard:
         self.sync: GradSync = sync if sync is not None else LocalSync()
         self.plan = resolve_plan(plan, target_batch=target_batch, micro_batch=micro_batch,
                                  world_size=self.sync.world_size)
+        smallest = smallest_micro_batch(model)
+        if smallest > self.plan.min_micro_batch:
+            try:
+                self.plan = self.plan.with_min_micro_batch(smallest)
+            except ValueError:
+                raise ValueError(f"Invalid micro_batch: {self.plan.micro_batch}. {type(model).__name__} has BatchNorm "
+                                 f"layers in training mode, which need more than one sample per micro-batch. Allowed "
+                                 f"range: {smallest} ~ any") from None
         if max_grad_norm is not None:
             check_positive_float(max_grad_norm, "max_grad_norm", hint=", or None for no clipping")
         if grow_after is not None:
@@ -261,6 +269,11 @@ class OOMGuard:
             hint = " (pass partial=True for the smaller last batch of an epoch)" if 0 < n < expected else ""
             raise ValueError(f"batch holds {n} samples; this rank's share of target_batch {self.plan.target_batch} "
                              f"is {expected}{hint}. The global batch is never changed silently.")
+        if 0 < n < self.plan.min_micro_batch:
+            raise ValueError(f"batch holds {n} sample(s), fewer than the smallest micro-batch this model trains at "
+                             f"({self.plan.min_micro_batch}: BatchNorm needs more than one value per channel). Drop "
+                             f"the epoch's smaller last batch (DataLoader(drop_last=True), or fit(..., "
+                             f"last_batch='drop')) or make it hold at least {self.plan.min_micro_batch} per rank.")
         return self.sync.rank_sizes(n) if self.sync.world_size > 1 else (n,)
 
     def _accumulate(self, batch: Batch, loss_fn: LossFn,
@@ -324,7 +337,7 @@ class OOMGuard:
     def _shrink(self, reason: Reason, where: str) -> PlanChange:
         old = self.plan
         self.ooms += reason == "oom"
-        if old.micro_batch == 1:
+        if not old.can_shrink:
             raise self._does_not_fit()
         self.ceiling = old.micro_batch if self.ceiling is None else min(self.ceiling, old.micro_batch)
         self.plan = self.sync.agree_plan(shrunk_plan(old, self.floor))
@@ -347,7 +360,7 @@ class OOMGuard:
             rising = self._last_retries is not None and retries > self._last_retries and attempts == 1
             self._last_retries = retries
             self._thrash_streak = self._thrash_streak + 1 if rising else 0
-            if self._thrash_streak >= self.thrash_steps and self.plan.micro_batch > 1:
+            if self._thrash_streak >= self.thrash_steps and self.plan.can_shrink:
                 self._thrash_streak = 0
                 return [self._shrink("thrash", "allocator retries")]
         self._ok_streak = self._ok_streak + 1 if attempts == 1 else 0
@@ -362,7 +375,9 @@ class OOMGuard:
         return [self._record("grow", "", old)] if self.plan.micro_batch != old.micro_batch else []
 
     def _does_not_fit(self) -> DoesNotFitError:
-        return DoesNotFitError(self.meter.last_oom_needed_bytes, self.meter.budget_bytes, at_least=True, suggestions=(
+        meter = self.meter if self.meter.budget_bytes is not None else (active_budget() or self.meter)
+        return DoesNotFitError(meter.last_oom_needed_bytes, meter.budget_bytes, at_least=True,
+                               micro_batch=self.plan.micro_batch, suggestions=(
             "enable activation checkpointing or bf16 autocast (autocast_dtype=torch.bfloat16)",
             "use shorter sequences or a smaller model",
             "shard the model and optimizer state over more devices (FSDP)",

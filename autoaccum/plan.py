@@ -28,18 +28,32 @@ def micro_step_count(largest_share: int, micro_batch: int) -> int:
     return -(-largest_share // micro_batch)
 
 
-def micro_sizes(share: int, micro_batch: int, steps: int) -> tuple[int, ...]:
-    """``share`` samples cut into ``steps`` micro-batches of at most ``micro_batch``: full ones first,
-    then the remainder, then empty ones. Every rank runs the same ``steps`` (ranks that run
-    different numbers of micro-steps can deadlock FSDP's collectives); a rank with a smaller share
-    ends with an empty micro-step, which runs no forward.
+def micro_sizes(share: int, micro_batch: int, steps: int, min_micro_batch: int = 1) -> tuple[int, ...]:
+    """``share`` samples cut into ``steps`` micro-steps, as evenly as they go.
+
+    The samples fill the fewest micro-batches of at most ``micro_batch`` (``ceil(share /
+    micro_batch)`` of them), spread evenly (sizes differ by at most one, larger first, so that no
+    micro-batch is needlessly tiny: 64 in 10 is ``7 x 4 + 6 x 6``, not ``7 x 9 + 1``), then empty
+    micro-steps. Every rank runs the same ``steps`` (ranks that run different numbers of micro-steps
+    can deadlock FSDP's collectives); an empty micro-step runs no forward.
+
+    No micro-batch holds fewer than ``min_micro_batch`` samples (the smallest size the model trains
+    at, e.g. 2 with BatchNorm) unless the whole share is smaller: where ``micro_batch`` and
+    ``min_micro_batch`` leave no even cut (a share of 3 at micro 2, min 2), fewer micro-batches are
+    used and one holds up to ``min_micro_batch - 1`` samples more than ``micro_batch``.
 
     Raises:
-        ValueError: ``share`` does not fit in ``steps`` micro-batches of ``micro_batch``.
+        ValueError: ``share`` needs more than ``steps`` micro-batches of ``micro_batch``.
     """
-    if share > steps * micro_batch:
+    if share == 0:
+        return (0,) * steps
+    count = micro_step_count(share, micro_batch)
+    if min_micro_batch > 1:
+        count = max(1, min(count, share // min_micro_batch))
+    if count > steps:
         raise ValueError(f"{share} samples do not fit in {steps} micro-batches of {micro_batch}")
-    return tuple(min(micro_batch, max(0, share - i * micro_batch)) for i in range(steps))
+    base, extra = divmod(share, count)
+    return (base + 1,) * extra + (base,) * (count - extra) + (0,) * (steps - count)
 
 
 @dataclass(frozen=True)
@@ -48,25 +62,32 @@ class Plan:
 
     Each optimizer step consumes exactly ``target_batch`` samples. Rank ``r`` gets
     ``rank_batch(r)`` of them (the target split as evenly as it goes), cut into ``accum_steps``
-    micro-batches of ``micro_batch`` samples, the last one smaller where the share does not
-    divide (``micro_sizes``). Every rank runs the same number of micro-steps; the step weights
-    each micro-batch by its share of the global batch, so an uneven last one is exact.
+    micro-batches of at most ``micro_batch`` samples, as even as they go (``micro_sizes``). Every
+    rank runs the same number of micro-steps; the step weights each micro-batch by its share of the
+    global batch, so uneven micro-batches are exact.
 
     Attributes:
         micro_batch: samples per forward/backward on one rank (the largest micro-batch).
         accum_steps: micro-batches per optimizer step on each rank.
         world_size: number of data-parallel ranks.
         target_batch: samples per optimizer step, over all ranks together.
+        min_micro_batch: the smallest micro-batch the model trains at (2 with BatchNorm, which
+            needs more than one value per channel); no micro-batch is cut smaller, and the guard
+            never shrinks below it.
     """
 
     micro_batch: int
     accum_steps: int
     world_size: int
     target_batch: int
+    min_micro_batch: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch", "accum_steps", "world_size", "target_batch"):
+        for name in ("micro_batch", "accum_steps", "world_size", "target_batch", "min_micro_batch"):
             check_positive_int(getattr(self, name), name)
+        if self.micro_batch < min(self.min_micro_batch, self.rank_batch(0)):
+            raise ValueError(f"Invalid micro_batch: {self.micro_batch} is below the smallest micro-batch this model "
+                             f"trains at ({self.min_micro_batch}). Allowed range: {self.min_micro_batch} ~ any")
         if self.target_batch < self.world_size:
             raise ValueError(
                 f"Invalid target_batch: {self.target_batch} is smaller than world_size "
@@ -82,23 +103,27 @@ class Plan:
             )
 
     @classmethod
-    def for_target(cls, target_batch: int, micro_batch: int, world_size: int = 1) -> Plan:
-        """The plan with the fewest accumulation steps for ``micro_batch`` (capped at the rank share)."""
+    def for_target(cls, target_batch: int, micro_batch: int, world_size: int = 1, min_micro_batch: int = 1) -> Plan:
+        """As few micro-steps as ``micro_batch`` allows, with micro-batches as equal as they go.
+
+        ``target 256, micro 200`` gives ``128 x 2`` rather than ``200 + 56``: the same number of
+        forward/backward passes and a lower peak; ``micro_batch`` is then the largest micro-batch
+        cut (128), capped at the rank share.
+
+        Raises:
+            ValueError: ``micro_batch`` is below ``min_micro_batch`` (and below the rank share).
+        """
         check_positive_int(target_batch, "target_batch")
         check_positive_int(micro_batch, "micro_batch")
         check_positive_int(world_size, "world_size")
         share = math.ceil(target_batch / world_size)
-        micro = min(micro_batch, share)
-        return cls(micro, math.ceil(share / micro), world_size, target_batch)
+        if micro_batch < min(min_micro_batch, share):
+            raise ValueError(f"Invalid micro_batch: {micro_batch} is below the smallest micro-batch this model trains "
+                             f"at ({min_micro_batch}). Allowed range: {min_micro_batch} ~ any")
+        accum = micro_step_count(share, min(micro_batch, share))
+        return cls(math.ceil(share / accum), accum, world_size, target_batch, min_micro_batch)
 
-    @classmethod
-    def balanced(cls, target_batch: int, max_micro_batch: int, world_size: int = 1) -> Plan:
-        """As few micro-steps as ``max_micro_batch`` allows, with micro-batches as equal as they go.
-
-        ``target 256, max 200`` gives ``128 x 2`` rather than ``200 + 56``: the same number of
-        forward/backward passes and a lower peak."""
-        first = cls.for_target(target_batch, max_micro_batch, world_size)
-        return cls.for_target(target_batch, math.ceil(first.rank_batch(0) / first.accum_steps), world_size)
+    balanced = for_target  # the name of the same rule before plans were always balanced
 
     def rank_batch(self, rank: int = 0) -> int:
         """Samples rank ``rank`` sees per optimizer step (the first ``target % world`` ranks get one more)."""
@@ -109,38 +134,60 @@ class Plan:
         """Micro-batch sizes of one optimizer step on ``rank``; they sum to ``rank_batch(rank)``.
         Every rank has ``accum_steps`` of them; a rank with one sample fewer than rank 0 may end
         with an empty micro-step."""
-        return micro_sizes(self.rank_batch(rank), self.micro_batch, self.accum_steps)
+        return micro_sizes(self.rank_batch(rank), self.micro_batch, self.accum_steps, self.min_micro_batch)
 
     @property
     def last_micro_batch(self) -> int:
-        return self.micro_sizes(0)[-1]
+        """The smallest micro-batch rank 0 runs (the last one cut)."""
+        return min(s for s in self.micro_sizes(0) if s > 0)
+
+    @property
+    def can_shrink(self) -> bool:
+        """A smaller micro-batch exists: the micro-batch is above the model's smallest."""
+        return self.micro_batch > self.min_micro_batch
 
     def halved(self) -> Plan:
-        """The plan after an OOM: half the micro-batch, the accumulation steps it then takes."""
-        if self.micro_batch == 1:
-            raise ValueError("a micro-batch of 1 cannot be halved")
-        return Plan.for_target(self.target_batch, self.micro_batch // 2, self.world_size)
+        """The plan after an OOM: half the micro-batch (not below ``min_micro_batch``), the
+        accumulation steps it then takes."""
+        if not self.can_shrink:
+            raise ValueError(f"a micro-batch of {self.micro_batch} cannot be halved: it is the smallest this model "
+                             f"trains at")
+        return self.with_micro_batch(max(self.micro_batch // 2, self.min_micro_batch))
+
+    def with_micro_batch(self, micro_batch: int) -> Plan:
+        """The same target, ranks and smallest size, cut at ``micro_batch``."""
+        return Plan.for_target(self.target_batch, micro_batch, self.world_size, self.min_micro_batch)
 
     def with_world_size(self, world_size: int) -> Plan:
-        return Plan.for_target(self.target_batch, self.micro_batch, world_size)
+        return Plan.for_target(self.target_batch, self.micro_batch, world_size, self.min_micro_batch)
+
+    def with_min_micro_batch(self, min_micro_batch: int) -> Plan:
+        """This plan for a model that trains at no fewer than ``min_micro_batch`` samples per micro-batch."""
+        if min_micro_batch == self.min_micro_batch:
+            return self
+        return Plan.for_target(self.target_batch, self.micro_batch, self.world_size, min_micro_batch)
 
     def describe(self) -> str:
-        """``target 256 = micro 48 x accum 6 (last micro 16) x world 1``."""
+        """``target 256 = micro 43 x accum 6 (last micro 42) x world 1``."""
         last = self.last_micro_batch
         tail = f" (last micro {last})" if last != self.micro_batch else ""
+        if self.min_micro_batch > 1:
+            tail += f" (min micro {self.min_micro_batch})"
         return (f"target {self.target_batch} = micro {self.micro_batch} x accum {self.accum_steps}{tail} "
                 f"x world {self.world_size}")
 
     def to_dict(self) -> dict[str, int]:
         return {"micro_batch": self.micro_batch, "accum_steps": self.accum_steps,
-                "world_size": self.world_size, "target_batch": self.target_batch}
+                "world_size": self.world_size, "target_batch": self.target_batch,
+                "min_micro_batch": self.min_micro_batch}
 
     @classmethod
     def from_dict(cls, data: dict) -> Plan:
         try:
-            return cls(**{k: data[k] for k in ("micro_batch", "accum_steps", "world_size", "target_batch")})
+            fields = {k: data[k] for k in ("micro_batch", "accum_steps", "world_size", "target_batch")}
         except KeyError as exc:
             raise ValueError(f"a plan needs micro_batch, accum_steps, world_size and target_batch; missing {exc}") from None
+        return cls(**fields, min_micro_batch=data.get("min_micro_batch", 1))
 
 
 def read_plan_document(source: Any) -> tuple[Plan, dict[str, Any] | None]:

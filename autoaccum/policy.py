@@ -40,11 +40,11 @@ def shrunk_plan(plan: Plan, floor: int | None = None) -> Plan:
     that succeeded) where halving a grown micro-batch would go below it.
 
     Raises:
-        ValueError: the micro-batch is 1 already.
+        ValueError: the micro-batch is the model's smallest already.
     """
     new = plan.halved()
     if floor is not None and new.micro_batch < floor < plan.micro_batch:
-        return Plan.for_target(plan.target_batch, floor, plan.world_size)
+        return plan.with_micro_batch(floor)
     return new
 
 
@@ -57,8 +57,8 @@ def grown_plan(plan: Plan, initial_micro_batch: int, ceiling: int | None) -> Pla
         ceiling: the smallest micro-batch that failed (never grown to), None if none did.
     """
     limit = initial_micro_batch if ceiling is None else min(initial_micro_batch, ceiling - 1)
-    bigger = Plan.for_target(plan.target_batch, max(1, min(plan.micro_batch * 2, limit)), plan.world_size)
+    # plans are balanced: that many passes with the smallest micro-batch that makes them, the lowest peak
+    bigger = plan.with_micro_batch(max(plan.min_micro_batch, min(plan.micro_batch * 2, limit)))
     if bigger.accum_steps >= plan.accum_steps:
         return None  # a bigger micro-batch with as many passes costs memory and gains nothing
-    # that many passes with the smallest micro-batch that makes them: the lowest peak
-    return Plan.balanced(plan.target_batch, bigger.micro_batch, plan.world_size)
+    return bigger

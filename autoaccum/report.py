@@ -16,7 +16,7 @@ from autoaccum.plan import Plan
 
 __all__ = ["Candidate", "ProbeReport", "REPORT_VERSION", "Status"]
 
-REPORT_VERSION = 1
+REPORT_VERSION = 2
 Status = Literal["ok", "over_budget", "oom"]
 
 
@@ -30,7 +30,9 @@ class Candidate:
             above ``budget * (1 - headroom)``) or ``oom`` (ran out of memory).
         peak_bytes: the step's peak (max of the two phases); for ``oom`` the bytes it asked for.
         fwd_bwd_peak_bytes / opt_peak_bytes: the phases' peaks (None after an OOM).
-        step_time_s: the fastest complete step after the first (None after an OOM).
+        step_time_s: a complete one-micro-batch training step: the fastest timed forward/backward
+            pass plus the optimizer step (None after an OOM).
+        micro_step_time_s: the fastest timed forward/backward pass alone (None after an OOM).
     """
 
     micro_batch: int
@@ -39,6 +41,7 @@ class Candidate:
     fwd_bwd_peak_bytes: int | None = None
     opt_peak_bytes: int | None = None
     step_time_s: float | None = None
+    micro_step_time_s: float | None = None
 
     @property
     def samples_per_s(self) -> float | None:
@@ -59,8 +62,10 @@ class ProbeReport:
         device, meter: where it ran and how memory was read (``cuda``, ``tracked``, ``fake``).
         is_estimate: True when no real step ran (fake tensors): an estimate, not a measurement.
         budget_bytes, headroom: the budget and the fraction kept free.
-        probe_steps: training steps run while probing; probe_ooms: OOMs the probe triggered.
+        probe_steps: forward/backward passes run while probing (an OOM counts as one);
+        optimizer_steps: optimizer steps run while probing; probe_ooms: OOMs the probe triggered.
         fit_note: why the model was or was not trusted.
+        precision: ``fp32``, ``bf16`` or ``fp16``: the autocast (and GradScaler) every step ran under.
         source: ``probe`` or ``cache``.
     """
 
@@ -78,6 +83,8 @@ class ProbeReport:
     probe_ooms: int
     wall_time_s: float
     fit_note: str
+    precision: str = "fp32"
+    optimizer_steps: int = 0
     fingerprint: str = ""
     source: str = "probe"
     torch_version: str = field(default_factory=lambda: torch.__version__)
@@ -100,7 +107,8 @@ class ProbeReport:
             "candidates": [c.to_dict() for c in self.candidates],
             "model": None if self.model is None else self.model.to_dict(),
             "fit_note": self.fit_note, "plan": self.plan.to_dict(),
-            "probe_steps": self.probe_steps, "probe_ooms": self.probe_ooms, "wall_time_s": self.wall_time_s,
+            "probe_steps": self.probe_steps, "optimizer_steps": self.optimizer_steps, "probe_ooms": self.probe_ooms,
+            "wall_time_s": self.wall_time_s, "precision": self.precision,
         }
 
     @classmethod
@@ -111,7 +119,8 @@ class ProbeReport:
         if data.get("version") != REPORT_VERSION:
             raise ValueError(f"probe report version {data.get('version')!r} is not supported (expected {REPORT_VERSION})")
         try:
-            fields = {"micro_batch", "status", "peak_bytes", "fwd_bwd_peak_bytes", "opt_peak_bytes", "step_time_s"}
+            fields = {"micro_batch", "status", "peak_bytes", "fwd_bwd_peak_bytes", "opt_peak_bytes", "step_time_s",
+                      "micro_step_time_s"}
             return cls(
                 plan=Plan.from_dict(data["plan"]),
                 candidates=tuple(Candidate(**{k: v for k, v in c.items() if k in fields}) for c in data["candidates"]),
@@ -121,6 +130,7 @@ class ProbeReport:
                 budget_source=str(data["budget_source"]), headroom=float(data["headroom"]),
                 probe_steps=int(data["probe_steps"]), probe_ooms=int(data["probe_ooms"]),
                 wall_time_s=float(data["wall_time_s"]), fit_note=str(data["fit_note"]),
+                precision=str(data["precision"]), optimizer_steps=int(data["optimizer_steps"]),
                 fingerprint=str(data["fingerprint"]), source=str(data["source"]),
                 torch_version=str(data["torch_version"]),
             )

@@ -129,7 +129,10 @@ def cut(batch, sizes: Sequence[int]):
 
 
 def sizes_for(n: int, micro: int) -> list[int]:
-    return [min(micro, n - i) for i in range(0, n, micro)]
+    """``n`` samples in the fewest micro-batches of at most ``micro``, spread evenly (larger first)."""
+    count = -(-n // micro)
+    base, extra = divmod(n, count)
+    return [base + 1] * extra + [base] * (count - extra)
 
 
 def manual_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch, sizes: Sequence[int],

@@ -31,7 +31,7 @@ def test_json_is_one_document_on_stdout(capsys):
     code, out, _ = run(capsys, *TINY, "--json", "--no-cache", "-v")
     assert code == EXIT_OK
     doc = json.loads(out)  # nothing but the document on stdout
-    assert doc["version"] == 1 and doc["kind"] == "autoaccum.probe"
+    assert doc["version"] == 2 and doc["kind"] == "autoaccum.probe"
     assert doc["device"] == "cpu" and doc["budget_bytes"] == 400_000 and doc["meter"] == "tracked"
     assert doc["is_estimate"] is False and doc["source"] == "probe"
     assert doc["candidates"] and {"micro_batch", "status", "peak_bytes", "step_time_s", "samples_per_s"} <= set(
@@ -83,7 +83,7 @@ def test_does_not_fit_exits_3_with_needed_and_available_bytes(capsys):
     code, out, err = run(capsys, *TINY, "--no-cache", "--budget", "10KiB", "--json")
     assert code == EXIT_DOES_NOT_FIT
     doc = json.loads(out)
-    assert doc["error"] == "does_not_fit" and doc["version"] == 1
+    assert doc["error"] == "does_not_fit" and doc["version"] == 2
     assert doc["needed_bytes"] > doc["available_bytes"] == 9216
     assert doc["suggestions"]
 

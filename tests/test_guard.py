@@ -553,7 +553,7 @@ def test_partial_last_batch_is_an_exact_step_on_its_samples(dtype):
     result = guard.step(data(40, dtype=dtype, seed=1), mse, partial=True)
     full_loss, _ = full_step(ref, ref_opt, data(40, dtype=dtype, seed=1))
     assert result.num_samples == 40 and result.loss == pytest.approx(full_loss, rel=1e-5)
-    assert model.trigger.sizes == [16] * 4 + [16, 16, 8]
+    assert model.trigger.sizes == [16] * 4 + [14, 13, 13]  # 40 samples spread over the 3 micro-steps it needs
     assert_close(opt.grads[1], ref_opt.grads[1], dtype)
     assert_close(params_of(model), params_of(ref), dtype)
     assert guard.plan == Plan.for_target(64, 16)

@@ -149,7 +149,7 @@ def test_the_emulated_budget_raises_oom_where_a_device_would(where):
     budget = (before + peaks[where]) // 2
     phase, mem, message = _step_until_oom(model, optimizer, batch, budget)
     assert phase == where
-    assert "Emulated out of memory" in message and "autoaccum emulated budget" in message
+    assert message.startswith("CUDA out of memory. Tried to allocate ") and "emulated by autoaccum" in message
     assert mem.oom_count == 1
     assert mem.last_oom_needed_bytes > budget >= mem.last_oom_needed_bytes - peaks[where]
     # what the failed phase allocated is gone again; only grads/state it already handed over remain
@@ -168,7 +168,7 @@ def test_the_same_budget_with_room_to_spare_runs_the_whole_step():
 def test_emulated_budget_takes_strings_and_rejects_bad_budgets():
     with emulated_budget("1 KiB") as mem:
         torch.empty(256)  # exactly 1 KiB: fits
-        with pytest.raises(torch.OutOfMemoryError, match=r"tried to allocate 4 B; 1 KiB in use of a budget of 1 KiB"):
+        with pytest.raises(torch.OutOfMemoryError, match=r"Tried to allocate 4 B. \[emulated by autoaccum: 1 KiB in use of a budget of 1 KiB"):
             torch.empty(256), torch.empty(1)  # noqa: B018 -- the second crosses
     assert mem.budget_bytes == 1024
     with pytest.raises(ValueError, match="Invalid budget"):
@@ -275,3 +275,26 @@ def test_probe_on_cuda_uses_the_cuda_meter():
     assert report.meter == "cuda" and not report.is_estimate
     assert report.device.startswith("cuda") and report.budget_source in ("cuda", "cuda+nvml")
     assert report.max_fitting_micro_batch == 64
+
+
+def test_other_libraries_take_the_emulated_oom_for_a_real_one():
+    """Accelerate's find_executable_batch_size and Lightning's OOM check match message text, not types:
+    an emulated OOM must read like a CUDA one for them to react (a laptop can then test their code)."""
+    pytest.importorskip("accelerate")
+    from accelerate.utils import find_executable_batch_size
+
+    tried: list[int] = []
+
+    @find_executable_batch_size(starting_batch_size=64)
+    def train(batch_size: int) -> int:
+        tried.append(batch_size)
+        with emulated_budget(40 * 1000 * 4):  # room for 40 rows of 1000 floats
+            torch.ones(batch_size, 1000).sum()
+        return batch_size
+
+    fitted = train()
+    assert tried[0] == 64 and len(tried) > 1 and fitted == tried[-1] and fitted <= 40  # it shrank and retried
+    lightning_memory = pytest.importorskip("lightning.pytorch.utilities.memory")
+    with pytest.raises(torch.OutOfMemoryError) as info, emulated_budget(1000):
+        torch.ones(1000)
+    assert lightning_memory.is_oom_error(info.value)

@@ -19,13 +19,16 @@ def check_covers_target(plan: Plan, requested_micro: int) -> None:
         assert len(sizes) == plan.accum_steps
         assert all(0 <= s <= plan.micro_batch for s in sizes)
         assert sum(sizes) == plan.rank_batch(rank)
-        # full micro-batches first, one shorter (or empty) one last: no gaps in the middle
-        assert all(s == plan.micro_batch for s in sizes[:-1])
+        # spread evenly: the non-empty micro-batches differ by at most one (larger first), empty ones last
+        filled = [s for s in sizes if s > 0]
+        assert list(sizes) == filled + [0] * (len(sizes) - len(filled))
+        assert filled == sorted(filled, reverse=True) and (not filled or filled[0] - filled[-1] <= 1)
         shares.append(plan.rank_batch(rank))
         total += sum(sizes)
     assert total == plan.target_batch
     assert max(shares) - min(shares) <= 1  # the target split as evenly as it goes
     assert plan.micro_sizes(0)[-1] >= 1  # rank 0 (the largest share) never runs an empty micro-step
+    assert max(plan.micro_sizes(0)) == plan.micro_batch  # the plan names the largest micro-batch it cuts
     # the fewest micro-steps for this micro-batch: one fewer would not hold rank 0's share
     assert (plan.accum_steps - 1) * plan.micro_batch < plan.rank_batch(0) <= plan.accum_steps * plan.micro_batch
 
@@ -35,10 +38,7 @@ def check_plan_family(target: int, world: int, micro: int) -> None:
     assert (plan.target_batch, plan.world_size) == (target, world)
     check_covers_target(plan, micro)
 
-    balanced = Plan.balanced(target, micro, world)
-    check_covers_target(balanced, micro)
-    assert balanced.micro_batch <= plan.micro_batch
-    assert balanced.accum_steps == plan.accum_steps
+    assert Plan.balanced(target, micro, world) == plan  # every plan is balanced now
 
     if plan.micro_batch > 1:
         halved = plan.halved()
@@ -81,16 +81,19 @@ def test_halving_down_to_one_keeps_the_target():
         plan = plan.halved()
         micros.append(plan.micro_batch)
         assert sum(sum(plan.micro_sizes(r)) for r in range(8)) == 1000
-    assert micros == [125, 62, 31, 15, 7, 3, 1]
+    # each halving, then balanced over the micro-steps it takes: 125 -> 62 needs 3 steps -> 42 each
+    assert micros == [125, 42, 21, 10, 5, 2, 1]
     with pytest.raises(ValueError, match="micro-batch of 1 cannot be halved"):
         plan.halved()
 
 
 def test_known_plans():
-    plan = Plan.for_target(256, 48)
-    assert (plan.micro_batch, plan.accum_steps, plan.last_micro_batch) == (48, 6, 16)
-    assert plan.micro_sizes() == (48, 48, 48, 48, 48, 16)
-    assert plan.describe() == "target 256 = micro 48 x accum 6 (last micro 16) x world 1"
+    plan = Plan.for_target(256, 48)  # 6 micro-steps for 256: spread as 43 x 4 + 42 x 2, not 48 x 5 + 16
+    assert (plan.micro_batch, plan.accum_steps, plan.last_micro_batch) == (43, 6, 42)
+    assert plan.micro_sizes() == (43, 43, 43, 43, 42, 42)
+    assert plan.describe() == "target 256 = micro 43 x accum 6 (last micro 42) x world 1"
+    # the GPT-2 plan of issue 11: 64 in 10 micro-steps is 7 x 4 + 6 x 6, not 7 x 9 + 1
+    assert Plan.for_target(64, 7).micro_sizes() == (7,) * 4 + (6,) * 6
     assert Plan.for_target(256, 64).describe() == "target 256 = micro 64 x accum 4 x world 1"
     assert Plan.for_target(256, 1000) == Plan(256, 1, 1, 256)  # capped at the rank share
 
@@ -98,10 +101,15 @@ def test_known_plans():
     assert Plan.balanced(256, 200) == Plan(128, 2, 1, 256)
     assert Plan.balanced(256, 48) == Plan(43, 6, 1, 256)
 
-    # 10 samples over 3 ranks: shares 4, 3, 3; micro 3 -> two micro-steps, ranks 1 and 2 end empty
+    # 10 samples over 3 ranks: shares 4, 3, 3; micro 3 -> two micro-steps on every rank, 2 + 2 on
+    # rank 0 and 2 + 1 on ranks 1 and 2
     plan = Plan.for_target(10, 3, 3)
     assert [plan.rank_batch(r) for r in range(3)] == [4, 3, 3]
-    assert [plan.micro_sizes(r) for r in range(3)] == [(3, 1), (3, 0), (3, 0)]
+    assert plan.micro_batch == 2
+    assert [plan.micro_sizes(r) for r in range(3)] == [(2, 2), (2, 1), (2, 1)]
+    # 9 over 2 ranks at micro 1: 5 micro-steps on both ranks, rank 1's last one empty
+    plan = Plan.for_target(9, 1, 2)
+    assert [plan.micro_sizes(r) for r in range(2)] == [(1,) * 5, (1,) * 4 + (0,)]
 
 
 def test_plan_that_does_not_cover_the_target_is_rejected_with_the_right_accum():
@@ -133,7 +141,7 @@ def test_dict_round_trip_and_missing_keys():
     assert Plan.from_dict(plan.to_dict()) == plan
     with pytest.raises(ValueError, match="missing 'world_size'"):
         Plan.from_dict({"micro_batch": 4, "accum_steps": 1, "target_batch": 4})
-    assert plan.with_world_size(2) == Plan.for_target(1000, 48, 2)
+    assert plan.with_world_size(2) == Plan.for_target(1000, plan.micro_batch, 2)  # the same largest micro-batch
 
 
 def test_read_plan_accepts_what_the_tools_write(tmp_path):

@@ -14,12 +14,14 @@ from autoaccum.memory.capacity import (
 )
 from autoaccum.memory.cuda import CudaMeter
 from autoaccum.memory.meter import MemoryReading, Meter, NullMeter
-from autoaccum.memory.tracked import TrackedMemory, emulated_budget, iter_tensors
+from autoaccum.memory.tracked import (
+    TrackedMemory, active_budget, emulated_budget, is_compiled, iter_tensors, refuse_compiled,
+)
 
 __all__ = [
-    "Budget", "CudaMeter", "DeviceCapacity", "MemoryReading", "Meter", "NullMeter", "TrackedMemory",
-    "cuda_capacity", "default_meter", "device_capacity", "emulated_budget", "iter_tensors", "resolve_budget",
-    "usable_bytes",
+    "Budget", "CudaMeter", "active_budget", "DeviceCapacity", "MemoryReading", "Meter", "NullMeter", "TrackedMemory",
+    "cuda_capacity", "default_meter", "device_capacity", "emulated_budget", "is_compiled", "iter_tensors",
+    "refuse_compiled", "resolve_budget", "usable_bytes",
 ]
 
 

@@ -12,7 +12,9 @@ tensors have storages with sizes, no data), which estimates a step without alloc
 
 With a budget the counter becomes an emulated device: the op whose result pushes live bytes
 past the budget raises ``torch.OutOfMemoryError`` -- mid-forward, mid-backward or inside the
-optimizer step, where a real device would fail. The result of that op is dropped with the
+optimizer step, where a real device would fail. Its message reads like a CUDA one ("CUDA out of
+memory. Tried to allocate ...") with a marker that it is emulated, so that other libraries' OOM
+handlers treat it as real. The result of that op is dropped with the
 exception, so the count falls back as the stack unwinds.
 """
 
@@ -30,7 +32,7 @@ from torch.utils._pytree import tree_flatten
 from autoaccum.memory.meter import MemoryReading
 from autoaccum.units import format_bytes, parse_bytes
 
-__all__ = ["TrackedMemory", "emulated_budget", "iter_tensors"]
+__all__ = ["TrackedMemory", "active_budget", "emulated_budget", "is_compiled", "iter_tensors", "refuse_compiled"]
 
 
 def _storage(t: torch.Tensor) -> Any | None:
@@ -155,10 +157,11 @@ class TrackedMemory(TorchDispatchMode):
             in_use = self.current_bytes - added
             # the refused allocation never happens on a device: it is no part of the peak
             self.peak_bytes = max(peak_before, in_use)
+            # Worded as the CUDA allocator words it, so that other libraries' OOM handlers (Accelerate's
+            # find_executable_batch_size, Lightning's batch-size finder) treat it as the real thing.
             message = (
-                f"Emulated out of memory in {func}: tried to allocate {format_bytes(added)}; "
-                f"{format_bytes(in_use)} in use of a budget of {format_bytes(self.budget_bytes)} "
-                f"(autoaccum emulated budget)"
+                f"CUDA out of memory. Tried to allocate {format_bytes(added)}. [emulated by autoaccum: "
+                f"{format_bytes(in_use)} in use of a budget of {format_bytes(self.budget_bytes)}, in {func}]"
             )
             del out, t, storage  # drop the result so its bytes are freed as the error unwinds
             raise torch.OutOfMemoryError(message)
@@ -176,3 +179,35 @@ def emulated_budget(budget: int | str, *track: Any) -> TrackedMemory:
             train_step()   # raises torch.OutOfMemoryError like a small GPU would
     """
     return TrackedMemory(budget_bytes=budget).track(*track)
+
+
+def active_budget() -> TrackedMemory | None:
+    """The innermost :class:`TrackedMemory` with a budget active in this thread (an emulated device),
+    or None: so that an error can state the budget of an ``emulated_budget(...)`` block it runs in."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        if isinstance(mode, TrackedMemory) and mode.budget_bytes is not None:
+            return mode
+    return None
+
+
+def is_compiled(model: torch.nn.Module) -> bool:
+    """``model`` (or a submodule) runs through ``torch.compile``: an ``OptimizedModule`` wrapper, or a
+    module compiled in place with ``module.compile()``."""
+    return any(type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
+               for m in model.modules())
+
+
+def refuse_compiled(model: torch.nn.Module, what: str) -> None:
+    """Raise ValueError for a compiled ``model`` that would run under the tracked counter.
+
+    Dynamo compiles no frame while a TorchDispatchMode is active, and marks the frames it saw there
+    to be skipped, so the model would run eagerly -- then and afterwards -- while its numbers were
+    reported as compiled. Measured on CUDA, a compiled model runs compiled (no dispatch mode)."""
+    if is_compiled(model):
+        raise ValueError(
+            f"cannot {what}: the model is torch.compile'd, and autoaccum's tracked memory counter (used on every "
+            f"device but CUDA, and for --estimate / emulated budgets) runs as a TorchDispatchMode, inside which "
+            f"torch.compile compiles nothing -- it would run eagerly and be measured as eager. Pass the uncompiled "
+            f"module (e.g. model._orig_mod), or measure on CUDA.")

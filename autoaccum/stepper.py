@@ -1,0 +1,169 @@
+"""Measured training steps for the probe: the peak memory and the time of each phase, per size.
+
+A training step has two peaks (``autoaccum.memory_model``): the forward/backward peak, which grows
+with the micro-batch, and the optimizer-step peak, which does not. So the optimizer phase is
+measured once, and every candidate size only runs forward and backward:
+
+- :meth:`Stepper.warm_up` runs two complete training steps at the smallest size (the optimizer
+  creates its state in the first, so the peak of the optimizer phase is known after the second)
+  and times the optimizer step;
+- :meth:`Stepper.measure` runs ``passes`` forward/backward passes at one size. A size smaller
+  than the rank's share will accumulate, so it runs as a real accumulation's later micro-batches
+  do: with the summed gradients of earlier ones in memory (and the optimizer state). The share
+  itself runs alone, from no gradients, as the guard runs it. The first pass warms up; the others
+  are timed (the fastest counts: contention only ever slows a pass).
+
+Each pass runs under the run's precision: forward and loss under autocast, the loss scaled by a
+GradScaler for fp16. An OOM ends the size (status ``oom``) and is recovered outside the
+``except`` block.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from autoaccum.batch import Batch, move_to
+from autoaccum.memory import Meter
+from autoaccum.precision import autocast
+from autoaccum.recovery import catch_oom, release_memory
+from autoaccum.report import Candidate, Status
+from autoaccum.task import LossFn, check_loss
+
+__all__ = ["Stepper"]
+
+logger = logging.getLogger("autoaccum.probe")
+
+
+class Stepper:
+    """Runs measured passes of one task on one meter (see the module docstring).
+
+    Attributes:
+        steps: forward/backward passes run (an OOM counts as one); optimizer_steps: optimizer steps run.
+        ooms: OOMs the measurements triggered.
+        measured: every size measured, by size.
+        opt_peak_bytes, opt_time_s: the optimizer phase's peak and time (after :meth:`warm_up`).
+        start_bytes: bytes live when the last measured pass began (weights, state, gradients, batch).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
+                 make_batch: Callable[[int], Batch], device: torch.device, meter: Meter, usable_bytes: int, *,
+                 share: int, passes: int = 2, autocast_dtype: torch.dtype | None = None,
+                 scaler: torch.amp.GradScaler | None = None) -> None:
+        self.model, self.optimizer, self.loss_fn, self.make_batch = model, optimizer, loss_fn, make_batch
+        self.device, self.meter, self.usable_bytes, self.passes = device, meter, usable_bytes, passes
+        self.share = share  # a micro-batch smaller than this rank's share accumulates
+        self.autocast_dtype, self.scaler = autocast_dtype, scaler
+        self.steps = 0
+        self.optimizer_steps = 0
+        self.ooms = 0
+        self.measured: dict[int, Candidate] = {}
+        self.opt_peak_bytes = 0
+        self.opt_time_s = 0.0
+        self.start_bytes = 0
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _peak(self) -> int:
+        reading = self.meter.read()
+        return 0 if reading is None else reading.peak_bytes
+
+    def _pass(self, batch: Batch) -> tuple[int, float]:
+        """One forward/backward pass: (its peak, its time)."""
+        self._sync()
+        started = time.perf_counter()
+        self.meter.reset_peak()
+        reading = self.meter.read()
+        self.start_bytes = 0 if reading is None else reading.current_bytes
+        with autocast(self.device, self.autocast_dtype):
+            loss, _ = check_loss(self.loss_fn(self.model, batch))
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        del loss
+        peak = self._peak()
+        self._sync()
+        self.steps += 1
+        return peak, time.perf_counter() - started
+
+    def _optimizer_step(self) -> None:
+        self._sync()
+        started = time.perf_counter()
+        self.meter.reset_peak()
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.opt_peak_bytes = max(self.opt_peak_bytes, self._peak())
+        self._sync()
+        self.opt_time_s = time.perf_counter() - started
+        self.optimizer_steps += 1
+
+    def _warm_up(self, size: int) -> Candidate:
+        batch = move_to(self.make_batch(size), self.device)
+        peaks, times = [], []
+        for step in range(2):
+            if step == 0 or size >= self.share:
+                self.optimizer.zero_grad(set_to_none=True)
+            peak, seconds = self._pass(batch)
+            peaks.append(peak)
+            times.append(seconds)
+            self._optimizer_step()
+        return self._candidate(size, max(peaks), times[1:])
+
+    def _measure(self, size: int) -> Candidate:
+        batch = move_to(self.make_batch(size), self.device)
+        peaks, times = [], []
+        for _ in range(self.passes):
+            if size >= self.share:
+                self.optimizer.zero_grad(set_to_none=True)  # the whole share runs alone, from no gradients
+            peak, seconds = self._pass(batch)
+            peaks.append(peak)
+            times.append(seconds)
+        return self._candidate(size, max(peaks), times[1:])
+
+    def _candidate(self, size: int, fwd_bwd: int, times: list[float]) -> Candidate:
+        peak = max(fwd_bwd, self.opt_peak_bytes)
+        status: Status = "ok" if peak <= self.usable_bytes else "over_budget"
+        micro_time = min(times)
+        return Candidate(size, status, peak, fwd_bwd, self.opt_peak_bytes, micro_time + self.opt_time_s, micro_time)
+
+    def warm_up(self, size: int) -> Candidate:
+        """Two complete training steps at ``size``: the optimizer's state and its peak; ``size`` measured too."""
+        return self._record(size, self._warm_up)
+
+    def measure(self, size: int) -> Candidate:
+        """``passes`` forward/backward passes at ``size`` (once per size: a repeated size returns its result)."""
+        if size in self.measured:
+            return self.measured[size]
+        return self._record(size, self._measure)
+
+    def retime(self, size: int) -> float:
+        """One more timed pass at a size that fits: the fastest reading so far of its micro-step time."""
+        candidate = self.measured[size]
+        batch = move_to(self.make_batch(size), self.device)
+        if size >= self.share:
+            self.optimizer.zero_grad(set_to_none=True)
+        _, seconds = self._pass(batch)
+        micro = min(seconds, candidate.micro_step_time_s or seconds)
+        self.measured[size] = Candidate(size, candidate.status, candidate.peak_bytes, candidate.fwd_bwd_peak_bytes,
+                                        candidate.opt_peak_bytes, micro + self.opt_time_s, micro)
+        return micro
+
+    def _record(self, size: int, run: Callable[[int], Candidate]) -> Candidate:
+        ran, failed = catch_oom(run, size)
+        if failed:  # outside any except block: the failed pass's activations are gone
+            self.steps += 1
+            self.ooms += 1
+            self.optimizer.zero_grad(set_to_none=True)
+            release_memory(self.device)
+            candidate = Candidate(size, "oom", self.meter.last_oom_needed_bytes)
+        else:
+            candidate = ran  # type: ignore[assignment]
+        self.measured[size] = candidate
+        logger.info("probe micro-batch %d: %s, peak %s", size, candidate.status, candidate.peak_bytes)
+        return candidate
