@@ -466,7 +466,7 @@ def test_without_a_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_buckets_split_by_dtype_and_size() -> None:
     params = [torch.nn.Parameter(torch.zeros(n, dtype=d)) for n, d in
               [(4, torch.float32), (4, torch.float32), (8, torch.float32), (2, torch.float64), (1, torch.float32)]]
-    buckets = list(autoaccum.distributed._buckets(params, bucket_bytes=32))
+    buckets = list(autoaccum.distributed.ddp._buckets(params, bucket_bytes=32))
     assert [[p.numel() for p in b] for b in buckets] == [[4, 4], [8], [2], [1]]
 
 
