@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import multiprocessing
 import os
 import socket
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 
 import autoaccum
 import autoaccum.distributed
+from autoaccum.cut import SampleCut
 from autoaccum.data import GlobalBatches
 from autoaccum.distributed import DistributedSync, unwrap_model, wrap_model
 
@@ -389,6 +391,76 @@ def test_plans_agree_smallest_micro_batch_wins(suite_runs: dict[str, Any]) -> No
         assert r["wrap_twice"]
 
 
+# -- uneven shares under FSDP2: every rank the same number of micro-steps -----------------------------
+UNEVEN_TARGET, UNEVEN_STEPS = 9, 3  # shares 5 and 4 at micro-batch 1: rank 1 ends each step with an empty micro-step
+FP64 = {"rtol": 1e-12, "atol": 1e-12}
+
+
+def uneven_batches(rank: int = 0, world_size: int = 1) -> Any:
+    """The first global batches of 9 samples, in fp64: this rank's share of each."""
+    data = tuple(t.double() if t.is_floating_point() else t for t in make_data())
+    batches = GlobalBatches(data, UNEVEN_TARGET, seed=SEED, rank=rank, world_size=world_size).epoch(0)
+    return itertools.islice(batches, UNEVEN_STEPS)
+
+
+def uneven_fsdp2(rank: int, world_size: int) -> dict[str, Any]:
+    """FSDP2 at micro-batch 1 on shares of 5 and 4: per step, the sizes the cutter produced and the forwards run."""
+    model = sharded(torch.float64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    cut_sizes: list[list[int]] = []  # per attempt: the micro-batch sizes the guard took from the cutter
+    forwards: list[int] = []  # per step: loss_fn calls
+
+    def counting_cut(batch: Any, rank_sizes: Any, rank_: int, plan: autoaccum.Plan) -> Any:
+        cut_sizes.append([])
+        for micro in SampleCut()(batch, rank_sizes, rank_, plan):
+            cut_sizes[-1].append(micro.num_samples)
+            yield micro
+
+    def loss_fn(m: torch.nn.Module, batch: Any) -> torch.Tensor:
+        forwards[-1] += 1
+        return mean_loss(m, batch)
+
+    guard = autoaccum.OOMGuard(model, opt, target_batch=UNEVEN_TARGET, micro_batch=1, cut=counting_cut,
+                               sync=DistributedSync(model))
+    for rb in uneven_batches(rank, world_size):
+        forwards.append(0)
+        guard.step(rb.batch, loss_fn)
+    return {"params": _params(model), "cut_sizes": cut_sizes, "forwards": forwards, "plan": guard.plan.to_dict()}
+
+
+def uneven_reference() -> dict[str, torch.Tensor]:
+    """One process, fp64, one full-batch step of 9 samples per global batch."""
+    model = make_net().double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for rb in uneven_batches():
+        opt.zero_grad(set_to_none=True)
+        mean_loss(model, rb.batch).backward()
+        opt.step()
+    return _params(model)
+
+
+def test_fsdp2_uneven_shares_run_the_same_micro_steps_on_every_rank(tmp_path: Path) -> None:
+    """Target 9 on two ranks at micro-batch 1 (the negative control of tests/test_cut.py, on real ranks):
+    rank 0 cuts its 5 samples into 5 micro-steps, rank 1 its 4 into 4 and one empty one (which runs no
+    forward); the parameters equal one process's full-batch steps in fp64. The counts are what tell
+    the cutters apart here: the window holds no FSDP2 collective, so with the old per-rank cut (5 and
+    4 micro-steps) this run still ends, with the same parameters."""
+    if not fsdp2_supported():
+        pytest.skip(f"FSDP2 under autoaccum needs torch >= 2.13 (FSDPModule.reset_iter_state); this is {torch.__version__}")
+    codes, _ = spawn(uneven_fsdp2, tmp_path)  # bounded by TIMEOUT_S: a hang fails
+    out = results(tmp_path, codes)
+    assert [r["cut_sizes"] for r in out] == [[[1, 1, 1, 1, 1]] * UNEVEN_STEPS, [[1, 1, 1, 1, 0]] * UNEVEN_STEPS]
+    assert [len(s) for s in out[0]["cut_sizes"]] == [len(s) for s in out[1]["cut_sizes"]] == [5] * UNEVEN_STEPS
+    assert [r["forwards"] for r in out] == [[5] * UNEVEN_STEPS, [4] * UNEVEN_STEPS]  # an empty micro-step runs none
+    assert all(r["plan"] == {"micro_batch": 1, "accum_steps": 5, "world_size": 2, "target_batch": UNEVEN_TARGET}
+               for r in out)
+    want = uneven_reference()
+    for rank, r in enumerate(out):
+        for name, p in want.items():
+            torch.testing.assert_close(r["params"][name], p, **FP64, msg=f"rank {rank} {name}")
+    assert not torch.equal(want["inp.weight"], make_net().double().inp.weight)  # the steps moved the weights
+
+
 def fail_on_rank_zero(rank: int, world_size: int) -> None:
     model = wrap_model(make_net())
     guard = autoaccum.OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), target_batch=TARGET,
@@ -466,7 +538,7 @@ def test_without_a_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_buckets_split_by_dtype_and_size() -> None:
     params = [torch.nn.Parameter(torch.zeros(n, dtype=d)) for n, d in
               [(4, torch.float32), (4, torch.float32), (8, torch.float32), (2, torch.float64), (1, torch.float32)]]
-    buckets = list(autoaccum.distributed._buckets(params, bucket_bytes=32))
+    buckets = list(autoaccum.distributed.ddp._buckets(params, bucket_bytes=32))
     assert [[p.numel() for p in b] for b in buckets] == [[4, 4], [8], [2], [1]]
 
 
@@ -508,10 +580,10 @@ def fit_two_ranks(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, 
     return out
 
 
-def sharded() -> torch.nn.Module:
+def sharded(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     from torch.distributed.fsdp import fully_shard
 
-    net = make_net()
+    net = make_net().to(dtype)
     fully_shard(net.inp)
     fully_shard(net.out)
     return fully_shard(net)

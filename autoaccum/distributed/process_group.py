@@ -1,0 +1,130 @@
+"""The process group: where this process stands, torchrun's environment, and the small exchanges
+(an all-reduce of a few integers, one plan for every rank) that need no model."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autoaccum.plan import Plan
+
+__all__ = ["WorldInfo", "broadcast_plan", "init_from_env", "is_distributed", "is_rank_zero", "world_info"]
+
+logger = logging.getLogger(__name__)
+
+#: what torchrun sets for every worker
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class WorldInfo:
+    """Where this process stands: rank, world size, local rank on its node, and the backend (None alone)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str | None
+
+
+def is_distributed() -> bool:
+    """A ``torch.distributed`` process group is initialised (by the user, torchrun code or :func:`init_from_env`)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_info(group: Any = None) -> WorldInfo:
+    """Rank and world size from the process group; from torchrun's variables before one exists; else one process."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if is_distributed():
+        return WorldInfo(dist.get_rank(group), dist.get_world_size(group), local_rank, str(dist.get_backend(group)))
+    if all(k in os.environ for k in ("RANK", "WORLD_SIZE")):
+        return WorldInfo(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), local_rank, None)
+    return WorldInfo(0, 1, 0, None)
+
+
+def init_from_env(backend: str | None = None, timeout_s: float | None = None) -> bool:
+    """Initialise the default process group from torchrun's environment, if it is set and no group exists.
+
+    torchrun sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``. The
+    backend is ``nccl`` when CUDA is available (each process then uses ``cuda:LOCAL_RANK``), else
+    ``gloo``. The group is left initialised afterwards; destroy it with
+    ``torch.distributed.destroy_process_group()`` when done.
+
+    Returns:
+        True if this call initialised the group; False when one existed or the variables are not set.
+    """
+    if is_distributed() or not dist.is_available() or not all(k in os.environ for k in _TORCHRUN_ENV):
+        return False
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "nccl" in backend:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    kwargs: dict[str, Any] = {}
+    if timeout_s is not None:
+        kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, **kwargs)
+    logger.info("initialised process group from torchrun's environment: backend %s, rank %d of %d",
+                backend, dist.get_rank(), dist.get_world_size())
+    return True
+
+
+def is_rank_zero(group: Any = None) -> bool:
+    """True in the process that logs, writes checkpoints and shows progress (rank 0, or the only one)."""
+    return world_info(group).rank == 0
+
+
+# -- small exchanges ---------------------------------------------------------------------------------
+def _comm_device(group: Any = None) -> torch.device:
+    """Where small exchange tensors must live for the group's backend (gloo: CPU, nccl: the current GPU)."""
+    backend = str(dist.get_backend(group))
+    if "gloo" in backend or backend == "mpi":
+        return torch.device("cpu")
+    if "nccl" in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    if "xccl" in backend:
+        return torch.device("xpu", torch.xpu.current_device())
+    return torch.device("cpu")
+
+
+def _all_reduce(values: torch.Tensor, op: Any, group: Any = None) -> torch.Tensor:
+    """``values`` reduced over the group with ``op``, returned on the device and in the dtype they came in."""
+    device = _comm_device(group)
+    work = values.detach().to(device, copy=True)
+    dist.all_reduce(work, op=op, group=group)
+    return work.to(values.device)
+
+
+def broadcast_plan(plan: Plan | None, group: Any = None) -> Plan:
+    """One plan for every rank: the smallest micro-batch any rank proposes.
+
+    Rank 0 must give its plan (e.g. ``probe(...).plan``); the others give theirs (each rank may have
+    probed its own device, and the smallest feasible micro-batch wins) or None to take rank 0's.
+
+    Raises:
+        ValueError: the ranks disagree on ``target_batch`` or ``world_size`` (raised on every rank).
+    """
+    if not is_distributed():
+        if plan is None:
+            raise ValueError("broadcast_plan needs a plan when there is no process group")
+        return plan
+    rank = dist.get_rank(group)
+    if plan is None and rank == 0:
+        raise ValueError("rank 0 must give broadcast_plan its plan; other ranks may give None")
+    big = torch.iinfo(torch.int64).max
+    if plan is None:
+        values = [big, big, big, big, big]  # no opinion: MIN ignores it
+    else:
+        values = [plan.micro_batch, plan.target_batch, -plan.target_batch, plan.world_size, -plan.world_size]
+    micro, target_min, neg_target_max, world_min, neg_world_max = _all_reduce(
+        torch.tensor(values, dtype=torch.int64), dist.ReduceOp.MIN, group).tolist()
+    if target_min != -neg_target_max or world_min != -neg_world_max:
+        raise ValueError(f"the ranks' plans disagree: target_batch {target_min}..{-neg_target_max}, world_size "
+                         f"{world_min}..{-neg_world_max}; every rank must plan the same target_batch and world_size")
+    if plan is not None and plan.micro_batch == micro:
+        return plan
+    return Plan.for_target(int(target_min), int(micro), int(world_min))  # the smallest micro-batch wins
