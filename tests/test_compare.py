@@ -83,20 +83,23 @@ def test_brute_force_finds_the_budgeted_micro_batch(doc, compare):
     assert result["truly_fits"] == w.micro_target  # the budget is set between micro_target and +1
 
 
-def test_the_peers_recognise_the_benchmark_oom_but_not_the_raw_one(compare):
+def test_the_peers_recognise_the_emulated_oom_and_the_budget_records_it(compare):
     from accelerate.utils.memory import should_reduce_batch_size
     from lightning.pytorch.utilities.memory import is_oom_error
 
     model = torch.nn.Linear(8, 8)
     errors = {}
-    for name, budget in (("raw", TrackedMemory(budget_bytes=64)),
-                         ("peer", compare.budget.PeerVisibleBudget(64))):
+    for name, budget in (("raw", TrackedMemory(budget_bytes=64)), ("bench", compare.budget.EmulatedBudget(64))):
         with pytest.raises(torch.OutOfMemoryError) as caught, budget.track(model):
             model(torch.ones(4, 8))
         errors[name] = caught.value
-    assert should_reduce_batch_size(errors["peer"]) and is_oom_error(errors["peer"])
-    # negative control: autoaccum's own message is not what the peers look for
-    assert not should_reduce_batch_size(errors["raw"]) and not is_oom_error(errors["raw"])
+    assert str(errors["raw"]) == str(errors["bench"])  # the benchmark's budget changes nothing in the error
+    for error in errors.values():
+        assert should_reduce_batch_size(error) and is_oom_error(error)
+    assert budget.ooms == 1 and len(budget.oom_times) == 1
+    # negative control: the peers do react to text, so an autoaccum message without it would go unseen
+    plain = torch.OutOfMemoryError("Emulated out of memory in aten.ones: tried to allocate 128 B")
+    assert not should_reduce_batch_size(plain) and not is_oom_error(plain)
 
 
 def test_results_section_replaces_only_its_own(compare, doc, tmp_path):
@@ -126,7 +129,7 @@ def test_results_section_keeps_the_method_prose(compare, doc, tmp_path):
     method = compare.report.METHOD
     before = path.read_text()
     kept = before[before.index(method):before.index("\n### ", before.index(method) + 1)]
-    assert "PeerVisibleBudget" in kept  # the real prose, not an empty heading
+    assert "EmulatedBudget" in kept  # the real prose, not an empty heading
 
     compare.report.write_section(doc, "python benchmarks/compare.py --size tiny", path)
     compare.report.write_section(doc, "python benchmarks/compare.py --size tiny", path)

@@ -385,8 +385,10 @@ def test_two_ranks_on_cuda_equal_one_full_batch_step(tmp_path: Path) -> None:
 
 def test_plans_agree_smallest_micro_batch_wins(suite_runs: dict[str, Any]) -> None:
     for r in suite_runs["out"]:
-        assert r["plan_min"] == {"micro_batch": 2, "accum_steps": 4, "world_size": 2, "target_batch": TARGET}
-        assert r["plan_rank0"] == {"micro_batch": 8, "accum_steps": 1, "world_size": 2, "target_batch": TARGET}
+        assert r["plan_min"] == {"micro_batch": 2, "accum_steps": 4, "world_size": 2, "target_batch": TARGET,
+                                 "min_micro_batch": 1}
+        assert r["plan_rank0"] == {"micro_batch": 8, "accum_steps": 1, "world_size": 2, "target_batch": TARGET,
+                                   "min_micro_batch": 1}
         assert r["plan_mismatch"] is not None and "target_batch 16..18" in r["plan_mismatch"]
         assert r["wrap_twice"]
 
@@ -452,8 +454,8 @@ def test_fsdp2_uneven_shares_run_the_same_micro_steps_on_every_rank(tmp_path: Pa
     assert [r["cut_sizes"] for r in out] == [[[1, 1, 1, 1, 1]] * UNEVEN_STEPS, [[1, 1, 1, 1, 0]] * UNEVEN_STEPS]
     assert [len(s) for s in out[0]["cut_sizes"]] == [len(s) for s in out[1]["cut_sizes"]] == [5] * UNEVEN_STEPS
     assert [r["forwards"] for r in out] == [[5] * UNEVEN_STEPS, [4] * UNEVEN_STEPS]  # an empty micro-step runs none
-    assert all(r["plan"] == {"micro_batch": 1, "accum_steps": 5, "world_size": 2, "target_batch": UNEVEN_TARGET}
-               for r in out)
+    assert all(r["plan"] == {"micro_batch": 1, "accum_steps": 5, "world_size": 2, "target_batch": UNEVEN_TARGET,
+                             "min_micro_batch": 1} for r in out)
     want = uneven_reference()
     for rank, r in enumerate(out):
         for name, p in want.items():

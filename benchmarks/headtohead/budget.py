@@ -1,7 +1,7 @@
 """The memory budget every system runs under, and its calibration by brute force.
 
-On CPU the budget is autoaccum's emulated device, re-raising its OOM with the text the peers look
-for; on CUDA the real device made smaller. Why and how: benchmarks/RESULTS.md, head-to-head, Method.
+On CPU the budget is autoaccum's emulated device (whose OOM reads like a CUDA one, so the peers'
+detectors react to it), recording when each OOM struck; on CUDA the real device made smaller. Why and how: benchmarks/RESULTS.md, head-to-head, Method.
 """
 
 from __future__ import annotations
@@ -19,28 +19,23 @@ from autoaccum import TrackedMemory
 from .context import Context
 from .workloads import loss_sum, make_optimizer, on_device, slice_batch
 
-#: the text the peers' OOM detectors look for; a real CUDA OOM starts with it
-PEER_OOM_PREFIX = "CUDA out of memory. "
+class EmulatedBudget(TrackedMemory):
+    """autoaccum's emulated budget, recording when each OOM struck (for the time lost to recovery).
 
-
-class PeerVisibleBudget(TrackedMemory):
-    """autoaccum's emulated budget, re-raising its OOM with the text the peers' detectors look for.
-
-    The error is the same ``torch.OutOfMemoryError`` (autoaccum recognises it by type); only the
-    message gains a "CUDA out of memory. " prefix. It is raised outside the ``except`` block, so the
-    original traceback (and the activations it holds) is gone, as after a real allocator failure."""
+    Its ``torch.OutOfMemoryError`` is autoaccum's own, unchanged: it reads "CUDA out of memory. Tried
+    to allocate ...", the text the peers' detectors look for."""
 
     def __init__(self, budget_bytes: int) -> None:
         super().__init__(budget_bytes=budget_bytes)
         self.oom_times: list[float] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        ooms = self.oom_count
         try:
             return super().__torch_dispatch__(func, types, args, kwargs)
-        except torch.OutOfMemoryError as exc:
-            message = str(exc)
-        self.oom_times.append(time.perf_counter())
-        raise torch.OutOfMemoryError(PEER_OOM_PREFIX + message)
+        finally:
+            if self.oom_count != ooms:
+                self.oom_times.append(time.perf_counter())
 
     def set_budget(self, budget_bytes: int) -> None:
         self.budget_bytes = budget_bytes
@@ -82,8 +77,8 @@ class CudaBudget:
         return int(torch.cuda.memory_stats(self.device).get("num_ooms", 0)) - self._ooms_at_start
 
 
-def make_budget(budget_bytes: int, device: torch.device) -> PeerVisibleBudget | CudaBudget:
-    return CudaBudget(budget_bytes, device) if device.type == "cuda" else PeerVisibleBudget(budget_bytes)
+def make_budget(budget_bytes: int, device: torch.device) -> EmulatedBudget | CudaBudget:
+    return CudaBudget(budget_bytes, device) if device.type == "cuda" else EmulatedBudget(budget_bytes)
 
 
 def accumulated_steps(ctx: Context, micro: int, budget: Any, steps: int = 2, accumulate: bool = True) -> None:
