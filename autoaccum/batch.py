@@ -8,24 +8,24 @@ from typing import Any
 
 import torch
 
-__all__ = ["Batch", "SplitFn", "batch_size", "move_to", "split_batch", "describe_batch"]
+__all__ = ["Batch", "SplitFn", "batch_size", "like", "move_to", "tensors", "split_batch", "describe_batch"]
 
 Batch = Any  # a tensor, or a tuple/list/dict (nested) whose tensors share dim 0
 SplitFn = Callable[[Batch, Sequence[int]], Sequence[Batch]]
 
 
-def _tensors(batch: Batch) -> list[torch.Tensor]:
+def tensors(batch: Batch) -> list[torch.Tensor]:
     if isinstance(batch, torch.Tensor):
         return [batch]
     if isinstance(batch, Mapping):
-        return [t for v in batch.values() for t in _tensors(v)]
+        return [t for v in batch.values() for t in tensors(v)]
     if isinstance(batch, (list, tuple)):
-        return [t for v in batch for t in _tensors(v)]
+        return [t for v in batch for t in tensors(v)]
     return []
 
 
-def _like(batch: Mapping, items: Iterable[tuple[Any, Any]]) -> Mapping:
-    """A mapping of ``batch``'s type holding ``items``."""
+def like(batch: Mapping, items: Iterable[tuple[Any, Any]]) -> Mapping:
+    """A mapping of ``batch``'s type (dict, ``BatchEncoding``, ...) holding ``items``."""
     if type(batch) is dict:
         return dict(items)
     items = list(items)
@@ -44,7 +44,7 @@ def batch_size(batch: Batch) -> int:
     Raises:
         ValueError: no tensor with a dim 0, or tensors disagree on dim 0.
     """
-    sizes = {t.shape[0] for t in _tensors(batch) if t.dim() > 0}
+    sizes = {t.shape[0] for t in tensors(batch) if t.dim() > 0}
     if not sizes:
         raise ValueError(
             f"cannot tell the batch size of a {type(batch).__name__}: expected a tensor or a tuple/list/dict "
@@ -60,7 +60,7 @@ def move_to(batch: Batch, device: torch.device) -> Batch:
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=batch.is_pinned()) if batch.device != device else batch
     if isinstance(batch, Mapping):
-        return _like(batch, ((k, move_to(v, device)) for k, v in batch.items()))
+        return like(batch, ((k, move_to(v, device)) for k, v in batch.items()))
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
         return type(batch)(*(move_to(v, device) for v in batch))
     if isinstance(batch, (list, tuple)):
@@ -73,7 +73,7 @@ def _split(batch: Batch, sizes: Sequence[int]) -> list[Batch]:
         return list(torch.split(batch, list(sizes), dim=0)) if batch.dim() > 0 else [batch] * len(sizes)
     if isinstance(batch, Mapping):
         parts = {k: _split(v, sizes) for k, v in batch.items()}
-        return [_like(batch, ((k, parts[k][i]) for k in batch)) for i in range(len(sizes))]
+        return [like(batch, ((k, parts[k][i]) for k in batch)) for i in range(len(sizes))]
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
         parts = [_split(v, sizes) for v in batch]
         return [type(batch)(*(p[i] for p in parts)) for i in range(len(sizes))]
@@ -105,4 +105,4 @@ def split_batch(batch: Batch, sizes: Sequence[int], split_fn: SplitFn | None = N
 
 def describe_batch(batch: Batch) -> list[list[Any]]:
     """Shapes (without dim 0) and dtypes of a batch's tensors: what its memory per sample depends on."""
-    return [[list(t.shape[1:]), str(t.dtype)] for t in _tensors(batch)]
+    return [[list(t.shape[1:]), str(t.dtype)] for t in tensors(batch)]

@@ -12,12 +12,12 @@ import os
 import sys
 from collections.abc import Sequence
 
-import torch
 
 from autoaccum.errors import DoesNotFitError
 from autoaccum.probe import probe
 from autoaccum.report import REPORT_VERSION, ProbeReport
-from autoaccum.validate import check_headroom
+from autoaccum.precision import PRECISIONS
+from autoaccum.validate import check_headroom, resolve_device
 from autoaccum.task import Task, load_task
 from autoaccum.units import format_bytes, parse_bytes
 
@@ -65,6 +65,8 @@ def add_task_arguments(parser: argparse.ArgumentParser) -> None:
                         help="memory budget, e.g. 8GiB, '8 GB', 8589934592 (default: what the device has free)")
     parser.add_argument("--headroom", type=_headroom, default=0.1, help="fraction of the budget kept free (0.1)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if present, else cpu)")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                        help="measure under this precision: fp32, bf16 (autocast) or fp16 (autocast + GradScaler)")
     parser.add_argument("--json", action="store_true", help="print one JSON document on stdout, nothing else")
     parser.add_argument("-v", "--verbose", action="store_true", help="log each measurement to stderr")
 
@@ -74,11 +76,7 @@ def resolve_task(spec: str | None, device: str | None) -> Task:
     from autoaccum.batch import move_to
     from autoaccum.demo import demo_task
 
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
+    dev = resolve_device(device, "--device")
     if spec is None:
         return demo_task(dev)
     # The console script's sys.path[0] is its bin/ folder, not the working directory (which
@@ -93,26 +91,33 @@ def resolve_task(spec: str | None, device: str | None) -> Task:
 
 
 def _probe_table(report: ProbeReport) -> str:
-    rows = [("micro", "status", "peak", "fwd/bwd", "opt step", "step s", "samples/s")]
+    """One row per size. An estimate ran no real step, so it has no times."""
+    share, smallest = report.plan.rank_batch(0), report.plan.min_micro_batch
+    head = ("micro", "status", "peak", "fwd/bwd", "opt step") + (() if report.is_estimate else ("pass s", "samples/s"))
+    rows = [head]
     for c in sorted(report.candidates, key=lambda c: c.micro_batch):
-        rows.append((
-            str(c.micro_batch), c.status,
-            "-" if c.peak_bytes is None else ("~" if c.status == "oom" else "") + format_bytes(c.peak_bytes),
-            "-" if c.fwd_bwd_peak_bytes is None else format_bytes(c.fwd_bwd_peak_bytes),
-            "-" if c.opt_peak_bytes is None else format_bytes(c.opt_peak_bytes),
-            "-" if c.step_time_s is None else f"{c.step_time_s:.4f}",
-            "-" if c.samples_per_s is None else f"{c.samples_per_s:,.0f}",
-        ))
+        row = (str(c.micro_batch), c.status,
+               "-" if c.peak_bytes is None else ("~" if c.status == "oom" else "") + format_bytes(c.peak_bytes),
+               "-" if c.fwd_bwd_peak_bytes is None else format_bytes(c.fwd_bwd_peak_bytes),
+               "-" if c.opt_peak_bytes is None else format_bytes(c.opt_peak_bytes))
+        if not report.is_estimate:
+            step = c.plan_step_time_s(share, smallest)
+            row += ("-" if c.micro_step_time_s is None else f"{c.micro_step_time_s:.4f}",
+                    "-" if not step else f"{share / step:,.0f}")
+        rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)
 
 
 def format_probe(report: ProbeReport) -> str:
-    """The human report: header, candidate table, model, and the one-line recommendation."""
+    """The human report: header, candidate table, model, and the one-line recommendation.
+
+    The table's samples/s is that of a whole optimizer step of the plan cut at each size (its
+    passes, then the optimizer step), one rank's share per second."""
     lines = []
     kind = "ESTIMATE on fake cpu tensors (no step ran; CPU kernels differ from a GPU's)" if report.is_estimate \
         else f"measured with the {report.meter} meter"
-    lines.append(f"autoaccum probe · {report.device} ({report.device_name}) · {kind}")
+    lines.append(f"autoaccum probe · {report.device} ({report.device_name}) · {report.precision} · {kind}")
     lines.append(f"budget {format_bytes(report.budget_bytes)} ({report.budget_source}), headroom "
                  f"{report.headroom:.0%} -> usable {format_bytes(report.usable_bytes)}"
                  + (" · from cache" if report.source == "cache" else ""))
@@ -124,12 +129,18 @@ def format_probe(report: ProbeReport) -> str:
         lines.append(f"memory model: peak(b) = max({format_bytes(m.opt_peak_bytes)}, "
                      f"{format_bytes(m.base_bytes)} + {format_bytes(m.per_sample_bytes)} x b), "
                      f"residual {m.residual:.2%} · {report.fit_note}")
-    lines.append(f"probe: {report.probe_steps} training steps, {report.probe_ooms} OOMs, {report.wall_time_s:.2f} s")
+    if report.is_estimate:
+        lines.append(f"estimate: {len(report.candidates)} sizes on fake tensors, {report.wall_time_s:.2f} s")
+    else:
+        lines.append(f"probe: {report.probe_steps} forward/backward passes and {report.optimizer_steps} optimizer "
+                     f"steps, {report.probe_ooms} OOMs, {report.wall_time_s:.2f} s")
     plan = report.plan
+    # the plan is cut evenly from the size it was chosen at: the smallest measured size that covers it
     chosen = min((c for c in report.candidates if c.status == "ok" and c.micro_batch >= plan.micro_batch),
                  key=lambda c: c.micro_batch, default=None)
-    speed = "" if chosen is None or chosen.samples_per_s is None or report.is_estimate \
-        else f" · {chosen.samples_per_s:,.0f} samples/s"
+    step = None if chosen is None or report.is_estimate else chosen.plan_step_time_s(plan.rank_batch(0),
+                                                                                     plan.min_micro_batch)
+    speed = "" if not step else f" · {plan.rank_batch(0) / step:,.0f} samples/s"
     peak = "" if report.model is None else \
         f" · peak {'~' if report.is_estimate else ''}{format_bytes(report.model.predict(plan.micro_batch))} " \
         f"of {format_bytes(report.budget_bytes)}"
@@ -141,8 +152,9 @@ def _cmd_probe(args: argparse.Namespace) -> int:
     task = resolve_task(args.task, args.device)
     try:
         report = probe(task, target_batch=args.target_batch, world_size=args.world_size, budget=args.budget,
-                       headroom=args.headroom, max_micro_batch=args.max_micro_batch, estimate=args.estimate,
-                       cache=not args.no_cache, cache_dir=args.cache_dir)
+                       headroom=args.headroom, precision=args.precision, max_micro_batch=args.max_micro_batch,
+                       estimate=args.estimate, cache=not args.no_cache, refresh=args.refresh,
+                       cache_dir=args.cache_dir)
     except DoesNotFitError as exc:
         if args.json:
             print(json.dumps({"kind": "autoaccum.probe", "version": REPORT_VERSION, "error": "does_not_fit",
@@ -171,8 +183,8 @@ def _cmd_search(args: argparse.Namespace) -> int:
     task = resolve_task(args.task, args.device)
     try:
         report = probe(task, target_batch=args.target_batch, world_size=args.world_size, budget=args.budget,
-                       headroom=args.headroom, max_micro_batch=args.max_micro_batch, cache=not args.no_cache,
-                       cache_dir=args.cache_dir)
+                       headroom=args.headroom, precision=args.precision, max_micro_batch=args.max_micro_batch,
+                       cache=not args.no_cache, refresh=args.refresh, cache_dir=args.cache_dir)
         result = search(task, args.target_batch, world_size=args.world_size, report=report, n_trials=args.n_trials,
                         timeout_s=args.timeout, storage=args.storage, study_name=args.study_name,
                         patience=args.patience, seed=args.seed)
@@ -195,14 +207,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-micro-batch", type=_positive_int, default=None, help="largest size to try")
     p.add_argument("--estimate", action="store_true", help="fake-tensor estimate instead of a measurement")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="plot memory vs micro-batch (plot extra)")
-    p.add_argument("--no-cache", action="store_true", help="measure even if a cached result exists")
+    p.add_argument("--no-cache", action="store_true", help="neither read nor write the probe cache")
+    p.add_argument("--refresh", action="store_true", help="measure again and replace the cached result")
     p.add_argument("--cache-dir", default=None, help="where probe results are cached (~/.cache/autoaccum)")
     p.set_defaults(handler=_cmd_probe)
     s = sub.add_parser("search", help="measure micro-batches and knobs with Optuna: the fastest that fits "
                                       "(search extra)")
     add_task_arguments(s)
     s.add_argument("--max-micro-batch", type=_positive_int, default=None, help="largest size the probe tries")
-    s.add_argument("--no-cache", action="store_true", help="probe even if a cached result exists")
+    s.add_argument("--no-cache", action="store_true", help="neither read nor write the probe cache")
+    s.add_argument("--refresh", action="store_true", help="probe again and replace the cached result")
     s.add_argument("--cache-dir", default=None, help="where probe results are cached (~/.cache/autoaccum)")
     s.add_argument("--n-trials", type=_positive_int, default=20, help="most trials to run (default 20)")
     s.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="stop starting trials after this")

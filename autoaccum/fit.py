@@ -19,37 +19,47 @@ from __future__ import annotations
 import logging
 import math
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from autoaccum import checkpoint as ckpt
 from autoaccum import distributed
-from autoaccum.batch import Batch
+from autoaccum.batchnorm import smallest_micro_batch
 from autoaccum.data import GlobalBatches
-from autoaccum.errors import AutoAccumError, TaskError
+from autoaccum.errors import AutoAccumError
 from autoaccum.guard import OOMGuard, PlanChange, StepResult
+from autoaccum.log import ensure_visible
+from autoaccum.losses import default_loss
 from autoaccum.lr import apply_lr_rule, warmup_lambda
-from autoaccum.memory import Meter, TrackedMemory
-from autoaccum.plan import Plan, read_plan, read_plan_document
+from autoaccum.memory import Meter, TrackedMemory, refuse_compiled
+from autoaccum.plan import Plan, rank_share
 from autoaccum.precision import autocast_dtype, make_scaler
-from autoaccum.probe import probe
 from autoaccum.report import ProbeReport
 from autoaccum.sync import GradSync, LocalSync
-from autoaccum.task import LossFn, Task, trainable_parameters
+from autoaccum.task import (
+    LossFn,
+    Task,
+    check_loss_fn,
+    check_optimizer_covers,
+    trainable_parameters,
+)
 from autoaccum.training.config import FitConfig
 from autoaccum.training.evaluate import evaluate
 from autoaccum.training.plans import choose_plan
 from autoaccum.training.progress import Progress
-from autoaccum.training.resume import RunPosition, check_resumable, restore_run, save_run
+from autoaccum.training.resume import (
+    RunPosition,
+    check_resumable,
+    restore_run,
+    save_run,
+)
 from autoaccum.units import format_bytes
-from autoaccum.validate import check_positive_int
+from autoaccum.validate import check_positive_int, resolve_device
 
-__all__ = ["FitConfig", "FitResult", "default_loss", "fit"]
+__all__ = ["FitConfig", "FitResult", "default_loss", "fit"]  # default_loss: from autoaccum.losses
 
 logger = logging.getLogger(__name__)
 
@@ -95,24 +105,14 @@ class FitResult:
     probe: ProbeReport | None = field(default=None, repr=False)
 
 
-def default_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-    """Cross-entropy of ``model(inputs)`` against ``targets`` for an ``(inputs, targets)`` batch."""
-    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-        raise TaskError(f"the default loss needs (inputs, targets) batches, got a {type(batch).__name__}"
-                        f"{' of ' + str(len(batch)) if isinstance(batch, (tuple, list)) else ''}; pass "
-                        f"loss_fn=lambda model, batch: ... returning a mean loss or (loss_sum, num_items)")
-    inputs, targets = batch
-    return F.cross_entropy(model(inputs), targets)
-
-
 def _placed(model: torch.nn.Module, device: Any) -> tuple[torch.nn.Module, GradSync, torch.device]:
     """The model on its device, in training mode, wrapped for data parallelism where needed, and how
     its ranks agree. Under torchrun without a process group one is created (cuda:LOCAL_RANK on CUDA).
 
     With more than one rank: DDP unless the model is already DDP or FSDP2 (``fully_shard``), and a
     :class:`~autoaccum.distributed.DistributedSync`."""
+    dev = resolve_device(device)  # before any process group: a bad device fails before any work
     distributed.init_from_env()
-    dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     trainable_parameters(model)
     model.to(dev)
     model.train()
@@ -127,6 +127,7 @@ def _optimizer(model: torch.nn.Module, optimizer: Any, lr: float | None) -> torc
         return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr if lr is not None else 1e-3)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    check_optimizer_covers(model, optimizer)
     if lr is not None:
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -186,16 +187,15 @@ def fit(model: torch.nn.Module, data: Any, target_batch: int = 256, *, loss_fn: 
         AutoAccumError: the loss is NaN/inf (stops at once), or the fp16 scaler skips every step.
     """
     started = time.perf_counter()
-    check_positive_int(target_batch, "target_batch")
+    _check_call(data, target_batch, loss_fn)
     cfg = FitConfig.from_options(config, **options).check()
     ckpt_dir = None if cfg.checkpoint.directory is None else ckpt.check_writable(cfg.checkpoint.directory)
     model, sync, dev = _placed(model, cfg.memory.device)
     inner = distributed.unwrap_model(model)
-    seed = cfg.stop.seed
-    batches, eval_batches = _global_batches(data, eval_data, target_batch, seed, sync)
+    seed = cfg.data.seed
+    batches, eval_batches = _global_batches(data, eval_data, target_batch, cfg, sync)
+    _check_model(inner, batches, cfg, dev)
     loss_fn = loss_fn if loss_fn is not None else default_loss
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     optimizer = _optimizer(model, optimizer, cfg.lr.lr)
     # resume=True with no checkpoint yet (a restartable job's first start) is a fresh run: the rule applies
     state = ckpt.load_checkpoint(ckpt_dir) if cfg.checkpoint.resume and ckpt_dir is not None else None
@@ -218,7 +218,10 @@ def fit(model: torch.nn.Module, data: Any, target_batch: int = 256, *, loss_fn: 
         state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, guard=guard)
     run = _Run(model, optimizer, scheduler, scaler, guard, sync, loss_fn, dev, cfg, target_batch, run_lr, ckpt_dir,
                position)
-    progress = Progress(cfg.output.progress, _total_steps(cfg, batches), cfg.output.log_file, sync.rank)
+    if cfg.output.verbose:
+        ensure_visible()
+    progress = Progress(cfg.output.progress, _total_steps(cfg, batches), cfg.output.log_file, sync.rank,
+                        cfg.output.verbose)
     progress.say(_banner(run, start_plan, plan_source, emulated=meter is not None, resumed=state is not None))
     try:
         if meter is not None:  # the emulated device: the step's allocations count against the budget
@@ -240,16 +243,51 @@ def fit(model: torch.nn.Module, data: Any, target_batch: int = 256, *, loss_fn: 
     )
 
 
-def _global_batches(data: Any, eval_data: Any, target_batch: int, seed: int,
+def _check_call(data: Any, target_batch: Any, loss_fn: Any) -> None:
+    """The arguments of ``fit(model, data, target_batch, loss_fn=...)``, in their places, before any work."""
+    if callable(data) and not hasattr(data, "__len__") and not hasattr(data, "__iter__"):
+        raise TypeError(f"data must be a tuple or dict of tensors, a Dataset or an iterable of batches, got a "
+                        f"{type(data).__name__}; the arguments look swapped: fit(model, data, target_batch, "
+                        f"loss_fn=...) takes the loss by keyword")
+    if isinstance(target_batch, bool) or not isinstance(target_batch, int):
+        raise TypeError(f"target_batch must be an int (samples per optimizer step), got a {type(target_batch).__name__}"
+                        f"; fit's arguments are (model, data, target_batch, loss_fn=..., ...)")
+    check_positive_int(target_batch, "target_batch")
+    if loss_fn is not None:
+        check_loss_fn(loss_fn)
+
+
+def _global_batches(data: Any, eval_data: Any, target_batch: int, cfg: FitConfig,
                     sync: GradSync) -> tuple[GlobalBatches, GlobalBatches | None]:
     """This rank's global batches of the training data (and of ``eval_data``), checked before any work."""
-    batches = GlobalBatches(data, target_batch, seed=seed, rank=sync.rank, world_size=sync.world_size)
-    eval_batches = None if eval_data is None else \
-        GlobalBatches(eval_data, target_batch, seed=seed, rank=sync.rank, world_size=sync.world_size)
+    kwargs = {"seed": cfg.data.seed, "rank": sync.rank, "world_size": sync.world_size,
+              "collate_fn": cfg.data.collate_fn}
+    batches = GlobalBatches(data, target_batch, last_batch=cfg.data.last_batch, **kwargs)
+    eval_batches = None if eval_data is None else GlobalBatches(eval_data, target_batch, **kwargs)
     if batches.num_samples is not None and batches.is_indexed and batches.num_samples < target_batch:
         raise ValueError(f"data holds {batches.num_samples} samples, fewer than one global batch of {target_batch}; "
                          f"lower target_batch or add data (the global batch is never shrunk silently)")
+    batches.check()
     return batches, eval_batches
+
+
+def _check_model(model: torch.nn.Module, batches: GlobalBatches, cfg: FitConfig, device: torch.device) -> None:
+    """What the model cannot do with this data and budget, found before any work."""
+    if cfg.memory.budget is not None and device.type != "cuda":
+        refuse_compiled(model, "train it under an emulated budget")
+    smallest, last = smallest_micro_batch(model), batches.last_global_size
+    if smallest == 1 or last is None:
+        return
+    shares = [rank_share(last, r, batches.world_size) for r in range(batches.world_size)]
+    short = [(r, s.stop - s.start) for r, s in enumerate(shares) if 0 < s.stop - s.start < smallest]
+    if short:
+        rank, n = short[0]
+        raise ValueError(
+            f"the epoch's last global batch holds {last} sample(s) ({batches.num_samples} samples at target_batch "
+            f"{batches.target_batch}), {n} of them on rank {rank}: fewer than {smallest}, the smallest micro-batch "
+            f"{type(model).__name__} trains at (BatchNorm needs more than one value per channel). Pass "
+            f"last_batch='drop' (those samples skip that epoch; the next epoch's order differs), or change "
+            f"target_batch or the number of samples.")
 
 
 def _total_steps(cfg: FitConfig, batches: GlobalBatches) -> int | None:
@@ -287,7 +325,7 @@ def _train(run: _Run, batches: GlobalBatches, eval_batches: GlobalBatches | None
 
     def save() -> None:
         save_run(run.ckpt_dir, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler, scaler=run.scaler,
-                 guard=guard, position=pos, seed=cfg.stop.seed, target_batch=run.target_batch, lr=run.lr,
+                 guard=guard, position=pos, seed=cfg.data.seed, target_batch=run.target_batch, lr=run.lr,
                  rank=run.sync.rank)
 
     done = max_steps is not None and pos.steps >= max_steps

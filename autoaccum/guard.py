@@ -37,7 +37,7 @@ from autoaccum.policy import PlanChange, Reason, grown_plan, shrunk_plan
 from autoaccum.recovery import catch_oom, release_memory
 from autoaccum.state import capture_buffers, capture_rng, restore_buffers, restore_rng, state_buffers
 from autoaccum.sync import ERROR, OK, OOM, GradSync, LocalSync
-from autoaccum.task import LossFn, trainable_parameters
+from autoaccum.task import LossFn, check_loss_fn, check_optimizer_covers, explain_error, trainable_parameters
 from autoaccum.validate import check_positive_float, check_positive_int
 
 __all__ = ["AccumulateResult", "OOMGuard", "PlanChange", "StepResult", "batchnorm_layers"]
@@ -166,6 +166,7 @@ class OOMGuard:
         if grow_after is not None:
             check_positive_int(grow_after, "grow_after")
         check_positive_int(thrash_steps, "thrash_steps")
+        check_optimizer_covers(model, optimizer)
         if split_fn is not None and cut is not None:
             raise TypeError("give split_fn= or cut=, not both (a cutter splits batches itself)")
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
@@ -185,6 +186,7 @@ class OOMGuard:
         self._thrash_streak = 0
         self._last_retries: int | None = None
         self._warned_batchnorm = False
+        self._checked_loss_fn: Any = None
         self._warn_batchnorm()
 
     # -- public ---------------------------------------------------------------------------------
@@ -261,6 +263,15 @@ class OOMGuard:
         self._warn_batchnorm()
 
     # -- one global batch, replayed until it fits ------------------------------------------------------
+    def _check_loss_fn(self, batch: Batch, loss_fn: LossFn) -> None:
+        if loss_fn is self._checked_loss_fn:
+            return
+        if callable(batch) and not callable(loss_fn):
+            raise TypeError(f"OOMGuard.step(batch, loss_fn) got a {type(batch).__name__} as batch and a "
+                            f"{type(loss_fn).__name__} as loss_fn: the arguments look swapped")
+        check_loss_fn(loss_fn)
+        self._checked_loss_fn = loss_fn
+
     def _rank_sizes(self, batch: Batch, partial: bool) -> tuple[int, ...]:
         n = self.size_fn(batch) if self.size_fn is not None else batch_size(batch)
         expected = self.plan.rank_batch(self.sync.rank)
@@ -279,6 +290,7 @@ class OOMGuard:
     def _accumulate(self, batch: Batch, loss_fn: LossFn,
                     partial: bool) -> tuple[StepTotals, int, list[PlanChange], MemoryReading | None]:
         """Accumulate the global batch, replaying smaller on OOM; gradients reduced and normalised."""
+        self._check_loss_fn(batch, loss_fn)
         sizes = self._rank_sizes(batch, partial)
         num_samples = sum(sizes)
         self.meter.reset_peak()
@@ -299,7 +311,10 @@ class OOMGuard:
                 break
             if agreed == ERROR:
                 if not isinstance(result, Accumulated) and result.error is not None:
-                    raise result.error  # the original exception, unchanged
+                    explained = explain_error(result.error, self.model, batch)
+                    if explained is None:
+                        raise result.error  # the original exception, unchanged
+                    raise explained from result.error
                 raise AutoAccumError("another rank failed with an error during this step; see its log")
             where = "another rank" if isinstance(result, Accumulated) else result.where
             result = None  # type: ignore[assignment]  # OOM here or elsewhere: replay smaller, from the same start

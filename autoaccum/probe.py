@@ -120,14 +120,6 @@ def _search(stepper: Stepper, smallest: int, upper: int, budget_bytes: int, head
     return _fit(stepper.measured.values(), stepper.share), f"stopped after {max_candidates} candidates"
 
 
-def _plan_time(c: Candidate, share: int, min_micro_batch: int) -> float:
-    """Seconds of one optimizer step of the plan cut at ``c``'s size: its passes, then the optimizer."""
-    accum = Plan.for_target(share, c.micro_batch, 1, min_micro_batch).accum_steps
-    micro = c.micro_step_time_s if c.micro_step_time_s is not None else c.step_time_s or 0.0
-    opt = (c.step_time_s or 0.0) - (c.micro_step_time_s or 0.0)
-    return accum * micro + opt
-
-
 def choose_micro_batch(candidates: Iterable[Candidate], share: int | None = None, min_micro_batch: int = 1) -> int:
     """The fitting size whose plan for ``share`` samples steps fastest by measurement; plans within
     THROUGHPUT_TIE of the fastest tie (timing noise), and ties go to the fewest passes, then to the
@@ -136,7 +128,7 @@ def choose_micro_batch(candidates: Iterable[Candidate], share: int | None = None
     if share is None:
         best = max(c.samples_per_s or 0.0 for c in fitting)
         return max(c.micro_batch for c in fitting if (c.samples_per_s or 0.0) >= best * (1 - THROUGHPUT_TIE))
-    times = {c.micro_batch: _plan_time(c, share, min_micro_batch) for c in fitting}
+    times = {c.micro_batch: c.plan_step_time_s(share, min_micro_batch) or 0.0 for c in fitting}
     fastest = min(times.values())
     tied = [b for b, t in times.items() if t <= fastest * (1 + THROUGHPUT_TIE)]
     return min(tied, key=lambda b: (Plan.for_target(share, b, 1, min_micro_batch).accum_steps, -b))
@@ -247,12 +239,9 @@ def probe(
         if cached is not None:
             return cached
     started = time.perf_counter()
-    stepper, model_fit, note = _measure(task, optimizer, precision, plan_budget.budget_bytes, plan_budget.headroom,
-                                        estimate=estimate, share=share, smallest=smallest, upper=upper,
-                                        passes=steps_per_size, max_candidates=max_candidates)
-    # Fake steps take no real time: an estimate plans from memory alone.
-    best = max(c.micro_batch for c in stepper.measured.values() if c.status == "ok") if estimate \
-        else _choose(stepper, share, smallest)
+    stepper, model_fit, note, best = _measure(task, optimizer, precision, plan_budget.budget_bytes,
+                                              plan_budget.headroom, estimate=estimate, share=share, smallest=smallest,
+                                              upper=upper, passes=steps_per_size, max_candidates=max_candidates)
     report = ProbeReport(
         plan=Plan.for_target(target_batch, best, world_size, smallest), candidates=tuple(stepper.measured.values()),
         model=model_fit, device=str(device),
@@ -269,8 +258,9 @@ def probe(
 
 def _measure(task: Task, optimizer: Any, precision: Precision, budget_bytes: int, headroom: float, *,
              estimate: bool, share: int, smallest: int, upper: int, passes: int,
-             max_candidates: int) -> tuple[Stepper, MemoryModel | None, str]:
-    """Run the measurements (on fake tensors for an estimate); the task's state is restored after."""
+             max_candidates: int) -> tuple[Stepper, MemoryModel | None, str, int]:
+    """Run the measurements (on fake tensors for an estimate) and choose the size (timing again where it
+    matters); the task's state is restored after both. Returns the stepper, the model, its note and the size."""
     device = trainable_parameters(task.model)[0].device
     run_model, make_optimizer = task.model, task.make_optimizer
     run_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
@@ -293,6 +283,9 @@ def _measure(task: Task, optimizer: Any, precision: Precision, budget_bytes: int
                                   share=share, passes=passes, autocast_dtype=autocast_dtype(precision),
                                   scaler=None if estimate else make_scaler(precision, device))
                 model_fit, note = _search(stepper, smallest, upper, budget_bytes, headroom, max_candidates)
+                # Fake steps take no real time: an estimate plans from memory alone.
+                best = max(c.micro_batch for c in stepper.measured.values() if c.status == "ok") if estimate \
+                    else _choose(stepper, share, smallest)
     finally:
         if isinstance(meter, TrackedMemory):
             meter.close()
@@ -301,4 +294,4 @@ def _measure(task: Task, optimizer: Any, precision: Precision, budget_bytes: int
                                    else None)
         else:
             training_state.restore_rng(snapshot.rng)
-    return stepper, model_fit, note
+    return stepper, model_fit, note, best

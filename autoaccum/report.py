@@ -50,6 +50,15 @@ class Candidate:
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "samples_per_s": self.samples_per_s}
 
+    def plan_step_time_s(self, share: int, min_micro_batch: int = 1) -> float | None:
+        """Seconds of one optimizer step of ``share`` samples cut at this size: its passes, then the
+        optimizer step (None after an OOM)."""
+        if self.step_time_s is None:
+            return None
+        passes = Plan.for_target(share, self.micro_batch, 1, min_micro_batch).accum_steps
+        micro = self.micro_step_time_s if self.micro_step_time_s is not None else self.step_time_s
+        return passes * micro + (self.step_time_s - micro)
+
 
 @dataclass(frozen=True)
 class ProbeReport:

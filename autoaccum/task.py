@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -16,8 +17,8 @@ import torch
 from autoaccum.batch import Batch, batch_size
 from autoaccum.errors import TaskError
 
-__all__ = ["Task", "LossFn", "LossOutput", "default_optimizer", "load_task", "check_loss", "resolve_task",
-           "trainable_parameters"]
+__all__ = ["Task", "LossFn", "LossOutput", "check_loss", "check_loss_fn", "check_optimizer_covers",
+           "default_optimizer", "load_task", "resolve_task", "trainable_parameters"]
 
 LossOutput = Union[torch.Tensor, tuple[torch.Tensor, Union[torch.Tensor, int]]]
 LossFn = Callable[[torch.nn.Module, Batch], LossOutput]
@@ -104,6 +105,9 @@ def check_loss(output: Any, *, requires_grad: bool = True) -> tuple[torch.Tensor
         TaskError: the loss is not a scalar floating tensor, or ``num_items`` is not a count.
     """
     num_items = None
+    if not isinstance(output, (torch.Tensor, tuple, list)) and getattr(output, "loss", None) is not None:
+        raise TaskError(f"loss_fn returned the model's output ({type(output).__name__}), not a loss; return its "
+                        f"loss: loss_fn=lambda model, batch: model(**batch).loss")
     if isinstance(output, (tuple, list)):
         if len(output) != 2:
             raise TaskError(f"loss_fn returned a {type(output).__name__} of {len(output)} items; return a scalar mean "
@@ -114,14 +118,68 @@ def check_loss(output: Any, *, requires_grad: bool = True) -> tuple[torch.Tensor
                 raise TaskError(f"num_items must be a single count, got a tensor of shape {tuple(num_items.shape)}")
         elif isinstance(num_items, bool) or not isinstance(num_items, int) or num_items < 0:
             raise TaskError(f"num_items must be an int or a one-element tensor >= 0, got {num_items!r}")
-    if not isinstance(output, torch.Tensor) or output.numel() != 1 or output.dim() > 1:
+    if not isinstance(output, torch.Tensor) or output.dim() != 0:
         shape = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
-        raise TaskError(f"loss_fn must return a scalar tensor, got {shape}; reduce the loss (e.g. .mean()) "
-                        f"or return (loss_sum, num_items)")
+        raise TaskError(f"loss_fn must return a scalar tensor (0 dimensions), got {shape}; reduce the loss "
+                        f"(e.g. .mean(), or .squeeze() for a shape (1,)) or return (loss_sum, num_items)")
     if not output.dtype.is_floating_point or (requires_grad and not output.requires_grad):
         raise TaskError(f"the loss must be a floating tensor that requires grad (dtype {output.dtype}, "
                         f"requires_grad={output.requires_grad}); was it computed under torch.no_grad()?")
-    return output.reshape(()), num_items
+    return output, num_items
+
+
+def check_loss_fn(loss_fn: Any, name: str = "loss_fn") -> None:
+    """Raise TypeError for a ``loss_fn`` that cannot be called as ``loss_fn(model, batch)``."""
+    if not callable(loss_fn):
+        hint = " (the arguments look swapped: fit(model, data, target_batch, loss_fn=...))" \
+            if isinstance(loss_fn, (tuple, list, dict, torch.Tensor)) else ""
+        raise TypeError(f"{name} must be callable as {name}(model, batch), got a {type(loss_fn).__name__}{hint}")
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):  # a builtin or C function: nothing to check
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        params = ", ".join(signature.parameters) or "no arguments"
+        raise TypeError(f"{name} is called as {name}(model, batch), but yours takes ({params}); write it as "
+                        f"lambda model, batch: ... (the model comes first, so a DDP-wrapped or compiled model "
+                        f"is the one that runs)") from None
+
+
+def check_optimizer_covers(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Raise ValueError when ``optimizer`` steps none of ``model``'s trainable parameters (nothing would train)."""
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if trainable and not trainable & stepped:
+        raise ValueError(f"the optimizer ({type(optimizer).__name__}) steps none of the {len(trainable)} trainable "
+                         f"parameters of the {type(model).__name__} being trained, so nothing would train. Build it "
+                         f"from this model: {type(optimizer).__name__}(model.parameters(), ...) (after any "
+                         f"deepcopy or fully_shard of the model)")
+
+
+#: what torch says when a float tensor meets a layer of another float dtype
+_DTYPE_MISMATCH = ("expected scalar type", "must have the same dtype", "should be the same", "expected both",
+                   "found dtype", "Input type (")
+
+
+def explain_error(exc: BaseException, model: torch.nn.Module, batch: Any) -> TaskError | None:
+    """A one-line explanation of a training step's error where autoaccum can name the fix, else None.
+
+    So far: a batch whose floating tensors are of another dtype than the model's parameters (an
+    fp16 model fed fp32 inputs), which torch reports as a raw dtype mismatch deep in a layer."""
+    if not isinstance(exc, RuntimeError) or not any(m in str(exc) for m in _DTYPE_MISMATCH):
+        return None
+    from autoaccum.batch import tensors
+
+    model_dtypes = {p.dtype for p in model.parameters() if p.dtype.is_floating_point}
+    batch_dtypes = {t.dtype for t in tensors(batch) if t.dtype.is_floating_point}
+    if not model_dtypes or not batch_dtypes or batch_dtypes <= model_dtypes:
+        return None
+    model_dtype, batch_dtype = sorted(map(str, model_dtypes))[0], sorted(map(str, batch_dtypes - model_dtypes))[0]
+    return TaskError(f"the model's parameters are {model_dtype} and the batch holds {batch_dtype} tensors ({exc}); "
+                     f"convert the data to the model's dtype (x.to({model_dtype})), or keep the model in float32 and "
+                     f"train in mixed precision (fit(..., precision='bf16' or 'fp16'), OOMGuard(autocast_dtype=...))")
 
 
 def load_task(spec: str, **kwargs: Any) -> Task:

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 __all__ = [
     "check_choice", "check_fraction", "check_headroom", "check_non_negative_int", "check_positive_float",
-    "check_positive_int", "is_number",
+    "check_positive_int", "is_number", "resolve_device",
 ]
 
 T = TypeVar("T")
@@ -78,3 +78,32 @@ def check_choice(value: T, name: str, allowed: Iterable[Any]) -> T:
     if value not in allowed:
         raise ValueError(f"Invalid {name}: {value!r}. Allowed values: {', '.join(map(str, allowed))}")
     return value
+
+
+def resolve_device(device: object, name: str = "device") -> Any:
+    """``device`` as a ``torch.device`` that exists here; None: CUDA where available, else the CPU.
+
+    Raises:
+        ValueError: not a device name torch knows, or a device this machine does not have (e.g.
+            ``cuda`` on a build or machine without CUDA), naming what to use instead.
+    """
+    import torch
+
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"{name} must be a str or torch.device, e.g. 'cpu' or 'cuda:0', got {type(device).__name__}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as exc:
+        raise ValueError(f"Invalid {name}: {device!r} ({exc}). Allowed: 'cpu', 'cuda', 'cuda:N', 'mps', ...") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"Invalid {name}: {device!r}: CUDA is not available here (torch {torch.__version__}, "
+                             f"built {'with' if torch.backends.cuda.is_built() else 'without'} CUDA). Use "
+                             f"{name}='cpu'")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"Invalid {name}: {device!r}. Allowed range: cuda:0 ~ cuda:{torch.cuda.device_count() - 1}")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"Invalid {name}: {device!r}: MPS is not available here. Use {name}='cpu'")
+    return dev

@@ -1,7 +1,6 @@
 """autoaccum.cache: probe results reused by fingerprint; corrupt or foreign files ignored with a warning."""
 
 import json
-import os
 from pathlib import Path
 
 import pytest

@@ -47,11 +47,12 @@ def test_human_output_is_a_table_and_one_plan_line(capsys):
     code, out, _ = run(capsys, *TINY, "--no-cache")
     assert code == EXIT_OK
     lines = out.splitlines()
-    assert lines[0] == "autoaccum probe · cpu (cpu) · measured with the tracked meter"
+    assert lines[0] == "autoaccum probe · cpu (cpu) · fp32 · measured with the tracked meter"
     assert lines[1].startswith("budget 391 KiB (given), headroom 10% -> usable 352 KiB")
-    assert any(line.split() == ["micro", "status", "peak", "fwd/bwd", "opt", "step", "step", "s", "samples/s"]
+    assert any(line.split() == ["micro", "status", "peak", "fwd/bwd", "opt", "step", "pass", "s", "samples/s"]
                for line in lines)
-    assert any(line.startswith("probe: ") and " training steps, " in line for line in lines)
+    assert any(line.startswith("probe: ") and " forward/backward passes and 2 optimizer steps, 0 OOMs" in line
+               for line in lines)
     last = lines[-1]
     assert last.startswith("target 64 = micro ") and " x world 1 · " in last
     assert " samples/s · peak " in last and last.endswith(" of 391 KiB")
@@ -61,6 +62,9 @@ def test_estimate_says_so(capsys):
     code, out, _ = run(capsys, *TINY, "--no-cache", "--estimate")
     assert code == EXIT_OK
     assert "ESTIMATE on fake cpu tensors" in out.splitlines()[0]
+    # no step ran: no times, no samples/s, no step count (issue 11)
+    assert "samples/s" not in out and "pass s" not in out and "passes" not in out and "training steps" not in out
+    assert any(line.startswith("estimate: ") and "sizes on fake tensors" in line for line in out.splitlines())
     code, out, _ = run(capsys, *TINY, "--no-cache", "--estimate", "--json")
     doc = json.loads(out)
     assert doc["is_estimate"] is True and doc["meter"] == "fake"
@@ -134,7 +138,14 @@ def test_budget_spellings(capsys, budget):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_cuda_without_cuda_is_a_usage_error(capsys):
     code, _, err = run(capsys, *TINY, "--no-cache", "--device", "cuda")
-    assert code == EXIT_USAGE and "CUDA is not available on this machine; use --device cpu" in err
+    assert code == EXIT_USAGE and "CUDA is not available here" in err and "Use --device='cpu'" in err
+
+
+@pytest.mark.parametrize("device", ["banana", "cuda:99"])
+def test_an_unknown_device_is_a_usage_error_without_a_traceback(capsys, device):
+    code, out, err = run(capsys, *TINY, "--no-cache", "--device", device)
+    assert code == EXIT_USAGE and out == ""
+    assert err.startswith("autoaccum: error: Invalid --device: ") and "Traceback" not in err
 
 
 def test_cache_reused_unless_no_cache(capsys, tmp_path):
@@ -150,6 +161,18 @@ def test_cache_reused_unless_no_cache(capsys, tmp_path):
     assert "from cache" in out.splitlines()[1]
     code, out, _ = run(capsys, *TINY, *cache, "--no-cache", "--json")
     assert json.loads(out)["source"] == "probe"
+    # --no-cache neither reads nor writes; --refresh measures again and replaces the cached entry (issue 11:
+    # a noisy plan frozen in the cache used to stay until the file was deleted by hand)
+    (path,) = tmp_path.glob("probe-*.json")
+    stored = json.loads(path.read_text())
+    stored["plan"]["micro_batch"], stored["plan"]["accum_steps"] = 1, 64  # a bad plan in the cache
+    path.write_text(json.dumps(stored))
+    code, out, _ = run(capsys, *TINY, *cache, "--json")
+    assert json.loads(out)["plan"]["micro_batch"] == 1  # served from the cache
+    code, out, _ = run(capsys, *TINY, *cache, "--refresh", "--json")
+    refreshed = json.loads(out)
+    assert refreshed["source"] == "probe" and refreshed["plan"]["micro_batch"] > 1
+    assert json.loads(path.read_text())["plan"] == refreshed["plan"]  # the entry was replaced
 
 
 def test_plot_writes_a_png(capsys, tmp_path):

@@ -172,7 +172,7 @@ def test_tensors_disagreeing_in_dim_0_are_refused():
 
 
 def test_wrong_kinds_are_refused():
-    with pytest.raises(TypeError, match="tuple of tensors, a map-style Dataset or an iterable"):
+    with pytest.raises(TypeError, match="tuple or dict of tensors, a map-style Dataset or an iterable"):
         GlobalBatches(42, 8)
     with pytest.raises(TypeError, match="target_batch must be an int"):
         GlobalBatches(_ids(10), 8.0)

@@ -1,6 +1,7 @@
 """autoaccum.probe: real training steps measured under a budget; the plan; no trace left behind."""
 
 import copy
+import importlib
 import random
 import resource
 
@@ -156,6 +157,26 @@ def test_probe_leaves_no_trace():
     assert differences == []
 
 
+def test_probe_that_times_two_sizes_again_leaves_no_trace(monkeypatch):
+    """When speed picks a size below the largest that fits, both are timed again: inside the restore.
+    (A regression: the extra passes ran after it, leaving gradients, statistics and RNG moved.)"""
+    probe_module = importlib.import_module("autoaccum.probe")
+    choose, calls = probe_module.choose_micro_batch, []
+
+    def first_pick_the_smallest(candidates, share=None, min_micro_batch=1):
+        calls.append(share)
+        if len(calls) == 1:
+            return min(c.micro_batch for c in candidates if c.status == "ok")
+        return choose(candidates, share, min_micro_batch)
+
+    monkeypatch.setattr(probe_module, "choose_micro_batch", first_pick_the_smallest)
+    model, optimizer = _trained()
+    differences, report = _probe_keeping(model, optimizer, 1_000_000)
+    assert isinstance(report, ProbeReport) and len(calls) == 2  # the choice was made again after timing
+    assert report.probe_steps == 2 * len(report.candidates) + 4  # two sizes, twice each
+    assert differences == []
+
+
 def test_probe_with_an_oom_leaves_no_trace():
     model, optimizer = _trained()
 
@@ -290,9 +311,9 @@ def test_batch_maker_that_returns_the_wrong_size():
 
 @pytest.mark.parametrize("loss_fn, message", [
     (lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1], reduction="none"),
-     r"loss_fn must return a scalar tensor, got \(8,\)"),  # shape (1,) passes at b=1
+     r"loss_fn must return a scalar tensor \(0 dimensions\), got \(1,\)"),  # refused at b=1 already
     (lambda m, b: m(b[0]).sum(dim=1), r"loss_fn must return a scalar tensor"),
-    (lambda m, b: float(mlp_loss(m, b)), r"loss_fn must return a scalar tensor, got float"),
+    (lambda m, b: float(mlp_loss(m, b)), r"loss_fn must return a scalar tensor \(0 dimensions\), got float"),
     (lambda m, b: mlp_loss(m, b).detach(), r"requires grad.*torch.no_grad"),
     (lambda m, b: (mlp_loss(m, b), 2, 3), r"returned a tuple of 3 items"),
 ])

@@ -45,9 +45,9 @@ for checkpoints), ``ddp`` (:class:`DistributedSync` and the bucketed gradient al
 
 from __future__ import annotations
 
-from autoaccum.distributed.ddp import BUCKET_BYTES, DistributedSync
+from autoaccum.distributed.ddp import BUCKET_BYTES, DistributedSync  # noqa: F401 - BUCKET_BYTES: a public constant
 from autoaccum.distributed.models import (
-    ModelKind, full_state_dicts, is_fsdp2, load_full_state_dicts, model_kind, unwrap_model, wrap_model,
+    ModelKind, full_state_dicts, is_fsdp2, load_full_state_dicts, model_kind, unwrap_model, wrap_model,  # noqa: F401
 )
 from autoaccum.distributed.process_group import (
     WorldInfo, broadcast_plan, init_from_env, is_distributed, is_rank_zero, world_info,

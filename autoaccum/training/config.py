@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from autoaccum.data import LastBatch
 from autoaccum.lr import LR_RULES, LrRule
 from autoaccum.precision import Precision, check_precision
 from autoaccum.units import parse_bytes
@@ -24,7 +25,7 @@ from autoaccum.validate import (
     check_choice, check_headroom, check_non_negative_int, check_positive_float, check_positive_int,
 )
 
-__all__ = ["CheckpointConfig", "FitConfig", "LRConfig", "MemoryConfig", "OutputConfig", "StopConfig"]
+__all__ = ["CheckpointConfig", "DataConfig", "FitConfig", "LRConfig", "MemoryConfig", "OutputConfig", "StopConfig"]
 
 
 def _option(name: str | None = None, **kwargs: Any) -> Any:
@@ -61,16 +62,14 @@ class LRConfig:
 
 @dataclass(frozen=True)
 class StopConfig:
-    """How long to train, and the data order.
+    """How long to train.
 
     Attributes:
         epochs, max_steps: stop after ``epochs`` passes or ``max_steps`` steps, whichever first.
-        seed: the data order's seed.
     """
 
     epochs: int | None = _option(default=1)
     max_steps: int | None = _option(default=None)
-    seed: int = _option(default=0)
 
     def problems(self) -> list[Exception]:
         return _collect(
@@ -78,7 +77,30 @@ class StopConfig:
                              "give epochs= (passes over the data) or max_steps= (optimizer steps), or both"),
             lambda: self.epochs is None or check_positive_int(self.epochs, "epochs"),
             lambda: self.max_steps is None or check_positive_int(self.max_steps, "max_steps"),
+        )
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """How the data becomes global batches (see ``autoaccum.data``).
+
+    Attributes:
+        seed: the data order's seed.
+        collate_fn: batches a list of dataset items (map-style datasets; default ``default_collate``).
+        last_batch: the epoch's last, smaller batch: ``"step"`` (an exact smaller step on the samples
+            that remain) or ``"drop"`` (not trained on this epoch).
+    """
+
+    seed: int = _option(default=0)
+    collate_fn: Any = _option(default=None)
+    last_batch: LastBatch = _option(default="step")
+
+    def problems(self) -> list[Exception]:
+        return _collect(
             lambda: _require_int(self.seed, "seed"),
+            lambda: self.collate_fn is None or _require(callable(self.collate_fn), f"collate_fn must be callable, "
+                                                                                    f"got {self.collate_fn!r}"),
+            lambda: check_choice(self.last_batch, "last_batch", ("step", "drop")),
         )
 
 
@@ -150,14 +172,18 @@ class OutputConfig:
     """What a run reports.
 
     Attributes:
-        progress: a progress bar on a terminal (stderr); logging otherwise.
+        progress: a progress bar on a terminal (stderr).
         log_file: append one JSON line of metrics per optimizer step.
         eval_every: evaluate ``eval_data`` every this many optimizer steps (and at the end).
+        verbose: log the banner, evaluations and the summary (logger ``autoaccum.fit``, INFO; shown
+            on stderr where logging is not configured, see ``autoaccum.log``). Plan changes are
+            warnings and show either way.
     """
 
     progress: bool = _option(default=True)
     log_file: str | os.PathLike[str] | None = _option(default=None)
     eval_every: int | None = _option(default=None)
+    verbose: bool = _option(default=True)
 
     def problems(self) -> list[Exception]:
         return _collect(lambda: self.eval_every is None or check_positive_int(self.eval_every, "eval_every"))
@@ -169,6 +195,7 @@ class FitConfig:
 
     lr: LRConfig = field(default_factory=LRConfig)
     stop: StopConfig = field(default_factory=StopConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
@@ -198,7 +225,7 @@ class FitConfig:
 
     def check(self) -> FitConfig:
         """Raise every problem at once (see the module docstring); returns self when there is none."""
-        found = [p for group in (self.lr, self.stop, self.memory, self.checkpoint, self.output)
+        found = [p for group in (self.lr, self.stop, self.data, self.memory, self.checkpoint, self.output)
                  for p in group.problems()]
         if len(found) == 1:
             raise found[0]

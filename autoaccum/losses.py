@@ -1,0 +1,129 @@
+"""``fit``'s default loss: cross-entropy for ``(inputs, targets)``, the model's own loss for dict batches.
+
+For a dict batch (a tokenizer's ``BatchEncoding``, a collator's output) the model is called as
+``model(**batch)``, as Hugging Face models are, and its output's ``.loss`` is used (the batch must
+hold ``labels``). How that loss is weighted across micro-batches follows what it averages over:
+
+- **per-token losses** (``labels`` with a sequence dimension: causal and masked LMs, token
+  classification) are token-exact: each micro-batch contributes the *sum* of its token losses and
+  its number of predicted tokens, and the step divides once by the tokens of the whole global
+  batch over all ranks -- as one full-batch forward would (a mean of micro-batch means would weight
+  short micro-batches too much). The sum comes from the model itself, through Hugging Face's
+  ``num_items_in_batch`` (``loss = sum / num_items_in_batch``, so 1 gives the sum) where the model
+  accepts loss keyword arguments, and otherwise as ``loss * count``. Predicted tokens are counted
+  as the model counts them: labels other than -100, after the shift by one that causal-LM losses
+  (``ForCausalLMLoss``) apply inside the model (the first label of each row is never a target), or
+  ``shift_labels`` where the batch carries them.
+- **per-sample losses** (``labels`` of one value per sample: sequence or image classification)
+  are means over the micro-batch, weighted by its share of the samples.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from autoaccum.batch import Batch
+from autoaccum.errors import TaskError
+from autoaccum.task import LossOutput
+
+__all__ = ["IGNORE_INDEX", "default_loss", "model_loss", "predicted_tokens"]
+
+#: the label value Hugging Face (and torch's cross_entropy) leave out of a loss
+IGNORE_INDEX = -100
+
+
+def default_loss(model: torch.nn.Module, batch: Batch) -> LossOutput:
+    """Cross-entropy of ``model(inputs)`` against ``targets`` for an ``(inputs, targets)`` batch; the
+    model's own loss (:func:`model_loss`) for a dict batch."""
+    if isinstance(batch, Mapping):
+        return model_loss(model, batch)
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise TaskError(f"the default loss needs (inputs, targets) batches or dict batches with 'labels', got a "
+                        f"{type(batch).__name__}{' of ' + str(len(batch)) if isinstance(batch, (tuple, list)) else ''}"
+                        f"; pass loss_fn=lambda model, batch: ... returning a mean loss or (loss_sum, num_items)")
+    inputs, targets = batch
+    return F.cross_entropy(model(inputs), targets)
+
+
+def _shifts_labels(model: torch.nn.Module) -> bool:
+    """The model's loss shifts labels by one (a causal LM), the way Hugging Face's Trainer decides it."""
+    inner = getattr(model, "module", model)  # a DDP wrapper: the model inside
+    if "transformers" not in sys.modules:
+        return False
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    loss_function = getattr(inner, "loss_function", None)
+    is_encoder_decoder = bool(getattr(getattr(inner, "config", None), "is_encoder_decoder", False))
+    return loss_function is ForCausalLMLoss and not is_encoder_decoder
+
+
+def predicted_tokens(model: torch.nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+    """How many labels of ``batch`` the model's loss averages over (see the module docstring)."""
+    if "shift_labels" in batch:
+        labels = batch["shift_labels"]
+    else:
+        labels = batch["labels"]
+        if _shifts_labels(model):
+            labels = labels[..., 1:]
+    return (labels != IGNORE_INDEX).sum()
+
+
+def _accepts_loss_kwargs(model: torch.nn.Module) -> bool:
+    inner = getattr(model, "module", model)
+    try:
+        params = inspect.signature(inner.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def _check_keys(model: torch.nn.Module, batch: Mapping[str, Any]) -> None:
+    inner = getattr(model, "module", model)
+    try:
+        params = inspect.signature(inner.forward).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    unknown = [k for k in batch if k not in params]
+    if unknown:
+        raise TaskError(f"the default loss calls model(**batch) for dict batches, and {type(inner).__name__}.forward "
+                        f"takes no {', '.join(map(repr, unknown))}; pass loss_fn=lambda model, batch: ... (e.g. "
+                        f"F.cross_entropy(model(batch['x']), batch['y']))")
+
+
+def model_loss(model: torch.nn.Module, batch: Mapping[str, Any]) -> LossOutput:
+    """The model's own loss for a dict batch: ``model(**batch).loss``, token-exact for per-token labels.
+
+    Returns ``(loss_sum, num_tokens)`` for per-token labels and the mean loss for per-sample ones.
+
+    Raises:
+        TaskError: the batch has no ``labels``, the model takes other keywords, or returns no ``.loss``.
+    """
+    if "labels" not in batch:
+        raise TaskError(f"the default loss for dict batches is the model's own (model(**batch).loss), which needs "
+                        f"'labels' in the batch (keys: {', '.join(map(repr, batch))}); add them (a data collator does), "
+                        f"or pass loss_fn=")
+    _check_keys(model, batch)
+    labels = batch["labels"]
+    per_token = isinstance(labels, torch.Tensor) and labels.dim() >= 2 and not labels.dtype.is_floating_point
+    if not per_token:
+        return _loss_of(model(**batch), model)
+    count = predicted_tokens(model, batch)
+    if _accepts_loss_kwargs(model):
+        return _loss_of(model(**batch, num_items_in_batch=1), model), count  # loss_sum / 1: the sum
+    return _loss_of(model(**batch), model) * count, count
+
+
+def _loss_of(output: Any, model: torch.nn.Module) -> torch.Tensor:
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if loss is None:
+        raise TaskError(f"model(**batch) on {type(getattr(model, 'module', model)).__name__} returned no .loss although "
+                        f"the batch holds 'labels'; pass loss_fn=lambda model, batch: ... computing the loss")
+    return loss
