@@ -15,6 +15,17 @@
 Which knobs apply depends on the device (:func:`available_knobs`): on CUDA bf16 where the device
 supports it and fp16; on CPU bf16 only where oneDNN has native bf16; compile only on CUDA by
 default (compiling on CPU takes longer than a whole search; ask for it explicitly).
+
+Process-wide effects of :func:`apply_knobs`: with ``compile``, dynamo's cache and one config
+value. Dynamo caches compiled code per code object (here the model's ``forward``) for the whole
+process. A trial does not clear it (``torch._dynamo.reset()`` would clear every compiled function
+of the process), so the entries of earlier trials stay, and each new combination of knobs or
+shape class adds one. Past dynamo's ``recompile_limit`` (8 by default) a frame runs eagerly, and
+a search with compile in its space gets there soon (24 knob and size combinations of a small
+model on CPU did); so inside the trial the limit is raised to :data:`TRIAL_RECOMPILE_LIMIT` with
+``torch._dynamo.config.patch``, restored on exit. While it is raised, it is raised for the whole
+process (a thread compiling at the same moment sees it too). Checkpointing touches only the
+model's layers, and is removed on exit.
 """
 
 from __future__ import annotations
@@ -22,15 +33,23 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
 import torch
 from torch import nn
 
-__all__ = ["Autocast", "Knobs", "apply_knobs", "available_knobs", "checkpoint_layers", "AUTOCAST_DTYPES"]
+from autoaccum.precision import AUTOCAST_DTYPES, Precision, autocast_dtype
 
-Autocast = Literal["fp32", "bf16", "fp16"]
-AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+__all__ = ["Autocast", "Knobs", "apply_knobs", "available_knobs", "checkpoint_layers", "AUTOCAST_DTYPES",
+           "TRIAL_RECOMPILE_LIMIT"]
+
+#: the autocast knob's values: the precisions of :mod:`autoaccum.precision`
+Autocast = Precision
+#: dynamo's ``recompile_limit`` inside a compiled trial (torch's default is 8). Each combination of
+#: autocast dtype x checkpointing x grad mode keeps an entry or two per shape class (micro-batch 1
+#: is specialised; other sizes share a dynamic one), and entries of earlier trials stay: 64 holds a
+#: whole search's with room.
+TRIAL_RECOMPILE_LIMIT = 64
 
 
 @dataclass(frozen=True)
@@ -57,7 +76,7 @@ class Knobs:
     @property
     def autocast_dtype(self) -> torch.dtype | None:
         """The dtype for ``OOMGuard(autocast_dtype=...)``; None for fp32."""
-        return AUTOCAST_DTYPES[self.autocast]
+        return autocast_dtype(self.autocast)
 
     @property
     def saves_memory(self) -> bool:
@@ -154,6 +173,9 @@ def apply_knobs(model: nn.Module, knobs: Knobs) -> Iterator[nn.Module]:
             stack.enter_context(_checkpointing(model))
         run = model
         if knobs.compile:
-            torch._dynamo.reset()  # a fresh compile per trial: no cache limit hit, no stale guards
+            # No torch._dynamo.reset(): it would clear every compiled function of the process.
+            # The limit is dynamo's per code object; max() never lowers one the user raised.
+            limit = max(torch._dynamo.config.recompile_limit, TRIAL_RECOMPILE_LIMIT)
+            stack.enter_context(torch._dynamo.config.patch(recompile_limit=limit))
             run = torch.compile(model)
         yield run

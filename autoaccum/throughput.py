@@ -17,18 +17,24 @@ it raises ``torch.OutOfMemoryError`` where a small device would fail. The warm-u
 the counter; the timed steps run without it (its per-op Python hook would otherwise slow small
 micro-batches more than large ones and bias the ranking). The global batch is built once,
 outside the counter, as a device's host-side data loader would hold it.
+
+Process-wide effects of a measurement: after a failed one (and after every one on CUDA) memory is
+released with :func:`autoaccum.recovery.release_memory`: a full garbage collection and, on CUDA,
+``torch.cuda.empty_cache()``, which returns the cached blocks of the whole process to the driver.
+While the trial's guard is built, warnings are silenced with ``warnings.catch_warnings`` (the
+``warnings`` filters are shared by the process's threads). The guard's plan-change warnings are
+switched off for the trial's guard alone (``OOMGuard(log_changes=False)``); the ``autoaccum.guard``
+logger is not touched. Knobs: see :mod:`autoaccum.knobs`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import time
 import warnings
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -37,12 +43,12 @@ from autoaccum.batch import Batch
 from autoaccum.errors import DoesNotFitError, OptimizerStepOOMError
 from autoaccum.guard import OOMGuard
 from autoaccum.knobs import Knobs, apply_knobs
-from autoaccum.memory import TrackedMemory, device_capacity
+from autoaccum.memory import TrackedMemory, resolve_budget
 from autoaccum.oom import is_oom
 from autoaccum.plan import Plan
-from autoaccum.validate import check_headroom, check_positive_int
+from autoaccum.recovery import release_memory
 from autoaccum.task import LossFn, Task, trainable_parameters
-from autoaccum.units import parse_bytes
+from autoaccum.validate import check_choice, check_positive_int
 
 __all__ = ["Clock", "Measurement", "Status", "Bench", "make_bench", "measure"]
 
@@ -88,22 +94,6 @@ class Measurement:
 
 class _Shrunk(Exception):
     """The guard shrank the plan (an OOM, or thrashing): this configuration does not fit as planned."""
-
-
-class _MuteGuardLog(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return False  # the guard's "OOM ... micro 64 -> 32" would read as a rescue; here it ends the trial
-
-
-@contextlib.contextmanager
-def _muted_guard_log() -> Iterator[None]:
-    log = logging.getLogger("autoaccum.guard")
-    mute = _MuteGuardLog()
-    log.addFilter(mute)
-    try:
-        yield
-    finally:
-        log.removeFilter(mute)
 
 
 @dataclass(frozen=True)
@@ -164,14 +154,16 @@ class Bench:
         outcome: Measurement | None = None
         failure: BaseException | None = None
         try:
-            with _muted_guard_log(), apply_knobs(self.model, knobs) as run_model:
+            with apply_knobs(self.model, knobs) as run_model:
                 meter = TrackedMemory(budget_bytes=self.usable_bytes).track(self.model, self.optimizer) \
                     if self.emulate else None
                 scaler = torch.amp.GradScaler(self.device.type) if knobs.autocast == "fp16" else None
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # BatchNorm advice: once from the guard the user builds
+                    # log_changes=False: the guard's "OOM ... micro 64 -> 32" would read as a rescue;
+                    # here a change ends the trial
                     guard = OOMGuard(run_model, self.optimizer, plan=plan, autocast_dtype=knobs.autocast_dtype,
-                                     scaler=scaler, meter=meter)
+                                     scaler=scaler, meter=meter, log_changes=False)
 
                 def loss_fn(model: torch.nn.Module, micro: Batch, _guard: OOMGuard = guard) -> Any:
                     if _guard.changes:  # the guard caught an OOM and is replaying smaller: stop here
@@ -190,6 +182,8 @@ class Bench:
         except (_Shrunk, DoesNotFitError, OptimizerStepOOMError) as exc:
             where = guard.changes[0].describe() if guard is not None and guard.changes else str(exc).splitlines()[0]
             outcome = Measurement("oom", peak_bytes=self._oom_bytes(), note=where)
+        # Not recovery.catch_oom: it drops the error, and the trial keeps an OOM's first line as its
+        # note and sorts the other errors (a failing knob, the user's bug) here too.
         except Exception as exc:  # noqa: BLE001 - sorted below: OOM, a failing knob, or the user's bug
             if is_oom(exc):
                 outcome = Measurement("oom", peak_bytes=self._oom_bytes(), note=str(exc).splitlines()[0][:200])
@@ -223,9 +217,7 @@ class Bench:
         self.optimizer.zero_grad(set_to_none=True)
         training_state.restore(self.snapshot, self.model, self.optimizer)
         if collect or self.device.type == "cuda":
-            gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+            release_memory(self.device)  # no meter reading: collects, and empties the CUDA cache
 
 
 def make_bench(task: Task, optimizer: torch.optim.Optimizer | None, share: int, usable_bytes: int,
@@ -239,8 +231,7 @@ def make_bench(task: Task, optimizer: torch.optim.Optimizer | None, share: int, 
             raise TypeError(f"the optimizer factory returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
     check_positive_int(warmup_steps, "warmup_steps")
     check_positive_int(measure_steps, "measure_steps")
-    if clock not in ("wall", "cpu"):
-        raise ValueError(f"Invalid clock: {clock!r}. Allowed: 'wall', 'cpu'")
+    check_choice(clock, "clock", get_args(Clock))
     if clock == "cpu" and device.type == "cuda":
         raise ValueError("clock='cpu' measures CPU time, and a CUDA step's work is not CPU time; use clock='wall'")
     if warmup_steps < 2:
@@ -269,15 +260,13 @@ def measure(task: Task, target_batch: int, micro_batch: int, knobs: Knobs | None
         warmup_steps, measure_steps: optimizer steps before timing (>= 2), and timed.
         clock: ``wall`` (default) or ``cpu`` time (see :data:`Clock`).
     """
-    check_headroom(headroom)
     share = Plan.for_target(target_batch, 1, world_size).rank_batch(0)
     micro_batch = min(check_positive_int(micro_batch, "micro_batch"), share)
     device = trainable_parameters(task.model)[0].device
-    budget_bytes = device_capacity(device).available_bytes if budget is None else parse_bytes(budget)
+    usable = resolve_budget(budget, device, headroom).usable_bytes  # checks headroom
     user = training_state.capture(task.model, optimizer)
     try:
-        bench = make_bench(task, optimizer, share, int(budget_bytes * (1 - headroom)), warmup_steps, measure_steps,
-                           clock)
+        bench = make_bench(task, optimizer, share, usable, warmup_steps, measure_steps, clock)
         return bench.run(micro_batch, knobs or Knobs())
     finally:
         training_state.restore(user, task.model, optimizer)

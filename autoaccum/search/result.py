@@ -1,0 +1,209 @@
+"""What a search returns: every trial, the winner, and the plan file that carries the winner to training.
+
+A plan file (``SearchResult.save``, ``autoaccum search --out``) is JSON of kind ``autoaccum.plan``:
+the winner's plan and knobs and what they measured. :func:`read_plan_file` reads it back -- and a
+search result or a probe report (``autoaccum probe --json``) -- through
+:func:`autoaccum.plan.read_plan_document`, the one reader of plan files, after checking the kind.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from autoaccum.jsonio import write_json_atomic
+from autoaccum.knobs import Knobs
+from autoaccum.plan import Plan, read_plan_document
+from autoaccum.throughput import Status
+from autoaccum.units import format_bytes
+
+__all__ = ["FILE_VERSION", "PLAN_FILE_KIND", "SEARCH_KIND", "SearchResult", "Stopped", "TrialRecord", "format_search",
+           "load_plan_file", "read_plan_file"]
+
+PLAN_FILE_KIND = "autoaccum.plan"
+SEARCH_KIND = "autoaccum.search"
+FILE_VERSION = 1
+Stopped = Literal["n_trials", "timeout", "patience"]
+
+
+@dataclass(frozen=True)
+class TrialRecord:
+    """One trial of the study (earlier sessions' included).
+
+    Attributes:
+        number: Optuna's trial number.
+        plan: the plan for the whole target (micro x accum x world).
+        knobs: checkpointing, autocast, compile.
+        status: ``ok``, ``oom``, ``over_budget``, ``failed`` (see :class:`~autoaccum.throughput.Measurement`).
+        samples_per_s, items_per_s, step_time_s, peak_bytes, note: what was measured.
+        seeded: ``probe`` (the probe's pick) or ``fit`` (the two largest sizes predicted to fit as an
+            accumulated step), enqueued before the sampler's trials; ``""`` for the sampler's.
+        duplicate_of: the earlier trial whose measurement this one reused, or None.
+        earlier: run by an earlier search on the same study (resumed from storage).
+    """
+
+    number: int
+    plan: Plan
+    knobs: Knobs
+    status: Status
+    samples_per_s: float | None
+    items_per_s: float | None
+    step_time_s: float | None
+    peak_bytes: int | None
+    note: str = ""
+    seeded: str = ""
+    duplicate_of: int | None = None
+    earlier: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"number": self.number, "plan": self.plan.to_dict(), "knobs": self.knobs.to_dict(),
+                "status": self.status, "samples_per_s": self.samples_per_s, "items_per_s": self.items_per_s,
+                "step_time_s": self.step_time_s, "peak_bytes": self.peak_bytes, "note": self.note,
+                "seeded": self.seeded, "duplicate_of": self.duplicate_of, "earlier": self.earlier}
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """The fastest configuration found, and every trial.
+
+    Attributes:
+        plan: the winner's plan for ``target_batch`` (give it to ``OOMGuard(plan=...)`` / ``fit``).
+        knobs: the winner's knobs (``knobs.autocast_dtype`` for ``OOMGuard(autocast_dtype=...)``).
+        samples_per_s: the winner's samples/s on one rank: the median of its readings in the
+            confirmation round-robin (its trial's reading without one); items_per_s likewise.
+        peak_bytes: the winner's peak memory.
+        trials: every completed trial of the study, in order (samples/s as measured in the trial).
+        confirmed: ``(trial number, samples/s readings)`` of the configurations measured again.
+        probe_plan: what the probe picked; probe_samples_per_s: its samples/s in this search, read
+            as the winner's (None if it did not fit as a guarded, accumulated step).
+        budget_bytes, usable_bytes: the budget and ``budget * (1 - headroom)`` every trial had to fit.
+        device: where it ran; emulated: memory counted and enforced by the tracked counter.
+        study_name: the Optuna study (resume it with the same storage and name).
+        n_trials_run: trials run by this call; stopped: why it stopped.
+        wall_time_s: the whole search, probe included; probe_wall_time_s: the probe alone.
+    """
+
+    plan: Plan
+    knobs: Knobs
+    samples_per_s: float
+    items_per_s: float | None
+    peak_bytes: int | None
+    trials: tuple[TrialRecord, ...]
+    confirmed: tuple[tuple[int, tuple[float, ...]], ...]
+    probe_plan: Plan
+    probe_samples_per_s: float | None
+    budget_bytes: int
+    usable_bytes: int
+    headroom: float
+    device: str
+    emulated: bool
+    study_name: str
+    n_trials_run: int
+    stopped: Stopped
+    wall_time_s: float
+    probe_wall_time_s: float
+    torch_version: str = field(default_factory=lambda: torch.__version__)
+
+    @property
+    def speedup_over_probe(self) -> float | None:
+        return None if not self.probe_samples_per_s else self.samples_per_s / self.probe_samples_per_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": SEARCH_KIND, "version": FILE_VERSION, "plan": self.plan.to_dict(), "knobs": self.knobs.to_dict(),
+            "samples_per_s": self.samples_per_s, "items_per_s": self.items_per_s, "peak_bytes": self.peak_bytes,
+            "probe_plan": self.probe_plan.to_dict(), "probe_samples_per_s": self.probe_samples_per_s,
+            "speedup_over_probe": self.speedup_over_probe,
+            "budget_bytes": self.budget_bytes, "usable_bytes": self.usable_bytes, "headroom": self.headroom,
+            "device": self.device, "emulated": self.emulated, "study_name": self.study_name,
+            "n_trials_run": self.n_trials_run, "stopped": self.stopped, "wall_time_s": self.wall_time_s,
+            "probe_wall_time_s": self.probe_wall_time_s, "torch_version": self.torch_version,
+            "trials": [t.to_dict() for t in self.trials],
+            "confirmed": [{"trial": n, "samples_per_s": list(runs), "median": statistics.median(runs)}
+                          for n, runs in self.confirmed],
+        }
+
+    def plan_file(self) -> dict[str, Any]:
+        """The plan file's content: ``Plan.from_dict(content["plan"])`` and the knobs."""
+        return {"kind": PLAN_FILE_KIND, "version": FILE_VERSION, "source": "search", "plan": self.plan.to_dict(),
+                "knobs": self.knobs.to_dict(), "samples_per_s": self.samples_per_s, "items_per_s": self.items_per_s,
+                "peak_bytes": self.peak_bytes, "budget_bytes": self.budget_bytes, "usable_bytes": self.usable_bytes,
+                "device": self.device, "study_name": self.study_name, "torch_version": self.torch_version}
+
+    def save(self, path: str | Path) -> Path:
+        """Write the plan file (JSON, atomically) to ``path``; read it back with :func:`load_plan_file`."""
+        return write_json_atomic(path, self.plan_file())
+
+
+def read_plan_file(path: str | Path) -> tuple[Plan, Knobs]:
+    """The plan and knobs in a search plan file, a search result or a probe report (knobs: none).
+
+    Stricter than :func:`~autoaccum.plan.read_plan_document`, which reads the rest: the file must
+    name its kind, so a stray JSON dict is not taken for a plan.
+
+    Raises:
+        ValueError: the file is not JSON or not one of those.
+    """
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read plan file {path}: {exc}") from None
+    kinds = (PLAN_FILE_KIND, SEARCH_KIND, "autoaccum.probe")
+    if not isinstance(data, dict) or data.get("kind") not in kinds or not isinstance(data.get("plan"), dict):
+        raise ValueError(f"{path} is not an autoaccum plan file: expected JSON with kind one of {', '.join(kinds)} "
+                         f"and a 'plan' (write one with `autoaccum search --out` or `autoaccum probe --json`)")
+    try:
+        plan, knobs = read_plan_document(data)
+        return plan, Knobs.from_dict(knobs or {})
+    except (TypeError, ValueError) as exc:
+        # read_plan_document words a plan's TypeError as "malformed plan: ..." already
+        raise ValueError(f"{path}: malformed plan: {str(exc).removeprefix('malformed plan: ')}") from None
+
+
+def load_plan_file(path: str | Path) -> Plan:
+    """The :class:`Plan` in a search plan file (``autoaccum search --out``) or a probe report JSON."""
+    return read_plan_file(path)[0]
+
+
+# -- printing (the CLI prints; this only formats) -------------------------------------------------
+
+def format_search(result: SearchResult) -> str:
+    """The trial table, the winner, and how it compares with the probe's pick."""
+    rows = [("trial", "micro", "accum", "knobs", "status", "peak", "step s", "samples/s", "")]
+    winner = next((t.number for t in result.trials if (t.plan, t.knobs) == (result.plan, result.knobs)), None)
+    for t in result.trials:
+        seed = {"probe": "probe pick", "fit": "largest fit"}.get(t.seeded, "")
+        mark = ", ".join(x for x in (seed, "WINNER" if t.number == winner else "",
+                                     f"= #{t.duplicate_of}" if t.duplicate_of is not None else "",
+                                     "earlier" if t.earlier else "") if x)
+        rows.append((str(t.number), str(t.plan.micro_batch), str(t.plan.accum_steps), t.knobs.describe(), t.status,
+                     "-" if t.peak_bytes is None else format_bytes(t.peak_bytes),
+                     "-" if t.step_time_s is None else f"{t.step_time_s:.4f}",
+                     "-" if t.samples_per_s is None else f"{t.samples_per_s:,.1f}", mark))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [f"autoaccum search · {result.device} · usable {format_bytes(result.usable_bytes)} of "
+             f"{format_bytes(result.budget_bytes)}" + (" (emulated budget)" if result.emulated else "")
+             + f" · study {result.study_name}", ""]
+    lines += ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.append("")
+    if any(len(runs) > 1 for _, runs in result.confirmed):
+        lines.append("measured again: " + " · ".join(
+            f"#{n} median {statistics.median(runs):,.1f} of {len(runs)}" for n, runs in result.confirmed))
+    speed = f"{result.samples_per_s:,.1f} samples/s" + \
+        (f", {result.items_per_s:,.0f} items/s" if result.items_per_s else "")
+    lines.append(f"winner: {result.plan.describe()} · {result.knobs.describe()} · {speed}"
+                 + ("" if result.peak_bytes is None else f" · peak {format_bytes(result.peak_bytes)}"))
+    if result.probe_samples_per_s:
+        lines.append(f"probe pick: micro {result.probe_plan.micro_batch} · {result.probe_samples_per_s:,.1f} "
+                     f"samples/s -> winner x{result.speedup_over_probe:.2f}")
+    else:
+        lines.append(f"probe pick: micro {result.probe_plan.micro_batch} did not fit as a guarded step")
+    lines.append(f"{result.n_trials_run} trials this run (stopped: {result.stopped}), {result.wall_time_s:.1f} s "
+                 f"(probe {result.probe_wall_time_s:.1f} s)")
+    return "\n".join(lines)
