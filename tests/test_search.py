@@ -214,17 +214,16 @@ def test_winner_at_least_as_fast_as_the_probe_pick(searched):
     assert result.samples_per_s == medians[best] == max(medians.values())
     if result.plan == result.probe_plan and result.knobs == Knobs():
         return
-    # Measured again, in turn, 7 rounds: a winner that won by timing noise alone is not faster
-    # round after round. The median of the per-round ratios, with 15% slack: on a shared CPU one
-    # reading of a few-ms step varies by 10-30% even in CPU time (benchmarks/RESULTS.md, issue 6);
-    # seven rounds keep the median steady enough that noise alone does not fail it.
+    # Measured again, in turn, 7 rounds: a winner that won by timing noise alone is not faster when
+    # both get their best moment. The fastest reading of each, with 15% slack: on a shared CPU one
+    # reading of a few-ms step varies by 10-30% even in CPU time (benchmarks/RESULTS.md, issue 6),
+    # and contention only ever slows a step, so the fastest of seven is each one's steadiest figure.
     kwargs = {"budget": BUDGET, **FAST}
-    ratios = []
+    picks, wins = [], []
     for _ in range(7):
-        pick = measure(task, TARGET, result.probe_plan.micro_batch, **kwargs).samples_per_s
-        win = measure(task, TARGET, result.plan.micro_batch, result.knobs, **kwargs).samples_per_s
-        ratios.append(win / pick)
-    assert statistics.median(ratios) >= 0.85, ratios
+        picks.append(measure(task, TARGET, result.probe_plan.micro_batch, **kwargs).samples_per_s)
+        wins.append(measure(task, TARGET, result.plan.micro_batch, result.knobs, **kwargs).samples_per_s)
+    assert max(wins) / max(picks) >= 0.85, (wins, picks)
 
 
 def test_winner_is_the_best_median_of_a_round_robin_with_the_probe_pick(monkeypatch):
