@@ -8,7 +8,10 @@ summed gradients are those of the whole global batch:
   samples of the global batch over all ranks (each ``.backward()`` adds to ``.grad``);
 - a **token-level loss** ``(loss_sum, num_items)`` is summed as it is; :func:`reduce_gradients`
   divides the summed gradients once by the item count of the whole step, over all micro-batches
-  and ranks (not a mean of means).
+  and ranks (not a mean of means);
+- a loss **normalised by the step's item count** (Hugging Face's ``num_items_in_batch``: the
+  caller counted the step's items up front and passes the total) is summed as it is: each
+  micro-batch's loss is already its share of the full-batch loss.
 
 It never raises for what a micro-batch did: it returns :class:`Accumulated`, or :class:`Failed`
 with the phase and (for errors other than OOM) the exception. Catching here keeps the exception,
@@ -39,7 +42,7 @@ from autoaccum.task import LossFn, check_loss
 
 __all__ = ["Accumulated", "Failed", "LossKind", "StepTotals", "accumulate", "reduce_gradients", "sum_dtype"]
 
-LossKind = Literal["mean", "sum"]
+LossKind = Literal["mean", "sum", "normalized"]
 
 
 @dataclass(frozen=True)
@@ -49,8 +52,8 @@ class Accumulated:
     Attributes:
         loss_sum: the micro-batches' mean losses times their sample counts, or their loss sums
             (token-level), summed on the device in float64 where it has it.
-        num_items: this rank's item count for token-level losses (0 for mean losses).
-        kind: ``mean`` or ``sum``; None when this rank ran no micro-batch (an empty share).
+        num_items: this rank's item count for token-level losses (0 for mean and normalised losses).
+        kind: ``mean``, ``sum`` or ``normalized``; None when this rank ran no micro-batch (an empty share).
     """
 
     loss_sum: torch.Tensor
@@ -103,7 +106,8 @@ def sum_dtype(device: torch.device) -> torch.dtype:
 
 def accumulate(model: torch.nn.Module, micro_batches: Iterable[MicroBatch], loss_fn: LossFn, *, num_samples: int,
                device: torch.device, sync: GradSync | None = None, scaler: torch.amp.GradScaler | None = None,
-               autocast_dtype: torch.dtype | None = None, backward: bool = True) -> Accumulated | Failed:
+               autocast_dtype: torch.dtype | None = None, backward: bool = True,
+               num_items_in_batch: int | None = None) -> Accumulated | Failed:
     """Forward (and backward) of every micro-batch, weighted for the global batch of ``num_samples``.
 
     Args:
@@ -116,6 +120,9 @@ def accumulate(model: torch.nn.Module, micro_batches: Iterable[MicroBatch], loss
         scaler: a GradScaler (fp16): each weighted loss is scaled before backward.
         autocast_dtype: run forward and loss under ``torch.autocast`` with this dtype.
         backward: False to evaluate (no gradients, no window).
+        num_items_in_batch: the step's item count over all micro-batches and ranks, counted up front:
+            passed to ``loss_fn(model, batch, num_items_in_batch=...)``, which returns its loss
+            already divided by it (Hugging Face's convention).
 
     Returns:
         :class:`Accumulated`, or :class:`Failed` (never raises for what a micro-batch did).
@@ -136,13 +143,26 @@ def accumulate(model: torch.nn.Module, micro_batches: Iterable[MicroBatch], loss
                 micro = None  # type: ignore[assignment]  # the moved copy is the only reference
                 where = "forward/loss"
                 with autocast(device, autocast_dtype):
-                    loss, num_items = check_loss(loss_fn(model, part), requires_grad=backward)
+                    if num_items_in_batch is None:
+                        output = loss_fn(model, part)
+                    else:
+                        output = loss_fn(model, part, num_items_in_batch=num_items_in_batch)  # type: ignore[call-arg]
+                    loss, num_items = check_loss(output, requires_grad=backward)
+                    output = None
+                if num_items_in_batch is not None and num_items is not None:
+                    raise TaskError("loss_fn was given num_items_in_batch and returned (loss_sum, num_items); with "
+                                    "num_items_in_batch it returns the loss divided by it")
                 this: LossKind = "mean" if num_items is None else "sum"
+                if num_items_in_batch is not None:
+                    this = "normalized"
                 if kind is not None and this != kind:
                     raise TaskError("loss_fn returned a mean loss for one micro-batch and (loss_sum, num_items) "
                                     "for another; return the same kind for every batch")
                 kind = this
-                if num_items is None:
+                if this == "normalized":
+                    weighted = loss  # already this micro-batch's share of the full-batch loss
+                    loss_sum.add_(loss.detach())
+                elif num_items is None:
                     # each .backward() adds to .grad: weight each mean by its share of the samples
                     weighted = loss * (size / num_samples)
                     loss_sum.add_(loss.detach(), alpha=size)  # one kernel, summed in fp64
@@ -163,7 +183,7 @@ def accumulate(model: torch.nn.Module, micro_batches: Iterable[MicroBatch], loss
 
 
 def reduce_gradients(params: Sequence[torch.nn.Parameter], result: Accumulated, *, num_samples: int,
-                     sync: GradSync | None = None, device: torch.device | None = None) -> StepTotals:
+                     sync: GradSync | None = None, num_items_in_batch: int | None = None) -> StepTotals:
     """Sum gradients over ranks once, add up the step's scalars, normalise token-level gradients.
 
     Returns the step's totals; afterwards each parameter's ``.grad`` is the gradient of the
@@ -175,6 +195,9 @@ def reduce_gradients(params: Sequence[torch.nn.Parameter], result: Accumulated, 
     sync = sync if sync is not None else LocalSync()
     sync.reduce_gradients(list(params))
     loss_total: torch.Tensor | float
+    if num_items_in_batch is not None:  # normalised up front: the summed gradient is the step's already
+        loss_total = result.loss_sum if sync.world_size == 1 else float(sync.sum_items(result.loss_sum))
+        return StepTotals(loss_total, 1, num_samples, num_items_in_batch)
     if sync.world_size == 1:
         # One process: the kind of loss is known here, and no number on the device is needed
         # before the optimizer step. Reading one would wait for the last backward to finish and

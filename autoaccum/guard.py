@@ -29,7 +29,7 @@ from autoaccum.accumulate import Accumulated, StepTotals, accumulate, reduce_gra
 from autoaccum.batch import Batch, SplitFn, batch_size
 from autoaccum.batchnorm import batchnorm_layers, smallest_micro_batch, warn_batchnorm
 from autoaccum.cut import Cutter, SampleCut
-from autoaccum.errors import AutoAccumError, DoesNotFitError
+from autoaccum.errors import AutoAccumError, DoesNotFitError, TaskError
 from autoaccum.memory import Meter, MemoryReading, active_budget, default_meter
 from autoaccum.optim_step import step_oom_error, step_optimizer
 from autoaccum.plan import Plan, resolve_plan
@@ -272,6 +272,22 @@ class OOMGuard:
         check_loss_fn(loss_fn)
         self._checked_loss_fn = loss_fn
 
+    def _count_items(self, loss_fn: LossFn, batch: Batch) -> int | None:
+        """The step's items over all ranks, for a loss that counts them up front (``loss_fn.count_items``,
+        e.g. the default loss on per-token labels); None for other losses."""
+        counter = getattr(loss_fn, "count_items", None)
+        count = counter(self.model, batch) if callable(counter) else None
+        if self.sync.world_size > 1:
+            total, counted = self.sync.sum_items(torch.tensor([count or 0, count is not None])).tolist()
+            if 0 < counted < self.sync.world_size:
+                raise TaskError("loss_fn.count_items counted items on some ranks and not on others; give every "
+                                "rank batches of the same kind")
+            count = int(total) if counted else None
+        if count == 0:
+            raise TaskError("the step's batch holds no item its loss averages over (every label is -100); "
+                            "nothing to train on")
+        return count
+
     def _rank_sizes(self, batch: Batch, partial: bool) -> tuple[int, ...]:
         n = self.size_fn(batch) if self.size_fn is not None else batch_size(batch)
         expected = self.plan.rank_batch(self.sync.rank)
@@ -293,6 +309,7 @@ class OOMGuard:
         self._check_loss_fn(batch, loss_fn)
         sizes = self._rank_sizes(batch, partial)
         num_samples = sum(sizes)
+        num_items = self._count_items(loss_fn, batch)
         self.meter.reset_peak()
         start = self.meter.read()
         rng = capture_rng()
@@ -304,7 +321,8 @@ class OOMGuard:
             attempts += 1
             micro_batches = self.cut(batch, sizes, self.sync.rank, self.plan)
             result = accumulate(self.model, micro_batches, loss_fn, num_samples=num_samples, device=self.device,
-                                sync=self.sync, scaler=self.scaler, autocast_dtype=self.autocast_dtype)
+                                sync=self.sync, scaler=self.scaler, autocast_dtype=self.autocast_dtype,
+                                num_items_in_batch=num_items)
             micro_batches = None  # type: ignore[assignment]
             agreed = self.sync.agree(OK if isinstance(result, Accumulated) else ERROR if result.error else OOM)
             if agreed == OK:
@@ -324,7 +342,8 @@ class OOMGuard:
             restore_buffers(buffers)
             changes.append(self._shrink("oom", where))
         buffers = None  # type: ignore[assignment]
-        totals, failed = catch_oom(reduce_gradients, self.params, result, num_samples=num_samples, sync=self.sync)
+        totals, failed = catch_oom(reduce_gradients, self.params, result, num_samples=num_samples, sync=self.sync,
+                                   num_items_in_batch=num_items)
         if failed:
             self._zero_grad()
             release_memory(self.device)

@@ -5,13 +5,16 @@ For a dict batch (a tokenizer's ``BatchEncoding``, a collator's output) the mode
 hold ``labels``). How that loss is weighted across micro-batches follows what it averages over:
 
 - **per-token losses** (``labels`` with a sequence dimension: causal and masked LMs, token
-  classification) are token-exact: each micro-batch contributes the *sum* of its token losses and
-  its number of predicted tokens, and the step divides once by the tokens of the whole global
-  batch over all ranks -- as one full-batch forward would (a mean of micro-batch means would weight
-  short micro-batches too much). The sum comes from the model itself, through Hugging Face's
-  ``num_items_in_batch`` (``loss = sum / num_items_in_batch``, so 1 gives the sum) where the model
-  accepts loss keyword arguments, and otherwise as ``loss * count``. Predicted tokens are counted
-  as the model counts them: labels other than -100, after the shift by one that causal-LM losses
+  classification) are token-exact: the step divides the summed token losses once by the tokens of
+  the whole global batch over all ranks -- as one full-batch forward would (a mean of micro-batch
+  means would weight short micro-batches too much). This is Hugging Face's own path: the guard
+  counts the step's predicted tokens up front (:meth:`DefaultLoss.count_items`, all ranks) and each
+  micro-batch runs ``model(**batch, num_items_in_batch=N)``, so every token's gradient is computed
+  exactly as in a full-batch forward (HF computes the cross-entropy in float32, ``logits.float()``,
+  even for a float64 model; the same arithmetic on both sides keeps them equal). A model that takes
+  no loss keyword arguments gets ``loss * count / N``. Called without a count (by the probe, the
+  evaluation, or by hand) the loss returns ``(loss_sum, count)``. Predicted tokens are counted as
+  the model counts them: labels other than -100, after the shift by one that causal-LM losses
   (``ForCausalLMLoss``) apply inside the model (the first label of each row is never a target), or
   ``shift_labels`` where the batch carries them.
 - **per-sample losses** (``labels`` of one value per sample: sequence or image classification)
@@ -32,23 +35,43 @@ from autoaccum.batch import Batch
 from autoaccum.errors import TaskError
 from autoaccum.task import LossOutput
 
-__all__ = ["IGNORE_INDEX", "default_loss", "model_loss", "predicted_tokens"]
+__all__ = ["IGNORE_INDEX", "DefaultLoss", "default_loss", "model_loss", "predicted_tokens"]
 
 #: the label value Hugging Face (and torch's cross_entropy) leave out of a loss
 IGNORE_INDEX = -100
 
 
-def default_loss(model: torch.nn.Module, batch: Batch) -> LossOutput:
-    """Cross-entropy of ``model(inputs)`` against ``targets`` for an ``(inputs, targets)`` batch; the
-    model's own loss (:func:`model_loss`) for a dict batch."""
-    if isinstance(batch, Mapping):
-        return model_loss(model, batch)
-    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-        raise TaskError(f"the default loss needs (inputs, targets) batches or dict batches with 'labels', got a "
-                        f"{type(batch).__name__}{' of ' + str(len(batch)) if isinstance(batch, (tuple, list)) else ''}"
-                        f"; pass loss_fn=lambda model, batch: ... returning a mean loss or (loss_sum, num_items)")
-    inputs, targets = batch
-    return F.cross_entropy(model(inputs), targets)
+class DefaultLoss:
+    """``fit``'s default loss (see the module docstring): ``loss(model, batch)``, and for per-token
+    dict batches ``loss(model, batch, num_items_in_batch=N)`` with :meth:`count_items` giving N."""
+
+    def __call__(self, model: torch.nn.Module, batch: Batch, num_items_in_batch: int | None = None) -> LossOutput:
+        if isinstance(batch, Mapping):
+            return model_loss(model, batch, num_items_in_batch)
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise TaskError(f"the default loss needs (inputs, targets) batches or dict batches with 'labels', got a "
+                            f"{type(batch).__name__}"
+                            f"{' of ' + str(len(batch)) if isinstance(batch, (tuple, list)) else ''}; pass "
+                            f"loss_fn=lambda model, batch: ... returning a mean loss or (loss_sum, num_items)")
+        inputs, targets = batch
+        return F.cross_entropy(model(inputs), targets)
+
+    def count_items(self, model: torch.nn.Module, batch: Batch) -> int | None:
+        """The predicted tokens of a per-token dict batch (None: the loss is a per-sample mean)."""
+        if not isinstance(batch, Mapping) or not _per_token(batch):
+            return None
+        return int(predicted_tokens(model, batch))
+
+    def __repr__(self) -> str:
+        return "autoaccum.losses.default_loss"
+
+
+default_loss = DefaultLoss()
+
+
+def _per_token(batch: Mapping[str, Any]) -> bool:
+    labels = batch.get("labels")
+    return isinstance(labels, torch.Tensor) and labels.dim() >= 2 and not labels.dtype.is_floating_point
 
 
 def _shifts_labels(model: torch.nn.Module) -> bool:
@@ -98,10 +121,12 @@ def _check_keys(model: torch.nn.Module, batch: Mapping[str, Any]) -> None:
                         f"F.cross_entropy(model(batch['x']), batch['y']))")
 
 
-def model_loss(model: torch.nn.Module, batch: Mapping[str, Any]) -> LossOutput:
+def model_loss(model: torch.nn.Module, batch: Mapping[str, Any], num_items_in_batch: int | None = None) -> LossOutput:
     """The model's own loss for a dict batch: ``model(**batch).loss``, token-exact for per-token labels.
 
-    Returns ``(loss_sum, num_tokens)`` for per-token labels and the mean loss for per-sample ones.
+    Per-token labels: with ``num_items_in_batch`` (the step's predicted tokens, all micro-batches and
+    ranks) the loss divided by it, as Hugging Face computes it; without, ``(loss_sum, num_tokens)``.
+    Per-sample labels: the mean loss.
 
     Raises:
         TaskError: the batch has no ``labels``, the model takes other keywords, or returns no ``.loss``.
@@ -111,13 +136,15 @@ def model_loss(model: torch.nn.Module, batch: Mapping[str, Any]) -> LossOutput:
                         f"'labels' in the batch (keys: {', '.join(map(repr, batch))}); add them (a data collator does), "
                         f"or pass loss_fn=")
     _check_keys(model, batch)
-    labels = batch["labels"]
-    per_token = isinstance(labels, torch.Tensor) and labels.dim() >= 2 and not labels.dtype.is_floating_point
-    if not per_token:
+    if not _per_token(batch):
         return _loss_of(model(**batch), model)
     count = predicted_tokens(model, batch)
+    if num_items_in_batch is not None:
+        if _accepts_loss_kwargs(model):  # HF's own path: sum / num_items_in_batch, in the model
+            return _loss_of(model(**batch, num_items_in_batch=num_items_in_batch), model)
+        return _loss_of(model(**batch), model) * (count / num_items_in_batch)
     if _accepts_loss_kwargs(model):
-        return _loss_of(model(**batch, num_items_in_batch=1), model), count  # loss_sum / 1: the sum
+        return _loss_of(model(**batch, num_items_in_batch=1), model), count  # sum / 1: the sum
     return _loss_of(model(**batch), model) * count, count
 
 

@@ -108,8 +108,8 @@ def _search(stepper: Stepper, smallest: int, upper: int, budget_bytes: int, head
     if upper <= smallest:
         return None, f"only micro-batch {smallest} was needed"
     # A safe second size from one measurement: everything a pass at the smallest size added on top
-    # of what was live at its start is an upper bound on the bytes per sample.
-    start = stepper.start_bytes
+    # of what was live at its start, and its inputs, bound the bytes per sample from above.
+    start = stepper.start_bytes - stepper.batch_bytes[smallest]
     per_sample_bound = max((first.fwd_bwd_peak_bytes - start) / smallest, 1)  # type: ignore[operator]
     stepper.measure(min(max(int((usable - start) // per_sample_bound), smallest + 1), upper))
     while len(stepper.measured) < max_candidates:

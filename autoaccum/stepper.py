@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from autoaccum.batch import Batch, move_to
+from autoaccum.batch import Batch, move_to, tensors
 from autoaccum.memory import Meter
 from autoaccum.precision import autocast
 from autoaccum.recovery import catch_oom, release_memory
@@ -64,6 +64,7 @@ class Stepper:
         self.opt_peak_bytes = 0
         self.opt_time_s = 0.0
         self.start_bytes = 0
+        self.batch_bytes: dict[int, int] = {}  # bytes of the inputs of a batch of each size
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -103,8 +104,13 @@ class Stepper:
         self.opt_time_s = time.perf_counter() - started
         self.optimizer_steps += 1
 
-    def _warm_up(self, size: int) -> Candidate:
+    def _batch(self, size: int) -> Batch:
         batch = move_to(self.make_batch(size), self.device)
+        self.batch_bytes[size] = sum(t.untyped_storage().nbytes() for t in tensors(batch))
+        return batch
+
+    def _warm_up(self, size: int) -> Candidate:
+        batch = self._batch(size)
         peaks, times = [], []
         for step in range(2):
             if step == 0 or size >= self.share:
@@ -116,7 +122,7 @@ class Stepper:
         return self._candidate(size, max(peaks), times[1:])
 
     def _measure(self, size: int) -> Candidate:
-        batch = move_to(self.make_batch(size), self.device)
+        batch = self._batch(size)
         peaks, times = [], []
         for _ in range(self.passes):
             if size >= self.share:
@@ -145,7 +151,7 @@ class Stepper:
     def retime(self, size: int) -> float:
         """One more timed pass at a size that fits: the fastest reading so far of its micro-step time."""
         candidate = self.measured[size]
-        batch = move_to(self.make_batch(size), self.device)
+        batch = self._batch(size)
         if size >= self.share:
             self.optimizer.zero_grad(set_to_none=True)
         _, seconds = self._pass(batch)

@@ -19,6 +19,7 @@ from autoaccum.batch import batch_size
 from autoaccum.cut import Cutter, SampleCut
 from autoaccum.data import GlobalBatches
 from autoaccum.errors import DoesNotFitError, TaskError
+from autoaccum.memory import active_budget
 from autoaccum.plan import Plan
 from autoaccum.recovery import release_memory
 from autoaccum.sync import ERROR, OK, OOM, GradSync
@@ -71,7 +72,9 @@ def evaluate(model: torch.nn.Module, batches: GlobalBatches, loss_fn: LossFn, mi
                 ooms += 1
                 release_memory(device)
                 if micro_batch == 1:
-                    raise DoesNotFitError(None, None, suggestions=(
+                    budget = active_budget()  # the emulated device fit runs under, if any
+                    raise DoesNotFitError(None if budget is None else budget.last_oom_needed_bytes,
+                                          None if budget is None else budget.budget_bytes, at_least=True, suggestions=(
                         "evaluate on shorter sequences or a smaller model",
                         "evaluate under bf16 autocast (precision='bf16')",
                         "pass eval_data=None and evaluate separately on a larger device"))

@@ -35,7 +35,8 @@ def choose_plan(cfg: FitConfig, state: dict[str, Any] | None, sync: GradSync, ta
                              "whose number depends on each rank's measurements. Pass plan= (e.g. a probe report "
                              "of one unsharded replica, or autoaccum.Plan.for_target(target_batch, micro_batch))")
         report = probe(task, optimizer=optimizer, target_batch=target_batch, world_size=sync.world_size,
-                       budget=cfg.memory.budget, headroom=cfg.memory.headroom, cache=cfg.memory.probe_cache)
+                       budget=cfg.memory.budget, headroom=cfg.memory.headroom, precision=cfg.memory.precision,
+                       cache=cfg.memory.probe_cache)
         plan, source = report.plan, report.source
     if sync.world_size > 1:  # one plan for every rank: the smallest micro-batch any rank can run
         plan = sync.agree_plan(plan)

@@ -1,0 +1,246 @@
+"""What a new user meets on the first try (issue 11): BatchNorm models, precision, compiled models,
+dict data, DataLoaders, and errors that say what to change -- each raised before any work."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import autoaccum
+from autoaccum import DoesNotFitError, OOMGuard, Plan, TaskError, emulated_budget, probe
+from autoaccum.demo import TinyGPT, synthetic_tokens, token_loss
+
+
+def bn_mlp(seed: int = 0) -> nn.Module:
+    """BatchNorm1d on (N, C): one sample per micro-batch cannot train ("Expected more than 1 value per channel")."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 3))
+
+
+def mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 64), nn.ReLU(), nn.Linear(64, 3))
+
+
+def data(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def ce(model: nn.Module, batch) -> torch.Tensor:
+    return F.cross_entropy(model(batch[0]), batch[1])
+
+
+# -- BatchNorm ----------------------------------------------------------------------------------------
+
+def test_a_batchnorm_mlp_probes_from_two_and_trains_under_a_budget():
+    model = bn_mlp()
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):  # what torch says at 1
+        ce(model, data(1))
+    with pytest.warns(UserWarning, match="BatchNorm layers"):
+        result = autoaccum.fit(model, data(256), 128, budget="120KiB", epochs=1, progress=False)
+    assert result.probe.candidates[0].micro_batch == 2 and result.plan.min_micro_batch == 2
+    assert result.plan.accum_steps > 1 and result.optimizer_steps == 2 and result.oom_events == 0
+    assert all(s >= 2 for s in result.plan.micro_sizes())
+
+
+def test_the_guard_never_runs_a_batchnorm_model_below_two():
+    model = bn_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"Invalid micro_batch: 1\. Sequential has BatchNorm layers .*Allowed range: 2"):
+        OOMGuard(model, opt, target_batch=16, micro_batch=1)
+    guard = OOMGuard(model, opt, target_batch=16, micro_batch=2)
+    batch = data(16)
+    live = autoaccum.TrackedMemory().track(model, opt, batch).current_bytes
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # room for the step's bookkeeping (copies of the BatchNorm statistics), not for a micro-batch of 2
+        with emulated_budget(live + 1024, model, opt, batch), pytest.raises(DoesNotFitError) as info:
+            guard.step(batch, ce)  # everything runs out: micro 2 is the end, not 1
+    assert info.value.micro_batch == 2 and "a micro-batch of 2 does not fit" in str(info.value)
+    with pytest.raises(ValueError, match=r"batch holds 1 sample\(s\), fewer than the smallest .*drop_last=True"):
+        guard.step(data(1), ce, partial=True)  # an epoch's last batch of one sample
+
+
+def test_a_193_sample_epoch_at_target_64_is_refused_before_training_or_dropped():
+    """The reported case: 193 = 3 x 64 + 1; the last step's single sample cannot train with BatchNorm."""
+    model = bn_mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"last global batch holds 1 sample.*last_batch='drop'"):
+        autoaccum.fit(model, data(193), 64, budget="120KiB", progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # refused before any step
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = autoaccum.fit(model, data(193), 64, budget="120KiB", last_batch="drop", progress=False)
+    assert result.optimizer_steps == 3 and result.samples_seen == 192
+    plain = autoaccum.fit(mlp(), data(193), 64, budget="120KiB", progress=False)  # no BatchNorm: an exact 4th step
+    assert plain.optimizer_steps == 4 and plain.samples_seen == 193
+
+
+# -- precision, compile ---------------------------------------------------------------------------------
+
+def test_the_probe_measures_under_the_precision_training_runs_in():
+    torch.manual_seed(0)
+    task = autoaccum.Task(model=TinyGPT(dim=64), loss_fn=token_loss, make_batch=lambda b: synthetic_tokens(b, seed=b))
+    fp32 = probe(task, target_batch=256, budget="24MiB")
+    bf16 = probe(task, target_batch=256, budget="24MiB", precision="bf16")
+    assert (fp32.precision, bf16.precision) == ("fp32", "bf16")
+    # bf16 activations take half the bytes: the same budget fits a larger micro-batch
+    assert bf16.max_fitting_micro_batch > 1.3 * fp32.max_fitting_micro_batch
+    assert bf16.model.per_sample_bytes < 0.75 * fp32.model.per_sample_bytes
+    # and fit plans with the bf16 measurement when it trains in bf16 (a bf16 run got fp32's plan)
+    result = autoaccum.fit(TinyGPT(dim=64), synthetic_tokens(512), 256, loss_fn=token_loss_tuple, budget="24MiB",
+                           precision="bf16", epochs=1, progress=False)
+    assert result.probe.precision == "bf16" and result.plan.micro_batch > fp32.plan.micro_batch
+
+
+def token_loss_tuple(model, batch):
+    return token_loss(model, batch[0] if isinstance(batch, (tuple, list)) else batch)
+
+
+def test_a_compiled_model_is_refused_where_the_counter_would_run_it_eagerly():
+    compiled = torch.compile(mlp())
+    with pytest.raises(ValueError, match=r"torch.compile'd.*compiles nothing.*model._orig_mod"):
+        autoaccum.fit(compiled, data(64), 32, budget="1MiB", progress=False)
+    with pytest.raises(ValueError, match=r"cannot probe it: the model is torch.compile'd"):
+        probe(model=compiled, loss_fn=ce, make_batch=data, target_batch=32, budget="1MiB")
+    inplace = mlp()
+    inplace.compile()
+    with pytest.raises(ValueError, match="torch.compile'd"):
+        probe(model=inplace, loss_fn=ce, make_batch=data, target_batch=32, budget="1MiB")
+
+
+# -- data ------------------------------------------------------------------------------------------------
+
+def test_a_dict_of_tensors_is_data():
+    x, y = data(64)
+    seen = []
+
+    def loss_fn(model, batch):
+        seen.append(sorted(batch))
+        return F.cross_entropy(model(batch["x"]), batch["y"])
+
+    result = autoaccum.fit(mlp(), {"x": x, "y": y}, 32, loss_fn=loss_fn, plan=Plan.for_target(32, 16), progress=False)
+    assert result.optimizer_steps == 2 and seen[0] == ["x", "y"]
+    with pytest.raises(TaskError, match=r"needs 'labels' in the batch \(keys: 'x', 'y'\).*or pass loss_fn="):
+        autoaccum.fit(mlp(), {"x": x, "y": y}, 32, plan=Plan.for_target(32, 16), progress=False)
+
+
+@pytest.mark.parametrize("loader_batch, target, says", [
+    (64, None, r"batches \(DataLoader batch_size\) of 64 samples, but target_batch is 256 \(fit's default\).*"
+               r"pass target_batch=64"),
+    (32, 64, r"of 32 samples, but target_batch is 64 over 1 rank\(s\).*pass target_batch=32"),
+])
+def test_a_dataloader_of_other_sized_batches_names_target_batch_before_any_work(loader_batch, target, says):
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*data(256)), batch_size=loader_batch)
+    model = mlp()
+    kwargs = {} if target is None else {"target_batch": target}
+    with pytest.raises(ValueError, match=says):
+        autoaccum.fit(model, loader, loss_fn=ce, budget="1MiB", progress=False, **kwargs)
+
+
+# -- errors that name the fix ----------------------------------------------------------------------
+
+def test_a_loss_fn_with_the_wrong_signature_is_named_before_any_work():
+    with pytest.raises(TypeError, match=r"called as loss_fn\(model, batch\), but yours takes \(batch\); write it as "
+                                        r"lambda model, batch"):
+        autoaccum.fit(mlp(), data(64), 32, loss_fn=lambda batch: batch[0].sum(), progress=False)
+    model = mlp()
+    guard = OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), target_batch=32, micro_batch=8)
+    with pytest.raises(TypeError, match=r"but yours takes \(model, batch, extra\)"):
+        guard.step(data(32), lambda model, batch, extra: ce(model, batch))
+
+
+def test_swapped_arguments_are_named():
+    model = mlp()
+    with pytest.raises(TypeError, match=r"data must be .* got a function; the arguments look swapped"):
+        autoaccum.fit(model, ce, data(64))  # fit(model, loss_fn, data)
+    with pytest.raises(TypeError, match=r"target_batch must be an int .* got a tuple; fit's arguments are"):
+        autoaccum.fit(model, data(64), data(64))
+    guard = OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), target_batch=32, micro_batch=8)
+    with pytest.raises(TypeError, match=r"got a function as batch and a tuple as loss_fn: the arguments look swapped"):
+        guard.step(ce, data(32))
+
+
+def test_an_optimizer_over_another_models_parameters_is_refused():
+    model, other = mlp(0), mlp(1)
+    with pytest.raises(ValueError, match=r"steps none of the 4 trainable parameters of the Sequential.*"
+                                         r"SGD\(model.parameters\(\), ...\)"):
+        autoaccum.fit(model, data(64), 32, optimizer=torch.optim.SGD(other.parameters(), lr=0.1), progress=False)
+    with pytest.raises(ValueError, match="steps none of the"):
+        OOMGuard(model, torch.optim.SGD(other.parameters(), lr=0.1), target_batch=32, micro_batch=8)
+
+
+def test_a_loss_of_shape_1_is_refused():
+    model = mlp()
+    guard = OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), target_batch=8, micro_batch=8)
+    with pytest.raises(TaskError, match=r"scalar tensor \(0 dimensions\), got \(1,\).*\.squeeze\(\)"):
+        guard.step(data(8), lambda m, b: ce(m, b).reshape(1))
+
+
+def test_does_not_fit_states_an_emulated_budget_it_runs_under():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = OOMGuard(model, opt, target_batch=8, micro_batch=1)  # no meter given: the budget is found
+    batch = data(8)
+    with emulated_budget("3KiB", model, opt, batch), pytest.raises(DoesNotFitError) as info:
+        guard.step(batch, ce)
+    assert info.value.available_bytes == 3 * 1024
+    assert "available 3 KiB" in str(info.value) and "unknown" not in str(info.value)
+
+
+@pytest.mark.parametrize("device, says", [("banana", r"Invalid device: 'banana'"),
+                                          ("cuda", r"Invalid device: 'cuda': CUDA is not available here")])
+def test_a_device_that_does_not_exist_here_is_a_clear_error(device, says):
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    with pytest.raises(ValueError, match=says):
+        autoaccum.fit(mlp(), data(64), 32, device=device, progress=False)
+
+
+def test_unknown_fit_options_suggest_the_known_one():
+    with pytest.raises(TypeError, match=r"unknown option 'lr_rul'; did you mean 'lr_rule'\?"):
+        autoaccum.fit(mlp(), data(64), 32, lr_rul="sqrt")
+    with pytest.raises(ValueError, match=r"2 invalid fit options:\n  - Invalid lr: -1.*\n  - Invalid epochs: 0"):
+        autoaccum.fit(mlp(), data(64), 32, lr=-1.0, epochs=0)
+
+
+# -- output off a terminal ------------------------------------------------------------------------------
+
+def _run_script(code: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(code))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_fit_speaks_off_a_terminal_without_any_logging_setup(tmp_path):
+    """Under a job scheduler stderr is a file and nobody configured logging: the banner, each plan change
+    and the summary must still show (they did not: nothing at all was printed)."""
+    job = """
+        import torch, autoaccum
+        torch.manual_seed(0)
+        x, y = torch.randn(256, 6), torch.randint(0, 3, (256,))
+        model = torch.nn.Sequential(torch.nn.Linear(6, 64), torch.nn.ReLU(), torch.nn.Linear(64, 3))
+        autoaccum.fit(model, (x, y), 128, budget="120KiB", epochs=1, VERBOSE)
+        print("done")
+    """
+    result = _run_script(job.replace("VERBOSE", "verbose=True"), tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "autoaccum: autoaccum fit · cpu · budget 120 KiB (emulated) · target 128 = micro" in result.stderr
+    assert "autoaccum: autoaccum fit done · 2 steps, 256 samples" in result.stderr
+    quiet = _run_script(job.replace("VERBOSE", "verbose=False"), tmp_path)
+    assert quiet.returncode == 0 and "autoaccum fit" not in quiet.stderr
+    configured = _run_script(job.replace("import torch, autoaccum", "import logging, torch, autoaccum\n"
+                                         "        logging.basicConfig(level=logging.WARNING)")
+                             .replace("VERBOSE", "verbose=True"), tmp_path)
+    assert configured.returncode == 0 and "autoaccum fit ·" not in configured.stderr  # the application's rules

@@ -1,0 +1,240 @@
+"""Hugging Face models as a new user brings them (issue 11): models built from small configs, dict
+batches with padding, the model's own loss, BatchNorm vision models -- against full-batch references.
+
+fp64 throughout the exactness tests, dropout off. GPT-2's loss (``ForCausalLMLoss``) computes the
+cross-entropy in float32 even for a float64 model; the guard passes the step's token count up
+front (``num_items_in_batch``), so every token's gradient is computed as in the full-batch
+forward, and the comparison holds to 1e-10.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import autoaccum
+from autoaccum import OOMGuard, Plan
+from autoaccum.losses import default_loss, predicted_tokens
+
+transformers = pytest.importorskip("transformers")
+from transformers import (  # noqa: E402 - after the skip: these tests need transformers
+    BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel, ResNetConfig,
+    ResNetForImageClassification,
+)
+
+RTOL = 1e-10
+VOCAB, SEQ, PAD = 64, 16, 0
+
+
+@pytest.fixture(autouse=True)
+def _quiet_transformers():
+    transformers.logging.set_verbosity_error()  # "loss_type=None ... default loss" is HF's own note
+    yield
+
+
+def gpt2(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=1)
+    return GPT2LMHeadModel(config).double()
+
+
+def bert(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=48, max_position_embeddings=SEQ, num_labels=3, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0, pad_token_id=PAD)
+    return BertForSequenceClassification(config).double()
+
+
+def resnet(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16, 24, 32], depths=[1, 1, 1, 1],
+                          num_labels=10)
+    return ResNetForImageClassification(config)
+
+
+def padded_tokens(n: int, seed: int, labels: str = "tokens") -> dict[str, torch.Tensor]:
+    """``n`` sequences of 3..SEQ tokens, right-padded: what a tokenizer with padding=True returns."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, SEQ + 1, (n,), generator=g)
+    ids = torch.randint(2, VOCAB, (n, SEQ), generator=g)
+    mask = (torch.arange(SEQ) < lengths[:, None]).long()
+    ids = ids.masked_fill(mask == 0, PAD)
+    batch = {"input_ids": ids, "attention_mask": mask}
+    batch["labels"] = ids.masked_fill(mask == 0, -100) if labels == "tokens" else \
+        torch.randint(0, 3, (n,), generator=g)
+    return batch
+
+
+def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """``max |a - b| / max |b|`` over all parameters together. (Per tensor it would be meaningless for
+    attention key biases: their gradient is zero in exact arithmetic -- softmax ignores a constant
+    added to every key's score -- so they hold rounding noise of ~1e-23 on both sides.)"""
+    return max(float((a[n] - b[n]).abs().max()) for n in a) / max(float(b[n].abs().max()) for n in b)
+
+
+def full_batch_steps(model: torch.nn.Module, batches: list[dict], lr: float = 0.1) -> None:
+    """The reference: one forward of each whole global batch, HF's own loss, one SGD step."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for batch in batches:
+        opt.zero_grad()
+        model(**batch).loss.backward()
+        opt.step()
+
+
+class OOMAt:
+    """A forward pre-hook that raises torch.OutOfMemoryError at the given calls (1-based), once each."""
+
+    def __init__(self, *calls: int) -> None:
+        self.calls, self.count = set(calls), 0
+
+    def __call__(self, module: torch.nn.Module, args: object) -> None:
+        self.count += 1
+        if self.count in self.calls:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB (injected by the test)")
+
+
+@pytest.mark.parametrize("make_model, labels", [(gpt2, "tokens"), (bert, "samples")], ids=["gpt2-causal-lm", "bert-cls"])
+def test_the_models_own_loss_on_padded_dict_batches_equals_the_full_batch_step(make_model, labels):
+    target = 10  # micro 4: 4 + 3 + 3, uneven; the OOM at the 5th forward (step 2) replays it at micro 2
+    batches = [padded_tokens(target, seed=s, labels=labels) for s in range(4)]
+    ref = make_model()
+    full_batch_steps(ref, batches)
+    model = make_model()
+    hook = OOMAt(5)
+    model.base_model.register_forward_pre_hook(hook)
+    guard = OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), target_batch=target, micro_batch=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = [guard.step(b, default_loss) for b in batches]
+    assert [r.attempts for r in results] == [1, 2, 1, 1] and guard.ooms == 1
+    assert guard.plan.micro_batch == 2  # replayed smaller, the same samples
+    assert rel_diff(params(model), params(ref)) <= RTOL
+    if labels == "tokens":  # token-exact: the step's count of predicted tokens, after GPT-2's shift
+        assert results[0].num_items == int(sum(predicted_tokens(model, batches[0]).reshape(1)))
+        assert results[0].num_items == int((batches[0]["labels"][:, 1:] != -100).sum())
+    full = [make_model()(**b).loss.item() for b in batches[:1]]
+    assert results[0].loss == pytest.approx(full[0], rel=1e-6)  # the step reports the full-batch loss
+
+
+def test_negative_control_a_mean_of_micro_batch_means_is_not_the_full_batch_step():
+    target = 10
+    batches = [padded_tokens(target, seed=s) for s in range(3)]
+    ref = make = gpt2
+    reference = ref()
+    full_batch_steps(reference, batches)
+    model = make()
+    guard = OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), target_batch=target, micro_batch=4)
+    for b in batches:
+        guard.step(b, lambda m, micro: m(**micro).loss)  # each micro-batch's token mean, weighted by samples
+    assert rel_diff(params(model), params(reference)) > 1e-6  # the padding makes token counts differ
+
+
+def test_fit_takes_a_dict_of_tensors_and_an_iterable_of_dict_batches_as_they_are():
+    target = 8
+    data = padded_tokens(64, seed=0)  # a tokenizer's output for the whole dataset
+    result = autoaccum.fit(gpt2(), data, target, epochs=1, plan=Plan.for_target(target, 3), progress=False,
+                           optimizer=None, lr=1e-3)
+    assert result.optimizer_steps == 8 and result.samples_seen == 64
+    batches = [padded_tokens(target, seed=s) for s in range(3)]  # what a DataLoader with a padding collator yields
+    ref = gpt2()
+    full_batch_steps(ref, batches)
+    model = gpt2()
+    result = autoaccum.fit(model, iter(batches), target, plan=Plan.for_target(target, 3), progress=False,
+                           optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert result.optimizer_steps == 3 and rel_diff(params(model), params(ref)) <= RTOL
+
+
+def test_fit_probes_and_trains_a_dataset_of_dicts_with_a_padding_collator_under_a_budget():
+    collator = transformers.DataCollatorForLanguageModeling(tokenizer=_ByteTokenizer(), mlm=False)
+    rows = [{"input_ids": list(range(2, 2 + n))} for n in [5, 9, 3, 12, 7, 16, 4, 8] * 8]  # 64 rows
+    result = autoaccum.fit(gpt2().float(), rows, 16, collate_fn=collator, budget="2MiB", epochs=1, progress=False)
+    assert result.plan.accum_steps > 1  # the budget forces accumulation
+    assert result.optimizer_steps == 4 and result.samples_seen == 64
+
+
+class _ByteTokenizer:
+    """The least a collator asks of a tokenizer: padding of id lists."""
+
+    pad_token_id, pad_token, padding_side = PAD, "<pad>", "right"
+
+    def pad(self, features, return_tensors="pt", **kwargs):
+        longest = max(len(f["input_ids"]) for f in features)
+        ids = torch.tensor([f["input_ids"] + [PAD] * (longest - len(f["input_ids"])) for f in features])
+        mask = torch.tensor([[1] * len(f["input_ids"]) + [0] * (longest - len(f["input_ids"])) for f in features])
+        return transformers.BatchEncoding({"input_ids": ids, "attention_mask": mask})
+
+    def __len__(self) -> int:
+        return VOCAB
+
+
+def test_a_batchnorm_vision_model_probes_and_trains_under_a_budget():
+    """HF's ResNet on 32 x 32 images: its last stage's BatchNorm sees 1 x 1 maps, so one image per
+    micro-batch cannot train (torch: "Expected more than 1 value per channel"). The probe used to
+    start there and crash."""
+    g = torch.Generator().manual_seed(0)
+    data = {"pixel_values": torch.randn(96, 3, 32, 32, generator=g), "labels": torch.randint(0, 10, (96,), generator=g)}
+    with pytest.warns(UserWarning, match="BatchNorm layers"):
+        result = autoaccum.fit(resnet(), data, 32, budget="1.4MiB", epochs=1, progress=False)
+    assert result.plan.min_micro_batch == 2 and result.plan.accum_steps > 1
+    assert result.probe.candidates[0].micro_batch == 2
+    assert result.optimizer_steps == 3 and result.oom_events == 0
+
+
+def test_a_batchnorm_epoch_whose_last_batch_leaves_one_sample_is_refused_before_training():
+    g = torch.Generator().manual_seed(0)
+    data = {"pixel_values": torch.randn(65, 3, 32, 32, generator=g), "labels": torch.randint(0, 10, (65,), generator=g)}
+    model = resnet()
+    before = params(model)
+    with pytest.raises(ValueError, match=r"last global batch holds 1 sample.*last_batch='drop'"):
+        autoaccum.fit(model, data, 32, plan=Plan.for_target(32, 8), progress=False)
+    assert rel_diff(params(model), before) == 0  # nothing trained
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = autoaccum.fit(model, data, 32, plan=Plan.for_target(32, 8), last_batch="drop", progress=False)
+    assert result.optimizer_steps == 2 and result.samples_seen == 64
+
+
+def test_the_model_returned_instead_of_its_loss_names_the_fix():
+    with pytest.raises(autoaccum.TaskError, match=r"returned the model's output \(CausalLMOutputWithCrossAttentions"
+                                                  r"\), not a loss.*model\(\*\*batch\).loss"):
+        autoaccum.fit(gpt2(), padded_tokens(16, 0), 8, loss_fn=lambda m, b: m(**b), plan=Plan.for_target(8, 4),
+                      progress=False)
+
+
+def test_dict_batches_without_labels_ask_for_them_or_a_loss_fn():
+    batch = padded_tokens(16, 0)
+    del batch["labels"]
+    with pytest.raises(autoaccum.TaskError, match=r"needs 'labels' in the batch .*or pass loss_fn="):
+        autoaccum.fit(gpt2(), batch, 8, plan=Plan.for_target(8, 4), progress=False)
+
+
+def test_a_float16_model_fed_float32_data_names_the_fix():
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)).half()
+    x, y = torch.randn(32, 6), torch.randint(0, 3, (32,))
+    with pytest.raises(autoaccum.TaskError, match=r"parameters are torch.float16 and the batch holds torch.float32.*"
+                                                  r"precision='bf16' or 'fp16'"):
+        autoaccum.fit(model, (x, y), 16, plan=Plan.for_target(16, 8), progress=False)
+
+
+def test_an_hf_model_moved_with_copy_keeps_its_loss_kind():
+    """The token count follows the model's loss function (ForCausalLMLoss shifts) through a DDP-like wrapper."""
+    model = gpt2()
+    batch = padded_tokens(4, 0)
+    shifted = int((batch["labels"][:, 1:] != -100).sum())
+    assert predicted_tokens(model, batch) == shifted
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    assert predicted_tokens(Wrapper(copy.deepcopy(model)), batch) == shifted
