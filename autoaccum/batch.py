@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["Batch", "SplitFn", "batch_size", "like", "move_to", "tensors", "split_batch", "describe_batch"]
+__all__ = ["Batch", "Samples", "SplitFn", "batch_size", "describe_batch", "like", "move_to", "split_batch", "tensors"]
 
 Batch = Any  # a tensor, or a tuple/list/dict (nested) whose tensors share dim 0
 SplitFn = Callable[[Batch, Sequence[int]], Sequence[Batch]]
@@ -38,12 +39,39 @@ def like(batch: Mapping, items: Iterable[tuple[Any, Any]]) -> Mapping:
         return out
 
 
+@dataclass(frozen=True)
+class Samples:
+    """Uncollated samples of one global batch (or a rank's share of it), with their lengths.
+
+    Variable-length data travels this way so that each micro-batch is collated -- padded to its own
+    longest sample -- only when it is cut (``autoaccum.cut.TokenCut``).
+
+    Attributes:
+        items: the samples, as the dataset returned them.
+        lengths: each sample's length (``autoaccum.lengths``).
+        collate_fn: batches a list of samples (e.g. a padding collator).
+    """
+
+    items: tuple[Any, ...]
+    lengths: tuple[int, ...]
+    collate_fn: Callable[[list[Any]], Batch]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def take(self, indices: Sequence[int]) -> Batch:
+        """The samples at ``indices``, collated."""
+        return self.collate_fn([self.items[i] for i in indices])
+
+
 def batch_size(batch: Batch) -> int:
     """The number of samples in ``batch``: the shared dim 0 of its tensors.
 
     Raises:
         ValueError: no tensor with a dim 0, or tensors disagree on dim 0.
     """
+    if isinstance(batch, Samples):
+        return len(batch)
     sizes = {t.shape[0] for t in tensors(batch) if t.dim() > 0}
     if not sizes:
         raise ValueError(
@@ -92,6 +120,9 @@ def split_batch(batch: Batch, sizes: Sequence[int], split_fn: SplitFn | None = N
     Raises:
         ValueError: ``sizes`` do not add up to the batch size.
     """
+    if isinstance(batch, Samples):
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return [batch.take(range(start, start + size)) for start, size in zip(starts, sizes)]
     if split_fn is not None:
         parts = list(split_fn(batch, sizes))
         if len(parts) != len(sizes):

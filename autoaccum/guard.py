@@ -288,7 +288,8 @@ class OOMGuard:
                             "nothing to train on")
         return count
 
-    def _rank_sizes(self, batch: Batch, partial: bool) -> tuple[int, ...]:
+    def _local_size(self, batch: Batch, partial: bool) -> int:
+        """This rank's samples of the step, checked against the plan."""
         n = self.size_fn(batch) if self.size_fn is not None else batch_size(batch)
         expected = self.plan.rank_batch(self.sync.rank)
         # partial: the epoch's last batch; under torch.distributed a rank's share of it may be empty
@@ -301,14 +302,22 @@ class OOMGuard:
                              f"({self.plan.min_micro_batch}: BatchNorm needs more than one value per channel). Drop "
                              f"the epoch's smaller last batch (DataLoader(drop_last=True), or fit(..., "
                              f"last_batch='drop')) or make it hold at least {self.plan.min_micro_batch} per rank.")
-        return self.sync.rank_sizes(n) if self.sync.world_size > 1 else (n,)
+        return n
+
+    def _agree_cut(self, batch: Batch, n: int) -> tuple[int, int]:
+        """The step's samples over all ranks, and the micro-steps every rank runs (the most any rank's
+        cut needs): one exchange, where no gradient collective can be in flight."""
+        steps = self.cut.steps(batch, n, self.plan)
+        if self.sync.world_size == 1:
+            return n, steps
+        gathered = self.sync.gather((n, steps))
+        return sum(g[0] for g in gathered), max(g[1] for g in gathered)
 
     def _accumulate(self, batch: Batch, loss_fn: LossFn,
                     partial: bool) -> tuple[StepTotals, int, list[PlanChange], MemoryReading | None]:
         """Accumulate the global batch, replaying smaller on OOM; gradients reduced and normalised."""
         self._check_loss_fn(batch, loss_fn)
-        sizes = self._rank_sizes(batch, partial)
-        num_samples = sum(sizes)
+        n = self._local_size(batch, partial)
         num_items = self._count_items(loss_fn, batch)
         self.meter.reset_peak()
         start = self.meter.read()
@@ -319,7 +328,8 @@ class OOMGuard:
         self._zero_grad()
         while True:
             attempts += 1
-            micro_batches = self.cut(batch, sizes, self.sync.rank, self.plan)
+            num_samples, steps = self._agree_cut(batch, n)
+            micro_batches = self.cut(batch, n, self.plan, steps)
             result = accumulate(self.model, micro_batches, loss_fn, num_samples=num_samples, device=self.device,
                                 sync=self.sync, scaler=self.scaler, autocast_dtype=self.autocast_dtype,
                                 num_items_in_batch=num_items)

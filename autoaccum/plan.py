@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -11,7 +12,7 @@ from typing import Any
 
 from autoaccum.validate import check_positive_int
 
-__all__ = ["Plan", "micro_sizes", "micro_step_count", "rank_share", "read_plan", "read_plan_document", "resolve_plan"]
+__all__ = ["Plan", "TokenBudget", "micro_sizes", "micro_step_count", "rank_share", "read_plan", "read_plan_document", "resolve_plan"]
 
 
 def rank_share(global_size: int, rank: int, world_size: int) -> slice:
@@ -57,6 +58,50 @@ def micro_sizes(share: int, micro_batch: int, steps: int, min_micro_batch: int =
 
 
 @dataclass(frozen=True)
+class TokenBudget:
+    """How much of a variable-length batch one micro-batch may hold (``autoaccum.memory_model``).
+
+    ``b`` samples padded to length ``L`` cost ``b * (L + quadratic * L**2)`` token-units: the
+    tokens, plus the attention's quadratic term where the model has one (without a fused kernel).
+    A micro-batch fits when its cost is at most ``max_cost``.
+
+    Attributes:
+        max_cost: the token-units one micro-batch may hold.
+        quadratic: the quadratic coefficient (per token of length), 0 for linear models.
+        longest: the longest sample length planned for (a micro-batch of the smallest size at
+            this length must fit).
+    """
+
+    max_cost: float
+    quadratic: float = 0.0
+    longest: int = 1
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.max_cost) and self.max_cost > 0):
+            raise ValueError(f"Invalid max_cost: {self.max_cost!r}. Allowed range: finite and > 0")
+        if not (math.isfinite(self.quadratic) and self.quadratic >= 0):
+            raise ValueError(f"Invalid quadratic: {self.quadratic!r}. Allowed range: finite and >= 0")
+        check_positive_int(self.longest, "longest")
+
+    def cost(self, num_samples: int, length: int) -> float:
+        return num_samples * (length + self.quadratic * length * length)
+
+    def max_batch(self, length: int) -> int:
+        """The most samples of ``length`` one micro-batch may hold (0 if not even one)."""
+        return int(self.max_cost // (length + self.quadratic * length * length))
+
+    def halved(self) -> TokenBudget:
+        return TokenBudget(self.max_cost / 2, self.quadratic, self.longest)
+
+    def to_dict(self) -> dict[str, float | int]:
+        return {"max_cost": self.max_cost, "quadratic": self.quadratic, "longest": self.longest}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TokenBudget:
+        return cls(float(data["max_cost"]), float(data.get("quadratic", 0.0)), int(data.get("longest", 1)))
+
+
+@dataclass(frozen=True)
 class Plan:
     """``micro_batch x accum_steps x world_size`` covering ``target_batch`` exactly.
 
@@ -74,6 +119,10 @@ class Plan:
         min_micro_batch: the smallest micro-batch the model trains at (2 with BatchNorm, which
             needs more than one value per channel); no micro-batch is cut smaller, and the guard
             never shrinks below it.
+        tokens: for variable-length data, the token budget each micro-batch is cut by
+            (``autoaccum.cut.TokenCut``); ``micro_batch`` is then the most samples a micro-batch may
+            hold (at the shortest lengths) and ``accum_steps`` the fewest micro-steps a step takes:
+            how many it takes depends on the lengths of its samples.
     """
 
     micro_batch: int
@@ -81,6 +130,7 @@ class Plan:
     world_size: int
     target_batch: int
     min_micro_batch: int = 1
+    tokens: TokenBudget | None = None
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "accum_steps", "world_size", "target_batch", "min_micro_batch"):
@@ -143,32 +193,51 @@ class Plan:
 
     @property
     def can_shrink(self) -> bool:
-        """A smaller micro-batch exists: the micro-batch is above the model's smallest."""
+        """A smaller cut exists: the micro-batch is above the model's smallest (for a token budget:
+        or the budget still holds more than the smallest micro-batch at the longest length)."""
+        if self.tokens is not None:
+            return self.tokens.max_batch(self.tokens.longest) > self.min_micro_batch or \
+                self.micro_batch > self.min_micro_batch
         return self.micro_batch > self.min_micro_batch
 
     def halved(self) -> Plan:
         """The plan after an OOM: half the micro-batch (not below ``min_micro_batch``), the
-        accumulation steps it then takes."""
+        accumulation steps it then takes; a token budget is halved too."""
         if not self.can_shrink:
             raise ValueError(f"a micro-batch of {self.micro_batch} cannot be halved: it is the smallest this model "
                              f"trains at")
-        return self.with_micro_batch(max(self.micro_batch // 2, self.min_micro_batch))
+        plan = self.with_micro_batch(max(self.micro_batch // 2, self.min_micro_batch))
+        if self.tokens is None:
+            return plan
+        tokens = self.tokens.halved()
+        # never below the smallest micro-batch at the longest length
+        floor = self.min_micro_batch * (tokens.longest + tokens.quadratic * tokens.longest ** 2)
+        return dataclasses.replace(plan, tokens=TokenBudget(max(tokens.max_cost, floor), tokens.quadratic,
+                                                            tokens.longest))
 
     def with_micro_batch(self, micro_batch: int) -> Plan:
-        """The same target, ranks and smallest size, cut at ``micro_batch``."""
-        return Plan.for_target(self.target_batch, micro_batch, self.world_size, self.min_micro_batch)
+        """The same target, ranks, smallest size and token budget, cut at ``micro_batch``."""
+        plan = Plan.for_target(self.target_batch, micro_batch, self.world_size, self.min_micro_batch)
+        return plan if self.tokens is None else dataclasses.replace(plan, tokens=self.tokens)
 
     def with_world_size(self, world_size: int) -> Plan:
-        return Plan.for_target(self.target_batch, self.micro_batch, world_size, self.min_micro_batch)
+        plan = Plan.for_target(self.target_batch, self.micro_batch, world_size, self.min_micro_batch)
+        return plan if self.tokens is None else dataclasses.replace(plan, tokens=self.tokens)
 
     def with_min_micro_batch(self, min_micro_batch: int) -> Plan:
         """This plan for a model that trains at no fewer than ``min_micro_batch`` samples per micro-batch."""
         if min_micro_batch == self.min_micro_batch:
             return self
-        return Plan.for_target(self.target_batch, self.micro_batch, self.world_size, min_micro_batch)
+        plan = Plan.for_target(self.target_batch, self.micro_batch, self.world_size, min_micro_batch)
+        return plan if self.tokens is None else dataclasses.replace(plan, tokens=self.tokens)
 
     def describe(self) -> str:
-        """``target 256 = micro 43 x accum 6 (last micro 42) x world 1``."""
+        """``target 256 = micro 43 x accum 6 (last micro 42) x world 1``; with a token budget,
+        ``target 64 = micro <= 32 by 4,096 token-units (passes vary with length, >= 2) x world 1``."""
+        if self.tokens is not None:
+            quad = f" + {self.tokens.quadratic:.3g} x L^2 each" if self.tokens.quadratic else ""
+            return (f"target {self.target_batch} = micro <= {self.micro_batch} by {self.tokens.max_cost:,.0f} "
+                    f"token-units{quad} (passes vary with length, >= {self.accum_steps}) x world {self.world_size}")
         last = self.last_micro_batch
         tail = f" (last micro {last})" if last != self.micro_batch else ""
         if self.min_micro_batch > 1:
@@ -176,10 +245,13 @@ class Plan:
         return (f"target {self.target_batch} = micro {self.micro_batch} x accum {self.accum_steps}{tail} "
                 f"x world {self.world_size}")
 
-    def to_dict(self) -> dict[str, int]:
-        return {"micro_batch": self.micro_batch, "accum_steps": self.accum_steps,
-                "world_size": self.world_size, "target_batch": self.target_batch,
-                "min_micro_batch": self.min_micro_batch}
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"micro_batch": self.micro_batch, "accum_steps": self.accum_steps,
+                               "world_size": self.world_size, "target_batch": self.target_batch,
+                               "min_micro_batch": self.min_micro_batch}
+        if self.tokens is not None:
+            out["tokens"] = self.tokens.to_dict()
+        return out
 
     @classmethod
     def from_dict(cls, data: dict) -> Plan:
@@ -187,7 +259,9 @@ class Plan:
             fields = {k: data[k] for k in ("micro_batch", "accum_steps", "world_size", "target_batch")}
         except KeyError as exc:
             raise ValueError(f"a plan needs micro_batch, accum_steps, world_size and target_batch; missing {exc}") from None
-        return cls(**fields, min_micro_batch=data.get("min_micro_batch", 1))
+        tokens = data.get("tokens")
+        return cls(**fields, min_micro_batch=data.get("min_micro_batch", 1),
+                   tokens=None if tokens is None else TokenBudget.from_dict(tokens))
 
 
 def read_plan_document(source: Any) -> tuple[Plan, dict[str, Any] | None]:

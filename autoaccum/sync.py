@@ -2,8 +2,8 @@
 ``autoaccum.distributed`` and has the same methods.
 
 The guard asks these things of a sync, in this order, once per optimizer step:
-1. ``rank_sizes(n)``: every rank's sample count of the step (its sum is the global batch, its
-   maximum sets the micro-steps every rank runs);
+1. ``gather((n, steps))``: every rank's sample count of the step and the micro-steps its cut
+   needs (the counts' sum is the global batch; the largest step count is what every rank runs);
 2. ``no_sync()`` around every micro-batch's forward and backward: no gradient collective runs
    while a rank may still hit an OOM;
 3. ``agree(status)``: the worst status over all ranks (OK < OOM < ERROR), exchanged where no
@@ -35,7 +35,7 @@ class GradSync(Protocol):
     def agree(self, status: int) -> int: ...
     def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None: ...
     def sum_items(self, count: torch.Tensor) -> torch.Tensor: ...
-    def rank_sizes(self, num_samples: int) -> tuple[int, ...]: ...
+    def gather(self, values: tuple[int, ...]) -> tuple[tuple[int, ...], ...]: ...
     def agree_plan(self, plan: Plan) -> Plan: ...
 
 
@@ -58,8 +58,8 @@ class LocalSync:
     def sum_items(self, count: torch.Tensor) -> torch.Tensor:
         return count
 
-    def rank_sizes(self, num_samples: int) -> tuple[int, ...]:
-        return (num_samples,)
+    def gather(self, values: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+        return (tuple(values),)
 
     def agree_plan(self, plan: Plan) -> Plan:
         return plan

@@ -412,11 +412,14 @@ def uneven_fsdp2(rank: int, world_size: int) -> dict[str, Any]:
     cut_sizes: list[list[int]] = []  # per attempt: the micro-batch sizes the guard took from the cutter
     forwards: list[int] = []  # per step: loss_fn calls
 
-    def counting_cut(batch: Any, rank_sizes: Any, rank_: int, plan: autoaccum.Plan) -> Any:
-        cut_sizes.append([])
-        for micro in SampleCut()(batch, rank_sizes, rank_, plan):
-            cut_sizes[-1].append(micro.num_samples)
-            yield micro
+    class CountingCut(SampleCut):
+        def __call__(self, batch: Any, num_samples: int, plan: autoaccum.Plan, steps: int) -> Any:
+            cut_sizes.append([])
+            for micro in super().__call__(batch, num_samples, plan, steps):
+                cut_sizes[-1].append(micro.num_samples)
+                yield micro
+
+    counting_cut = CountingCut()
 
     def loss_fn(m: torch.nn.Module, batch: Any) -> torch.Tensor:
         forwards[-1] += 1

@@ -110,11 +110,12 @@ class DistributedSync:
         """One plan for every rank: the smallest micro-batch any rank proposes (:func:`broadcast_plan`)."""
         return broadcast_plan(plan, self.group)
 
-    def rank_sizes(self, num_samples: int) -> tuple[int, ...]:
-        """Every rank's sample count, in rank order: one all-reduce of a vector with ours at our rank."""
-        counts = torch.zeros(self.world_size, dtype=torch.int64)
-        counts[self.rank] = num_samples
-        return tuple(int(c) for c in _all_reduce(counts, dist.ReduceOp.SUM, self.group).tolist())
+    def gather(self, values: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+        """Every rank's ``values``, in rank order: one all-reduce (SUM) of a matrix holding ours in our row."""
+        rows = torch.zeros(self.world_size, len(values), dtype=torch.int64)
+        rows[self.rank] = torch.tensor(values, dtype=torch.int64)
+        summed = _all_reduce(rows, dist.ReduceOp.SUM, self.group).tolist()
+        return tuple(tuple(int(v) for v in row) for row in summed)
 
     def sum_items(self, count: torch.Tensor) -> torch.Tensor:
         """``count`` summed over ranks (same device and dtype as given)."""

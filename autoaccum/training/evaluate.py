@@ -56,11 +56,14 @@ def evaluate(model: torch.nn.Module, batches: GlobalBatches, loss_fn: LossFn, mi
     try:
         for rb in batches.epoch(0):
             n = batch_size(rb.batch)
-            sizes = sync.rank_sizes(n) if sync.world_size > 1 else (n,)
             while True:
                 plan = Plan.for_target(batches.target_batch, micro_batch, sync.world_size)
-                result = accumulate(model, cut(rb.batch, sizes, sync.rank, plan), loss_fn, num_samples=sum(sizes),
-                                    device=device, sync=sync, autocast_dtype=autocast_dtype, backward=False)
+                steps = cut.steps(rb.batch, n, plan)
+                gathered = sync.gather((n, steps)) if sync.world_size > 1 else ((n, steps),)
+                steps = max(g[1] for g in gathered)
+                result = accumulate(model, cut(rb.batch, n, plan, steps), loss_fn,
+                                    num_samples=sum(g[0] for g in gathered), device=device, sync=sync,
+                                    autocast_dtype=autocast_dtype, backward=False)
                 agreed = sync.agree(OK if isinstance(result, Accumulated) else ERROR if result.error else OOM)
                 if agreed == OK:
                     break
