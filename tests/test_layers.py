@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("memory.meter", "memory.cuda", "memory.tracked", "memory.capacity", "memory", "precision", "recovery"),
     ("memory_model",),
     # what a step is: batches, tasks, the plan
-    ("batch", "task", "plan", "batchnorm"),
+    ("batch", "task", "plan", "batchnorm", "lengths"),
     # measure -> model -> plan
     ("report", "cache", "estimate", "stepper", "probe"),
     # cut -> accumulate -> guard
