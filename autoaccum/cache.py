@@ -34,7 +34,7 @@ def default_cache_dir() -> Path:
 
 def fingerprint(task: Task, optimizer: Any, *, device: torch.device, capacity_bytes: int, budget_bytes: int,
                 headroom: float, target_batch: int, world_size: int, upper: int, estimate: bool,
-                precision: str = "fp32") -> str:
+                precision: str = "fp32", lengths: Any = None) -> str:
     """A hash of what a probe's result depends on: parameter and buffer shapes and dtypes, the
     sample's shapes, the optimizer, the device and its capacity, torch, the budget and the target."""
     opt_name = type(optimizer).__name__ if isinstance(optimizer, torch.optim.Optimizer) else \
@@ -51,6 +51,7 @@ def fingerprint(task: Task, optimizer: Any, *, device: torch.device, capacity_by
         "torch": torch.__version__,
         "budget_bytes": budget_bytes, "headroom": headroom, "target_batch": target_batch,
         "world_size": world_size, "upper": upper, "estimate": estimate, "precision": precision,
+        "lengths": lengths,
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 

@@ -20,6 +20,13 @@ The last batch of an epoch, when the samples do not fill it (``last_batch``):
 - ``"step"`` (default): a real, exactly weighted optimizer step on the samples that remain (a
   smaller global batch for that one step; nothing dropped, nothing repeated);
 - ``"drop"``: those samples are not trained on in this epoch (the next epoch's order differs).
+
+Variable-length data (``by_length``): a map-style dataset's global batches come as
+:class:`~autoaccum.batch.Samples` (uncollated, with lengths), so that each micro-batch is collated
+-- padded -- on its own; a dict of tensors comes as padded rows that ``autoaccum.cut.TokenCut``
+trims. :meth:`GlobalBatches.length_profile` reads the lengths a plan is made for (all of them, or
+an evenly spaced sample of ``length_sample`` for a large dataset, stated in the profile), and
+:meth:`GlobalBatches.sample_at` makes the probe's batches of ``b`` samples at one length.
 """
 
 from __future__ import annotations
@@ -32,14 +39,17 @@ from typing import Any, Literal
 import torch
 from torch.utils.data import default_collate
 
-from autoaccum.batch import Batch, batch_size, like, split_batch
+from autoaccum.batch import Batch, Samples, batch_size, like, split_batch
+from autoaccum.lengths import LengthFn, LengthProfile, item_length, row_lengths
 from autoaccum.plan import rank_share
 from autoaccum.state import capture_rng, restore_rng
 from autoaccum.validate import check_choice, check_positive_int
 
-__all__ = ["GlobalBatches", "LastBatch", "RankBatch"]
+__all__ = ["LENGTH_SAMPLE", "GlobalBatches", "LastBatch", "RankBatch"]
 
 LastBatch = Literal["step", "drop"]
+#: lengths read at most to plan variable-length data (evenly spaced over a larger dataset)
+LENGTH_SAMPLE = 10_000
 
 
 @dataclass(frozen=True)
@@ -77,11 +87,14 @@ class GlobalBatches:
     """
 
     def __init__(self, data: Any, target_batch: int, *, seed: int = 0, rank: int = 0, world_size: int = 1,
-                 collate_fn: Callable[[list[Any]], Batch] | None = None, last_batch: LastBatch = "step") -> None:
+                 collate_fn: Callable[[list[Any]], Batch] | None = None, last_batch: LastBatch = "step",
+                 by_length: bool = False, length_fn: LengthFn | None = None) -> None:
         self.target_batch = check_positive_int(target_batch, "target_batch")
         self.last_batch = check_choice(last_batch, "last_batch", ("step", "drop"))
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.collate_fn = collate_fn if collate_fn is not None else default_collate
+        self.by_length, self.length_fn = by_length, length_fn if length_fn is not None else item_length
+        self._lengths: tuple[list[int], list[int] | None, str] | None = None
         self.columns: Sequence[torch.Tensor] | Mapping[str, torch.Tensor] | None = None
         self.dataset: Any = None
         self.iterable: Iterable[Batch] | None = None
@@ -141,7 +154,52 @@ class GlobalBatches:
             return like(self.columns, ((k, t[indices]) for k, t in self.columns.items()))
         if self.columns is not None:
             return tuple(t[indices] for t in self.columns) if len(self.columns) > 1 else self.columns[0][indices]
-        return self.collate_fn([self.dataset[int(i)] for i in indices])
+        items = [self.dataset[int(i)] for i in indices]
+        if self.by_length:  # collated per micro-batch, by the cutter
+            return Samples(tuple(items), tuple(self.length_fn(item) for item in items), self.collate_fn)
+        return self.collate_fn(items)
+
+    # -- variable-length data -------------------------------------------------------------------------
+    def lengths(self, limit: int = LENGTH_SAMPLE) -> tuple[list[int], list[int] | None, str]:
+        """``(lengths, indices, source)``: the lengths of all samples, or of ``limit`` evenly spaced
+        ones; the sample indices they belong to (None for an iterable's first batch); in words. Read once."""
+        if self._lengths is None:
+            self._lengths = self._read_lengths(limit)
+        return self._lengths
+
+    def _read_lengths(self, limit: int) -> tuple[list[int], list[int] | None, str]:
+        if self.iterable is not None:
+            first = self._first_batch()
+            return row_lengths(first), None, "the first batch (an iterable's other batches are not read ahead)"
+        if self.columns is not None and not isinstance(self.columns, Mapping):
+            raise TypeError("a tuple of tensors has no sample lengths; give a dict with an 'attention_mask', or a "
+                            "dataset of samples and length_fn=")
+        n = self.num_samples  # type: ignore[assignment]
+        indices = list(range(n)) if n <= limit else [int(i * n / limit) for i in range(limit)]
+        source = f"all {n:,} samples" if n <= limit else f"{limit:,} of {n:,} samples, evenly spaced"
+        if isinstance(self.columns, Mapping):
+            lengths = row_lengths(like(self.columns, ((k, t[indices]) for k, t in self.columns.items())))
+        else:
+            lengths = [self.length_fn(self.dataset[i]) for i in indices]
+        return lengths, indices, source
+
+    def length_profile(self, limit: int = LENGTH_SAMPLE) -> LengthProfile:
+        lengths, _, source = self.lengths(limit)
+        return LengthProfile.of(lengths, total=self.num_samples, source=source)
+
+    def sample_at(self, size: int, length: int) -> Batch:
+        """``size`` samples of ``length`` (repeated where the data has fewer), padded to it: a probe batch."""
+        lengths, indices, _ = self.lengths()
+        rows = [i for i, n in enumerate(lengths) if n == length] or \
+            [max(range(len(lengths)), key=lambda i: lengths[i] if lengths[i] <= length else -1)]
+        picked = [rows[i % len(rows)] for i in range(size)]
+        if self.iterable is not None:
+            first = self._first_batch()
+            return _trim(like(first, ((k, _row_pick(v, picked)) for k, v in first.items())), length)
+        chosen = torch.tensor([indices[i] for i in picked])  # type: ignore[index]
+        if isinstance(self.columns, Mapping):
+            return _trim(self._gather(chosen), length)
+        return self.collate_fn([self.dataset[int(i)] for i in chosen])
 
     def _order(self, epoch: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
@@ -228,3 +286,17 @@ class GlobalBatches:
         self._head, self._head_pending = [first], one_shot
         return first
 
+
+
+def _row_pick(value: Any, rows: list[int]) -> Any:
+    return value[torch.tensor(rows)] if isinstance(value, torch.Tensor) and value.dim() > 0 else value
+
+
+def _trim(batch: Any, length: int) -> Any:
+    """A right-padded dict batch's sequence columns (those as long as its attention mask) cut to ``length``."""
+    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[1] <= length:
+        return batch
+    padded = mask.shape[1]
+    return like(batch, ((k, v[:, :length] if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == padded
+                         else v) for k, v in batch.items()))

@@ -28,6 +28,7 @@ import torch
 from autoaccum import checkpoint as ckpt
 from autoaccum import distributed
 from autoaccum.batchnorm import smallest_micro_batch
+from autoaccum.cut import SampleCut, TokenCut
 from autoaccum.data import GlobalBatches
 from autoaccum.errors import AutoAccumError
 from autoaccum.guard import OOMGuard, PlanChange, StepResult
@@ -207,13 +208,16 @@ def fit(model: torch.nn.Module, data: Any, target_batch: int = 256, *, loss_fn: 
         if cfg.lr.warmup_steps else None
     scaler = make_scaler(cfg.memory.precision, dev)
     # the module itself, not a DDP wrapper: each rank measures on its own, with no collective
-    task = Task(model=inner, loss_fn=loss_fn, make_batch=batches.sample, name="fit")
-    start_plan, plan_source, report = choose_plan(cfg, state, sync, task, optimizer, target_batch)
+    task = Task(model=inner, loss_fn=loss_fn, make_batch=batches.sample_at if batches.by_length else batches.sample,
+                name="fit")
+    start_plan, plan_source, report = choose_plan(cfg, state, sync, task, optimizer, target_batch,
+                                                  batches.lengths() if batches.by_length else None)
     budget_bytes = cfg.memory.budget_bytes
     meter = TrackedMemory(budget_bytes=budget_bytes) if budget_bytes is not None and dev.type != "cuda" else None
+    cut = TokenCut() if batches.by_length else SampleCut()
     guard = OOMGuard(model, optimizer, plan=start_plan, scheduler=scheduler, scaler=scaler,
                      max_grad_norm=cfg.memory.max_grad_norm, autocast_dtype=autocast_dtype(cfg.memory.precision),
-                     sync=sync, meter=meter, grow_after=cfg.memory.grow_after)
+                     sync=sync, meter=meter, grow_after=cfg.memory.grow_after, cut=cut)
     position = RunPosition() if state is None else restore_run(
         state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, guard=guard)
     run = _Run(model, optimizer, scheduler, scaler, guard, sync, loss_fn, dev, cfg, target_batch, run_lr, ckpt_dir,
@@ -261,14 +265,30 @@ def _global_batches(data: Any, eval_data: Any, target_batch: int, cfg: FitConfig
                     sync: GradSync) -> tuple[GlobalBatches, GlobalBatches | None]:
     """This rank's global batches of the training data (and of ``eval_data``), checked before any work."""
     kwargs = {"seed": cfg.data.seed, "rank": sync.rank, "world_size": sync.world_size,
-              "collate_fn": cfg.data.collate_fn}
+              "collate_fn": cfg.data.collate_fn, "length_fn": cfg.data.length_fn}
     batches = GlobalBatches(data, target_batch, last_batch=cfg.data.last_batch, **kwargs)
-    eval_batches = None if eval_data is None else GlobalBatches(eval_data, target_batch, **kwargs)
     if batches.num_samples is not None and batches.is_indexed and batches.num_samples < target_batch:
         raise ValueError(f"data holds {batches.num_samples} samples, fewer than one global batch of {target_batch}; "
                          f"lower target_batch or add data (the global batch is never shrunk silently)")
     batches.check()
+    batches.by_length = _by_length(batches, cfg)
+    eval_batches = None if eval_data is None else \
+        GlobalBatches(eval_data, target_batch, by_length=batches.by_length, **kwargs)
     return batches, eval_batches
+
+
+def _by_length(batches: GlobalBatches, cfg: FitConfig) -> bool:
+    """Whether to plan and cut by tokens: as asked, or where a length_fn is given or the lengths vary."""
+    if cfg.data.by_length is not None:
+        if cfg.data.by_length:
+            batches.length_profile()  # fail before any work where no length can be read
+        return cfg.data.by_length
+    if cfg.data.length_fn is not None:
+        return True
+    try:
+        return batches.length_profile().varies
+    except TypeError:  # no attention mask, no unpadded input_ids: data of one shape
+        return False
 
 
 def _check_model(model: torch.nn.Module, batches: GlobalBatches, cfg: FitConfig, device: torch.device) -> None:
@@ -318,7 +338,7 @@ def _train(run: _Run, batches: GlobalBatches, eval_batches: GlobalBatches | None
     def run_eval() -> None:
         nonlocal eval_loss, eval_micro, eval_ooms, evaluated_at
         result = evaluate(run.model, eval_batches, run.loss_fn, eval_micro, sync=run.sync,  # type: ignore[arg-type]
-                          device=run.device, autocast_dtype=guard.autocast_dtype)
+                          device=run.device, autocast_dtype=guard.autocast_dtype, cut=guard.cut)
         eval_loss, eval_micro, eval_ooms, evaluated_at = result.loss, result.micro_batch, eval_ooms + result.ooms, \
             pos.steps
         progress.say(f"step {pos.steps}: eval loss {eval_loss:.4g}")
@@ -388,6 +408,7 @@ def _record(result: StepResult, pos: RunPosition) -> dict[str, Any]:
     return {
         "step": pos.steps, "epoch": pos.epoch, "loss": result.loss, "lr": result.lr, "samples": pos.samples,
         "micro_batch": result.plan.micro_batch, "accum_steps": result.plan.accum_steps,
+        "micro_steps": result.micro_steps,
         "peak_bytes": result.peak_bytes, "step_time_s": result.step_time_s,
         "samples_per_s": result.num_samples / result.step_time_s if result.step_time_s else 0.0,
         "ooms": len([c for c in result.changes if c.reason == "oom"]),

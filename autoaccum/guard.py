@@ -58,6 +58,8 @@ class AccumulateResult:
         attempts: forward/backward passes over the batch (1 + OOM replays).
         step_time_s: wall time of the whole step, replays included.
         peak_bytes: peak memory of the step (the meter's), else None.
+        micro_steps: micro-steps of the attempt that succeeded (on every rank; with a token budget
+            it depends on the step's lengths).
     """
 
     loss: float
@@ -68,6 +70,7 @@ class AccumulateResult:
     attempts: int
     step_time_s: float
     peak_bytes: int | None
+    micro_steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -187,6 +190,7 @@ class OOMGuard:
         self._last_retries: int | None = None
         self._warned_batchnorm = False
         self._checked_loss_fn: Any = None
+        self._last_steps = 0
         self._warn_batchnorm()
 
     # -- public ---------------------------------------------------------------------------------
@@ -329,6 +333,7 @@ class OOMGuard:
         while True:
             attempts += 1
             num_samples, steps = self._agree_cut(batch, n)
+            self._last_steps = steps
             micro_batches = self.cut(batch, n, self.plan, steps)
             result = accumulate(self.model, micro_batches, loss_fn, num_samples=num_samples, device=self.device,
                                 sync=self.sync, scaler=self.scaler, autocast_dtype=self.autocast_dtype,
@@ -370,7 +375,7 @@ class OOMGuard:
         changes.extend(self._adapt(attempts, reading))
         return {"loss": loss, "num_samples": totals.num_samples, "num_items": totals.num_items, "plan": self.plan,
                 "changes": tuple(changes), "attempts": attempts, "step_time_s": time.perf_counter() - started,
-                "peak_bytes": None if reading is None else reading.peak_bytes}
+                "peak_bytes": None if reading is None else reading.peak_bytes, "micro_steps": self._last_steps}
 
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)  # through the optimizer: hooks on zero_grad see it

@@ -13,9 +13,11 @@ fp16). Afterwards the model, optimizer and RNG are exactly as before (invariant 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,15 +26,17 @@ from autoaccum import cache as probe_cache
 from autoaccum import state as training_state
 from autoaccum.batch import Batch
 from autoaccum.batchnorm import smallest_micro_batch
-from autoaccum.errors import DoesNotFitError
 from autoaccum.estimate import fake_setup
 from autoaccum.memory import (
     CudaMeter, TrackedMemory, device_capacity, refuse_compiled, resolve_budget, usable_bytes,
 )
-from autoaccum.memory_model import MemoryModel, MemoryPoint
-from autoaccum.plan import Plan
+from autoaccum.memory_model import MemoryModel, TokenMemoryModel
+from autoaccum.plan import Plan, TokenBudget
 from autoaccum.precision import Precision, autocast_dtype, check_precision, make_scaler
 from autoaccum.report import Candidate, ProbeReport
+from autoaccum.size_search import search_sizes
+from autoaccum.length_search import search_lengths
+from autoaccum.lengths import LengthProfile
 from autoaccum.stepper import Stepper
 from autoaccum.task import LossFn, Task, default_optimizer, resolve_task, trainable_parameters
 from autoaccum.validate import check_positive_int
@@ -41,83 +45,9 @@ __all__ = ["Candidate", "ProbeReport", "choose_micro_batch", "probe"]
 
 logger = logging.getLogger(__name__)
 
-#: the most the probe multiplies the largest fitting size by in one jump
-MAX_JUMP = 8
-#: how far towards a predicted limit more than 2x past the largest fitting size the probe jumps
-LONG_JUMP_FRACTION = 0.75
 #: plans whose measured step times are within this fraction of the fastest count as a tie (timing
 #: noise), and ties go to the plan with the fewest forward/backward passes
 THROUGHPUT_TIE = 0.05
-
-
-def _fit(candidates: Iterable[Candidate], share: int, largest: int = 3) -> MemoryModel | None:
-    """The model fitted on the ``largest`` biggest sizes that ran.
-
-    Sizes below ``share`` were measured as accumulation steps (gradients held while the next
-    micro-batch runs); the whole share runs alone, a point on another line, used only when there
-    are not two accumulating ones.
-
-    The forward/backward peak is convex in ``b`` (at small ``b`` the peak sits late in backward,
-    where gradients dominate; at large ``b`` at its start, where activations do), so a line
-    through the sizes near the limit predicts the limit better than one through all sizes."""
-    ran = sorted((c for c in candidates if c.fwd_bwd_peak_bytes is not None), key=lambda c: c.micro_batch)
-    accumulating = [c for c in ran if c.micro_batch < share]
-    ran = accumulating if len(accumulating) >= 2 else ran
-    if len(ran) < 2:
-        return None
-    return MemoryModel.fit([MemoryPoint(c.micro_batch, c.fwd_bwd_peak_bytes, c.opt_peak_bytes)  # type: ignore[arg-type]
-                            for c in ran[-largest:]])
-
-
-def _next_size(stepper: Stepper, upper: int, budget_bytes: int, headroom: float) -> tuple[int | None, str]:
-    """The next size to measure, or None with the reason the search is done."""
-    measured = stepper.measured.values()
-    lo = max(c.micro_batch for c in measured if c.status == "ok")
-    hi = min((c.micro_batch for c in measured if c.status != "ok"), default=upper + 1)
-    if lo >= upper or hi - lo <= 1:
-        return None, f"limit bracketed by measurement: {lo} fits" + (f", {hi} does not" if hi <= upper else "")
-    model = _fit(measured, stepper.share)
-    # a limit past ``upper`` means ``upper`` itself is the size to verify, not a reason to bisect
-    predicted = min(model.max_batch(budget_bytes, headroom), upper) if model is not None else 0
-    if model is not None and model.is_good_fit and model.num_points >= 3 and predicted <= lo:
-        return None, f"fit verified at {lo}: residual {model.residual:.2%} on the {model.num_points} largest sizes"
-    if model is not None and model.is_good_fit and lo < predicted < hi:
-        guess = predicted  # jump to the predicted limit, then verify it
-        if predicted > 2 * lo:  # a long extrapolation: land short of it rather than past the budget
-            guess = lo + int(LONG_JUMP_FRACTION * (predicted - lo))
-    else:  # the points do not follow the model, or it predicts past a failure: bisection
-        guess = (lo + hi) // 2
-        if model is not None and not model.is_good_fit:
-            logger.info("probe: memory does not follow the model (residual %.1f%% > 5%%); bisecting",
-                        100 * model.residual)
-    if guess in stepper.measured:
-        guess = (lo + hi) // 2
-    # Never extrapolate more than MAX_JUMP x past the largest size that fits: at small sizes the
-    # peak sits late in backward and grows slowly with b, so a line through them overshoots.
-    # Each capped jump lands in the steeper regime, and the next line goes through it.
-    return max(lo + 1, min(guess, lo * MAX_JUMP)), ""
-
-
-def _search(stepper: Stepper, smallest: int, upper: int, budget_bytes: int, headroom: float,
-            max_candidates: int) -> tuple[MemoryModel | None, str]:
-    """Measure sizes until the largest fitting one is known (or the candidate budget is spent)."""
-    usable = stepper.usable_bytes
-    first = stepper.warm_up(smallest)
-    if first.status != "ok":
-        raise DoesNotFitError(first.peak_bytes, int(usable), at_least=first.status == "oom", micro_batch=smallest)
-    if upper <= smallest:
-        return None, f"only micro-batch {smallest} was needed"
-    # A safe second size from one measurement: everything a pass at the smallest size added on top
-    # of what was live at its start, and its inputs, bound the bytes per sample from above.
-    start = stepper.start_bytes - stepper.batch_bytes[smallest]
-    per_sample_bound = max((first.fwd_bwd_peak_bytes - start) / smallest, 1)  # type: ignore[operator]
-    stepper.measure(min(max(int((usable - start) // per_sample_bound), smallest + 1), upper))
-    while len(stepper.measured) < max_candidates:
-        size, note = _next_size(stepper, upper, budget_bytes, headroom)
-        if size is None:
-            return _fit(stepper.measured.values(), stepper.share), note
-        stepper.measure(size)
-    return _fit(stepper.measured.values(), stepper.share), f"stopped after {max_candidates} candidates"
 
 
 def choose_micro_batch(candidates: Iterable[Candidate], share: int | None = None, min_micro_batch: int = 1) -> int:
@@ -138,12 +68,12 @@ def _choose(stepper: Stepper, share: int, min_micro_batch: int) -> int:
     """:func:`choose_micro_batch`, with the timing repeated where it matters: when the choice is not
     the largest size that fits (it wins only by speed), both are timed once more, interleaved, and
     the choice is made again on the fastest readings."""
-    chosen = choose_micro_batch(stepper.measured.values(), share, min_micro_batch)
-    largest = max(c.micro_batch for c in stepper.measured.values() if c.status == "ok")
+    chosen = choose_micro_batch(stepper.current.values(), share, min_micro_batch)
+    largest = max(c.micro_batch for c in stepper.current.values() if c.status == "ok")
     if chosen != largest:
         for size in (chosen, largest, chosen, largest):
             stepper.retime(size)
-        chosen = choose_micro_batch(stepper.measured.values(), share, min_micro_batch)
+        chosen = choose_micro_batch(stepper.current.values(), share, min_micro_batch)
     return chosen
 
 
@@ -185,6 +115,8 @@ def probe(
     cache: bool = False,
     refresh: bool = False,
     cache_dir: str | None = None,
+    lengths: Any = None,
+    lengths_source: str = "",
 ) -> ProbeReport:
     """Measure the memory and speed of real training steps and plan micro-batch x accumulation.
 
@@ -207,6 +139,10 @@ def probe(
         max_candidates: most sizes to measure.
         cache, cache_dir: reuse a report with the same fingerprint (see ``autoaccum.cache``).
         refresh: with ``cache``, measure anyway and overwrite the cached report.
+        lengths, lengths_source: variable-length data: the samples' lengths (instead of
+            ``Task.lengths``) and where they were read, for the report (e.g. "1,000 of 50,000 samples").
+            ``make_batch(b, length)`` then makes ``b`` samples padded to ``length``, and the plan is
+            cut by a token budget (see ``autoaccum.length_search``).
 
     Returns:
         A :class:`ProbeReport` with the plan, the candidates and the fitted model.
@@ -217,7 +153,8 @@ def probe(
     """
     factory = optimizer if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) \
         else default_optimizer
-    task = resolve_task(task, model=model, loss_fn=loss_fn, make_batch=make_batch, make_optimizer=factory)
+    task = resolve_task(task, model=model, loss_fn=loss_fn, make_batch=make_batch, make_optimizer=factory,
+                        lengths=lengths)
     _check_args(target_batch, world_size, steps_per_size, max_candidates)
     check_precision(precision)
     smallest = smallest_micro_batch(task.model)
@@ -233,34 +170,59 @@ def probe(
     fingerprint = probe_cache.fingerprint(task, optimizer, device=device, capacity_bytes=capacity.total_bytes,
                                           budget_bytes=plan_budget.budget_bytes, headroom=headroom,
                                           target_batch=target_batch, world_size=world_size, upper=upper,
-                                          estimate=estimate, precision=precision)
+                                          estimate=estimate, precision=precision,
+                                          lengths=None if task.lengths is None else sorted(task.lengths))
     if cache and not refresh:
         cached = probe_cache.load(fingerprint, cache_dir)
         if cached is not None:
             return cached
     started = time.perf_counter()
-    stepper, model_fit, note, best = _measure(task, optimizer, precision, plan_budget.budget_bytes,
-                                              plan_budget.headroom, estimate=estimate, share=share, smallest=smallest,
-                                              upper=upper, passes=steps_per_size, max_candidates=max_candidates)
+    profile = None if task.lengths is None else LengthProfile.of(task.lengths, source=lengths_source)
+    measured = _measure(task, optimizer, precision, plan_budget.budget_bytes, plan_budget.headroom, estimate=estimate,
+                        share=share, smallest=smallest, upper=upper, passes=steps_per_size,
+                        max_candidates=max_candidates, profile=profile)
+    stepper, model_fit, token_model, note = measured.stepper, measured.model, measured.token_model, measured.note
+    plan = Plan.for_target(target_batch, measured.best, world_size, smallest)
+    if token_model is not None and profile is not None:
+        plan = _token_plan(token_model, profile, plan, plan_budget.budget_bytes, plan_budget.headroom, upper)
     report = ProbeReport(
-        plan=Plan.for_target(target_batch, best, world_size, smallest), candidates=tuple(stepper.measured.values()),
-        model=model_fit, device=str(device),
+        plan=plan, candidates=tuple(stepper.measured.values()), model=model_fit, device=str(device),
         device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
         meter="fake" if estimate else stepper.meter.kind, is_estimate=estimate,
         budget_bytes=plan_budget.budget_bytes, budget_source=plan_budget.source, headroom=plan_budget.headroom,
         probe_steps=stepper.steps, probe_ooms=stepper.ooms, wall_time_s=time.perf_counter() - started,
         fit_note=note, precision=precision, optimizer_steps=stepper.optimizer_steps, fingerprint=fingerprint,
+        token_model=token_model, lengths=profile,
     )
     if cache:
         probe_cache.store(report, cache_dir)
     return report
 
 
+@dataclass(frozen=True)
+class _Measured:
+    stepper: Stepper
+    model: MemoryModel | None
+    token_model: TokenMemoryModel | None
+    note: str
+    best: int  # the micro-batch chosen (for variable-length data: at the longest length)
+
+
+def _token_plan(token_model: TokenMemoryModel, profile: LengthProfile, plan: Plan, budget_bytes: int,
+                headroom: float, upper: int) -> Plan:
+    """The plan for variable-length data: cut by the token budget the model predicts fits, at most as
+    many samples per micro-batch as fit at the shortest length."""
+    tokens = TokenBudget(max(token_model.max_cost(budget_bytes, headroom), 1.0), token_model.quadratic,
+                         profile.longest)
+    cap = min(upper, max(plan.min_micro_batch, tokens.max_batch(profile.shortest)))
+    return dataclasses.replace(plan.with_micro_batch(cap), tokens=tokens)
+
+
 def _measure(task: Task, optimizer: Any, precision: Precision, budget_bytes: int, headroom: float, *,
-             estimate: bool, share: int, smallest: int, upper: int, passes: int,
-             max_candidates: int) -> tuple[Stepper, MemoryModel | None, str, int]:
+             estimate: bool, share: int, smallest: int, upper: int, passes: int, max_candidates: int,
+             profile: LengthProfile | None) -> _Measured:
     """Run the measurements (on fake tensors for an estimate) and choose the size (timing again where it
-    matters); the task's state is restored after both. Returns the stepper, the model, its note and the size."""
+    matters); the task's state is restored after both."""
     device = trainable_parameters(task.model)[0].device
     run_model, make_optimizer = task.model, task.make_optimizer
     run_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
@@ -282,10 +244,15 @@ def _measure(task: Task, optimizer: Any, precision: Precision, budget_bytes: int
                                   usable_bytes(budget_bytes, headroom),
                                   share=share, passes=passes, autocast_dtype=autocast_dtype(precision),
                                   scaler=None if estimate else make_scaler(precision, device))
-                model_fit, note = _search(stepper, smallest, upper, budget_bytes, headroom, max_candidates)
-                # Fake steps take no real time: an estimate plans from memory alone.
-                best = max(c.micro_batch for c in stepper.measured.values() if c.status == "ok") if estimate \
-                    else _choose(stepper, share, smallest)
+                token_model = None
+                if profile is None:
+                    model_fit, note = search_sizes(stepper, smallest, upper, budget_bytes, headroom, max_candidates)
+                else:
+                    token_model, model_fit, note = search_lengths(stepper, profile, smallest, upper, budget_bytes,
+                                                                  headroom, max_candidates)
+                # Fake steps take no real time, and a token plan is cut by memory: no speed choice there.
+                best = max(c.micro_batch for c in stepper.current.values() if c.status == "ok") \
+                    if estimate or token_model is not None else _choose(stepper, share, smallest)
     finally:
         if isinstance(meter, TrackedMemory):
             meter.close()
@@ -294,4 +261,4 @@ def _measure(task: Task, optimizer: Any, precision: Precision, budget_bytes: int
                                    else None)
         else:
             training_state.restore_rng(snapshot.rng)
-    return stepper, model_fit, note, best
+    return _Measured(stepper, model_fit, token_model, note, best)

@@ -11,7 +11,8 @@ from typing import Any, Literal
 import torch
 
 from autoaccum.memory import usable_bytes
-from autoaccum.memory_model import MemoryModel
+from autoaccum.lengths import LengthProfile
+from autoaccum.memory_model import MemoryModel, TokenMemoryModel
 from autoaccum.plan import Plan
 
 __all__ = ["Candidate", "ProbeReport", "REPORT_VERSION", "Status"]
@@ -33,6 +34,7 @@ class Candidate:
         step_time_s: a complete one-micro-batch training step: the fastest timed forward/backward
             pass plus the optimizer step (None after an OOM).
         micro_step_time_s: the fastest timed forward/backward pass alone (None after an OOM).
+        length: the sequence length its samples were padded to (variable-length data), else None.
     """
 
     micro_batch: int
@@ -42,6 +44,7 @@ class Candidate:
     opt_peak_bytes: int | None = None
     step_time_s: float | None = None
     micro_step_time_s: float | None = None
+    length: int | None = None
 
     @property
     def samples_per_s(self) -> float | None:
@@ -75,6 +78,8 @@ class ProbeReport:
         optimizer_steps: optimizer steps run while probing; probe_ooms: OOMs the probe triggered.
         fit_note: why the model was or was not trusted.
         precision: ``fp32``, ``bf16`` or ``fp16``: the autocast (and GradScaler) every step ran under.
+        token_model: for variable-length data, the memory model in (b, L) the token budget comes from.
+        lengths: for variable-length data, the lengths planned for and where they were read.
         source: ``probe`` or ``cache``.
     """
 
@@ -94,6 +99,8 @@ class ProbeReport:
     fit_note: str
     precision: str = "fp32"
     optimizer_steps: int = 0
+    token_model: TokenMemoryModel | None = None
+    lengths: LengthProfile | None = None
     fingerprint: str = ""
     source: str = "probe"
     torch_version: str = field(default_factory=lambda: torch.__version__)
@@ -118,6 +125,8 @@ class ProbeReport:
             "fit_note": self.fit_note, "plan": self.plan.to_dict(),
             "probe_steps": self.probe_steps, "optimizer_steps": self.optimizer_steps, "probe_ooms": self.probe_ooms,
             "wall_time_s": self.wall_time_s, "precision": self.precision,
+            "token_model": None if self.token_model is None else self.token_model.to_dict(),
+            "lengths": None if self.lengths is None else self.lengths.to_dict(),
         }
 
     @classmethod
@@ -129,7 +138,7 @@ class ProbeReport:
             raise ValueError(f"probe report version {data.get('version')!r} is not supported (expected {REPORT_VERSION})")
         try:
             fields = {"micro_batch", "status", "peak_bytes", "fwd_bwd_peak_bytes", "opt_peak_bytes", "step_time_s",
-                      "micro_step_time_s"}
+                      "micro_step_time_s", "length"}
             return cls(
                 plan=Plan.from_dict(data["plan"]),
                 candidates=tuple(Candidate(**{k: v for k, v in c.items() if k in fields}) for c in data["candidates"]),
@@ -140,6 +149,8 @@ class ProbeReport:
                 probe_steps=int(data["probe_steps"]), probe_ooms=int(data["probe_ooms"]),
                 wall_time_s=float(data["wall_time_s"]), fit_note=str(data["fit_note"]),
                 precision=str(data["precision"]), optimizer_steps=int(data["optimizer_steps"]),
+                token_model=None if data.get("token_model") is None else TokenMemoryModel.from_dict(data["token_model"]),
+                lengths=None if data.get("lengths") is None else LengthProfile.from_dict(data["lengths"]),
                 fingerprint=str(data["fingerprint"]), source=str(data["source"]),
                 torch_version=str(data["torch_version"]),
             )

@@ -44,7 +44,9 @@ class Stepper:
     Attributes:
         steps: forward/backward passes run (an OOM counts as one); optimizer_steps: optimizer steps run.
         ooms: OOMs the measurements triggered.
-        measured: every size measured, by size.
+        length: the sequence length batches are made at (variable-length data; None otherwise):
+            ``make_batch(size, length)``.
+        measured: every size measured, by ``(size, length)``; :attr:`current` those at ``length``.
         opt_peak_bytes, opt_time_s: the optimizer phase's peak and time (after :meth:`warm_up`).
         start_bytes: bytes live when the last measured pass began (weights, state, gradients, batch).
     """
@@ -60,11 +62,12 @@ class Stepper:
         self.steps = 0
         self.optimizer_steps = 0
         self.ooms = 0
-        self.measured: dict[int, Candidate] = {}
+        self.length: int | None = None
+        self.measured: dict[tuple[int, int | None], Candidate] = {}
         self.opt_peak_bytes = 0
         self.opt_time_s = 0.0
         self.start_bytes = 0
-        self.batch_bytes: dict[int, int] = {}  # bytes of the inputs of a batch of each size
+        self.batch_bytes: dict[tuple[int, int | None], int] = {}  # bytes of the inputs of a batch of each size
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -104,9 +107,15 @@ class Stepper:
         self.opt_time_s = time.perf_counter() - started
         self.optimizer_steps += 1
 
+    @property
+    def current(self) -> dict[int, Candidate]:
+        """The sizes measured at the current length."""
+        return {size: c for (size, length), c in self.measured.items() if length == self.length}
+
     def _batch(self, size: int) -> Batch:
-        batch = move_to(self.make_batch(size), self.device)
-        self.batch_bytes[size] = sum(t.untyped_storage().nbytes() for t in tensors(batch))
+        made = self.make_batch(size) if self.length is None else self.make_batch(size, self.length)
+        batch = move_to(made, self.device)
+        self.batch_bytes[(size, self.length)] = sum(t.untyped_storage().nbytes() for t in tensors(batch))
         return batch
 
     def _warm_up(self, size: int) -> Candidate:
@@ -136,7 +145,8 @@ class Stepper:
         peak = max(fwd_bwd, self.opt_peak_bytes)
         status: Status = "ok" if peak <= self.usable_bytes else "over_budget"
         micro_time = min(times)
-        return Candidate(size, status, peak, fwd_bwd, self.opt_peak_bytes, micro_time + self.opt_time_s, micro_time)
+        return Candidate(size, status, peak, fwd_bwd, self.opt_peak_bytes, micro_time + self.opt_time_s, micro_time,
+                         self.length)
 
     def warm_up(self, size: int) -> Candidate:
         """Two complete training steps at ``size``: the optimizer's state and its peak; ``size`` measured too."""
@@ -144,20 +154,21 @@ class Stepper:
 
     def measure(self, size: int) -> Candidate:
         """``passes`` forward/backward passes at ``size`` (once per size: a repeated size returns its result)."""
-        if size in self.measured:
-            return self.measured[size]
+        if (size, self.length) in self.measured:
+            return self.measured[(size, self.length)]
         return self._record(size, self._measure)
 
     def retime(self, size: int) -> float:
         """One more timed pass at a size that fits: the fastest reading so far of its micro-step time."""
-        candidate = self.measured[size]
+        candidate = self.measured[(size, self.length)]
         batch = self._batch(size)
         if size >= self.share:
             self.optimizer.zero_grad(set_to_none=True)
         _, seconds = self._pass(batch)
         micro = min(seconds, candidate.micro_step_time_s or seconds)
-        self.measured[size] = Candidate(size, candidate.status, candidate.peak_bytes, candidate.fwd_bwd_peak_bytes,
-                                        candidate.opt_peak_bytes, micro + self.opt_time_s, micro)
+        self.measured[(size, self.length)] = Candidate(
+            size, candidate.status, candidate.peak_bytes, candidate.fwd_bwd_peak_bytes, candidate.opt_peak_bytes,
+            micro + self.opt_time_s, micro, self.length)
         return micro
 
     def _record(self, size: int, run: Callable[[int], Candidate]) -> Candidate:
@@ -167,9 +178,10 @@ class Stepper:
             self.ooms += 1
             self.optimizer.zero_grad(set_to_none=True)
             release_memory(self.device)
-            candidate = Candidate(size, "oom", self.meter.last_oom_needed_bytes)
+            candidate = Candidate(size, "oom", self.meter.last_oom_needed_bytes, length=self.length)
         else:
             candidate = ran  # type: ignore[assignment]
-        self.measured[size] = candidate
-        logger.info("probe micro-batch %d: %s, peak %s", size, candidate.status, candidate.peak_bytes)
+        self.measured[(size, self.length)] = candidate
+        at = "" if self.length is None else f" at length {self.length}"
+        logger.info("probe micro-batch %d%s: %s, peak %s", size, at, candidate.status, candidate.peak_bytes)
         return candidate

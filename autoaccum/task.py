@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 from collections.abc import Callable, Iterable
@@ -51,33 +52,45 @@ class Task:
         make_batch: ``make_batch(b)`` -> a batch of exactly ``b`` samples.
         make_optimizer: ``make_optimizer(params)`` -> an optimizer (default AdamW).
         name: shown in reports.
+        lengths: for variable-length data, the lengths of the data's samples (all, or a sample of
+            them): the probe measures at the shortest, the median and the longest and plans a token
+            budget (``autoaccum.plan.TokenBudget``); ``make_batch(b, length)`` then returns ``b``
+            samples padded to ``length``. None for data of one shape.
     """
 
     model: torch.nn.Module
     loss_fn: LossFn
-    make_batch: Callable[[int], Batch]
+    make_batch: Callable[..., Batch]
     make_optimizer: OptimizerFactory = field(default=default_optimizer)
     name: str = "task"
+    lengths: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         trainable_parameters(self.model)
         for name in ("loss_fn", "make_batch", "make_optimizer"):
             if not callable(getattr(self, name)):
                 raise TypeError(f"Task.{name} must be callable, got {type(getattr(self, name)).__name__}")
+        if self.lengths is not None:
+            if not self.lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.lengths):
+                raise ValueError("Task.lengths must be a non-empty sequence of ints >= 1 (the samples' lengths)")
+            object.__setattr__(self, "lengths", tuple(self.lengths))
 
-    def batch(self, size: int) -> Batch:
-        """``make_batch(size)``, checked to hold exactly ``size`` samples."""
-        batch = self.make_batch(size)
+    def batch(self, size: int, length: int | None = None) -> Batch:
+        """``make_batch(size)`` (or ``make_batch(size, length)``), checked to hold exactly ``size`` samples.
+        For a task with lengths and no ``length`` given: at the longest."""
+        if length is None and self.lengths is not None:
+            length = max(self.lengths)
+        batch = self.make_batch(size) if length is None else self.make_batch(size, length)
         got = batch_size(batch)
         if got != size:
-            raise TaskError(f"make_batch({size}) returned a batch of {got} samples; it must return exactly the "
-                            f"number of samples asked for")
+            raise TaskError(f"make_batch({size}{'' if length is None else f', {length}'}) returned a batch of {got} "
+                            f"samples; it must return exactly the number of samples asked for")
         return batch
 
 
 def resolve_task(task: Task | None, *, model: torch.nn.Module | None = None, loss_fn: LossFn | None = None,
-                 make_batch: Callable[[int], Batch] | None = None, make_optimizer: OptimizerFactory | None = None,
-                 caller: str = "probe") -> Task:
+                 make_batch: Callable[..., Batch] | None = None, make_optimizer: OptimizerFactory | None = None,
+                 caller: str = "probe", lengths: Any = None) -> Task:
     """``task``, or a :class:`Task` built from its parts: the one rule for APIs that take either.
 
     Raises:
@@ -88,11 +101,13 @@ def resolve_task(task: Task | None, *, model: torch.nn.Module | None = None, los
         if any(x is None for x in parts):
             raise TypeError(f"{caller}() needs a Task or model=, loss_fn= and make_batch=")
         return Task(model=model, loss_fn=loss_fn, make_batch=make_batch,  # type: ignore[arg-type]
-                    make_optimizer=make_optimizer or default_optimizer)
+                    make_optimizer=make_optimizer or default_optimizer, lengths=lengths)
     if any(x is not None for x in parts):
         raise TypeError("pass either a Task or model=/loss_fn=/make_batch=, not both")
     if not isinstance(task, Task):
         raise TypeError(f"task must be an autoaccum.Task, got {type(task).__name__}")
+    if lengths is not None and tuple(lengths) != task.lengths:
+        return dataclasses.replace(task, lengths=tuple(lengths))
     return task
 
 

@@ -10,6 +10,7 @@ forward, and the comparison holds to 1e-10.
 from __future__ import annotations
 
 import copy
+import json
 import warnings
 
 import pytest
@@ -153,11 +154,16 @@ def test_fit_takes_a_dict_of_tensors_and_an_iterable_of_dict_batches_as_they_are
     assert result.optimizer_steps == 3 and rel_diff(params(model), params(ref)) <= RTOL
 
 
-def test_fit_probes_and_trains_a_dataset_of_dicts_with_a_padding_collator_under_a_budget():
+def test_fit_probes_and_trains_a_dataset_of_dicts_with_a_padding_collator_under_a_budget(tmp_path):
     collator = transformers.DataCollatorForLanguageModeling(tokenizer=_ByteTokenizer(), mlm=False)
     rows = [{"input_ids": list(range(2, 2 + n))} for n in [5, 9, 3, 12, 7, 16, 4, 8] * 8]  # 64 rows
-    result = autoaccum.fit(gpt2().float(), rows, 16, collate_fn=collator, budget="2MiB", epochs=1, progress=False)
-    assert result.plan.accum_steps > 1  # the budget forces accumulation
+    log = tmp_path / "steps.jsonl"
+    result = autoaccum.fit(gpt2().float(), rows, 16, collate_fn=collator, budget="2MiB", epochs=1, progress=False,
+                           log_file=log)
+    # rows of different lengths: planned and cut by tokens, each micro-batch padded to its own longest
+    assert result.plan.tokens is not None and result.probe.lengths.longest == 16
+    steps = [json.loads(line) for line in log.read_text().splitlines()]
+    assert max(s["micro_steps"] for s in steps) > 1  # the budget forces accumulation
     assert result.optimizer_steps == 4 and result.samples_seen == 64
 
 

@@ -89,11 +89,17 @@ class DataConfig:
         collate_fn: batches a list of dataset items (map-style datasets; default ``default_collate``).
         last_batch: the epoch's last, smaller batch: ``"step"`` (an exact smaller step on the samples
             that remain) or ``"drop"`` (not trained on this epoch).
+        length_fn: a sample's length, for variable-length data (default: its attention mask's ones,
+            or its unpadded ``input_ids``' length; see ``autoaccum.lengths``).
+        by_length: plan and cut by tokens (``True``), by samples (``False``), or decide (``None``, the
+            default): by tokens where ``length_fn`` is given or the samples' lengths vary.
     """
 
     seed: int = _option(default=0)
     collate_fn: Any = _option(default=None)
     last_batch: LastBatch = _option(default="step")
+    length_fn: Any = _option(default=None)
+    by_length: bool | None = _option(default=None)
 
     def problems(self) -> list[Exception]:
         return _collect(
@@ -101,6 +107,9 @@ class DataConfig:
             lambda: self.collate_fn is None or _require(callable(self.collate_fn), f"collate_fn must be callable, "
                                                                                     f"got {self.collate_fn!r}"),
             lambda: check_choice(self.last_batch, "last_batch", ("step", "drop")),
+            lambda: self.length_fn is None or _require(callable(self.length_fn), f"length_fn must be callable, "
+                                                                                  f"got {self.length_fn!r}"),
+            lambda: check_choice(self.by_length, "by_length", (None, True, False)),
         )
 
 

@@ -19,7 +19,8 @@ __all__ = ["choose_plan", "warn_unapplied_knobs"]
 
 
 def choose_plan(cfg: FitConfig, state: dict[str, Any] | None, sync: GradSync, task: Task,
-                 optimizer: torch.optim.Optimizer, target_batch: int) -> tuple[Plan, str, ProbeReport | None]:
+                optimizer: torch.optim.Optimizer, target_batch: int,
+                lengths: tuple[list[int], Any, str] | None = None) -> tuple[Plan, str, ProbeReport | None]:
     """The plan training starts with: the checkpoint's, the given one, or the probe's; one for every rank."""
     report = None
     if state is not None:
@@ -36,7 +37,8 @@ def choose_plan(cfg: FitConfig, state: dict[str, Any] | None, sync: GradSync, ta
                              "of one unsharded replica, or autoaccum.Plan.for_target(target_batch, micro_batch))")
         report = probe(task, optimizer=optimizer, target_batch=target_batch, world_size=sync.world_size,
                        budget=cfg.memory.budget, headroom=cfg.memory.headroom, precision=cfg.memory.precision,
-                       cache=cfg.memory.probe_cache)
+                       cache=cfg.memory.probe_cache, lengths=None if lengths is None else lengths[0],
+                       lengths_source="" if lengths is None else lengths[2])
         plan, source = report.plan, report.source
     if sync.world_size > 1:  # one plan for every rank: the smallest micro-batch any rank can run
         plan = sync.agree_plan(plan)

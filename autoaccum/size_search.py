@@ -1,0 +1,98 @@
+"""The search over micro-batch sizes at one length: which sizes the probe measures, in what order.
+
+Sizes are chosen, not laddered: the model's smallest (two complete training steps: the optimizer's
+state and peak), a safe second size from that one measurement, then the limit the fitted memory
+model predicts, verified by a measurement, refined by bisection where the points do not follow
+the model. The forward/backward peak is convex in ``b`` on many models, so jumps are capped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from autoaccum.errors import DoesNotFitError
+from autoaccum.memory_model import MemoryModel, MemoryPoint
+from autoaccum.report import Candidate
+from autoaccum.stepper import Stepper
+
+__all__ = ["LONG_JUMP_FRACTION", "MAX_JUMP", "fit_sizes", "search_sizes"]
+
+logger = logging.getLogger("autoaccum.probe")
+
+#: the most the probe multiplies the largest fitting size by in one jump
+MAX_JUMP = 8
+#: how far towards a predicted limit more than 2x past the largest fitting size the probe jumps
+LONG_JUMP_FRACTION = 0.75
+def fit_sizes(candidates: Iterable[Candidate], share: int, largest: int = 3) -> MemoryModel | None:
+    """The model fitted on the ``largest`` biggest sizes that ran.
+
+    Sizes below ``share`` were measured as accumulation steps (gradients held while the next
+    micro-batch runs); the whole share runs alone, a point on another line, used only when there
+    are not two accumulating ones.
+
+    The forward/backward peak is convex in ``b`` (at small ``b`` the peak sits late in backward,
+    where gradients dominate; at large ``b`` at its start, where activations do), so a line
+    through the sizes near the limit predicts the limit better than one through all sizes."""
+    ran = sorted((c for c in candidates if c.fwd_bwd_peak_bytes is not None), key=lambda c: c.micro_batch)
+    accumulating = [c for c in ran if c.micro_batch < share]
+    ran = accumulating if len(accumulating) >= 2 else ran
+    if len(ran) < 2:
+        return None
+    return MemoryModel.fit([MemoryPoint(c.micro_batch, c.fwd_bwd_peak_bytes, c.opt_peak_bytes)  # type: ignore[arg-type]
+                            for c in ran[-largest:]])
+
+
+def _next_size(stepper: Stepper, upper: int, budget_bytes: int, headroom: float) -> tuple[int | None, str]:
+    """The next size to measure, or None with the reason the search is done."""
+    measured = stepper.current.values()
+    lo = max(c.micro_batch for c in measured if c.status == "ok")
+    hi = min((c.micro_batch for c in measured if c.status != "ok"), default=upper + 1)
+    if lo >= upper or hi - lo <= 1:
+        return None, f"limit bracketed by measurement: {lo} fits" + (f", {hi} does not" if hi <= upper else "")
+    model = fit_sizes(measured, stepper.share)
+    # a limit past ``upper`` means ``upper`` itself is the size to verify, not a reason to bisect
+    predicted = min(model.max_batch(budget_bytes, headroom), upper) if model is not None else 0
+    if model is not None and model.is_good_fit and predicted <= lo:
+        if model.num_points >= 3:
+            return None, f"fit verified at {lo}: residual {model.residual:.2%} on the {model.num_points} largest sizes"
+        # two points put the limit at the largest size that fits: one size above it brackets it
+        # (bisecting towards the share instead would run sizes the model already says do not fit)
+        return lo + 1, ""
+    if model is not None and model.is_good_fit and lo < predicted < hi:
+        guess = predicted  # jump to the predicted limit, then verify it
+        if predicted > 2 * lo:  # a long extrapolation: land short of it rather than past the budget
+            guess = lo + int(LONG_JUMP_FRACTION * (predicted - lo))
+    else:  # the points do not follow the model, or it predicts past a failure: bisection
+        guess = (lo + hi) // 2
+        if model is not None and not model.is_good_fit:
+            logger.info("probe: memory does not follow the model (residual %.1f%% > 5%%); bisecting",
+                        100 * model.residual)
+    if guess in stepper.current:
+        guess = (lo + hi) // 2
+    # Never extrapolate more than MAX_JUMP x past the largest size that fits: at small sizes the
+    # peak sits late in backward and grows slowly with b, so a line through them overshoots.
+    # Each capped jump lands in the steeper regime, and the next line goes through it.
+    return max(lo + 1, min(guess, lo * MAX_JUMP)), ""
+
+
+def search_sizes(stepper: Stepper, smallest: int, upper: int, budget_bytes: int, headroom: float,
+            max_candidates: int) -> tuple[MemoryModel | None, str]:
+    """Measure sizes until the largest fitting one is known (or the candidate budget is spent)."""
+    usable = stepper.usable_bytes
+    first = stepper.warm_up(smallest)
+    if first.status != "ok":
+        raise DoesNotFitError(first.peak_bytes, int(usable), at_least=first.status == "oom", micro_batch=smallest)
+    if upper <= smallest:
+        return None, f"only micro-batch {smallest} was needed"
+    # A safe second size from one measurement: everything a pass at the smallest size added on top
+    # of what was live at its start, and its inputs, bound the bytes per sample from above.
+    start = stepper.start_bytes - stepper.batch_bytes[(smallest, stepper.length)]
+    per_sample_bound = max((first.fwd_bwd_peak_bytes - start) / smallest, 1)  # type: ignore[operator]
+    stepper.measure(min(max(int((usable - start) // per_sample_bound), smallest + 1), upper))
+    while len(stepper.current) < max_candidates:
+        size, note = _next_size(stepper, upper, budget_bytes, headroom)
+        if size is None:
+            return fit_sizes(stepper.current.values(), stepper.share), note
+        stepper.measure(size)
+    return fit_sizes(stepper.current.values(), stepper.share), f"stopped after {max_candidates} candidates"
