@@ -107,7 +107,7 @@ def sum_dtype(device: torch.device) -> torch.dtype:
 def accumulate(model: torch.nn.Module, micro_batches: Iterable[MicroBatch], loss_fn: LossFn, *, num_samples: int,
                device: torch.device, sync: GradSync | None = None, scaler: torch.amp.GradScaler | None = None,
                autocast_dtype: torch.dtype | None = None, backward: bool = True,
-               num_items_in_batch: int | None = None) -> Accumulated | Failed:
+               num_items_in_batch: int | None = None, copy_inputs: bool = False) -> Accumulated | Failed:
     """Forward (and backward) of every micro-batch, weighted for the global batch of ``num_samples``.
 
     Args:
@@ -123,6 +123,8 @@ def accumulate(model: torch.nn.Module, micro_batches: Iterable[MicroBatch], loss
         num_items_in_batch: the step's item count over all micro-batches and ranks, counted up front:
             passed to ``loss_fn(model, batch, num_items_in_batch=...)``, which returns its loss
             already divided by it (Hugging Face's convention).
+        copy_inputs: copy each micro-batch's tensors even where they are on ``device`` already, as a
+            transfer to a GPU allocates them (under an emulated budget, so that they count).
 
     Returns:
         :class:`Accumulated`, or :class:`Failed` (never raises for what a micro-batch did).
@@ -139,7 +141,7 @@ def accumulate(model: torch.nn.Module, micro_batches: Iterable[MicroBatch], loss
                 if micro.num_samples == 0:
                     continue  # an empty micro-step: counted by the cutter, no forward
                 size = micro.num_samples
-                part = move_to(micro.batch, device)
+                part = move_to(micro.batch, device, copy=copy_inputs)
                 micro = None  # type: ignore[assignment]  # the moved copy is the only reference
                 where = "forward/loss"
                 with autocast(device, autocast_dtype):

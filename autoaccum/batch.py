@@ -83,16 +83,19 @@ def batch_size(batch: Batch) -> int:
     return sizes.pop()
 
 
-def move_to(batch: Batch, device: torch.device) -> Batch:
-    """``batch`` with every tensor on ``device`` (non-blocking where the source is pinned)."""
+def move_to(batch: Batch, device: torch.device, *, copy: bool = False) -> Batch:
+    """``batch`` with every tensor on ``device`` (non-blocking where the source is pinned); ``copy``
+    copies tensors already there too (as a transfer to a device would allocate them)."""
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=batch.is_pinned()) if batch.device != device else batch
+        if batch.device != device or copy:
+            return batch.to(device, non_blocking=batch.is_pinned(), copy=copy)
+        return batch
     if isinstance(batch, Mapping):
-        return like(batch, ((k, move_to(v, device)) for k, v in batch.items()))
+        return like(batch, ((k, move_to(v, device, copy=copy)) for k, v in batch.items()))
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(move_to(v, device) for v in batch))
+        return type(batch)(*(move_to(v, device, copy=copy) for v in batch))
     if isinstance(batch, (list, tuple)):
-        return type(batch)(move_to(v, device) for v in batch)
+        return type(batch)(move_to(v, device, copy=copy) for v in batch)
     return batch
 
 

@@ -6,6 +6,7 @@ import warnings
 
 import torch
 
+from autoaccum.log import user_stacklevel
 from autoaccum.plan import Plan
 
 __all__ = ["batchnorm_layers", "smallest_micro_batch", "warn_batchnorm"]
@@ -29,7 +30,7 @@ def smallest_micro_batch(model: torch.nn.Module) -> int:
         else 1
 
 
-def warn_batchnorm(model: torch.nn.Module, plan: Plan, *, stacklevel: int = 2) -> bool:
+def warn_batchnorm(model: torch.nn.Module, plan: Plan) -> bool:
     """Warn that ``plan`` splits the global batch of a model with BatchNorm; True if it warned.
 
     One micro-batch per rank (no accumulation, one rank) needs no warning: the statistics are the
@@ -44,5 +45,5 @@ def warn_batchnorm(model: torch.nn.Module, plan: Plan, *, stacklevel: int = 2) -
         f"BatchNorm layers ({shown}) normalise each micro-batch of {plan.micro_batch} with its own "
         f"statistics, not those of the global batch of {plan.target_batch}: gradients and running "
         f"stats differ from a full-batch step. Remedies: SyncBatchNorm across ranks, GroupNorm/LayerNorm, "
-        f"or ghost batch norm with a fixed ghost size independent of the micro-batch.", stacklevel=stacklevel)
+        f"or ghost batch norm with a fixed ghost size independent of the micro-batch.", stacklevel=user_stacklevel())
     return True

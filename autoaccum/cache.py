@@ -19,6 +19,7 @@ import torch
 
 from autoaccum.batch import describe_batch
 from autoaccum.jsonio import write_json_atomic
+from autoaccum.log import user_stacklevel
 from autoaccum.report import ProbeReport
 from autoaccum.task import Task
 
@@ -67,7 +68,7 @@ def store(report: ProbeReport, cache_dir: str | os.PathLike | None = None) -> Pr
     try:
         write_json_atomic(path, report.to_dict())
     except OSError as exc:
-        warnings.warn(f"could not write the probe cache {path}: {exc}; the result is not cached", stacklevel=2)
+        warnings.warn(f"could not write the probe cache {path}: {exc}; the result is not cached", stacklevel=user_stacklevel())
     return report
 
 
@@ -79,10 +80,10 @@ def load(fp: str, cache_dir: str | os.PathLike | None = None) -> ProbeReport | N
     try:
         report = ProbeReport.from_dict(json.loads(path.read_text()))
     except (OSError, ValueError) as exc:
-        warnings.warn(f"ignoring probe cache {path}: {exc}", stacklevel=2)
+        warnings.warn(f"ignoring probe cache {path}: {exc}", stacklevel=user_stacklevel())
         return None
     if report.fingerprint != fp:
-        warnings.warn(f"ignoring probe cache {path}: it was written for another task or device", stacklevel=2)
+        warnings.warn(f"ignoring probe cache {path}: it was written for another task or device", stacklevel=user_stacklevel())
         return None
     logger.info("probe: reusing cached result %s", path)
     return dataclasses.replace(report, source="cache")

@@ -30,6 +30,7 @@ import torch
 
 from autoaccum.errors import AutoAccumError
 from autoaccum.jsonio import fsync_dir
+from autoaccum.log import user_stacklevel
 from autoaccum.state import RngState
 
 __all__ = [
@@ -190,7 +191,7 @@ def load_checkpoint(path_or_dir: str | os.PathLike[str]) -> dict | None:
             continue
         if candidate != path:
             warnings.warn(f"newest checkpoint unusable, loaded the previous one {candidate} instead "
-                          f"(skipped {skipped[0]})", RuntimeWarning, stacklevel=2)
+                          f"(skipped {skipped[0]})", RuntimeWarning, stacklevel=user_stacklevel())
         logger.info("checkpoint loaded from %s", candidate)
         return state
     if not found:

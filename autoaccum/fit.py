@@ -16,6 +16,7 @@ last batch of an epoch is treated) and its gradient equals that of one full-batc
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -228,13 +229,11 @@ def fit(model: torch.nn.Module, data: Any, target_batch: int = 256, *, loss_fn: 
                         cfg.output.verbose)
     progress.say(_banner(run, start_plan, plan_source, emulated=meter is not None, resumed=state is not None))
     try:
-        if meter is not None:  # the emulated device: the step's allocations count against the budget
+        if meter is not None:  # the emulated device: weights and state count; steps run inside it (_train)
             meter.track(model, optimizer)
-            meter.__enter__()
         summary = _train(run, batches, eval_batches, progress, meter)
     finally:
         if meter is not None:
-            meter.__exit__(None, None, None)
             meter.close()
         progress.close()
     return FitResult(
@@ -334,11 +333,15 @@ def _train(run: _Run, batches: GlobalBatches, eval_batches: GlobalBatches | None
     eval_micro = 2 * guard.plan.micro_batch  # no activations are kept for backward: usually fits twice as many
     eval_loss, eval_ooms, evaluated_at = None, 0, None
     epochs, max_steps = cfg.stop.epochs, cfg.stop.max_steps
+    # Under an emulated budget the meter is entered around each step and evaluation only: a real
+    # device holds the micro-batches it is sent (the guard copies them in), not the host's batches.
+    device_region = meter if meter is not None else contextlib.nullcontext()
 
     def run_eval() -> None:
         nonlocal eval_loss, eval_micro, eval_ooms, evaluated_at
-        result = evaluate(run.model, eval_batches, run.loss_fn, eval_micro, sync=run.sync,  # type: ignore[arg-type]
-                          device=run.device, autocast_dtype=guard.autocast_dtype, cut=guard.cut)
+        with device_region:
+            result = evaluate(run.model, eval_batches, run.loss_fn, eval_micro, sync=run.sync,  # type: ignore[arg-type]
+                              device=run.device, autocast_dtype=guard.autocast_dtype, cut=guard.cut)
         eval_loss, eval_micro, eval_ooms, evaluated_at = result.loss, result.micro_batch, eval_ooms + result.ooms, \
             pos.steps
         progress.say(f"step {pos.steps}: eval loss {eval_loss:.4g}")
@@ -353,7 +356,8 @@ def _train(run: _Run, batches: GlobalBatches, eval_batches: GlobalBatches | None
         fresh_epoch, drawn = pos.index == 0, False
         for rb in batches.epoch(pos.epoch, pos.index):
             drawn = True
-            result = guard.step(rb.batch, run.loss_fn, partial=rb.partial or rb.global_size < run.target_batch)
+            with device_region:  # the emulated device counts the step, not the host's drawing of the batch
+                result = guard.step(rb.batch, run.loss_fn, partial=rb.partial or rb.global_size < run.target_batch)
             pos.steps += 1
             pos.samples += result.num_samples
             pos.index = rb.index + 1

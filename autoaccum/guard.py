@@ -30,7 +30,7 @@ from autoaccum.batch import Batch, SplitFn, batch_size
 from autoaccum.batchnorm import batchnorm_layers, smallest_micro_batch, warn_batchnorm
 from autoaccum.cut import Cutter, SampleCut
 from autoaccum.errors import AutoAccumError, DoesNotFitError, TaskError
-from autoaccum.memory import Meter, MemoryReading, active_budget, default_meter
+from autoaccum.memory import Meter, MemoryReading, TrackedMemory, active_budget, default_meter
 from autoaccum.optim_step import step_oom_error, step_optimizer
 from autoaccum.plan import Plan, resolve_plan
 from autoaccum.policy import PlanChange, Reason, grown_plan, shrunk_plan
@@ -178,6 +178,8 @@ class OOMGuard:
         self.grow_after, self.thrash_steps, self.log_changes = grow_after, thrash_steps, log_changes
         self.device = self.params[0].device
         self.meter: Meter = meter if meter is not None else default_meter(self.device)
+        # an emulated device (a counter with a budget): micro-batches are copied in, as a GPU's would be
+        self._emulated = isinstance(self.meter, TrackedMemory) and self.meter.budget_bytes is not None
         self.initial_micro_batch = self.plan.micro_batch
         self.ceiling: int | None = None  # smallest micro-batch that failed
         self.floor: int | None = None  # micro-batch of the last step that succeeded
@@ -337,7 +339,7 @@ class OOMGuard:
             micro_batches = self.cut(batch, n, self.plan, steps)
             result = accumulate(self.model, micro_batches, loss_fn, num_samples=num_samples, device=self.device,
                                 sync=self.sync, scaler=self.scaler, autocast_dtype=self.autocast_dtype,
-                                num_items_in_batch=num_items)
+                                num_items_in_batch=num_items, copy_inputs=self._emulated)
             micro_batches = None  # type: ignore[assignment]
             agreed = self.sync.agree(OK if isinstance(result, Accumulated) else ERROR if result.error else OOM)
             if agreed == OK:
@@ -435,4 +437,4 @@ class OOMGuard:
 
     def _warn_batchnorm(self) -> None:
         if not self._warned_batchnorm:
-            self._warned_batchnorm = warn_batchnorm(self.model, self.plan, stacklevel=4)
+            self._warned_batchnorm = warn_batchnorm(self.model, self.plan)

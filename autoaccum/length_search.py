@@ -1,10 +1,11 @@
 """The probe for variable-length data: sizes at several lengths, and the memory model in (b, L).
 
 At the longest length the usual search over sizes (``autoaccum.size_search``) finds the limit. At
-the shortest and the median length one size each is measured, holding about half the tokens of
-that limit (a conservative jump: attention without a fused kernel grows with the square of the
-length). A :class:`~autoaccum.memory_model.TokenMemoryModel` is fitted on the two largest sizes at
-the longest length and the points at the other lengths; from it the plan's token budget.
+the shortest and the median length one size each is measured, holding three quarters of the tokens
+of that limit (short of the budget: attention without a fused kernel grows with the square of the
+length). A :class:`~autoaccum.memory_model.TokenMemoryModel` is anchored on the line through the
+sizes at the longest length (its intercept and cost per sample), its quadratic term fitted on the
+shorter lengths' sizes that came near the budget; from it the plan's token budget.
 """
 
 from __future__ import annotations
@@ -21,18 +22,19 @@ __all__ = ["SHORT_FRACTION", "search_lengths", "token_points"]
 
 logger = logging.getLogger("autoaccum.probe")
 
-#: the share of the longest length's limit (in tokens) measured at each shorter length
-SHORT_FRACTION = 0.5
+#: the share of the longest length's limit (in tokens) measured at each shorter length: near the
+#: budget, where the plan operates (a point of few tokens peaks elsewhere in the step), and short of
+#: it, in case the memory per token grows with the length
+SHORT_FRACTION = 0.75
 
 
-def token_points(candidates: list[Candidate], longest: int) -> list[TokenPoint]:
-    """The points the token model is fitted on: the two largest sizes that ran at the longest length
-    (the limit's neighbourhood: the peak is convex in b) and every size that ran at other lengths."""
-    ran = [c for c in candidates if c.fwd_bwd_peak_bytes is not None and c.length is not None]
-    at_longest = sorted((c for c in ran if c.length == longest), key=lambda c: c.micro_batch)[-2:]
-    others = [c for c in ran if c.length != longest]
+def token_points(candidates: list[Candidate], longest: int, limit_tokens: float) -> list[TokenPoint]:
+    """The points the quadratic term is fitted on: sizes that ran at shorter lengths with at least half
+    the tokens of the longest length's limit (near the budget, where the plan operates; a size of few
+    tokens peaks elsewhere in the step)."""
     return [TokenPoint(c.micro_batch, c.length, c.fwd_bwd_peak_bytes, c.opt_peak_bytes)  # type: ignore[arg-type]
-            for c in at_longest + others]
+            for c in candidates if c.fwd_bwd_peak_bytes is not None and c.length is not None and c.length < longest
+            and c.micro_batch * c.length >= limit_tokens / 2]
 
 
 def search_lengths(stepper: Stepper, profile: LengthProfile, smallest: int, upper: int, budget_bytes: int,
@@ -47,11 +49,11 @@ def search_lengths(stepper: Stepper, profile: LengthProfile, smallest: int, uppe
         size = min(upper, max(smallest, int(SHORT_FRACTION * limit * profile.longest / length)))
         stepper.measure(size)
     stepper.length = profile.longest
-    points = token_points(list(stepper.measured.values()), profile.longest)
-    if len(points) < 3 or len({p.length for p in points}) < 2:
-        return None, model_at_longest, note + "; one length only: planned by samples at the longest"
-    token_model = TokenMemoryModel.fit(points)
+    if model_at_longest is None:  # one size at the longest length: no line to anchor a model in tokens
+        return None, None, note + "; one size only: planned by samples at the longest length"
+    points = token_points(list(stepper.measured.values()), profile.longest, limit * profile.longest)
+    token_model = TokenMemoryModel.anchored(model_at_longest.base_bytes, model_at_longest.per_sample_bytes,
+                                            profile.longest, model_at_longest.opt_peak_bytes, points)
     kind = "with a quadratic term" if token_model.per_token_sq_bytes > 0 else "linear in tokens"
-    return token_model, model_at_longest, (f"{note}; token model {kind}, residual {token_model.residual:.2%} "
-                                           f"on {token_model.num_points} points at {len(profile.probe_lengths())} "
-                                           f"lengths")
+    return token_model, model_at_longest, (f"{note}; token model {kind}, anchored at length {profile.longest}, "
+                                           f"{len(points)} point(s) near the budget at shorter lengths")

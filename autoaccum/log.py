@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import sys
 
-__all__ = ["ensure_visible", "SHOWN"]
+__all__ = ["SHOWN", "ensure_visible", "user_stacklevel"]
 
 #: set on a record's ``extra`` when the message is already shown on the terminal (above a progress bar)
 SHOWN = "autoaccum_shown"
@@ -36,3 +36,16 @@ def ensure_visible() -> None:
     package.addHandler(handler)
     if package.level == logging.NOTSET:
         package.setLevel(logging.INFO)
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for a ``warnings.warn`` in the caller that points at the first frame outside
+    autoaccum: the user's line, however deep inside the package the warning is raised (Python 3.12's
+    ``skip_file_prefixes`` does this; 3.10 and 3.11 lack it). A warning located in the user's code is
+    also shown once per call site, not once per process."""
+    frame = sys._getframe(1)  # the caller, which calls warnings.warn: stacklevel 1
+    level = 1
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "autoaccum":
+        frame = frame.f_back
+        level += 1
+    return level

@@ -120,16 +120,20 @@ class TokenMemoryModel:
     """Fitted ``peak(b, L) = max(opt_peak, base + b * (per_token * L + per_token_sq * L**2))``.
 
     For variable-length data memory follows the tokens of a micro-batch (``b`` samples padded to
-    ``L``), and -- where attention runs without a fused kernel -- their square. The quadratic term
-    is kept only where the measurements show one: it must be positive and cut the worst relative
-    error of the linear fit at least in half.
+    ``L``), and -- where attention runs without a fused kernel -- their square. The model is
+    anchored where planning needs it to be right: at the longest length its per-sample cost is the
+    one measured there (the slope of the line through sizes near the limit). The quadratic term is
+    fitted on sizes measured at shorter lengths near the budget -- where the plan operates -- and
+    never so large that it predicts below one of those measurements; without such sizes it is 0,
+    and the model predicts shorter lengths at the longest length's cost per token (more, never
+    less, than they take: memory per token does not fall with the length).
 
     Attributes:
         base_bytes: what does not grow with the tokens (weights, gradients, state).
         per_token_bytes: bytes per token of a micro-batch.
         per_token_sq_bytes: bytes per sample per squared length (0 when the data show none).
         opt_peak_bytes: the optimizer-step peak.
-        residual: worst relative error of the fit on its points.
+        residual: worst relative error on the points it was fitted on.
         num_points: measurements it was fitted on.
     """
 
@@ -141,32 +145,32 @@ class TokenMemoryModel:
     num_points: int
 
     @classmethod
-    def fit(cls, points: Sequence[TokenPoint]) -> TokenMemoryModel:
-        """Least squares on the forward/backward peaks; needs three points at two or more lengths."""
-        if len(points) < 3 or len({p.length for p in points}) < 2:
-            raise ValueError(f"fitting the token memory model needs 3 points at 2 or more lengths, got "
-                             f"{[(p.micro_batch, p.length) for p in points]}")
-        linear = cls._least_squares(points, quadratic=False)
-        best = linear
-        if len({p.length for p in points}) >= 3 and len(points) >= 4:
-            quadratic = cls._least_squares(points, quadratic=True)
-            if quadratic.per_token_sq_bytes > 0 and quadratic.residual <= linear.residual / 2:
-                best = quadratic
-        return best
+    def anchored(cls, base_bytes: float, per_sample_bytes: float, longest: int, opt_peak_bytes: int,
+                 points: Sequence[TokenPoint] = ()) -> TokenMemoryModel:
+        """The model through ``base + b * per_sample_bytes`` at ``longest``, its quadratic term from
+        ``points`` (sizes at shorter lengths near the budget).
 
-    @classmethod
-    def _least_squares(cls, points: Sequence[TokenPoint], quadratic: bool) -> TokenMemoryModel:
-        import torch  # float64 least squares on a handful of points
+        With ``f(L) = a L + c L**2`` and ``f(longest)`` fixed, ``c`` is the least-squares fit to what
+        each point adds per sample, clamped to ``[0, the largest c that predicts no point more than
+        2% low]`` (a larger ``c`` lowers every shorter length's prediction)."""
+        shorter = [p for p in points if p.length < longest and p.micro_batch > 0]
+        slope = per_sample_bytes / longest  # the cost per token at the longest length
 
-        rows = [[1.0, p.micro_batch * p.length] + ([p.micro_batch * p.length ** 2] if quadratic else [])
-                for p in points]
-        x = torch.tensor(rows, dtype=torch.float64)
-        y = torch.tensor([[float(p.fwd_bwd_peak_bytes)] for p in points], dtype=torch.float64)
-        coef = torch.linalg.lstsq(x, y).solution.flatten().tolist()
-        base, per_token, per_sq = coef[0], max(coef[1], 0.0), (max(coef[2], 0.0) if quadratic else 0.0)
-        residual = max(abs(base + p.micro_batch * (per_token * p.length + per_sq * p.length ** 2)
-                           - p.fwd_bwd_peak_bytes) / max(p.fwd_bwd_peak_bytes, 1) for p in points)
-        return cls(base, per_token, per_sq, max(p.opt_peak_bytes for p in points), residual, len(points))
+        def f_obs(p: TokenPoint) -> float:
+            return (p.fwd_bwd_peak_bytes - base_bytes) / p.micro_batch
+
+        # f(L) = slope * L - c * L * (longest - L): how far below the anchored line each point lies
+        gaps = [(p.length * (longest - p.length), slope * p.length - f_obs(p)) for p in shorter]
+        c = 0.0
+        if gaps:
+            c = max(0.0, sum(w * g for w, g in gaps) / sum(w * w for w, _ in gaps))
+            limits = [(slope * p.length - 0.98 * f_obs(p)) / w for (w, _), p in zip(gaps, shorter)]
+            c = max(0.0, min([c, *limits]))
+        a = slope - c * longest
+        used = list(points)
+        residual = max((abs(base_bytes + p.micro_batch * (a * p.length + c * p.length ** 2) - p.fwd_bwd_peak_bytes)
+                        / max(p.fwd_bwd_peak_bytes, 1) for p in used), default=0.0)
+        return cls(base_bytes, a, c, opt_peak_bytes, residual, len(used))
 
     @property
     def quadratic(self) -> float:

@@ -31,6 +31,10 @@ class PlanChange:
 
     def describe(self) -> str:
         what = {"oom": f"OOM in {self.where} at", "thrash": "allocator thrashing at", "grow": "no OOM for a while:"}
+        if self.old.tokens is not None and self.new.tokens is not None:
+            return (f"{what[self.reason]} a budget of {self.old.tokens.max_cost:,.0f} -> {self.new.tokens.max_cost:,.0f} "
+                    f"token-units per micro-batch (micro <= {self.old.micro_batch} -> {self.new.micro_batch}), "
+                    f"global batch {self.new.target_batch} unchanged")
         return (f"{what[self.reason]} micro {self.old.micro_batch} -> {self.new.micro_batch}, accum "
                 f"{self.old.accum_steps} -> {self.new.accum_steps}, global batch {self.new.target_batch} unchanged")
 

@@ -43,6 +43,7 @@ from autoaccum.batch import Batch
 from autoaccum.errors import DoesNotFitError, OptimizerStepOOMError
 from autoaccum.guard import OOMGuard
 from autoaccum.knobs import Knobs, apply_knobs
+from autoaccum.log import user_stacklevel
 from autoaccum.memory import TrackedMemory, resolve_budget
 from autoaccum.oom import is_oom
 from autoaccum.plan import Plan
@@ -200,7 +201,7 @@ class Bench:
         assert outcome is not None
         if outcome.status == "failed":
             warnings.warn(f"knobs {knobs.describe()} failed at micro-batch {micro_batch}: {outcome.note}; "
-                          f"recorded as infeasible", stacklevel=2)
+                          f"recorded as infeasible", stacklevel=user_stacklevel())
         logger.info("micro %d %s: %s %s", micro_batch, knobs.describe(), outcome.status,
                     "" if outcome.samples_per_s is None else f"{outcome.samples_per_s:.1f} samples/s")
         return outcome

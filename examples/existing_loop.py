@@ -49,8 +49,8 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(32, 256), nn.GELU(), nn.Linear(256, 8)).double()
     reference = copy.deepcopy(model)
 
-    print("training under an emulated 1.7 MiB budget:")
-    guard = train(model, x, y, budget="1.7MiB")
+    print("training under an emulated 1.8 MiB budget:")
+    guard = train(model, x, y, budget="1.8MiB")
     train(reference, x, y, budget=None)  # the same steps with all 256 samples at once, no budget
 
     diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))

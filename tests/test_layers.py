@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
     # what a step is: batches, tasks, the plan
     ("batch", "task", "plan", "batchnorm", "lengths"),
     # measure -> model -> plan
-    ("report", "cache", "estimate", "stepper", "probe"),
+    ("report", "cache", "estimate", "stepper", "size_search", "length_search", "probe"),
     # cut -> accumulate -> guard
     ("data", "sync", "cut", "distributed.process_group", "distributed.models", "distributed.fsdp2",
      "distributed.ddp", "distributed"),

@@ -15,7 +15,12 @@ import torch.distributed as dist
 
 from autoaccum.distributed.fsdp2 import _FSDP2Window
 from autoaccum.distributed.models import ModelKind, model_kind
-from autoaccum.distributed.process_group import _all_reduce, broadcast_plan, is_distributed
+from autoaccum.distributed.process_group import (
+    _all_reduce,
+    broadcast_plan,
+    is_distributed,
+)
+from autoaccum.log import user_stacklevel
 from autoaccum.plan import Plan
 from autoaccum.validate import check_positive_int
 
@@ -85,7 +90,7 @@ class DistributedSync:
                 f"SyncBatchNorm ({', '.join(sync_bn[:3])}{'...' if len(sync_bn) > 3 else ''}) exchanges statistics "
                 f"in every forward: a collective inside the accumulation window. An OOM on one rank in mid-forward "
                 f"then leaves the others waiting in that collective until the process group's timeout. Use "
-                f"BatchNorm/GroupNorm/LayerNorm for OOM recovery across ranks.", stacklevel=2)
+                f"BatchNorm/GroupNorm/LayerNorm for OOM recovery across ranks.", stacklevel=user_stacklevel())
         if self.kind == "plain":
             self._broadcast_from_rank_zero(list(model.parameters()) + list(model.buffers()))
 

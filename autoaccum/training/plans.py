@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from autoaccum import distributed
+from autoaccum.log import user_stacklevel
 from autoaccum.plan import Plan, read_plan_document, resolve_plan
 from autoaccum.probe import probe
 from autoaccum.report import ProbeReport
@@ -60,4 +61,4 @@ def warn_unapplied_knobs(plan: Any, precision: str) -> None:
         warnings.warn(f"the plan was measured with knobs {knobs}; fit applies the plan's micro-batch and "
                       f"precision={precision!r} only. Pass precision={autocast!r}"
                       + (f" and apply {', '.join(extra)} with autoaccum.knobs.apply_knobs(model, ...)" if extra else "")
-                      + " to train as measured.", stacklevel=4)
+                      + " to train as measured.", stacklevel=user_stacklevel())
