@@ -21,10 +21,6 @@ test run.
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import os
 import platform
 import sys
 import time
@@ -39,9 +35,9 @@ from torch import nn
 import autoaccum
 from autoaccum import TrackedMemory, emulated_budget
 from autoaccum.demo import TinyGPT, synthetic_tokens, token_loss
+from results_md import RESULTS, bench_main, markdown_table, replace_section
 
 SECTION = "## Probe (issue 2)"
-RESULTS = Path(__file__).with_name("RESULTS.md")
 HEADROOM = 0.1
 STEPS_PER_SIZE = 3  # the probe's default
 UPPER = 4096  # target batch = the largest size worth trying
@@ -121,8 +117,9 @@ def _runs_under(shape: Shape, b: int, budget_bytes: int) -> bool:
     return True
 
 
-def brute_force(shape: Shape, usable_bytes: int) -> tuple[int, int]:
-    """(largest micro-batch that runs under ``usable_bytes``, runs spent finding it)."""
+def brute_force(shape: Shape, usable_bytes: int, smallest: int = 1) -> tuple[int, int]:
+    """(largest micro-batch that runs under ``usable_bytes``, runs spent finding it): doubling from
+    ``smallest`` (the smallest size the model trains at), then bisection; 0 if none runs."""
     runs = 0
 
     def ok(b: int) -> bool:
@@ -130,9 +127,9 @@ def brute_force(shape: Shape, usable_bytes: int) -> tuple[int, int]:
         runs += 1
         return _runs_under(shape, b, usable_bytes)
 
-    if not ok(1):
+    if not ok(smallest):
         return 0, runs
-    lo, hi = 1, 2
+    lo, hi = smallest, 2 * smallest
     while hi <= UPPER and ok(hi):
         lo, hi = hi, 2 * hi
     if hi > UPPER:
@@ -212,10 +209,7 @@ def table(result: dict) -> str:
                       str(len(p["candidates"])), str(p["max_fitting"]), str(b), f"{p['max_fitting'] / b:.1%}",
                       f"{lad['wall_time_s']:.2f}", str(lad["steps"]), str(lad["ooms"]), str(lad["chosen"]),
                       f"{lad['chosen'] / b:.1%}"))
-    widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
-    out = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in lines]
-    out.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return "\n".join(out)
+    return markdown_table(lines)
 
 
 def write_section(result: dict, command: str, path: Path = RESULTS) -> None:
@@ -244,37 +238,11 @@ def write_section(result: dict, command: str, path: Path = RESULTS) -> None:
     ] + ([] if result["cuda"] else [
         "No GPU on this machine: the CUDA meter and `autoaccum probe --device cuda` are covered by tests "
         "marked `gpu`, which skipped here; the CUDA path is unconfirmed by this run.", ""]))
-    text = path.read_text() if path.exists() else "# Benchmark results\n"
-    start = text.find(SECTION)
-    if start == -1:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        nxt = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + section + ("\n" + text[nxt + 1:] if nxt != -1 else "")
-    path.write_text(text.rstrip("\n") + "\n")
+    replace_section(SECTION, section, path)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json-only", action="store_true", help="print only the JSON document")
-    parser.add_argument("--no-write", action="store_true", help="do not write benchmarks/RESULTS.md")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads (default 1: steadier timings on a shared machine)")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    started = time.perf_counter()
-    result = run()
-    result["total_wall_time_s"] = time.perf_counter() - started
-    result["threads"] = args.threads
-    result["machine"] = f"{platform.machine()}, {os.cpu_count()} CPUs"
-    result["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    if not args.json_only:
-        print(table(result))
-        print()
-    print(json.dumps(result, indent=1))
-    if not args.no_write:
-        write_section(result, "python benchmarks/probe_bench.py" + "".join(f" {a}" for a in sys.argv[1:]))
-    return 0
+    return bench_main(__doc__, "probe_bench.py", run, table, write_section)
 
 
 if __name__ == "__main__":

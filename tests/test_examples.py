@@ -1,6 +1,8 @@
 """The examples run on CPU and print their summary (each in its own interpreter, as a user runs them)."""
 
+import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -8,7 +10,9 @@ from pathlib import Path
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-NAMES = ("quickstart", "existing_loop", "token_lm")
+HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+NAMES = ("quickstart", "existing_loop", "token_lm") + (("hf_causal_lm", "hf_vision") if HAVE_TRANSFORMERS else ())
+needs_transformers = pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="the Hugging Face examples need transformers")
 
 
 @pytest.fixture(scope="module")
@@ -55,3 +59,33 @@ def test_token_lm(runs):
     first, last = (float(v) for v in stdout.split("loss per token ")[1].split(";")[0].split(" -> "))
     assert last < first / 2  # it learns
     assert "eval loss" in stderr
+
+
+def _accumulating_plan(stdout: str) -> re.Match:
+    """The plan line: ``plan: target T = micro M x accum A ...``, with accumulation."""
+    plan = re.search(r"^plan: target (\d+) = micro (\d+) x accum (\d+)", stdout, re.MULTILINE)
+    assert plan is not None, stdout
+    assert int(plan[3]) > 1, f"the budget should force accumulation: {plan[0]}"
+    return plan
+
+
+@needs_transformers
+def test_hf_causal_lm(runs):
+    stdout, stderr = _ok(runs, "hf_causal_lm")
+    assert "256 rows of 8-48 tokens, GPT-2" in stdout
+    assert _accumulating_plan(stdout)[1] == "32" and "(from probe:" in stdout
+    assert "16 steps, 512 sequences; loss per token" in stdout and "OOMs in training" in stdout
+    first, last = (float(v) for v in stdout.split("loss per token ")[1].split(" (")[0].split(" -> "))
+    assert last < 0.7 * first  # it learns, with the model's own loss and no loss_fn
+    assert "autoaccum fit ·" in stderr and "autoaccum fit done" in stderr and "Traceback" not in stderr
+
+
+@needs_transformers
+def test_hf_vision(runs):
+    stdout, stderr = _ok(runs, "hf_vision")
+    plan = _accumulating_plan(stdout)
+    assert plan[1] == "64" and "(min micro 2)" in stdout  # BatchNorm: no micro-batch of one image
+    assert "probe: 2 (ok, " in stdout  # the probe starts at 2, not at 1 (which cannot train)
+    assert "16 steps, 1,024 images" in stdout and "0 OOMs in training" in stdout
+    assert "UserWarning: BatchNorm layers (" in stderr and "Remedies:" in stderr  # the guard's note, once
+    assert stderr.count("UserWarning") == 1 and "Traceback" not in stderr
