@@ -80,6 +80,7 @@ class FitResult:
         optimizer_steps, samples_seen: counted over the whole run (resumed runs included).
         oom_events: OOMs recovered in training; eval_ooms: in evaluation.
         final_loss: the last step's loss (sample- or token-weighted); losses: every step's loss.
+        micro_steps: every step's micro-steps (with a token budget they follow the step's lengths).
         eval_loss: the last evaluation's loss, None without eval_data.
         lr: the learning rate the rule set (before warmup).
         samples_per_s: samples per second of training steps in this call (probe excluded).
@@ -105,6 +106,7 @@ class FitResult:
     wall_time_s: float
     probe_time_s: float
     probe: ProbeReport | None = field(default=None, repr=False)
+    micro_steps: tuple[int, ...] = ()
 
 
 def _placed(model: torch.nn.Module, device: Any) -> tuple[torch.nn.Module, GradSync, torch.device]:
@@ -243,6 +245,7 @@ def fit(model: torch.nn.Module, data: Any, target_batch: int = 256, *, loss_fn: 
         eval_loss=summary["eval_loss"], lr=run_lr, samples_per_s=summary["samples_per_s"],
         peak_bytes=summary["peak_bytes"], wall_time_s=time.perf_counter() - started,
         probe_time_s=0.0 if report is None else report.wall_time_s, probe=report,
+        micro_steps=tuple(summary["micro_steps"]),
     )
 
 
@@ -330,6 +333,7 @@ def _train(run: _Run, batches: GlobalBatches, eval_batches: GlobalBatches | None
     """The loop: epochs of global batches, each one guarded optimizer step; evaluation and checkpoints."""
     pos, cfg, guard = run.position, run.config, run.guard
     first_samples, train_time, peak, skipped_streak = pos.samples, 0.0, None, 0
+    micro_steps: list[int] = []
     eval_micro = 2 * guard.plan.micro_batch  # no activations are kept for backward: usually fits twice as many
     eval_loss, eval_ooms, evaluated_at = None, 0, None
     epochs, max_steps = cfg.stop.epochs, cfg.stop.max_steps
@@ -364,6 +368,7 @@ def _train(run: _Run, batches: GlobalBatches, eval_batches: GlobalBatches | None
             train_time += result.step_time_s
             skipped_streak = _check_step(result, run, pos, rb.index, skipped_streak)
             pos.losses.append(result.loss)
+            micro_steps.append(result.micro_steps)
             if result.peak_bytes is not None:
                 peak = max(peak or 0, result.peak_bytes)
             progress.step(_record(result, pos))
@@ -390,7 +395,8 @@ def _train(run: _Run, batches: GlobalBatches, eval_batches: GlobalBatches | None
                  + ("" if eval_loss is None else f" · eval loss {eval_loss:.4g}")
                  + f" · {rate:,.0f} samples/s · {guard.ooms} OOMs · {guard.plan.describe()}"
                  + ("" if peak is None else f" · peak {format_bytes(peak)}"))
-    return {"eval_loss": eval_loss, "eval_ooms": eval_ooms, "samples_per_s": rate, "peak_bytes": peak}
+    return {"eval_loss": eval_loss, "eval_ooms": eval_ooms, "samples_per_s": rate, "peak_bytes": peak,
+            "micro_steps": micro_steps}
 
 
 def _check_step(result: StepResult, run: _Run, pos: RunPosition, batch_index: int, skipped_streak: int) -> int:

@@ -67,6 +67,9 @@ def main() -> None:
     print(f"plan: {result.plan.describe()} (from {result.plan_source}: {report.probe_steps} passes at sizes "
           f"{', '.join(str(c.micro_batch) for c in report.candidates)}, {report.probe_ooms} OOMs, "
           f"{result.probe_time_s:.2f} s)")
+    passes = result.micro_steps  # cut by tokens: each step's micro-batches follow its lengths
+    print(f"micro-steps per optimizer step: {min(passes)} to {max(passes)} (mean {sum(passes) / len(passes):.1f}); "
+          f"each micro-batch padded only to its own longest row")
     for change in result.plan_changes:  # an OOM in training: the step was replayed with a smaller micro-batch
         print(f"  {change.describe()}")
     print(f"{result.optimizer_steps} steps, {result.samples_seen:,} sequences; loss per token "
