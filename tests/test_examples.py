@@ -11,7 +11,8 @@ import pytest
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
-NAMES = ("quickstart", "existing_loop", "token_lm") + (("hf_causal_lm", "hf_vision") if HAVE_TRANSFORMERS else ())
+NAMES = ("quickstart", "existing_loop", "token_lm", "variable_length") + \
+    (("hf_causal_lm", "hf_vision") if HAVE_TRANSFORMERS else ())
 needs_transformers = pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="the Hugging Face examples need transformers")
 
 
@@ -67,6 +68,17 @@ def _accumulating_plan(stdout: str) -> re.Match:
     assert plan is not None, stdout
     assert int(plan[3]) > 1, f"the budget should force accumulation: {plan[0]}"
     return plan
+
+
+def test_variable_length(runs):
+    stdout, _ = _ok(runs, "variable_length")
+    assert re.search(r"^plan: target 64 = micro <= \d+ by [\d,]+ token-units", stdout, re.MULTILINE), stdout
+    assert "lengths from all 512 samples; measured at lengths [" in stdout and ", 0 probe OOMs" in stdout
+    most = int(stdout.split("micro-steps per optimizer step: ")[1].split(" to ")[1].split(" ")[0])
+    assert most > 1  # the budget forces accumulation
+    assert "16 steps, 1,024 sequences" in stdout and "; 0 OOMs in training" in stdout
+    first, last = (float(v) for v in stdout.split("loss per token ")[1].split(";")[0].split(" -> "))
+    assert last < 0.5 * first
 
 
 @needs_transformers
