@@ -13,6 +13,7 @@ keeps two rules:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -101,7 +102,8 @@ class TokenCut:
 
     def __init__(self, length_fn: LengthFn | None = None) -> None:
         self.length_fn = length_fn
-        self._cache: tuple[int, Plan, list[list[int]]] | None = None
+        # the last batch cut (held, not its id: a freed batch's id is reused by the next one)
+        self._cache: tuple[Batch, Plan, list[list[int]]] | None = None
 
     def _lengths(self, batch: Batch) -> list[int]:
         if isinstance(batch, Samples):
@@ -112,22 +114,28 @@ class TokenCut:
                         f"got a {type(batch).__name__}")
 
     def groups(self, batch: Batch, plan: Plan) -> list[list[int]]:
-        """Sample indices of each micro-batch, longest samples first."""
-        if self._cache is not None and self._cache[0] == id(batch) and self._cache[1] == plan:
+        """Sample indices of each micro-batch, the micro-batches of the longest samples first.
+
+        With a token budget: the step's samples in length order, cut into runs that each fit the
+        budget, choosing the runs that make the step cheapest by the plan's cost model -- each pass
+        costs ``pass_cost`` plus its padded tokens -- so that padding is traded against passes by
+        measurement (a dynamic programme over the sorted lengths: the cheapest cut of the shortest
+        ``j`` samples extends the cheapest cut of a shorter prefix by one run). Without a token
+        budget: runs of ``plan.micro_batch`` in length order. No run is below the model's smallest
+        micro-batch; a single sample longer than the budget still runs (one sample must)."""
+        if self._cache is not None and self._cache[0] is batch and self._cache[1] == plan:
             return self._cache[2]
         lengths = self._lengths(batch)
-        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-        groups: list[list[int]] = []
-        i = 0
-        while i < len(order):
-            longest = lengths[order[i]]
-            cap = plan.micro_batch if plan.tokens is None else min(plan.micro_batch, plan.tokens.max_batch(longest))
-            cap = max(cap, plan.min_micro_batch, 1)
-            groups.append(order[i:i + cap])
-            i += cap
-        if len(groups) > 1 and len(groups[-1]) < plan.min_micro_batch:
-            groups[-2].extend(groups.pop())  # never below the model's smallest micro-batch
-        self._cache = (id(batch), plan, groups)
+        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+        if plan.tokens is None:
+            step = max(plan.micro_batch, plan.min_micro_batch)
+            groups = [order[i:i + step] for i in range(0, len(order), step)]
+            if len(groups) > 1 and len(groups[-1]) < plan.min_micro_batch:
+                groups[-2].extend(groups.pop())
+        else:
+            groups = [[order[i] for i in run] for run in _cheapest_runs([lengths[i] for i in order], plan)]
+        groups.reverse()  # longest first: a step that runs out of memory does so early, losing little
+        self._cache = (batch, plan, groups)
         return groups
 
     def steps(self, batch: Batch, num_samples: int, plan: Plan) -> int:
@@ -161,3 +169,26 @@ def _rows(value: Any, index: torch.Tensor, padded: int, keep: int) -> Any:
     if keep < padded and rows.dim() >= 2 and rows.shape[1] == padded:
         rows = rows[:, :keep]
     return rows
+
+
+def _cheapest_runs(lengths: list[int], plan: Plan) -> list[range]:
+    """Runs of ascending ``lengths`` minimising the sum of ``pass_cost + count * unit(longest)``, each
+    run within the budget and ``plan.micro_batch`` (see :meth:`TokenCut.groups`)."""
+    tokens = plan.tokens
+    assert tokens is not None
+    n, smallest = len(lengths), max(1, plan.min_micro_batch)
+    best = [0.0] + [math.inf] * n
+    start = [0] * (n + 1)
+    for j in range(1, n + 1):
+        longest = lengths[j - 1]
+        unit = tokens.unit(longest)
+        cap = min(plan.micro_batch, max(tokens.max_batch(longest), smallest))
+        for i in range(max(0, j - cap), j - min(smallest, j) + 1):
+            cost = best[i] + tokens.pass_cost + (j - i) * unit
+            if cost < best[j]:
+                best[j], start[j] = cost, i
+    runs, j = [], n
+    while j > 0:
+        runs.append(range(start[j], j))
+        j = start[j]
+    return runs[::-1]

@@ -54,6 +54,6 @@ def search_lengths(stepper: Stepper, profile: LengthProfile, smallest: int, uppe
     points = token_points(list(stepper.measured.values()), profile.longest, limit * profile.longest)
     token_model = TokenMemoryModel.anchored(model_at_longest.base_bytes, model_at_longest.per_sample_bytes,
                                             profile.longest, model_at_longest.opt_peak_bytes, points)
-    kind = "with a quadratic term" if token_model.per_token_sq_bytes > 0 else "linear in tokens"
-    return token_model, model_at_longest, (f"{note}; token model {kind}, anchored at length {profile.longest}, "
-                                           f"{len(points)} point(s) near the budget at shorter lengths")
+    kind = "quadratic in the length" if token_model.per_token_sq_bytes > 0 else "linear in the length"
+    return token_model, model_at_longest, (f"{note}; token model {kind}, from the longest length and "
+                                           f"{len(points)} shorter one(s) measured near the budget")

@@ -117,21 +117,23 @@ class TokenPoint:
 
 @dataclass(frozen=True)
 class TokenMemoryModel:
-    """Fitted ``peak(b, L) = max(opt_peak, base + b * (per_token * L + per_token_sq * L**2))``.
+    """Fitted ``peak(b, L) = max(opt_peak, base + b * (per_sample + per_token * L + per_token_sq * L**2))``.
 
     For variable-length data memory follows the tokens of a micro-batch (``b`` samples padded to
-    ``L``), and -- where attention runs without a fused kernel -- their square. The model is
-    anchored where planning needs it to be right: at the longest length its per-sample cost is the
-    one measured there (the slope of the line through sizes near the limit). The quadratic term is
-    fitted on sizes measured at shorter lengths near the budget -- where the plan operates -- and
-    never so large that it predicts below one of those measurements; without such sizes it is 0,
-    and the model predicts shorter lengths at the longest length's cost per token (more, never
-    less, than they take: memory per token does not fall with the length).
+    ``L``), and -- where attention runs without a fused kernel -- their square; ``per_sample`` is
+    what a sample costs whatever its length (positive for a per-sample head, negative where a
+    sequence's last position predicts nothing). The intercept and the cost per sample at the
+    longest length come from the line through sizes near the limit there; the shape in ``L`` is
+    fitted on one size per shorter length, where that size came near the budget (a size of few
+    tokens peaks elsewhere in the step): through two lengths a line, through three or more a
+    parabola (kept only where its curvature is positive), through the longest alone a line
+    through the origin.
 
     Attributes:
-        base_bytes: what does not grow with the tokens (weights, gradients, state).
+        base_bytes: what does not grow with the micro-batch (weights, gradients, state).
         per_token_bytes: bytes per token of a micro-batch.
         per_token_sq_bytes: bytes per sample per squared length (0 when the data show none).
+        per_sample_bytes: bytes per sample whatever its length (may be negative).
         opt_peak_bytes: the optimizer-step peak.
         residual: worst relative error on the points it was fitted on.
         num_points: measurements it was fitted on.
@@ -143,43 +145,51 @@ class TokenMemoryModel:
     opt_peak_bytes: int
     residual: float
     num_points: int
+    per_sample_bytes: float = 0.0
 
     @classmethod
     def anchored(cls, base_bytes: float, per_sample_bytes: float, longest: int, opt_peak_bytes: int,
                  points: Sequence[TokenPoint] = ()) -> TokenMemoryModel:
-        """The model through ``base + b * per_sample_bytes`` at ``longest``, its quadratic term from
-        ``points`` (sizes at shorter lengths near the budget).
+        """The model through ``base + b * per_sample_bytes`` at ``longest``, its shape in ``L`` from
+        ``points`` (one or more sizes at shorter lengths near the budget)."""
+        import torch  # float64 least squares on a handful of points
 
-        With ``f(L) = a L + c L**2`` and ``f(longest)`` fixed, ``c`` is the least-squares fit to what
-        each point adds per sample, clamped to ``[0, the largest c that predicts no point more than
-        2% low]`` (a larger ``c`` lowers every shorter length's prediction)."""
-        shorter = [p for p in points if p.length < longest and p.micro_batch > 0]
-        slope = per_sample_bytes / longest  # the cost per token at the longest length
-
-        def f_obs(p: TokenPoint) -> float:
-            return (p.fwd_bwd_peak_bytes - base_bytes) / p.micro_batch
-
-        # f(L) = slope * L - c * L * (longest - L): how far below the anchored line each point lies
-        gaps = [(p.length * (longest - p.length), slope * p.length - f_obs(p)) for p in shorter]
-        c = 0.0
-        if gaps:
-            c = max(0.0, sum(w * g for w, g in gaps) / sum(w * w for w, _ in gaps))
-            limits = [(slope * p.length - 0.98 * f_obs(p)) / w for (w, _), p in zip(gaps, shorter)]
-            c = max(0.0, min([c, *limits]))
-        a = slope - c * longest
-        used = list(points)
-        residual = max((abs(base_bytes + p.micro_batch * (a * p.length + c * p.length ** 2) - p.fwd_bwd_peak_bytes)
+        costs = {longest: per_sample_bytes}  # what a sample adds, by length
+        for p in points:
+            if 0 < p.length < longest and p.micro_batch > 0:
+                costs[p.length] = max(costs.get(p.length, 0.0), (p.fwd_bwd_peak_bytes - base_bytes) / p.micro_batch)
+        lengths = sorted(costs)
+        d, a, c = 0.0, per_sample_bytes / longest, 0.0
+        if len(lengths) >= 2:
+            degree = 2 if len(lengths) >= 3 else 1
+            x = torch.tensor([[float(n) ** k for k in range(degree + 1)] for n in lengths], dtype=torch.float64)
+            y = torch.tensor([[costs[n]] for n in lengths], dtype=torch.float64)
+            coef = torch.linalg.lstsq(x, y).solution.flatten().tolist()
+            if degree == 2 and coef[2] < 0:  # a concave fit: the line through the lengths instead
+                x, degree = x[:, :2], 1
+                coef = torch.linalg.lstsq(x, y).solution.flatten().tolist()
+            d, a, c = coef[0], coef[1], (coef[2] if degree == 2 else 0.0)
+            if a <= 0:  # memory that does not grow with the length: no model in tokens to speak of
+                d, a, c = 0.0, per_sample_bytes / longest, 0.0
+        used = [p for p in points if p.length in costs]
+        residual = max((abs(base_bytes + p.micro_batch * (d + a * p.length + c * p.length ** 2) - p.fwd_bwd_peak_bytes)
                         / max(p.fwd_bwd_peak_bytes, 1) for p in used), default=0.0)
-        return cls(base_bytes, a, c, opt_peak_bytes, residual, len(used))
+        return cls(base_bytes, a, c, opt_peak_bytes, residual, len(used) + 1, d)
 
     @property
     def quadratic(self) -> float:
         """The quadratic term per token: ``per_token_sq / per_token``."""
         return self.per_token_sq_bytes / self.per_token_bytes if self.per_token_bytes > 0 else 0.0
 
+    @property
+    def per_sample(self) -> float:
+        """The per-sample term in token-units: ``per_sample / per_token``."""
+        return self.per_sample_bytes / self.per_token_bytes if self.per_token_bytes > 0 else 0.0
+
     def predict(self, micro_batch: int, length: int) -> int:
         """Predicted peak bytes of a training step of ``micro_batch`` samples padded to ``length``."""
-        grows = micro_batch * (self.per_token_bytes * length + self.per_token_sq_bytes * length ** 2)
+        grows = micro_batch * max(self.per_sample_bytes + self.per_token_bytes * length
+                                  + self.per_token_sq_bytes * length ** 2, 0.0)
         return int(math.ceil(max(self.opt_peak_bytes, self.base_bytes + grows)))
 
     def max_cost(self, budget_bytes: int, headroom: float = 0.0) -> float:
@@ -191,14 +201,16 @@ class TokenMemoryModel:
 
     def max_batch(self, length: int, budget_bytes: int, headroom: float = 0.0) -> int:
         """The largest micro-batch of samples padded to ``length`` predicted to fit; 0 if none."""
-        return int(self.max_cost(budget_bytes, headroom) // (length + self.quadratic * length * length))
+        unit = max(length + self.quadratic * length * length + self.per_sample, 1e-9)
+        return int(self.max_cost(budget_bytes, headroom) // unit)
 
     def to_dict(self) -> dict[str, float | int]:
         return {"base_bytes": self.base_bytes, "per_token_bytes": self.per_token_bytes,
-                "per_token_sq_bytes": self.per_token_sq_bytes, "opt_peak_bytes": self.opt_peak_bytes,
-                "residual": self.residual, "num_points": self.num_points}
+                "per_token_sq_bytes": self.per_token_sq_bytes, "per_sample_bytes": self.per_sample_bytes,
+                "opt_peak_bytes": self.opt_peak_bytes, "residual": self.residual, "num_points": self.num_points}
 
     @classmethod
     def from_dict(cls, data: dict) -> TokenMemoryModel:
         return cls(float(data["base_bytes"]), float(data["per_token_bytes"]), float(data["per_token_sq_bytes"]),
-                   int(data["opt_peak_bytes"]), float(data["residual"]), int(data["num_points"]))
+                   int(data["opt_peak_bytes"]), float(data["residual"]), int(data["num_points"]),
+                   float(data.get("per_sample_bytes", 0.0)))

@@ -61,20 +61,26 @@ def micro_sizes(share: int, micro_batch: int, steps: int, min_micro_batch: int =
 class TokenBudget:
     """How much of a variable-length batch one micro-batch may hold (``autoaccum.memory_model``).
 
-    ``b`` samples padded to length ``L`` cost ``b * (L + quadratic * L**2)`` token-units: the
-    tokens, plus the attention's quadratic term where the model has one (without a fused kernel).
-    A micro-batch fits when its cost is at most ``max_cost``.
+    ``b`` samples padded to length ``L`` cost ``b * (L + quadratic * L**2 + per_sample)``
+    token-units: the tokens, the attention's quadratic term where the model has one (without a
+    fused kernel), and what a sample costs whatever its length. A micro-batch fits when its cost is
+    at most ``max_cost``.
 
     Attributes:
         max_cost: the token-units one micro-batch may hold.
         quadratic: the quadratic coefficient (per token of length), 0 for linear models.
         longest: the longest sample length planned for (a micro-batch of the smallest size at
             this length must fit).
+        pass_cost: what one forward/backward pass costs beyond its tokens, in token-units (the
+            time of a pass is about ``pass_cost + cost``): the cutter weighs padding against passes.
+        per_sample: a sample's cost whatever its length, in token-units (may be negative).
     """
 
     max_cost: float
     quadratic: float = 0.0
     longest: int = 1
+    pass_cost: float = 0.0
+    per_sample: float = 0.0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.max_cost) and self.max_cost > 0):
@@ -82,23 +88,31 @@ class TokenBudget:
         if not (math.isfinite(self.quadratic) and self.quadratic >= 0):
             raise ValueError(f"Invalid quadratic: {self.quadratic!r}. Allowed range: finite and >= 0")
         check_positive_int(self.longest, "longest")
+        if not (math.isfinite(self.pass_cost) and self.pass_cost >= 0):
+            raise ValueError(f"Invalid pass_cost: {self.pass_cost!r}. Allowed range: finite and >= 0")
+
+    def unit(self, length: int) -> float:
+        """The cost of one sample padded to ``length``."""
+        return max(length + self.quadratic * length * length + self.per_sample, 1e-9)
 
     def cost(self, num_samples: int, length: int) -> float:
-        return num_samples * (length + self.quadratic * length * length)
+        return num_samples * self.unit(length)
 
     def max_batch(self, length: int) -> int:
         """The most samples of ``length`` one micro-batch may hold (0 if not even one)."""
-        return int(self.max_cost // (length + self.quadratic * length * length))
+        return int(self.max_cost // self.unit(length))
 
     def halved(self) -> TokenBudget:
-        return TokenBudget(self.max_cost / 2, self.quadratic, self.longest)
+        return dataclasses.replace(self, max_cost=self.max_cost / 2)
 
     def to_dict(self) -> dict[str, float | int]:
-        return {"max_cost": self.max_cost, "quadratic": self.quadratic, "longest": self.longest}
+        return {"max_cost": self.max_cost, "quadratic": self.quadratic, "longest": self.longest,
+                "pass_cost": self.pass_cost, "per_sample": self.per_sample}
 
     @classmethod
     def from_dict(cls, data: dict) -> TokenBudget:
-        return cls(float(data["max_cost"]), float(data.get("quadratic", 0.0)), int(data.get("longest", 1)))
+        return cls(float(data["max_cost"]), float(data.get("quadratic", 0.0)), int(data.get("longest", 1)),
+                   float(data.get("pass_cost", 0.0)), float(data.get("per_sample", 0.0)))
 
 
 @dataclass(frozen=True)
@@ -211,9 +225,8 @@ class Plan:
             return plan
         tokens = self.tokens.halved()
         # never below the smallest micro-batch at the longest length
-        floor = self.min_micro_batch * (tokens.longest + tokens.quadratic * tokens.longest ** 2)
-        return dataclasses.replace(plan, tokens=TokenBudget(max(tokens.max_cost, floor), tokens.quadratic,
-                                                            tokens.longest))
+        floor = self.min_micro_batch * tokens.unit(tokens.longest)
+        return dataclasses.replace(plan, tokens=dataclasses.replace(tokens, max_cost=max(tokens.max_cost, floor)))
 
     def with_micro_batch(self, micro_batch: int) -> Plan:
         """The same target, ranks, smallest size and token budget, cut at ``micro_batch``."""

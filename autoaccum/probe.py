@@ -184,7 +184,8 @@ def probe(
     stepper, model_fit, token_model, note = measured.stepper, measured.model, measured.token_model, measured.note
     plan = Plan.for_target(target_batch, measured.best, world_size, smallest)
     if token_model is not None and profile is not None:
-        plan = _token_plan(token_model, profile, plan, plan_budget.budget_bytes, plan_budget.headroom, upper)
+        plan = _token_plan(token_model, profile, plan, plan_budget.budget_bytes, plan_budget.headroom, upper,
+                           stepper.measured.values())
     report = ProbeReport(
         plan=plan, candidates=tuple(stepper.measured.values()), model=model_fit, device=str(device),
         device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
@@ -208,12 +209,38 @@ class _Measured:
     best: int  # the micro-batch chosen (for variable-length data: at the longest length)
 
 
+#: a pass's fixed cost, in the share of a full micro-batch's cost, where the probe's timings cannot tell
+DEFAULT_PASS_SHARE = 0.1
+
+
+def pass_cost(candidates: Iterable[Candidate], quadratic: float, max_cost: float, per_sample: float = 0.0) -> float:
+    """What a forward/backward pass costs beyond its tokens, in token-units: the intercept over the
+    slope of ``time = fixed + per_unit * b * (L + quadratic * L**2 + per_sample)`` through the timed
+    sizes at the longest length (one length: the compute per token is the same for all of them),
+    kept within 2% and 100% of a full micro-batch (a default share where the timings cannot tell)."""
+    timed = [c for c in candidates if c.status == "ok" and c.length is not None and c.micro_step_time_s]
+    longest = max((c.length for c in timed), default=None)
+    points = [(c.micro_batch * (c.length + quadratic * c.length ** 2 + per_sample), c.micro_step_time_s)
+              for c in timed if c.length == longest]
+    if len({u for u, _ in points}) < 2:
+        return DEFAULT_PASS_SHARE * max_cost
+    mean_u = sum(u for u, _ in points) / len(points)
+    mean_t = sum(t for _, t in points) / len(points)
+    slope = sum((u - mean_u) * (t - mean_t) for u, t in points) / sum((u - mean_u) ** 2 for u, _ in points)
+    if slope <= 0:
+        return DEFAULT_PASS_SHARE * max_cost
+    fixed = mean_t - slope * mean_u
+    return min(max(fixed / slope, 0.02 * max_cost), max_cost)
+
+
 def _token_plan(token_model: TokenMemoryModel, profile: LengthProfile, plan: Plan, budget_bytes: int,
-                headroom: float, upper: int) -> Plan:
+                headroom: float, upper: int, candidates: Iterable[Candidate]) -> Plan:
     """The plan for variable-length data: cut by the token budget the model predicts fits, at most as
-    many samples per micro-batch as fit at the shortest length."""
-    tokens = TokenBudget(max(token_model.max_cost(budget_bytes, headroom), 1.0), token_model.quadratic,
-                         profile.longest)
+    many samples per micro-batch as fit at the shortest length, passes weighed by their measured cost."""
+    max_cost = max(token_model.max_cost(budget_bytes, headroom), 1.0)
+    tokens = TokenBudget(max_cost, token_model.quadratic, profile.longest,
+                         pass_cost(candidates, token_model.quadratic, max_cost, token_model.per_sample),
+                         token_model.per_sample)
     cap = min(upper, max(plan.min_micro_batch, tokens.max_batch(profile.shortest)))
     return dataclasses.replace(plan.with_micro_batch(cap), tokens=tokens)
 

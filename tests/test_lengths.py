@@ -227,3 +227,57 @@ def test_the_plan_never_gives_a_micro_batch_more_than_fits_at_its_length():
     assert tokens.max_batch(100) == 5  # 100 + 0.01 * 100^2 = 200 per sample
     assert tokens.max_batch(10) == 90  # 10 + 1 = 11
     assert tokens.halved().max_batch(100) == 2
+
+
+def test_the_cut_of_one_batch_is_never_served_for_another(monkeypatch):
+    """A regression: the cutter remembered the last batch by id(), and a freed batch's id is reused by
+    the next -- a step was cut by the previous step's lengths (micro-batches over the budget; OOMs in
+    the variable-length benchmark). Here every id collides: the cutter must still cut each batch."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("autoaccum.cut"), "id", lambda obj: 42, raising=False)
+    plan = token_plan(32, max_cost=96)
+    cut = TokenCut()
+    cut.groups(samples(rows(32, seed=1)), plan)
+    again = samples(rows(32, seed=2))
+    groups = cut.groups(again, plan)
+    lengths = again.lengths
+    assert sorted(i for g in groups for i in g) == list(range(32))
+    assert all(len(g) * max(lengths[i] for i in g) <= 96 or len(g) == 1 for g in groups)
+
+
+# -- on two ranks ------------------------------------------------------------------------------------
+
+def two_ranks_token_cut(rank: int, world_size: int) -> dict:
+    from autoaccum.distributed import DistributedSync
+
+    target = 24
+    batches = [rows(target, seed=s) for s in range(3)]
+    model = lm()
+    guard = OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.5), plan=token_plan(target, 96).with_world_size(2),
+                     cut=TokenCut(), sync=DistributedSync(model))
+    # uneven lengths per rank: rank 0 takes the 12 shortest of each global batch, rank 1 the 12 longest
+    steps = []
+    for items in batches:
+        ordered = sorted(items, key=lambda r: len(r["input_ids"]))
+        mine = ordered[:12] if rank == 0 else ordered[12:]
+        result = guard.step(samples(mine), token_loss)
+        steps.append((result.micro_steps, len(TokenCut().groups(samples(mine), guard.plan))))
+    return {"params": params(model), "steps": steps}
+
+
+def test_two_ranks_with_uneven_lengths_equal_full_batch_token_mean_descent(tmp_path):
+    """Each rank cuts its own share by tokens -- a different number of micro-batches on each -- and
+    both run the larger count (empty micro-steps on the other); the token count is over both ranks."""
+    from _spawn import results, spawn
+
+    codes, _ = spawn(two_ranks_token_cut, tmp_path)
+    out = results(tmp_path, codes)
+    ref = lm()
+    full_batch_steps(ref, [rows(24, seed=s) for s in range(3)])
+    for r in out:
+        assert rel_diff(r["params"], params(ref)) <= RTOL
+    own = [[groups for _, groups in r["steps"]] for r in out]
+    ran = [[micro for micro, _ in r["steps"]] for r in out]
+    assert ran[0] == ran[1] == [max(a, b) for a, b in zip(*own)]  # every rank ran the same micro-steps
+    assert any(a != b for a, b in zip(*own))  # ... though their own cuts differed
