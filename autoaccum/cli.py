@@ -86,24 +86,29 @@ def resolve_task(spec: str | None, device: str | None) -> Task:
     task = load_task(spec)
     task.model.to(dev)
     make_batch = task.make_batch
-    return Task(model=task.model, loss_fn=task.loss_fn, make_batch=lambda b: move_to(make_batch(b), dev),
-                make_optimizer=task.make_optimizer, name=task.name)
+    return Task(model=task.model, loss_fn=task.loss_fn, make_batch=lambda *size: move_to(make_batch(*size), dev),
+                make_optimizer=task.make_optimizer, name=task.name, lengths=task.lengths)
 
 
 def _probe_table(report: ProbeReport) -> str:
     """One row per size. An estimate ran no real step, so it has no times."""
     share, smallest = report.plan.rank_batch(0), report.plan.min_micro_batch
-    head = ("micro", "status", "peak", "fwd/bwd", "opt step") + (() if report.is_estimate else ("pass s", "samples/s"))
+    by_length = report.lengths is not None  # samples/s of a plan cut at one size says little there
+    times = not report.is_estimate and not by_length
+    head = (("length",) if by_length else ()) + ("micro", "status", "peak", "fwd/bwd", "opt step") + \
+        (("pass s", "samples/s") if times else ("pass s",) if by_length and not report.is_estimate else ())
     rows = [head]
-    for c in sorted(report.candidates, key=lambda c: c.micro_batch):
-        row = (str(c.micro_batch), c.status,
+    for c in sorted(report.candidates, key=lambda c: (-(c.length or 0), c.micro_batch)):
+        row = (str(c.length),) if by_length else ()
+        row += (str(c.micro_batch), c.status,
                "-" if c.peak_bytes is None else ("~" if c.status == "oom" else "") + format_bytes(c.peak_bytes),
                "-" if c.fwd_bwd_peak_bytes is None else format_bytes(c.fwd_bwd_peak_bytes),
                "-" if c.opt_peak_bytes is None else format_bytes(c.opt_peak_bytes))
         if not report.is_estimate:
+            row += ("-" if c.micro_step_time_s is None else f"{c.micro_step_time_s:.4f}",)
+        if times:
             step = c.plan_step_time_s(share, smallest)
-            row += ("-" if c.micro_step_time_s is None else f"{c.micro_step_time_s:.4f}",
-                    "-" if not step else f"{share / step:,.0f}")
+            row += ("-" if not step else f"{share / step:,.0f}",)
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)
@@ -124,7 +129,16 @@ def format_probe(report: ProbeReport) -> str:
     lines.append("")
     lines.append(_probe_table(report))
     lines.append("")
-    if report.model is not None:
+    if report.lengths is not None:
+        p = report.lengths
+        lines.append(f"lengths: {p.shortest} to {p.longest}, median {p.median} ({p.source})")
+    if report.token_model is not None:
+        t = report.token_model
+        square = f" + {format_bytes(t.per_token_sq_bytes)} x L^2" if t.per_token_sq_bytes else ""
+        each = f"{format_bytes(t.per_sample_bytes)} + " if round(t.per_sample_bytes) else ""
+        lines.append(f"memory model: peak(b, L) = max({format_bytes(t.opt_peak_bytes)}, {format_bytes(t.base_bytes)} "
+                     f"+ b x ({each}{format_bytes(t.per_token_bytes)} x L{square})) · {report.fit_note}")
+    elif report.model is not None:
         m = report.model
         lines.append(f"memory model: peak(b) = max({format_bytes(m.opt_peak_bytes)}, "
                      f"{format_bytes(m.base_bytes)} + {format_bytes(m.per_sample_bytes)} x b), "
@@ -140,8 +154,8 @@ def format_probe(report: ProbeReport) -> str:
                  key=lambda c: c.micro_batch, default=None)
     step = None if chosen is None or report.is_estimate else chosen.plan_step_time_s(plan.rank_batch(0),
                                                                                      plan.min_micro_batch)
-    speed = "" if not step else f" · {plan.rank_batch(0) / step:,.0f} samples/s"
-    peak = "" if report.model is None else \
+    speed = "" if not step or report.lengths is not None else f" · {plan.rank_batch(0) / step:,.0f} samples/s"
+    peak = "" if report.model is None or report.lengths is not None else \
         f" · peak {'~' if report.is_estimate else ''}{format_bytes(report.model.predict(plan.micro_batch))} " \
         f"of {format_bytes(report.budget_bytes)}"
     lines.append(plan.describe() + speed + peak)

@@ -27,3 +27,14 @@ def not_a_task() -> int:
 
 
 CONSTANT = torch.zeros(1)  # a name that is not callable
+
+
+def variable_length() -> autoaccum.Task:
+    """A small causal LM whose data declares its lengths: probed by length, planned by tokens."""
+    from autoaccum.demo import TinyGPT, token_loss
+
+    torch.manual_seed(0)
+    lengths = tuple([8] * 40 + [16] * 20 + [48] * 4)
+    return autoaccum.Task(model=TinyGPT(seq_len=48, dim=32), loss_fn=token_loss,
+                          make_batch=lambda b, length: torch.randint(0, 256, (b, length + 1)), lengths=lengths,
+                          name="variable-length LM")

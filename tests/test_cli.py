@@ -214,3 +214,19 @@ def test_probe_on_cuda(tmp_path):
     doc = json.loads(result.stdout)
     assert doc["device"].startswith("cuda") and doc["meter"] == "cuda" and not doc["is_estimate"]
     assert doc["plan"]["target_batch"] == 256
+
+
+def test_a_task_that_declares_lengths_is_probed_by_length_and_planned_by_tokens(capsys):
+    code, out, _ = run(capsys, "probe", "--task", "_cli_tasks:variable_length", "--target-batch", "64",
+                       "--budget", "12MiB", "--no-cache")
+    assert code == EXIT_OK
+    lines = out.splitlines()
+    assert any(line.split()[:4] == ["length", "micro", "status", "peak"] for line in lines)
+    assert any(line.startswith("lengths: 8 to 48, median 8 (all 64 samples)") for line in lines)
+    assert any(line.startswith("memory model: peak(b, L) = max(") for line in lines)
+    assert lines[-1].startswith("target 64 = micro <= ") and "token-units" in lines[-1]
+    code, out, _ = run(capsys, "probe", "--task", "_cli_tasks:variable_length", "--target-batch", "64",
+                       "--budget", "12MiB", "--no-cache", "--json")
+    doc = json.loads(out)
+    assert doc["plan"]["tokens"]["longest"] == 48 and doc["lengths"]["longest"] == 48
+    assert {c["length"] for c in doc["candidates"]} == {8, 48} and doc["token_model"]["per_token_bytes"] > 0
