@@ -9,12 +9,14 @@ estimate is not a measurement, and reports say so.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
+from functools import lru_cache
 from typing import Any
 
 import torch
 
-__all__ = ["fake_setup"]
+__all__ = ["cuda_library_bytes", "fake_setup", "with_offset"]
 
 
 def _fake_copy(model: torch.nn.Module, fake_mode: Any) -> torch.nn.Module:
@@ -55,3 +57,32 @@ def fake_setup(model: torch.nn.Module, optimizer: Any,
                             f"defaults and could not ({exc}); pass optimizer= a factory instead, e.g. "
                             f"lambda params: {opt_type.__name__}(params, ...)") from None
     return fake_mode, fake_model, same_optimizer
+
+
+
+@lru_cache(maxsize=None)
+def cuda_library_bytes(device: torch.device) -> int:
+    """Bytes the CUDA allocator keeps for the libraries' own use once they have run: cuBLAS's
+    workspace (held per handle after the first matmul) and what a first convolution leaves with
+    cuDNN. Fake tensors never allocate them, so an estimate for a CUDA model adds them to every
+    peak. Measured once per device: run a small matmul and a convolution, forward and backward,
+    drop every tensor, and read what the allocator still holds beyond what it held before. (The
+    CUDA context itself lives outside the allocator: no budget read from it includes it either.)"""
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    x = torch.randn(64, 256, device=device, requires_grad=True)
+    (x @ x.t()).sum().backward()
+    image = torch.randn(2, 8, 16, 16, device=device, requires_grad=True)
+    torch.nn.functional.conv2d(image, torch.randn(8, 8, 3, 3, device=device)).sum().backward()
+    del x, image
+    torch.cuda.synchronize(device)
+    return max(0, int(torch.cuda.memory_allocated(device) - before))
+
+
+def with_offset(candidates: Any, offset: int) -> tuple[Any, ...]:
+    """The estimate's candidates with ``offset`` bytes added to every peak (see :func:`cuda_library_bytes`)."""
+    return tuple(dataclasses.replace(c, peak_bytes=None if c.peak_bytes is None else c.peak_bytes + offset,
+                                     fwd_bwd_peak_bytes=None if c.fwd_bwd_peak_bytes is None
+                                     else c.fwd_bwd_peak_bytes + offset,
+                                     opt_peak_bytes=None if c.opt_peak_bytes is None else c.opt_peak_bytes + offset)
+                 for c in candidates)

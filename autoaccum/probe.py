@@ -26,7 +26,7 @@ from autoaccum import cache as probe_cache
 from autoaccum import state as training_state
 from autoaccum.batch import Batch
 from autoaccum.batchnorm import smallest_micro_batch
-from autoaccum.estimate import fake_setup
+from autoaccum.estimate import cuda_library_bytes, fake_setup, with_offset
 from autoaccum.memory import (
     CudaMeter, TrackedMemory, device_capacity, refuse_compiled, resolve_budget, usable_bytes,
 )
@@ -178,16 +178,28 @@ def probe(
             return cached
     started = time.perf_counter()
     profile = None if task.lengths is None else LengthProfile.of(task.lengths, source=lengths_source)
-    measured = _measure(task, optimizer, precision, plan_budget.budget_bytes, plan_budget.headroom, estimate=estimate,
-                        share=share, smallest=smallest, upper=upper, passes=steps_per_size,
+    # Fake tensors never allocate what cuBLAS/cuDNN keep once they have run: an estimate for a CUDA
+    # model plans against the budget less those bytes and reports every peak with them added.
+    library = cuda_library_bytes(device) if estimate and device.type == "cuda" else 0
+    measured = _measure(task, optimizer, precision, plan_budget.budget_bytes - library, plan_budget.headroom,
+                        estimate=estimate, share=share, smallest=smallest, upper=upper, passes=steps_per_size,
                         max_candidates=max_candidates, profile=profile)
     stepper, model_fit, token_model, note = measured.stepper, measured.model, measured.token_model, measured.note
+    candidates = tuple(stepper.measured.values())
+    if library:
+        candidates = with_offset(candidates, library)
+        model_fit = None if model_fit is None else dataclasses.replace(
+            model_fit, base_bytes=model_fit.base_bytes + library, opt_peak_bytes=model_fit.opt_peak_bytes + library)
+        token_model = None if token_model is None else dataclasses.replace(
+            token_model, base_bytes=token_model.base_bytes + library,
+            opt_peak_bytes=token_model.opt_peak_bytes + library)
+        note = f"{note}; peaks include {library} bytes the CUDA libraries keep (measured on {device})"
     plan = Plan.for_target(target_batch, measured.best, world_size, smallest)
     if token_model is not None and profile is not None:
         plan = _token_plan(token_model, profile, plan, plan_budget.budget_bytes, plan_budget.headroom, upper,
-                           stepper.measured.values())
+                           candidates)
     report = ProbeReport(
-        plan=plan, candidates=tuple(stepper.measured.values()), model=model_fit, device=str(device),
+        plan=plan, candidates=candidates, model=model_fit, device=str(device),
         device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
         meter="fake" if estimate else stepper.meter.kind, is_estimate=estimate,
         budget_bytes=plan_budget.budget_bytes, budget_source=plan_budget.source, headroom=plan_budget.headroom,

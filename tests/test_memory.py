@@ -277,6 +277,26 @@ def test_probe_on_cuda_uses_the_cuda_meter():
     assert report.max_fitting_micro_batch == 64
 
 
+@pytest.mark.gpu
+def test_cuda_estimate_is_near_the_measured_peaks():
+    """A fake-tensor estimate of a CUDA model, with the libraries' bytes added, lands within 15% of
+    the peaks real CUDA steps measure (without them it was short by cuBLAS's workspace)."""
+    from autoaccum.estimate import cuda_library_bytes
+
+    model = mlp().cuda()
+    batch = lambda b: tuple(t.cuda() for t in mlp_batch()(b))  # noqa: E731
+    measured = autoaccum.probe(model=model, loss_fn=mlp_loss, make_batch=batch, target_batch=64, cache=False)
+    estimated = autoaccum.probe(model=model, loss_fn=mlp_loss, make_batch=batch, target_batch=64, cache=False,
+                                estimate=True)
+    assert cuda_library_bytes(torch.device("cuda", torch.cuda.current_device())) >= 0
+    real = {c.micro_batch: c.peak_bytes for c in measured.candidates if c.status == "ok"}
+    guess = {c.micro_batch: c.peak_bytes for c in estimated.candidates if c.status == "ok"}
+    shared = sorted(set(real) & set(guess))
+    assert shared, (real, guess)
+    for b in shared:
+        assert abs(guess[b] - real[b]) <= 0.15 * real[b], (b, guess[b], real[b])
+
+
 def test_other_libraries_take_the_emulated_oom_for_a_real_one():
     """Accelerate's find_executable_batch_size and Lightning's OOM check match message text, not types:
     an emulated OOM must read like a CUDA one for them to react (a laptop can then test their code)."""
@@ -298,3 +318,37 @@ def test_other_libraries_take_the_emulated_oom_for_a_real_one():
     with pytest.raises(torch.OutOfMemoryError) as info, emulated_budget(1000):
         torch.ones(1000)
     assert lightning_memory.is_oom_error(info.value)
+
+
+def test_the_default_cuda_budget_respects_the_per_process_memory_fraction(monkeypatch):
+    """A process capped with torch.cuda.set_per_process_memory_fraction was planned for the whole card
+    (issue 16). The allocator's numbers are stubbed: the rule is arithmetic, testable without a GPU."""
+    import autoaccum.memory.capacity as capacity
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 4 * gib)
+    monkeypatch.setattr(capacity, "nvml_other_process_bytes", lambda device: 16 * gib)
+    fractions = {"value": 1.0}
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: fractions["value"],
+                        raising=False)
+    device = torch.device("cuda", 0)
+    whole = capacity.cuda_capacity(device)
+    assert whole.available_bytes == 64 * gib and whole.source == "cuda+nvml"  # free + our own cache
+    fractions["value"] = 0.25
+    capped = capacity.cuda_capacity(device)
+    assert capped.available_bytes == 20 * gib and "per-process fraction 0.25" in capped.source
+    fractions["value"] = 0.9  # a cap above what is free changes nothing
+    assert capacity.cuda_capacity(device).available_bytes == 64 * gib
+
+
+def test_estimate_offset_adds_library_bytes_to_every_peak():
+    """An estimate for a CUDA model adds what cuBLAS/cuDNN keep (fake tensors never allocate it)."""
+    from autoaccum.estimate import with_offset
+    from autoaccum.report import Candidate
+
+    base = Candidate(micro_batch=4, status="ok", peak_bytes=1000, fwd_bwd_peak_bytes=900, opt_peak_bytes=1000)
+    failed = Candidate(micro_batch=8, status="oom", peak_bytes=None, fwd_bwd_peak_bytes=None, opt_peak_bytes=None)
+    shifted, still_failed = with_offset((base, failed), 64)
+    assert (shifted.peak_bytes, shifted.fwd_bwd_peak_bytes, shifted.opt_peak_bytes) == (1064, 964, 1064)
+    assert shifted.micro_batch == 4 and still_failed == failed

@@ -61,17 +61,24 @@ class Budget:
 
 
 def cuda_capacity(device: torch.device) -> DeviceCapacity:
-    """Total memory of a CUDA device and what this process can still use of it."""
+    """Total memory of a CUDA device and what this process can still use of it.
+
+    What is free on the device plus what this process's allocator holds already (reusable by it,
+    though the driver counts it as used) -- and no more than the process may reserve under
+    ``torch.cuda.set_per_process_memory_fraction`` (``fraction x total``: the allocator refuses past
+    it, whatever is free)."""
     free, total = torch.cuda.mem_get_info(device)
-    # Memory cached by our own allocator is reusable by us, though the driver counts it as used.
-    reusable = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    reserved = torch.cuda.memory_reserved(device)
+    available = free + reserved
     others = nvml_other_process_bytes(device)
-    return DeviceCapacity(
-        total_bytes=int(total),
-        available_bytes=int(free + reusable + torch.cuda.memory_allocated(device)),
-        other_process_bytes=others,
-        source="cuda+nvml" if others is not None else "cuda",
-    )
+    source = "cuda+nvml" if others is not None else "cuda"
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.6
+    fraction = float(get_fraction(device)) if get_fraction is not None else 1.0
+    if fraction < 1.0 and fraction * total < available:
+        available = int(fraction * total)
+        source += f", per-process fraction {fraction:g}"
+    return DeviceCapacity(total_bytes=int(total), available_bytes=int(available), other_process_bytes=others,
+                          source=source)
 
 
 def device_capacity(device: torch.device) -> DeviceCapacity:
