@@ -33,7 +33,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("lr", "checkpoint", "training.config", "training.evaluate", "training.progress", "training.resume",
      "training.plans", "training", "fit"),
     # inside other trainers: HF Trainer, Lightning, Accelerate (each imports its framework itself)
-    ("integrations.lazy_guard", "integrations.transformers", "integrations.lightning", "integrations"),
+    ("integrations.lazy_guard", "integrations.transformers", "integrations.lightning", "integrations.accelerate",
+     "integrations"),
     # search on top
     ("knobs", "throughput", "search.space", "search.result", "search.study", "search"),
     # the entry points
