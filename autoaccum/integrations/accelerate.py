@@ -58,6 +58,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 __all__ = ["guard_for"]
 
 _PRECISION: dict[str, Precision] = {"bf16": "bf16", "fp16": "fp16"}
+#: distributed types whose engine owns backward (XLA was TPU before Accelerate 0.26)
+_OWN_BACKWARD = {getattr(DistributedType, name) for name in ("DEEPSPEED", "MEGATRON_LM", "XLA", "TPU")
+                 if hasattr(DistributedType, name)}
 
 
 def guard_for(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -89,7 +92,7 @@ def guard_for(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch
     if accelerator.gradient_accumulation_steps != 1:
         problems.append(f"gradient_accumulation_steps={accelerator.gradient_accumulation_steps} (the guard "
                         f"accumulates: Accelerator(gradient_accumulation_steps=1), no accelerator.accumulate)")
-    if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA):
+    if accelerator.distributed_type in _OWN_BACKWARD:
         problems.append(f"distributed type {accelerator.distributed_type} (its engine owns backward)")
     if problems:
         raise ValueError("guard_for cannot drive " + "; ".join(problems))

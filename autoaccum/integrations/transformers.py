@@ -240,7 +240,7 @@ class AutoAccumTrainer(Trainer):
             options = self._autoaccum_options
             optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # AcceleratedOptimizer -> torch's
             self._autoaccum = LazyGuard(
-                model, optimizer, target_batch=self.get_total_train_batch_size(self.args), plan=options["plan"],
+                model, optimizer, target_batch=self._global_batch(), plan=options["plan"],
                 micro_batch=options["micro_batch"], probe_model=self.accelerator.unwrap_model(model),
                 budget=options["budget"], headroom=options["headroom"], precision=_precision(self.args),
                 scaler=self.accelerator.scaler, grow_after=options["grow_after"])
@@ -248,6 +248,13 @@ class AutoAccumTrainer(Trainer):
                 self._autoaccum.load_state_dict(self._autoaccum_state)
             self._autoaccum_logged = None
         return self._autoaccum
+
+    def _global_batch(self) -> int:
+        """Samples per optimizer step over all processes: the per-device batch (here the whole share)
+        times the data-parallel processes, as HF counts them."""
+        if hasattr(self, "get_total_train_batch_size"):  # transformers >= 4.5x: tensor/context parallel aware
+            return int(self.get_total_train_batch_size(self.args))
+        return self._train_batch_size * self.args.gradient_accumulation_steps * self.args.world_size
 
     def _log_plan(self, result: AccumulateResult) -> None:
         """The plan into HF's log history at the first step and at every change."""
