@@ -12,9 +12,10 @@ padding, dtypes) and the model, optimizer and wrappers as the framework prepared
 batch drawn from the loader beforehand would consume the loader's random state.
 
 Under an emulated budget (``autoaccum.emulated_budget``) and no ``budget=`` of its own, the probe
-plans for that budget (measuring with its own counter, the emulated device suspended: its snapshots
-of the training state stay in host memory, as on a real device), and the guard reports step peaks
-from it.
+plans for what that device has left besides the model and optimizer (the global batch the loader put
+there counts, as it does in a CUDA probe's free memory), measuring with its own counter while the
+emulated device is suspended (its snapshots of the training state stay in host memory, as on a real
+device); the guard reports step peaks from the emulated device.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from autoaccum.memory import TrackedMemory, active_budget
 from autoaccum.plan import Plan, resolve_plan
 from autoaccum.precision import Precision
 from autoaccum.probe import probe
+from autoaccum.report import ProbeReport
 from autoaccum.sync import GradSync, LocalSync
 from autoaccum.task import LossFn
 from autoaccum.units import format_bytes
@@ -53,6 +55,16 @@ def _suspended(emulated: TrackedMemory | None) -> Iterator[None]:
         return
     with _pop_mode_temporarily():
         yield
+
+
+def _free_for_probe(emulated: TrackedMemory, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """The budget the probe plans for on an emulated device: its budget less what lives on it besides the
+    model and optimizer (which the probe counts itself) -- e.g. the global batch a framework's loader
+    placed on the device -- as a CUDA probe sees only the memory still free."""
+    own = TrackedMemory().track(model, optimizer)
+    other = max(emulated.current_bytes - own.current_bytes, 0)
+    own.close()
+    return max(emulated.budget_bytes - other, 1)
 
 
 def sync_for(model: torch.nn.Module) -> GradSync:
@@ -94,7 +106,8 @@ class LazyGuard:
         self.budget, self.headroom, self.precision = budget, headroom, precision
         self.guard_options = guard_options
         self.guard: OOMGuard | None = None
-        self.plan_source: str | None = None
+        self.plan_source: str | None = None  # checkpoint, given or probe
+        self.report: ProbeReport | None = None  # the probe's, when it probed
         self._saved: dict[str, Any] | None = None
 
     def accumulate(self, batch: Batch, loss_fn: LossFn, *, partial: bool | None = None) -> AccumulateResult:
@@ -180,11 +193,12 @@ class LazyGuard:
         budget = self.budget
         emulated = active_budget()
         if budget is None and emulated is not None:
-            budget = emulated.budget_bytes  # plan for the device being emulated
+            budget = _free_for_probe(emulated, self.probe_model, self.optimizer)
         with _suspended(emulated):
             report = probe(model=self.probe_model, loss_fn=loss_fn, make_batch=make_batch, optimizer=self.optimizer,
                            target_batch=target, world_size=self.sync.world_size, budget=budget,
                            headroom=self.headroom, precision=self.precision, max_micro_batch=size)
+        self.report = report
         logger.info("autoaccum probe: micro-batches up to %d fit in %s usable; %d passes, %.2f s",
                     report.max_fitting_micro_batch, format_bytes(report.usable_bytes), report.probe_steps,
                     report.wall_time_s)

@@ -27,7 +27,8 @@ How, and why this hook:
   it, runs HF's ``compute_loss`` on each micro-batch, owns every backward (HF's
   ``accelerator.backward`` is not called; no loss is divided by accumulation steps), replays on OOM
   (gradients cleared, RNG and BatchNorm buffers restored) and leaves the gradient of the whole
-  global batch in ``.grad`` for HF's optimizer step. Under DDP every micro-batch runs under
+  global batch in ``.grad`` for HF's optimizer step. The loader leaves each global batch in host
+  memory (HF would put it on the device whole): the guard moves one micro-batch at a time. Under DDP every micro-batch runs under
   ``no_sync`` and gradients are summed once (``autoaccum.distributed``).
 - **Losses are HF's, normalised as HF's full-batch step normalises them.** Per-token labels (the
   Trainer counts items when the model takes loss keyword arguments or ``compute_loss_func`` is
@@ -210,6 +211,16 @@ class AutoAccumTrainer(Trainer):
             raise ValueError("AutoAccumTrainer does not support " + "; ".join(problems))
 
     # -- training ------------------------------------------------------------------------------------
+    def get_train_dataloader(self) -> Any:
+        """HF's training loader, its batches left in host memory: a global batch would otherwise be put on
+        the device whole; the guard moves one micro-batch at a time (pinned: asynchronously)."""
+        placement = self.accelerator.device_placement
+        self.accelerator.device_placement = False
+        try:
+            return super().get_train_dataloader()
+        finally:
+            self.accelerator.device_placement = placement
+
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """HF's ``train``; a resumed run takes the guard's plan from the checkpoint instead of probing."""
         checkpoint = resume_from_checkpoint
