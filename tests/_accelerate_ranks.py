@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 
 import torch
-
 from _audit import IdAudit
 from _mlp_rows import mlp, samples, token_loss
 

@@ -7,7 +7,12 @@ fp64, dropout off.
 from __future__ import annotations
 
 import torch
-from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    GPT2Config,
+    GPT2LMHeadModel,
+)
 
 VOCAB, SEQ, PAD, N = 64, 16, 0, 32
 

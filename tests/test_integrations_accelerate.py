@@ -19,11 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from _audit import IdAudit
 
 from autoaccum import emulated_budget, parse_bytes
 from autoaccum.losses import default_loss
-
-from _audit import IdAudit
 
 pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
@@ -163,13 +162,14 @@ def test_the_example_runs_and_recovers_in_place():
 
 
 # -- two processes (gloo), the DDP wrapper Accelerate returns ---------------------------------------------
+@pytest.mark.slow  # two spawned processes, each importing its framework
 def test_two_processes_on_the_ddp_model_accelerate_prepared(tmp_path):
     """An MLP with a token-level loss (tests/_accelerate_ranks.py): the step divides by the targets of
     the whole global batch over both ranks. Rank 1 alone runs out of memory at step 3."""
-    from test_distributed import results, spawn
-
-    from _accelerate_ranks import GLOBAL as GLOBAL_2, two_process_loop
+    from _accelerate_ranks import GLOBAL as GLOBAL_2
+    from _accelerate_ranks import two_process_loop
     from _mlp_rows import mlp, samples, token_loss
+    from test_distributed import results, spawn
 
     ranks = results(tmp_path, spawn(two_process_loop, tmp_path)[0])
     assert [r["wrapper"] for r in ranks] == ["DistributedDataParallel"] * 2

@@ -15,15 +15,13 @@ import logging
 
 import pytest
 import torch
+from _audit import IdAudit
 
 from autoaccum import emulated_budget, parse_bytes
 
-from _audit import IdAudit
-
 transformers = pytest.importorskip("transformers")
-from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402 - after the skip
-
 from _token_rows import N, Rows, bert, collate, gpt2, ids_of, params, rel_diff  # noqa: E402
+from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402 - after the skip
 
 from autoaccum.integrations.transformers import GUARD_FILE, AutoAccumTrainer  # noqa: E402
 
@@ -91,7 +89,7 @@ def reference(tmp_path_factory, one_thread):
     """HF's own full-batch run: per device 8, no accumulation."""
     transformers.logging.set_verbosity_error()
     model = gpt2()
-    trainer, audit, watch = train(Trainer, model, arguments(str(tmp_path_factory.mktemp("ref")), 8, 1))
+    trainer, audit, _ = train(Trainer, model, arguments(str(tmp_path_factory.mktemp("ref")), 8, 1))
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
     return {"params": params(model), "steps": audit.steps, "losses": losses, "norms": norms}
@@ -144,7 +142,7 @@ def test_checkpoint_and_resume_keep_working_and_keep_the_plan(reference, tmp_pat
     saved = json.loads((tmp_path / "checkpoint-2" / GUARD_FILE).read_text())
     assert saved["plan"]["micro_batch"] == 3 and saved["steps"] == 2
     model = gpt2()  # a new process would start from scratch: HF loads weights, optimizer, scheduler, RNG
-    trainer, audit, watch = train(AutoAccumTrainer, model, args, resume=str(tmp_path / "checkpoint-2"))
+    trainer, audit, _ = train(AutoAccumTrainer, model, args, resume=str(tmp_path / "checkpoint-2"))
     assert trainer.autoaccum_guard.plan_source == "checkpoint"  # no probe: the plan came with the checkpoint
     assert trainer.autoaccum_guard.guard.plan.micro_batch == 3
     assert audit.steps == reference["steps"][2:]  # HF skipped the trained batches
@@ -172,8 +170,8 @@ def test_per_sample_labels_are_weighted_by_samples_where_hfs_count_path_would_su
     ref = bert()
     train(Trainer, ref, arguments(str(tmp_path / "ref"), 8, 1), per_sample=True)
     model = bert()
-    trainer, audit, _ = train(AutoAccumTrainer, model, arguments(str(tmp_path / "aa"), PER_DEVICE, ACCUM),
-                              per_sample=True, micro_batch=3)
+    trainer, _, _ = train(AutoAccumTrainer, model, arguments(str(tmp_path / "aa"), PER_DEVICE, ACCUM),
+                          per_sample=True, micro_batch=3)
     assert trainer.autoaccum_guard.guard.plan.accum_steps == 3
     assert rel_diff(params(model), params(ref)) <= RTOL
     hf = bert()
@@ -184,3 +182,67 @@ def test_per_sample_labels_are_weighted_by_samples_where_hfs_count_path_would_su
 def test_what_it_cannot_run_is_refused_at_construction(tmp_path):
     with pytest.raises(ValueError, match=r"auto_find_batch_size=True: it shrinks the batch.*Drop it"):
         AutoAccumTrainer(model=gpt2(), args=arguments(str(tmp_path), 2, 4, auto_find_batch_size=True))
+
+
+# -- two processes (gloo): DDP, HF's token count over all ranks ------------------------------------------------
+def _two_process_train(rank: int, world_size: int, out: str) -> dict:
+    """The AutoAccumTrainer on two processes (as torchrun starts them; the harness made the process group
+    and Accelerate takes it): per device 2 x accumulation 2, so 8 samples per optimizer step. HF multiplies
+    each loss by the number of processes (``average_tokens_across_devices``) for DDP's averaging; the guard
+    sums gradients, so that factor must come out again. Rank 1 alone runs out of memory in step 3."""
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT="1")
+    transformers.logging.set_verbosity_error()
+    model = gpt2()
+    audit = IdAudit(model)
+    audit.hook_forward(model, ids_of)
+    oom = {"armed": None}
+
+    def out_of_memory(module: torch.nn.Module, args: tuple) -> None:
+        if oom["armed"] is not None:
+            oom["armed"] -= 1
+            if oom["armed"] == 0:
+                oom["armed"] = None
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB (injected by the test)")
+
+    class Arm(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            oom["armed"] = 2 if state.global_step == 2 and rank == 1 else None
+
+    model.transformer.register_forward_pre_hook(out_of_memory)
+    trainer = AutoAccumTrainer(model=model, args=arguments(out, 2, 2, ddp_backend="gloo"), train_dataset=Rows(),
+                               data_collator=collate, callbacks=[Watch(audit), Arm()], micro_batch=2)
+    trainer.train()
+    guard = trainer.autoaccum_guard.guard
+    return {"params": params(model), "steps": audit.steps, "wrapper": type(trainer.model_wrapped).__name__,
+            "changes": [(c.step, c.reason) for c in guard.changes], "plan": guard.plan.to_dict(),
+            "global_step": trainer.state.global_step}
+
+
+@pytest.mark.slow  # two spawned processes, each importing its framework
+def test_two_processes_hfs_token_count_over_all_ranks_equals_one_process_full_batch(tmp_path):
+    from test_distributed import results, spawn
+
+    ranks = results(tmp_path, spawn(_two_process_train, tmp_path, out=str(tmp_path / "out"))[0])
+    assert [r["wrapper"] for r in ranks] == ["DistributedDataParallel"] * 2 and ranks[0]["plan"]["world_size"] == 2
+    assert [r["changes"] for r in ranks] == [[(3, "oom")]] * 2 and [r["global_step"] for r in ranks] == [STEPS] * 2
+    assert all(torch.equal(a, ranks[1]["params"][n]) for n, a in ranks[0]["params"].items())
+    batches = [sorted(a + b) for a, b in zip(ranks[0]["steps"], ranks[1]["steps"])]
+    assert [len(b) for b in batches] == [8] * STEPS and sorted(i for b in batches for i in b) == list(range(N))
+
+    class Order(torch.utils.data.Sampler):
+        def __iter__(self):
+            return iter([i for b in batches for i in b])
+
+        def __len__(self):
+            return N
+
+    class InOrder(Trainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            return Order()
+
+    model = gpt2()  # HF's own run in one process, one forward/backward per global batch of those samples
+    InOrder(model=model, args=arguments(str(tmp_path / "ref"), 8, 1), train_dataset=Rows(), data_collator=collate).train()
+    assert rel_diff(ranks[0]["params"], params(model)) <= RTOL

@@ -15,12 +15,11 @@ import warnings
 
 import pytest
 import torch
-
-from autoaccum import emulated_budget, parse_bytes
-
 from _audit import IdAudit
 from _mlp_rows import N, mean_loss, mlp, samples
 from _mlp_rows import token_loss as summed
+
+from autoaccum import emulated_budget, parse_bytes
 
 pl = pytest.importorskip("lightning.pytorch")
 
@@ -210,6 +209,7 @@ def _ddp_fit(rank: int, world_size: int, budget: str, lower: str) -> dict:
             "global_step": run.global_step, "strategy": type(run.strategy).__name__}
 
 
+@pytest.mark.slow  # two spawned processes, each importing its framework
 def test_lightnings_ddp_strategy_on_two_processes_with_an_oom_on_one_rank(tmp_path):
     from test_distributed import results, spawn
 

@@ -34,7 +34,9 @@ What it takes from Accelerate, and why:
 
 ``accelerator.backward`` would divide each loss by ``gradient_accumulation_steps``; the guard does
 the accumulation, so that must be 1 (refused otherwise), and ``accelerator.accumulate`` is not used.
-Not supported: DeepSpeed, Megatron-LM and XLA (their engines own backward). With ``even_batches``
+Not supported: DeepSpeed, Megatron-LM and XLA (their engines own backward). A prepared loader puts
+each global batch on the device whole; ``accelerator.prepare(..., loader, device_placement=[..., False])``
+leaves it in host memory, and the guard moves one micro-batch at a time. With ``even_batches``
 (Accelerate's default) the last batch of an epoch is filled up with samples from its start on
 every process, as in any Accelerate loop; ``Accelerator(even_batches=False)`` or a ``drop_last``
 loader avoid it.

@@ -39,13 +39,14 @@ returns the *mean* loss over the samples of the batch it is given (a tensor, or 
 tokens of the whole global batch over all ranks. ``self.log`` inside ``training_step`` runs once per
 micro-batch: a per-step value is the last micro-batch's, an epoch mean weights micro-batches by
 their samples. Overrides of ``backward`` or ``optimizer_zero_grad`` are bypassed while it trains.
+Lightning moves each global batch to the device before ``training_step`` (the micro-batches are
+views of it): inputs are usually small next to activations, but they count against the memory.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -63,8 +64,6 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("autoaccum.integrations.lightning needs Lightning: pip install 'autoaccum[lightning]'") from exc
 
 __all__ = ["AutoAccum"]
-
-logger = logging.getLogger(__name__)
 
 _PATCHED = ("training_step", "backward", "optimizer_zero_grad")
 

@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import copy
 import json
-import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -79,9 +78,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("autoaccum.integrations.transformers needs Hugging Face transformers: "
                       "pip install 'autoaccum[transformers]'") from exc
 
-__all__ = ["AutoAccumTrainer", "GUARD_FILE"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["GUARD_FILE", "AutoAccumTrainer"]
 
 #: the guard's state in each checkpoint folder
 GUARD_FILE = "autoaccum_guard.json"

@@ -14,8 +14,14 @@ from typing import Any
 from ..context import Context, RunResult
 from ..recorder import Recorder
 from . import (
-    accelerate_system, autoaccum_accelerate, autoaccum_lightning, autoaccum_system, autoaccum_trainer, hand,
-    lightning_system, transformers_system,
+    accelerate_system,
+    autoaccum_accelerate,
+    autoaccum_lightning,
+    autoaccum_system,
+    autoaccum_trainer,
+    hand,
+    lightning_system,
+    transformers_system,
 )
 
 
