@@ -67,6 +67,33 @@ def test_autoaccum_trains_the_exact_global_batch_and_survives_the_budget_drop(do
     assert after["max_rel_diff"] < 1e-10  # the OOM changed nothing but speed
 
 
+@pytest.fixture(scope="module")
+def integrations_doc(compare):
+    """autoaccum inside the Trainer, Lightning and Accelerate (issue 13), tiny, in-process."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        config = compare.runner.Config(size="tiny", models=("mlp",), steps=4, isolate=False,
+                                       systems=("autoaccum_trainer", "autoaccum_lightning", "autoaccum_accelerate"))
+        return compare.runner.run(config)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("system", ["autoaccum_trainer", "autoaccum_lightning", "autoaccum_accelerate"])
+def test_autoaccum_inside_each_framework_is_exact_and_replays_the_budget_drop_in_place(integrations_doc, system):
+    result = integrations_doc["results"][0]
+    row = result["systems"][system]
+    assert row["error"] is None and row["optimizer_steps"] == 4
+    assert row["global_batches"] == [result["target_batch"]]
+    assert (row["repeated_samples"], row["lost_samples"], row["inconsistent_steps"]) == (0, 0, 0)
+    assert 1 <= row["micro_batch"] < result["target_batch"] and row["find_steps"] >= 2  # the probe, counted as find
+    assert row["max_rel_diff"] < 1e-10
+    after = row["runtime_oom"]
+    assert after["error"] is None and "replayed in place" in after["outcome"] and after["attempts"] == 1
+    assert (after["repeated_samples"], after["lost_samples"]) == (0, 0) and after["max_rel_diff"] < 1e-10
+
+
 def test_hand_loop_is_exact_until_the_budget_drops_then_stops(doc):
     result = doc["results"][0]
     row = result["systems"]["hand"]

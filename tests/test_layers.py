@@ -32,6 +32,9 @@ LAYERS: list[tuple[str, ...]] = [
     # the trainer and its components
     ("lr", "checkpoint", "training.config", "training.evaluate", "training.progress", "training.resume",
      "training.plans", "training", "fit"),
+    # inside other trainers: HF Trainer, Lightning, Accelerate (each imports its framework itself)
+    ("integrations.lazy_guard", "integrations.transformers", "integrations.lightning", "integrations.accelerate",
+     "integrations"),
     # search on top
     ("knobs", "throughput", "search.space", "search.result", "search.study", "search"),
     # the entry points

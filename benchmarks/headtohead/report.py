@@ -206,6 +206,10 @@ How each system behaves, by construction (the numbers below show it):
   attempt (samples repeated); an OOM inside the first `optimizer.step()` leaves AdamW's state half
   created, and the retry dies with `KeyError: 'exp_avg_sq'`. Its token-count path (`num_items_in_batch`)
   is exact but only ever sees one micro-batch per step here.
+- **autoaccum_trainer / autoaccum_lightning / autoaccum_accelerate**: the same probe and guard inside
+  each framework (`AutoAccumTrainer`, the `AutoAccum` callback, `guard_for`): the framework steps, the
+  guard accumulates the exact global batch and replays an OOM in place, where that framework's own
+  mechanism (the row above each) changes the global batch, restarts, or stops.
 - **hand**: a nanoGPT-style loop (`loss / accum_steps`) with the largest power-of-two micro-batch that
   divides the target and truly fits (an informed user's pick; its cost is not counted). No OOM handling.
 - **BatchNorm (cnn)**: each micro-batch normalises with its own statistics, so no system that

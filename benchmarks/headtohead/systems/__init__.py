@@ -13,7 +13,16 @@ from typing import Any
 
 from ..context import Context, RunResult
 from ..recorder import Recorder
-from . import accelerate_system, autoaccum_system, hand, lightning_system, transformers_system
+from . import (
+    accelerate_system,
+    autoaccum_accelerate,
+    autoaccum_lightning,
+    autoaccum_system,
+    autoaccum_trainer,
+    hand,
+    lightning_system,
+    transformers_system,
+)
 
 
 @dataclass(frozen=True)
@@ -26,8 +35,11 @@ class System:
 REGISTRY: dict[str, System] = {
     "autoaccum": System(autoaccum_system.run),
     "accelerate": System(accelerate_system.run, requires="accelerate"),
+    "autoaccum_accelerate": System(autoaccum_accelerate.run, requires="accelerate"),
     "lightning": System(lightning_system.run, requires="lightning"),
+    "autoaccum_lightning": System(autoaccum_lightning.run, requires="lightning"),
     "transformers": System(transformers_system.run, requires="transformers"),
+    "autoaccum_trainer": System(autoaccum_trainer.run, requires="transformers"),
     "hand": System(hand.run),
 }
 SYSTEMS = tuple(REGISTRY)

@@ -11,14 +11,12 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-import torch
-from torch import nn
-
 import autoaccum
 
 from ..context import Context, RunResult
 from ..recorder import Recorder
-from ..workloads import Batch, loss_sum, make_optimizer, on_device, slice_batch
+from ..workloads import Batch, make_optimizer, slice_batch
+from .common import pair_loss
 
 
 class GlobalBatchIterable:
@@ -41,18 +39,14 @@ def run(ctx: Context, recorder: Recorder, budget: Any) -> RunResult:
     optimizer = make_optimizer(model)
     recorder.watch_optimizer(optimizer)
 
-    def pair_loss(m: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        recorder.forward(batch)
-        # (sum, count): autoaccum divides the step once by its item count. On CPU the guard's move to the
-        # device is a no-op, so the micro-batch is copied here, as the peers' loaders copy theirs.
-        return loss_sum(m, batch if ctx.device.type == "cuda" else on_device(batch, ctx.device))
+    pair = pair_loss(recorder, ctx.device)  # (sum, count): the step divided once by its item count
 
     first = slice_batch(ctx.data, 0, w.target_batch)
     result = RunResult(model=model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         # The probe enforces the same budget with its own counter (an emulated device on CPU).
-        report = autoaccum.probe(model=model, loss_fn=pair_loss, make_batch=lambda b: slice_batch(first, 0, b),
+        report = autoaccum.probe(model=model, loss_fn=pair, make_batch=lambda b: slice_batch(first, 0, b),
                                  optimizer=optimizer, target_batch=w.target_batch, budget=ctx.budget_bytes)
         result.find_steps, result.find_time_s, result.find_ooms = report.probe_steps, report.wall_time_s, \
             report.probe_ooms
@@ -61,7 +55,7 @@ def run(ctx: Context, recorder: Recorder, budget: Any) -> RunResult:
         budget.track(model, optimizer)
         with budget:
             fitted = autoaccum.fit(model, GlobalBatchIterable(ctx.data, w.target_batch, ctx.steps), w.target_batch,
-                                   loss_fn=pair_loss, optimizer=optimizer, plan=report, max_steps=ctx.steps,
+                                   loss_fn=pair, optimizer=optimizer, plan=report, max_steps=ctx.steps,
                                    epochs=None, device=ctx.device, progress=False)
     result.micro_batch, result.planned_micro = fitted.final_plan.micro_batch, report.plan.micro_batch
     result.train_ooms = fitted.oom_events

@@ -1,4 +1,5 @@
-"""What the systems share: a recording mean loss, the data as a Dataset, and the finder's cost."""
+"""What the systems share: recording losses, the data as a Dataset, the finder's cost, and how the
+integrations' probe (inside their first step) is accounted."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from torch import nn
 
 from ..context import RunResult
 from ..recorder import Recorder
-from ..workloads import Batch, loss_sum
+from ..workloads import Batch, loss_sum, on_device, slice_batch
 
 
 def mean_loss(recorder: Recorder) -> Callable[[nn.Module, Batch], torch.Tensor]:
@@ -44,6 +45,20 @@ class Rows(torch.utils.data.Dataset):
         return {k: v[index] for k, v in self.data.items()}
 
 
+class GlobalRows(Rows):
+    """The data for the integrations' loaders, which yield global batches: a run of consecutive indices
+    comes back as views of the data -- host memory, which the emulated device does not count, as the
+    autoaccum row's slices -- and the loss copies each micro-batch (``on_device``), as the peers pay
+    for their collated micro-batches. (HF's Trainer under autoaccum keeps global batches in host memory
+    too; Lightning and a default Accelerate loader would put them on a GPU whole.)"""
+
+    def __getitems__(self, indices: list[int]) -> Batch:
+        start = indices[0] if indices else 0
+        if list(indices) == list(range(start, start + len(indices))):
+            return slice_batch(self.data, start, start + len(indices))
+        return super().__getitems__(indices)
+
+
 def batched(batch: Batch) -> Batch:
     """The collate function for :class:`Rows`: the batch is already gathered."""
     return batch
@@ -58,3 +73,47 @@ def finder_cost(result: RunResult, recorder: Recorder, budget: Any) -> None:
     result.find_steps = len(earlier) + failed_attempts  # completed steps of abandoned runs + each failing one
     result.find_time_s = final_start - (recorder.attempt_starts[0] if recorder.attempt_starts else final_start)
     result.find_ooms = sum(1 for t in budget.oom_times if t < final_start) if budget.oom_times else failed_attempts
+
+
+def pair_loss(recorder: Recorder, device: torch.device) -> Callable[[nn.Module, Batch], tuple[torch.Tensor, torch.Tensor]]:
+    """``(loss_sum, count)`` of a micro-batch, recording its sample ids: what autoaccum's loss_fn takes
+    (token-exact: the step is divided once by all its items). On CPU the micro-batch is copied, as the
+    peers' loaders copy theirs (a slice of the data is a view and would cost the emulated device nothing)."""
+    def loss(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        recorder.forward(batch)
+        return loss_sum(model, batch if device.type == "cuda" else on_device(batch, device))
+    return loss
+
+
+def record_probe(lazy: Any, recorder: Recorder, result: RunResult) -> None:
+    """Account an integration's probe (run inside its first training step) as the finding phase: its
+    optimizer steps are not training steps, its cost is the row's *find* cost, and training starts after it."""
+    build = lazy.build
+
+    def recorded_build(batch: Batch, loss_fn: Callable[..., Any]) -> Any:
+        if lazy.guard is not None:
+            return lazy.guard
+        recorder.phase = "find"
+        guard = build(batch, loss_fn)
+        report = lazy.report
+        if report is not None:
+            result.find_steps, result.find_time_s, result.find_ooms = report.probe_steps, report.wall_time_s, \
+                report.probe_ooms
+            result.planned_micro = report.plan.micro_batch
+            result.notes.append(f"probe at the first global batch: micro-batches up to "
+                                f"{report.max_fitting_micro_batch} fit; plan {report.plan.describe()}")
+        recorder.phase = "train"
+        recorder.new_attempt()
+        return guard
+
+    lazy.build = recorded_build
+
+
+def guard_outcome(lazy: Any, result: RunResult) -> None:
+    """The final plan and the OOMs the guard replayed in training."""
+    guard = lazy.guard if lazy is not None else None
+    if guard is None:
+        return
+    result.micro_batch, result.train_ooms = guard.plan.micro_batch, guard.ooms
+    result.notes.append(f"final {guard.plan.describe()}")
+    result.notes.extend(f"plan change: {c.describe()}" for c in guard.changes)

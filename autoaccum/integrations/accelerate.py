@@ -1,0 +1,107 @@
+"""The guard for an Accelerate loop: exact global batches, OOM replay, your own optimizer step.
+
+A typical Accelerate loop, changed in three lines::
+
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    guard = guard_for(accelerator, model, optimizer)          # + this line
+    for batch in loader:                                      # each batch: this process's global share
+        guard.accumulate(batch, loss_fn)                      # was: with accelerator.accumulate(model):
+                                                              #          accelerator.backward(loss_fn(model, batch))
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)  # unchanged: Accelerate's own step
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+
+``loss_fn(model, batch)`` returns the mean loss of the batch it is given, or ``(loss_sum,
+num_items)`` for token-level losses. The loader's batch is this process's share of the global batch
+(``batch_size x num_processes`` samples per optimizer step); the guard probes real steps at the first
+one, cuts every batch into micro-batches that fit, and replays a step that runs out of memory on the
+same samples with a smaller micro-batch. Afterwards ``.grad`` holds the global batch's gradient.
+
+What it takes from Accelerate, and why:
+
+- the model as ``accelerator.prepare`` returned it. Several processes: a torch DDP wrapper, used as
+  the guard's window (``no_sync``, forward included) and summed once per step, after every process
+  said its micro-batches ran (``autoaccum.distributed``); Accelerate's ``GradientState`` is left as
+  it is (``sync_gradients`` True, as outside ``accelerator.accumulate``), so the
+  ``AcceleratedOptimizer`` steps and zeroes as usual;
+- the ``AcceleratedOptimizer``'s torch optimizer, whose gradients the guard clears before each step
+  and on a replay (the wrapper clears only when ``sync_gradients`` is set);
+- ``accelerator.scaler`` (fp16): the guard scales every micro-batch's loss with it, as
+  ``accelerator.backward`` does, so ``accelerator.clip_grad_norm_`` unscales and the
+  ``AcceleratedOptimizer`` steps through it unchanged. Autocast is Accelerate's (the prepared
+  model's forward).
+
+``accelerator.backward`` would divide each loss by ``gradient_accumulation_steps``; the guard does
+the accumulation, so that must be 1 (refused otherwise), and ``accelerator.accumulate`` is not used.
+Not supported: DeepSpeed, Megatron-LM and XLA (their engines own backward). A prepared loader puts
+each global batch on the device whole; ``accelerator.prepare(..., loader, device_placement=[..., False])``
+leaves it in host memory, and the guard moves one micro-batch at a time. With ``even_batches``
+(Accelerate's default) the last batch of an epoch is filled up with samples from its start on
+every process, as in any Accelerate loop; ``Accelerator(even_batches=False)`` or a ``drop_last``
+loader avoid it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from autoaccum.integrations.lazy_guard import LazyGuard
+from autoaccum.precision import Precision
+
+try:
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError("autoaccum.integrations.accelerate needs Accelerate: pip install 'autoaccum[accelerate]'") from exc
+
+__all__ = ["guard_for"]
+
+_PRECISION: dict[str, Precision] = {"bf16": "bf16", "fp16": "fp16"}
+#: distributed types whose engine owns backward (XLA was TPU before Accelerate 0.26)
+_OWN_BACKWARD = {getattr(DistributedType, name) for name in ("DEEPSPEED", "MEGATRON_LM", "XLA", "TPU")
+                 if hasattr(DistributedType, name)}
+
+
+def guard_for(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+              target_batch: int | None = None, plan: Any = None, micro_batch: int | None = None,
+              budget: int | str | None = None, headroom: float = 0.1, **guard_options: Any) -> LazyGuard:
+    """The guard for a model and optimizer that ``accelerator.prepare`` returned (see the module docstring).
+
+    Args:
+        accelerator: the ``Accelerator`` that prepared them (``gradient_accumulation_steps`` 1).
+        model, optimizer: as ``accelerator.prepare`` returned them.
+        target_batch: samples per optimizer step over all processes; default the first batch's size
+            times the number of processes.
+        plan, micro_batch: a plan (``Plan``, probe report, plan file) or the largest micro-batch to
+            start with, instead of probing at the first batch.
+        budget, headroom: what the probe plans for (default: the device's free memory; on CPU under
+            ``autoaccum.emulated_budget``, that budget).
+        **guard_options: for :class:`~autoaccum.guard.OOMGuard`: ``grow_after``, and for
+            ``guard.step`` (which also steps the optimizer) ``scheduler`` and ``max_grad_norm``.
+
+    Returns:
+        A :class:`~autoaccum.integrations.lazy_guard.LazyGuard`: ``accumulate(batch, loss_fn)``
+        (Accelerate steps) or ``step(batch, loss_fn)`` (the guard steps).
+
+    Raises:
+        ValueError: gradient accumulation configured in Accelerate, or a distributed type whose
+            engine owns backward (DeepSpeed, Megatron-LM, XLA).
+    """
+    problems = []
+    if accelerator.gradient_accumulation_steps != 1:
+        problems.append(f"gradient_accumulation_steps={accelerator.gradient_accumulation_steps} (the guard "
+                        f"accumulates: Accelerator(gradient_accumulation_steps=1), no accelerator.accumulate)")
+    if accelerator.distributed_type in _OWN_BACKWARD:
+        problems.append(f"distributed type {accelerator.distributed_type} (its engine owns backward)")
+    if problems:
+        raise ValueError("guard_for cannot drive " + "; ".join(problems))
+    inner = optimizer
+    while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
+        inner = inner.optimizer  # AcceleratedOptimizer -> the torch optimizer
+    return LazyGuard(model, inner, target_batch=target_batch, plan=plan, micro_batch=micro_batch,
+                     probe_model=accelerator.unwrap_model(model), budget=budget, headroom=headroom,
+                     precision=_PRECISION.get(str(accelerator.mixed_precision), "fp32"), scaler=accelerator.scaler,
+                     **guard_options)

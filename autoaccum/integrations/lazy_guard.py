@@ -1,0 +1,208 @@
+"""An OOM guard whose plan is measured on the first global batch it is given.
+
+A trainer that owns the loop (Hugging Face's ``Trainer``, Lightning, an Accelerate loop) hands
+over one global batch at a time and steps the optimizer itself. Its integration holds a
+:class:`LazyGuard`: the first call plans -- from a checkpoint's guard state, a plan given, or a
+probe of real steps on slices of that first batch (``autoaccum.probe``, which leaves no trace) --
+and builds the :class:`~autoaccum.guard.OOMGuard`; every call then runs ``OOMGuard.accumulate`` (or
+``step``): the exact gradient of the global batch, with OOM replay.
+
+Why the first batch: it is the first moment the integration holds real data of the run (shapes,
+padding, dtypes) and the model, optimizer and wrappers as the framework prepared them; probing on a
+batch drawn from the loader beforehand would consume the loader's random state.
+
+Under an emulated budget (``autoaccum.emulated_budget``) and no ``budget=`` of its own, the probe
+plans for what that device has left besides the model and optimizer (the global batch the loader put
+there counts, as it does in a CUDA probe's free memory), measuring with its own counter while the
+emulated device is suspended (its snapshots of the training state stay in host memory, as on a real
+device); the guard reports step peaks from the emulated device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import (
+    _get_current_dispatch_mode,
+    _pop_mode_temporarily,
+)
+
+from autoaccum import distributed
+from autoaccum.batch import Batch, batch_size, split_batch
+from autoaccum.guard import AccumulateResult, OOMGuard, StepResult
+from autoaccum.memory import TrackedMemory, active_budget
+from autoaccum.plan import Plan, resolve_plan
+from autoaccum.precision import Precision
+from autoaccum.probe import probe
+from autoaccum.report import ProbeReport
+from autoaccum.sync import GradSync, LocalSync
+from autoaccum.task import LossFn
+from autoaccum.units import format_bytes
+
+__all__ = ["LazyGuard", "sync_for"]
+
+logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _suspended(emulated: TrackedMemory | None) -> Iterator[None]:
+    """The probe runs with an emulated device (innermost dispatch mode) suspended. It keeps snapshots
+    of the training state in host memory -- off the device, on a real one; on the emulated CPU device
+    they would count against the budget -- and enforces the same budget with its own counter."""
+    if emulated is None or _get_current_dispatch_mode() is not emulated:
+        yield
+        return
+    with _pop_mode_temporarily():
+        yield
+
+
+def _free_for_probe(emulated: TrackedMemory, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """The budget the probe plans for on an emulated device: its budget less what lives on it besides the
+    model and optimizer (which the probe counts itself) -- e.g. the global batch a framework's loader
+    placed on the device -- as a CUDA probe sees only the memory still free."""
+    own = TrackedMemory().track(model, optimizer)
+    other = max(emulated.current_bytes - own.current_bytes, 0)
+    own.close()
+    return max(emulated.budget_bytes - other, 1)
+
+
+def sync_for(model: torch.nn.Module) -> GradSync:
+    """How the ranks of ``model`` agree: a :class:`~autoaccum.distributed.DistributedSync` under an
+    initialised process group of more than one rank, else one process."""
+    if distributed.is_distributed() and distributed.world_info().world_size > 1:
+        return distributed.DistributedSync(model)
+    return LocalSync()
+
+
+class LazyGuard:
+    """An :class:`~autoaccum.guard.OOMGuard` built at the first global batch (see the module docstring).
+
+    Args:
+        model: what the guard trains (a DDP wrapper as the framework prepared it, or a module).
+        optimizer: the torch optimizer (a framework's wrapper unwrapped: the guard only clears its
+            gradients in ``accumulate``).
+        target_batch: samples per optimizer step over all ranks; default the first batch's size
+            times the world size.
+        plan: a :class:`~autoaccum.plan.Plan`, probe report or plan file; or ``micro_batch``; else probed.
+        sync: how ranks agree (default :func:`sync_for` ``(model)``).
+        probe_model: the module the probe runs (default: ``model`` unwrapped from DDP: a probe runs
+            no collective).
+        budget, headroom, precision: what the probe plans for (``autoaccum.probe``).
+        **guard_options: passed to :class:`~autoaccum.guard.OOMGuard` (``scaler``, ``autocast_dtype``,
+            ``grow_after``, ``max_grad_norm``, ``scheduler``, ``size_fn``, ...).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, target_batch: int | None = None,
+                 plan: Any = None, micro_batch: int | None = None, sync: GradSync | None = None,
+                 probe_model: torch.nn.Module | None = None, budget: int | str | None = None, headroom: float = 0.1,
+                 precision: Precision = "fp32", **guard_options: Any) -> None:
+        if plan is not None and micro_batch is not None:
+            raise TypeError("give plan= or micro_batch=, not both")
+        self.model, self.optimizer = model, optimizer
+        self.sync = sync if sync is not None else sync_for(model)
+        self.target_batch, self.plan, self.micro_batch = target_batch, plan, micro_batch
+        self.probe_model = probe_model if probe_model is not None else distributed.unwrap_model(model)
+        self.budget, self.headroom, self.precision = budget, headroom, precision
+        self.guard_options = guard_options
+        self.guard: OOMGuard | None = None
+        self.plan_source: str | None = None  # checkpoint, given or probe
+        self.report: ProbeReport | None = None  # the probe's, when it probed
+        self._saved: dict[str, Any] | None = None
+
+    def accumulate(self, batch: Batch, loss_fn: LossFn, *, partial: bool | None = None) -> AccumulateResult:
+        """:meth:`OOMGuard.accumulate <autoaccum.guard.OOMGuard.accumulate>` (planning first, at the
+        first batch). ``partial`` defaults to "the batch holds fewer samples than this rank's share"
+        (the smaller last batch of an epoch, as the framework's loader yields it)."""
+        guard = self.build(batch, loss_fn)
+        return guard.accumulate(batch, loss_fn, partial=self._partial(guard, batch) if partial is None else partial)
+
+    def step(self, batch: Batch, loss_fn: LossFn, *, partial: bool | None = None) -> StepResult:
+        """:meth:`OOMGuard.step <autoaccum.guard.OOMGuard.step>`, planning first at the first batch."""
+        guard = self.build(batch, loss_fn)
+        return guard.step(batch, loss_fn, partial=self._partial(guard, batch) if partial is None else partial)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The guard's state (plan and counters) for a checkpoint; empty before the first batch."""
+        if self.guard is not None:
+            return self.guard.state_dict()
+        return dict(self._saved) if self._saved is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume: the plan in ``state`` is used instead of probing (an empty state changes nothing)."""
+        if not state:
+            return
+        if self.guard is not None:
+            self.guard.load_state_dict(state)
+        else:
+            self._saved = dict(state)
+
+    # -- planning ------------------------------------------------------------------------------------
+    def _size(self, batch: Batch) -> int:
+        size_fn: Callable[[Batch], int] | None = self.guard_options.get("size_fn")
+        return size_fn(batch) if size_fn is not None else batch_size(batch)
+
+    def _partial(self, guard: OOMGuard, batch: Batch) -> bool:
+        return self._size(batch) < guard.plan.rank_batch(self.sync.rank)
+
+    def build(self, batch: Batch, loss_fn: LossFn) -> OOMGuard:
+        """The guard, planned on ``batch`` (this rank's share of the first global batch) the first time."""
+        if self.guard is not None:
+            return self.guard
+        plan = self._first_plan(batch, loss_fn)
+        options = dict(self.guard_options)
+        emulated = active_budget()
+        if options.get("meter") is None and emulated is not None:
+            options["meter"] = emulated  # an emulated device: its counter reports each step's peak
+        self.guard = OOMGuard(self.model, self.optimizer, plan=plan, sync=self.sync, **options)
+        if self._saved is not None:
+            self.guard.load_state_dict(self._saved)
+            self._saved = None
+        logger.info("autoaccum: %s (plan from %s)", self.guard.plan.describe(), self.plan_source)
+        return self.guard
+
+    def _first_plan(self, batch: Batch, loss_fn: LossFn) -> Plan:
+        world = self.sync.world_size
+        size = self._size(batch)
+        target = self.target_batch
+        if target is None:  # the first batch is this rank's share of a full global batch
+            target = int(self.sync.sum_items(torch.tensor(size)).item()) if world > 1 else size
+        if self._saved is not None:
+            plan, self.plan_source = Plan.from_dict(self._saved["plan"]).with_world_size(world), "checkpoint"
+            if plan.target_batch != target:
+                raise ValueError(f"the checkpoint's guard state is for target_batch {plan.target_batch}, this run's "
+                                 f"global batch is {target}; the global batch is never changed silently")
+        elif self.plan is not None or self.micro_batch is not None:
+            plan = resolve_plan(self.plan, target_batch=target, micro_batch=self.micro_batch, world_size=world,
+                                adapt_world_size=True)
+            self.plan_source = "given"
+        else:
+            plan, self.plan_source = self._probe(batch, loss_fn, target, size), "probe"
+        return self.sync.agree_plan(plan) if world > 1 else plan
+
+    def _probe(self, batch: Batch, loss_fn: LossFn, target: int, size: int) -> Plan:
+        """Measure real steps on slices of ``batch`` (this rank's, on its own: no collective)."""
+        if getattr(self.sync, "kind", None) == "fsdp2":
+            raise ValueError("cannot probe an FSDP2 (fully_shard) model: the probe's steps would run collectives "
+                             "whose number depends on each rank's measurements. Pass plan= or micro_batch=")
+        split_fn = self.guard_options.get("split_fn")
+
+        def make_batch(b: int) -> Batch:
+            return batch if b == size else split_batch(batch, [b, size - b], split_fn)[0]
+
+        budget = self.budget
+        emulated = active_budget()
+        if budget is None and emulated is not None:
+            budget = _free_for_probe(emulated, self.probe_model, self.optimizer)
+        with _suspended(emulated):
+            report = probe(model=self.probe_model, loss_fn=loss_fn, make_batch=make_batch, optimizer=self.optimizer,
+                           target_batch=target, world_size=self.sync.world_size, budget=budget,
+                           headroom=self.headroom, precision=self.precision, max_micro_batch=size)
+        self.report = report
+        logger.info("autoaccum probe: micro-batches up to %d fit in %s usable; %d passes, %.2f s",
+                    report.max_fitting_micro_batch, format_bytes(report.usable_bytes), report.probe_steps,
+                    report.wall_time_s)
+        return report.plan

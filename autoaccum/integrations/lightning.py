@@ -1,0 +1,207 @@
+"""``AutoAccum``: a Lightning callback that makes each optimizer step exact and OOM-safe.
+
+::
+
+    from autoaccum.integrations.lightning import AutoAccum
+
+    loader = DataLoader(train, batch_size=256)             # each batch: one global batch (per process)
+    trainer = L.Trainer(callbacks=[AutoAccum()], ...)       # the only change
+    trainer.fit(module, loader)
+
+The DataLoader yields global batches (under DDP each process's share: ``batch_size x devices``
+samples per optimizer step); ``accumulate_grad_batches`` stays 1. At the first batch the callback
+probes real steps; it then cuts every global batch into the micro-batches that fit, calls the
+module's own ``training_step`` on each, and replays a step that runs out of memory on the same
+samples with a smaller micro-batch. Lightning keeps the rest: the optimizer step, gradient
+clipping, schedulers (stepped once per optimizer step), logging, validation and checkpoints.
+
+How (the smallest construct Lightning allows): a callback cannot own backward, so for the duration
+of ``fit`` it sets three attributes on the module instance (its class is not touched, and they are
+removed again at the end of training or on an exception):
+
+- ``training_step`` runs ``OOMGuard.accumulate`` on the global batch -- the original
+  ``training_step`` once per micro-batch, each backward owned by the guard -- and returns the
+  step's exact loss, detached;
+- ``backward`` does nothing (the guard did every backward), so Lightning's backward hooks
+  (``on_before_backward``, ``on_after_backward``) see the finished gradient;
+- ``optimizer_zero_grad`` does nothing: Lightning zeroes gradients *after* ``training_step`` and
+  before backward; the guard clears them at the start of every step itself.
+
+Under DDP the guard's window is DDP's ``no_sync`` and gradients are summed once per step
+(``autoaccum.distributed``); DDP's own reducer is kept out by ``require_backward_grad_sync = False``
+on the wrapper while training (restored afterwards), as Lightning itself does for manual optimization.
+Lightning's fp16 ``GradScaler`` scales every micro-batch's loss; its autocast wraps them.
+
+What it asks of the module: automatic optimization with one optimizer; ``training_step(batch, ...)``
+returns the *mean* loss over the samples of the batch it is given (a tensor, or a dict with
+``"loss"``), from that batch alone; it may be called on part of a batch. For a token-level loss pass
+``AutoAccum(loss_fn=lambda module, batch: (loss_sum, num_tokens))``: the step then divides by the
+tokens of the whole global batch over all ranks. ``self.log`` inside ``training_step`` runs once per
+micro-batch: a per-step value is the last micro-batch's, an epoch mean weights micro-batches by
+their samples. Overrides of ``backward`` or ``optimizer_zero_grad`` are bypassed while it trains.
+Lightning moves each global batch to the device before ``training_step`` (the micro-batches are
+views of it): inputs are usually small next to activations, but they count against the memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from autoaccum.batch import Batch
+from autoaccum.errors import TaskError
+from autoaccum.guard import AccumulateResult
+from autoaccum.integrations.lazy_guard import LazyGuard
+from autoaccum.task import LossFn
+
+try:
+    import lightning.pytorch as pl
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError("autoaccum.integrations.lightning needs Lightning: pip install 'autoaccum[lightning]'") from exc
+
+__all__ = ["AutoAccum"]
+
+_PATCHED = ("training_step", "backward", "optimizer_zero_grad")
+
+
+def _mean_loss(output: Any) -> torch.Tensor:
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    if not isinstance(loss, torch.Tensor):
+        raise TaskError(f"training_step returned {type(output).__name__}; under AutoAccum it must return the mean "
+                        f"loss of the batch it is given (a tensor, or a dict with 'loss') for every micro-batch")
+    return loss
+
+
+class AutoAccum(pl.Callback):
+    """Exact global batches with OOM replay for an unchanged LightningModule (see the module docstring).
+
+    Args:
+        budget: memory the probe plans for ("8GiB", bytes); default what the device has free (on CPU
+            under ``autoaccum.emulated_budget``, that budget).
+        headroom: fraction of the budget kept free, in [0, 1).
+        plan: a :class:`~autoaccum.plan.Plan`, probe report or plan file instead of probing; or
+        micro_batch: the largest micro-batch to start with, instead of probing.
+        grow_after: grow the micro-batch back after this many steps without OOM (off by default).
+        loss_fn: ``loss_fn(module, batch)`` -> mean loss or ``(loss_sum, num_items)``, instead of the
+            module's ``training_step``.
+    """
+
+    def __init__(self, *, budget: int | str | None = None, headroom: float = 0.1, plan: Any = None,
+                 micro_batch: int | None = None, grow_after: int | None = None, loss_fn: LossFn | None = None) -> None:
+        super().__init__()
+        self.options: dict[str, Any] = {"budget": budget, "headroom": headroom, "plan": plan,
+                                        "micro_batch": micro_batch, "grow_after": grow_after}
+        self.loss_fn = loss_fn
+        self.guard: LazyGuard | None = None
+        self.last: AccumulateResult | None = None
+        self._saved: dict[str, Any] = {}
+        self._module: pl.LightningModule | None = None
+        self._original_step: Any = None
+        self._step_args: tuple[tuple[Any, ...], dict[str, Any]] = ((), {})
+        self._ddp: torch.nn.parallel.DistributedDataParallel | None = None
+        self._ddp_sync = True
+        # one object per run: the guard checks a loss_fn's signature once
+        self._loss: LossFn = self._run_training_step if loss_fn is None else self._run_loss_fn
+
+    # -- Lightning hooks -------------------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        problems = []
+        if trainer.accumulate_grad_batches != 1:
+            problems.append(f"accumulate_grad_batches={trainer.accumulate_grad_batches}: give the DataLoader "
+                            f"batch_size = the global batch per process and leave accumulate_grad_batches at 1 "
+                            f"(AutoAccum accumulates)")
+        if not pl_module.automatic_optimization:
+            problems.append("manual optimization (automatic_optimization=False): AutoAccum owns the backward of "
+                            "automatic optimization; in a manual loop use OOMGuard.accumulate directly")
+        if problems:
+            raise ValueError("AutoAccum cannot run with " + "; ".join(problems))
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if len(trainer.optimizers) != 1:
+            raise ValueError(f"AutoAccum needs exactly one optimizer, the module configured {len(trainer.optimizers)}")
+        model = trainer.strategy.model if trainer.strategy.model is not None else pl_module
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            # DDP's reducer stays out: the guard syncs once per step (the module docstring says why)
+            self._ddp, self._ddp_sync = model, model.require_backward_grad_sync
+            model.require_backward_grad_sync = False
+        self.guard = LazyGuard(model, trainer.optimizers[0], probe_model=pl_module,
+                               scaler=getattr(trainer.precision_plugin, "scaler", None), **self.options)
+        self.guard.load_state_dict(self._saved)
+        self._patch(pl_module)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self.last is not None:
+            plan = self.last.plan
+            pl_module.log_dict({"autoaccum/micro_batch": float(plan.micro_batch),
+                                "autoaccum/accum_steps": float(plan.accum_steps)}, on_step=True, on_epoch=False,
+                               batch_size=1)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restore()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._restore()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The guard's plan and counters, saved in Lightning's checkpoints; a resumed fit does not probe."""
+        return self.guard.state_dict() if self.guard is not None else dict(self._saved)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._saved = dict(state_dict)
+
+    # -- the module's three attributes ---------------------------------------------------------------------
+    def _patch(self, pl_module: pl.LightningModule) -> None:
+        self._module, self._original_step = pl_module, pl_module.training_step
+
+        @functools.wraps(self._original_step)  # Lightning reads the signature (batch_idx?) through __wrapped__
+        def training_step(batch: Batch, *args: Any, **kwargs: Any) -> torch.Tensor:
+            return self._step(pl_module, batch, args, kwargs)
+
+        pl_module.training_step = training_step  # type: ignore[method-assign]
+        pl_module.backward = lambda *args, **kwargs: None  # type: ignore[method-assign]
+        pl_module.optimizer_zero_grad = lambda *args, **kwargs: None  # type: ignore[method-assign]
+
+    def _restore(self) -> None:
+        if self._module is not None:
+            for name in _PATCHED:
+                self._module.__dict__.pop(name, None)
+            self._module = None
+        if self._ddp is not None:
+            self._ddp.require_backward_grad_sync = self._ddp_sync
+            self._ddp = None
+
+    def _step(self, pl_module: pl.LightningModule, batch: Batch, args: tuple[Any, ...],
+              kwargs: dict[str, Any]) -> torch.Tensor:
+        assert self.guard is not None
+        self._step_args = (args, kwargs)
+        if self.guard.guard is None:  # the first batch: plan (probe) with the module's logging muted
+            with _muted_logging(pl_module):
+                self.guard.build(batch, self._loss)
+        self.last = self.guard.accumulate(batch, self._loss)
+        return torch.tensor(self.last.loss, device=pl_module.device)
+
+    def _run_training_step(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        args, kwargs = self._step_args
+        return _mean_loss(self._original_step(batch, *args, **kwargs))
+
+    def _run_loss_fn(self, model: torch.nn.Module, batch: Batch) -> Any:
+        assert self._module is not None and self.loss_fn is not None
+        return self.loss_fn(self._module, batch)  # the module itself, never its DDP wrapper
+
+
+@contextlib.contextmanager
+def _muted_logging(module: pl.LightningModule) -> Iterator[None]:
+    """``self.log``/``self.log_dict`` of the module do nothing inside (the probe's passes are no steps)."""
+    module.log = module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        module.__dict__.pop("log", None)
+        module.__dict__.pop("log_dict", None)

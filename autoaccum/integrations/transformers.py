@@ -1,0 +1,285 @@
+"""``AutoAccumTrainer``: Hugging Face's ``Trainer`` with autoaccum's exact, OOM-safe gradient accumulation.
+
+::
+
+    from autoaccum.integrations.transformers import AutoAccumTrainer
+
+    trainer = AutoAccumTrainer(model=model, args=args, train_dataset=train, data_collator=collator)  # was Trainer(...)
+    trainer.train()
+
+The global batch is the one the arguments describe: ``per_device_train_batch_size x
+gradient_accumulation_steps x world size`` samples per optimizer step. autoaccum probes real steps
+at the first one, cuts each global batch into the micro-batches that fit, and replays a step that
+runs out of memory on the same samples with a smaller micro-batch. The arguments need no change.
+
+How, and why this hook:
+
+- **HF runs its own full-batch loop.** The Trainer is given a copy of the arguments with
+  ``per_device_train_batch_size = per_device x gradient_accumulation_steps`` and
+  ``gradient_accumulation_steps = 1`` (``trainer.args``; the caller's object is left as it is). So
+  HF's dataloader yields each process's share of a global batch (collated, and padded, as one),
+  ``_inner_training_loop`` calls ``training_step`` once per optimizer step, and everything around it
+  stays HF's: gradient clipping, ``optimizer.step()``, the scheduler, logging, evaluation,
+  checkpoints and resume (trained batches skipped, RNG restored), counted in optimizer steps as the
+  caller's arguments count them. This is exactly HF's own run of ``per_device = global``: the
+  reference the tests compare with.
+- **``training_step`` is replaced** by ``OOMGuard.accumulate`` on that global batch: the guard cuts
+  it, runs HF's ``compute_loss`` on each micro-batch, owns every backward (HF's
+  ``accelerator.backward`` is not called; no loss is divided by accumulation steps), replays on OOM
+  (gradients cleared, RNG and BatchNorm buffers restored) and leaves the gradient of the whole
+  global batch in ``.grad`` for HF's optimizer step. The loader leaves each global batch in host
+  memory (HF would put it on the device whole): the guard moves one micro-batch at a time. Under DDP every micro-batch runs under
+  ``no_sync`` and gradients are summed once (``autoaccum.distributed``).
+- **Losses are HF's, normalised as HF's full-batch step normalises them.** Per-token labels (the
+  Trainer counts items when the model takes loss keyword arguments or ``compute_loss_func`` is
+  given): the step's items are counted as HF's ``_get_num_items_in_batch`` counts them (labels other
+  than -100, after the shift when the Trainer's loss shifts labels; ``shift_labels`` where given)
+  over the whole global batch and every rank, and each micro-batch's ``compute_loss`` gets that
+  count as ``num_items_in_batch`` (a device tensor, as HF passes it). HF then multiplies the loss by
+  the number of processes (``average_tokens_across_devices``) because DDP averages gradients;
+  autoaccum sums them, so that factor is divided out. Per-sample labels (sequence classification):
+  the micro-batches' mean losses weighted by their samples -- HF would pass a count there too, which
+  e.g. ``BertForSequenceClassification``'s loss ignores (its accumulated steps sum micro-batch means).
+- **Logs.** The plan is logged (logger ``autoaccum``) and added to HF's log history
+  (``autoaccum/micro_batch``, ``autoaccum/accum_steps``, ``autoaccum/oom_replays``) at the first
+  step and at every change; each change is also logged as a warning by ``autoaccum.guard``.
+- **Checkpoints.** The guard's state (plan, counters) is saved as ``autoaccum_guard.json`` in each
+  checkpoint folder; ``train(resume_from_checkpoint=...)`` reads it instead of probing again.
+
+Refused at construction, with the reason: ``auto_find_batch_size`` (it would shrink the global
+batch; the guard replaces it), DataParallel (``n_gpu > 1``: run one process per GPU with
+``torchrun``), DeepSpeed and FSDP (the guard drives DDP), context or sequence parallelism, and an
+``accelerator_config`` that sets ``num_steps`` (set ``gradient_accumulation_steps``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autoaccum.batch import Batch
+from autoaccum.guard import AccumulateResult
+from autoaccum.integrations.lazy_guard import LazyGuard
+from autoaccum.jsonio import write_json_atomic
+from autoaccum.losses import IGNORE_INDEX
+from autoaccum.precision import Precision
+from autoaccum.task import LossOutput
+
+try:
+    from transformers import Trainer, TrainingArguments
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError("autoaccum.integrations.transformers needs Hugging Face transformers: "
+                      "pip install 'autoaccum[transformers]'") from exc
+
+__all__ = ["GUARD_FILE", "AutoAccumTrainer"]
+
+#: the guard's state in each checkpoint folder
+GUARD_FILE = "autoaccum_guard.json"
+
+
+def _one_step_per_global_batch(args: TrainingArguments) -> TrainingArguments:
+    """A copy of ``args`` whose per-device batch is the process's whole share of the global batch."""
+    grad_kwargs = getattr(args.accelerator_config, "gradient_accumulation_kwargs", None) or {}
+    problems = []
+    if args.auto_find_batch_size:
+        problems.append("auto_find_batch_size=True: it shrinks the batch on OOM and with it the global batch; "
+                        "AutoAccumTrainer keeps the global batch and replays the step smaller instead. Drop it.")
+    if "num_steps" in grad_kwargs:
+        problems.append("accelerator_config.gradient_accumulation_kwargs['num_steps']: set "
+                        "gradient_accumulation_steps instead (it is part of the global batch)")
+    if problems:
+        raise ValueError("AutoAccumTrainer cannot run with " + "; ".join(problems))
+    internal = copy.copy(args)
+    internal.per_device_train_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    internal.gradient_accumulation_steps = 1
+    return internal
+
+
+def _precision(args: TrainingArguments) -> Precision:
+    return "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "fp32"
+
+
+class _TrainerLoss:
+    """HF's ``compute_loss`` on one micro-batch, normalised as HF's full-batch step normalises it
+    (see the module docstring); with :meth:`count_items` the guard counts the step's items up front."""
+
+    def __init__(self, trainer: AutoAccumTrainer) -> None:
+        self.trainer = trainer
+
+    def _labels(self, batch: Batch) -> torch.Tensor | None:
+        """The labels HF counts items over, for per-token labels; None where HF's count does not apply."""
+        t = self.trainer
+        if not isinstance(batch, Mapping) or "labels" not in batch:
+            return None
+        if not (t.model_accepts_loss_kwargs or t.compute_loss_func is not None):
+            return None
+        if "shift_labels" in batch:
+            return batch["shift_labels"]
+        labels = batch["labels"]
+        if not isinstance(labels, torch.Tensor) or labels.dim() < 2 or labels.is_floating_point():
+            return None  # per-sample labels: weighted means (see the module docstring)
+        return labels[..., 1:] if getattr(t, "_loss_shifts_labels", False) else labels
+
+    def count_items(self, model: torch.nn.Module, batch: Batch) -> int | None:
+        labels = self._labels(batch)
+        return None if labels is None else int(labels.ne(IGNORE_INDEX).sum())
+
+    def _hf_factor(self) -> int:
+        """What HF's ``compute_loss`` multiplies a count-normalised loss by (DDP averages gradients;
+        the guard sums them)."""
+        t = self.trainer
+        if not getattr(t.args, "average_tokens_across_devices", False):
+            return 1
+        tp = t.get_tp_size() if hasattr(t, "get_tp_size") else 1
+        return max(t.accelerator.num_processes // tp, 1)
+
+    def _compute(self, model: torch.nn.Module, batch: Batch, count: torch.Tensor | None) -> torch.Tensor:
+        t = self.trainer
+        inputs = t._prepare_inputs(batch)
+        with t.compute_loss_context_manager():
+            loss = t.compute_loss(model, inputs, num_items_in_batch=count)
+        return loss if count is None else loss / self._hf_factor()
+
+    def __call__(self, model: torch.nn.Module, batch: Batch, num_items_in_batch: int | None = None) -> LossOutput:
+        device = self.trainer.args.device
+        if num_items_in_batch is not None:  # the step's count, all micro-batches and ranks: HF's own path
+            return self._compute(model, batch, torch.tensor(num_items_in_batch, device=device))
+        counted = self.count_items(model, batch)
+        if counted is None:
+            return self._compute(model, batch, None)  # a mean loss
+        # without the step's count (the probe): the loss sum (HF's loss with a count of 1) and its items
+        return self._compute(model, batch, torch.tensor(1, device=device)), counted
+
+
+class AutoAccumTrainer(Trainer):
+    """``transformers.Trainer`` whose global batches are exact and survive out-of-memory errors.
+
+    A drop-in replacement: same arguments as ``Trainer``, plus these (keyword only):
+
+    Args:
+        budget: memory the probe plans for ("8GiB", bytes); default what the device has free (on
+            CPU under ``autoaccum.emulated_budget``, that budget).
+        headroom: fraction of the budget kept free, in [0, 1).
+        plan: a :class:`~autoaccum.plan.Plan`, probe report or plan file instead of probing; or
+        micro_batch: the largest micro-batch to start with, instead of probing.
+        grow_after: grow the micro-batch back after this many steps without OOM (off by default).
+
+    ``trainer.args`` is the arguments as the Trainer runs them (one global batch per device batch,
+    see the module docstring); ``trainer.autoaccum_args`` is the caller's object, unchanged.
+    """
+
+    def __init__(self, model: Any = None, args: TrainingArguments | None = None, *trainer_args: Any,
+                 budget: int | str | None = None, headroom: float = 0.1, plan: Any = None,
+                 micro_batch: int | None = None, grow_after: int | None = None, **trainer_kwargs: Any) -> None:
+        if args is None:
+            args = TrainingArguments(output_dir="tmp_trainer")  # Trainer's own default
+        self.autoaccum_args = args
+        super().__init__(model, _one_step_per_global_batch(args), *trainer_args, **trainer_kwargs)
+        self._check_setup()
+        self._autoaccum_options: dict[str, Any] = {"budget": budget, "headroom": headroom, "plan": plan,
+                                                   "micro_batch": micro_batch, "grow_after": grow_after}
+        self._autoaccum_loss = _TrainerLoss(self)
+        self._autoaccum: LazyGuard | None = None
+        self._autoaccum_state: dict[str, Any] | None = None
+        self._autoaccum_logged: tuple[int, int] | None = None
+
+    @property
+    def autoaccum_guard(self) -> LazyGuard | None:
+        """The guard of the current (or last) ``train()``, None before its first step."""
+        return self._autoaccum
+
+    def _check_setup(self) -> None:
+        problems = []
+        if self.args.n_gpu > 1:
+            problems.append(f"DataParallel over {self.args.n_gpu} GPUs (run one process per GPU: torchrun)")
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            problems.append("DeepSpeed or FSDP (the guard drives DDP or a single process)")
+        pc = getattr(self.accelerator, "parallelism_config", None)
+        if pc is not None and (getattr(pc, "cp_enabled", False) or getattr(pc, "sp_enabled", False)):
+            problems.append("context or sequence parallelism")
+        if problems:
+            raise ValueError("AutoAccumTrainer does not support " + "; ".join(problems))
+
+    # -- training ------------------------------------------------------------------------------------
+    def get_train_dataloader(self) -> Any:
+        """HF's training loader, its batches left in host memory: a global batch would otherwise be put on
+        the device whole; the guard moves one micro-batch at a time (pinned: asynchronously)."""
+        placement = self.accelerator.device_placement
+        self.accelerator.device_placement = False
+        try:
+            return super().get_train_dataloader()
+        finally:
+            self.accelerator.device_placement = placement
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """HF's ``train``; a resumed run takes the guard's plan from the checkpoint instead of probing."""
+        checkpoint = resume_from_checkpoint
+        if checkpoint is True:
+            checkpoint = get_last_checkpoint(self.args.output_dir)  # as HF resolves it (HF raises if None)
+        path = Path(checkpoint) / GUARD_FILE if isinstance(checkpoint, (str, os.PathLike)) else None
+        if path is not None and path.is_file():
+            self._autoaccum_state = json.loads(path.read_text())
+        elif self._autoaccum is not None:  # train() again on this trainer: keep the plan it found
+            self._autoaccum_state = self._autoaccum.state_dict() or None
+        self._autoaccum = None  # the model and optimizer are prepared anew by this call
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+        """The exact gradient of this process's share of one global batch, left in ``.grad`` for HF's
+        optimizer step (``num_items_in_batch``, HF's count, is counted again per rank and summed)."""
+        model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        guard = self._guard(model)
+        result = guard.accumulate(inputs, self._autoaccum_loss)
+        self._log_plan(result)
+        return torch.tensor(result.loss, device=self.args.device)
+
+    def _guard(self, model: torch.nn.Module) -> LazyGuard:
+        if self._autoaccum is None or self._autoaccum.model is not model:
+            options = self._autoaccum_options
+            optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # AcceleratedOptimizer -> torch's
+            self._autoaccum = LazyGuard(
+                model, optimizer, target_batch=self._global_batch(), plan=options["plan"],
+                micro_batch=options["micro_batch"], probe_model=self.accelerator.unwrap_model(model),
+                budget=options["budget"], headroom=options["headroom"], precision=_precision(self.args),
+                scaler=self.accelerator.scaler, grow_after=options["grow_after"])
+            if self._autoaccum_state:
+                self._autoaccum.load_state_dict(self._autoaccum_state)
+            self._autoaccum_logged = None
+        return self._autoaccum
+
+    def _global_batch(self) -> int:
+        """Samples per optimizer step over all processes: the per-device batch (here the whole share)
+        times the data-parallel processes, as HF counts them."""
+        if hasattr(self, "get_total_train_batch_size"):  # transformers >= 4.5x: tensor/context parallel aware
+            return int(self.get_total_train_batch_size(self.args))
+        return self._train_batch_size * self.args.gradient_accumulation_steps * self.args.world_size
+
+    def _log_plan(self, result: AccumulateResult) -> None:
+        """The plan into HF's log history at the first step and at every change."""
+        plan = (result.plan.micro_batch, result.plan.accum_steps)
+        if plan == self._autoaccum_logged:
+            return
+        guard = self._autoaccum.guard if self._autoaccum is not None else None
+        self._autoaccum_logged = plan
+        self.log({"autoaccum/micro_batch": float(plan[0]), "autoaccum/accum_steps": float(plan[1]),
+                  "autoaccum/oom_replays": float(guard.ooms if guard is not None else 0)})
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    def _save_checkpoint(self, model: Any, trial: Any, *args: Any, **kwargs: Any) -> None:
+        super()._save_checkpoint(model, trial, *args, **kwargs)
+        if self._autoaccum is None or not self.args.should_save:
+            return
+        folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        if folder.is_dir():
+            write_json_atomic(folder / GUARD_FILE, self._autoaccum.state_dict())
+

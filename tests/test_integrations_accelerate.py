@@ -1,0 +1,192 @@
+"""``guard_for`` (autoaccum.integrations.accelerate) in an Accelerate loop, against Accelerate's own
+full-batch loop on the same samples in the same order.
+
+The loop is the one of examples/accelerate_loop.py: ``accelerator.prepare`` -> per batch
+``guard.accumulate`` (or, for the reference, ``accelerator.backward`` of the whole batch) ->
+``accelerator.clip_grad_norm_``, ``optimizer.step()``, ``scheduler.step()``, ``optimizer.zero_grad()``.
+GPT-2 from a config, fp64, dropout off, padded rows; the loss is the model's own through
+``autoaccum.losses.default_loss`` (token-exact: the step's predicted tokens counted up front and
+passed as ``num_items_in_batch``). The loader yields global batches of 8; ids ride in the first token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _audit import IdAudit
+
+from autoaccum import emulated_budget, parse_bytes
+from autoaccum.losses import default_loss
+
+pytest.importorskip("transformers")
+accelerate = pytest.importorskip("accelerate")
+
+from _token_rows import N, Rows, collate, gpt2, ids_of, params, rel_diff  # noqa: E402
+
+from autoaccum.integrations.accelerate import guard_for  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+RTOL = 1e-10
+GLOBAL = 8
+STEPS = N // GLOBAL
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """Accelerate keeps process-wide singletons (AcceleratorState, GradientState); each run starts anew."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def run(guarded: bool, *, budget: str | None = None, drop: tuple[int, str] | None = None, accum: int = 1,
+        micro_batch: int | None = None, stop_after: int | None = None, save_to: str | None = None,
+        resume_from: str | None = None, batch_size: int = GLOBAL) -> dict:
+    """One training run; returns the model's parameters, the audit and the guard."""
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=accum)
+    model = gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1.0 + step))
+    loader = torch.utils.data.DataLoader(Rows(), batch_size=batch_size, collate_fn=collate)
+    model, optimizer, loader, schedule = accelerator.prepare(model, optimizer, loader, schedule)
+    guard = guard_for(accelerator, model, optimizer, micro_batch=micro_batch) if guarded else None
+    if guard is not None:
+        accelerator.register_for_checkpointing(guard)  # its plan goes with Accelerate's checkpoints
+    audit = IdAudit(model)
+    audit.hook_forward(accelerator.unwrap_model(model), ids_of)
+    audit.watch(optimizer)
+    if resume_from is not None:
+        accelerator.load_state(resume_from)
+        loader = accelerator.skip_first_batches(loader, stop_after or 0)
+    meter = emulated_budget(budget, model) if budget is not None else contextlib.nullcontext()
+    steps = 0 if resume_from is None else (stop_after or 0)
+    with meter:
+        for batch in loader:
+            if guard is not None:
+                guard.accumulate(batch, default_loss)
+            else:
+                with accelerator.accumulate(model):  # the reference (accum 1), or Accelerate's own accumulation
+                    accelerator.backward(model(**batch).loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                audit.step()
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad()
+            steps += accelerator.sync_gradients
+            if drop is not None and steps == drop[0]:
+                meter.budget_bytes = parse_bytes(drop[1])
+            if save_to is not None and steps == stop_after:
+                accelerator.save_state(save_to)
+                break
+    return {"params": params(accelerator.unwrap_model(model)), "audit": audit, "guard": guard,
+            "scheduler_steps": schedule.scheduler.last_epoch, "steps": steps}
+
+
+@pytest.fixture(scope="module")
+def reference(one_thread):
+    """Accelerate's own loop, one forward/backward of each whole global batch."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    out = run(False)
+    return {"params": out["params"], "steps": out["audit"].steps}
+
+
+def test_under_a_budget_that_forces_accumulation_it_equals_accelerates_full_batch_loop(reference):
+    out = run(True, budget="2MiB")
+    guard = out["guard"]
+    assert guard.plan_source == "probe" and guard.guard.plan.target_batch == GLOBAL and guard.guard.plan.accum_steps > 1
+    assert rel_diff(out["params"], reference["params"]) <= RTOL
+    assert out["audit"].steps == reference["steps"]
+    assert out["audit"].check() == {"steps": STEPS, "repeated": 0, "inconsistent": 0}
+    assert out["steps"] == out["scheduler_steps"] == STEPS  # the scheduler stepped once per optimizer step
+
+
+def test_the_budget_dropped_mid_run_is_recovered_in_place(reference):
+    out = run(True, budget="2MiB", drop=(2, "1.45MiB"), micro_batch=3)
+    guard = out["guard"].guard
+    assert guard.ooms >= 1 and guard.plan.micro_batch < 3
+    assert [c.step for c in guard.changes] == [3] * len(guard.changes)
+    assert out["audit"].steps == reference["steps"]  # nothing repeated or lost
+    assert out["audit"].check()["inconsistent"] == 0
+    assert rel_diff(out["params"], reference["params"]) <= RTOL
+
+
+def test_accelerates_checkpoint_and_resume_keep_working_and_keep_the_plan(reference, tmp_path):
+    first = run(True, micro_batch=3, stop_after=2, save_to=str(tmp_path))
+    assert first["steps"] == 2
+    resumed = run(True, stop_after=2, resume_from=str(tmp_path))  # no plan given: the checkpoint's
+    assert resumed["guard"].plan_source == "checkpoint" and resumed["guard"].guard.plan.micro_batch == 3
+    assert resumed["audit"].steps == reference["steps"][2:]
+    assert rel_diff(resumed["params"], reference["params"]) <= RTOL
+
+
+def test_negative_control_accelerates_own_accumulation_of_micro_batch_means_differs(reference):
+    """``accelerator.accumulate`` with 4 steps of 2: each micro-batch's token mean divided by 4. The
+    padded rows hold different numbers of tokens, so this is not the full-batch step."""
+    out = run(False, accum=4, batch_size=2)
+    assert out["audit"].steps == reference["steps"]  # the same samples per optimizer step...
+    assert rel_diff(out["params"], reference["params"]) > 1e-6  # ...and another gradient
+
+
+def test_gradient_accumulation_configured_in_accelerate_is_refused():
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = gpt2()
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps=2 \(the guard accumulates"):
+        guard_for(accelerator, model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_the_example_runs_and_recovers_in_place():
+    example = Path(__file__).resolve().parent.parent / "examples" / "accelerate_loop.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=180, env=env,
+                          cwd=example.parent.parent)
+    assert proc.returncode == 0, proc.stderr
+    assert "plan from probe: target 256 = micro 128 x accum 2" in proc.stdout
+    assert "16 optimizer steps, 1 OOM(s) replayed, plan now target 256 = micro 64 x accum 4" in proc.stdout
+    assert float(proc.stdout.rsplit("full-batch loop: ", 1)[1].split()[0]) < 1e-12
+    assert "OOM in " in proc.stderr and "global batch 256 unchanged" in proc.stderr  # the guard's log line
+
+
+# -- two processes (gloo), the DDP wrapper Accelerate returns ---------------------------------------------
+@pytest.mark.slow  # two spawned processes, each importing its framework
+def test_two_processes_on_the_ddp_model_accelerate_prepared(tmp_path):
+    """An MLP with a token-level loss (tests/_accelerate_ranks.py): the step divides by the targets of
+    the whole global batch over both ranks. Rank 1 alone runs out of memory at step 3."""
+    from _accelerate_ranks import GLOBAL as GLOBAL_2
+    from _accelerate_ranks import two_process_loop
+    from _mlp_rows import mlp, samples, token_loss
+    from test_distributed import results, spawn
+
+    ranks = results(tmp_path, spawn(two_process_loop, tmp_path)[0])
+    assert [r["wrapper"] for r in ranks] == ["DistributedDataParallel"] * 2
+    assert [r["changes"] for r in ranks] == [[(3, "oom")]] * 2 and ranks[0]["plan"] == ranks[1]["plan"]
+    assert ranks[0]["plan"]["world_size"] == 2 and ranks[0]["plan"]["micro_batch"] < 3
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0]["params"], ranks[1]["params"]))
+    batches = [sorted(a + b) for a, b in zip(ranks[0]["steps"], ranks[1]["steps"])]
+    rows = samples(padded=True)
+    assert [len(b) for b in batches] == [GLOBAL_2] * (len(rows) // GLOBAL_2)
+    assert sorted(i for b in batches for i in b) == list(range(len(rows)))
+    # one process, one forward/backward per global batch of those samples, divided by all its targets
+    net = mlp()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    for batch in batches:
+        total, count = token_loss(net, torch.utils.data.default_collate([rows[i] for i in batch]))
+        (total / count).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    got, want = ranks[0]["params"], [p.detach() for p in net.parameters()]
+    assert max(float((a - b).abs().max()) for a, b in zip(got, want)) / max(float(b.abs().max()) for b in want) <= RTOL

@@ -1,0 +1,248 @@
+"""``AutoAccumTrainer`` (autoaccum.integrations.transformers) against Hugging Face's own full-batch run.
+
+The reference is HF's ``Trainer`` itself with ``per_device_train_batch_size`` = the global batch and
+``gradient_accumulation_steps=1``, on the same samples in the same order (HF's seeded sampler); the
+AutoAccumTrainer gets the arguments a user writes (per device 2 x accumulation 4). fp64, dropout off,
+HF's clipping (max_grad_norm 1.0), a linear schedule with warmup, AdamW. GPT-2 on padded sequences of
+3..16 tokens: a token-level loss, where a mean of micro-batch means would differ (negative control).
+Sample ids ride in the first token (``input_ids[:, 0] = 2 + id``) and are audited per optimizer step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from _audit import IdAudit
+
+from autoaccum import emulated_budget, parse_bytes
+
+transformers = pytest.importorskip("transformers")
+from _token_rows import N, Rows, bert, collate, gpt2, ids_of, params, rel_diff  # noqa: E402
+from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402 - after the skip
+
+from autoaccum.integrations.transformers import GUARD_FILE, AutoAccumTrainer  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+RTOL = 1e-10
+PER_DEVICE, ACCUM, STEPS = 2, 4, 4  # global batch 8; 4 optimizer steps = one epoch of 32 samples
+BUDGET = "2MiB"  # micro-batches up to 3 fit: the plan accumulates
+LOWER = "1.45MiB"  # after step 2: micro 3 no longer fits, 1 does
+
+
+@pytest.fixture(autouse=True)
+def _quiet_transformers():
+    transformers.logging.set_verbosity_error()
+    yield
+
+
+def arguments(out: str, per_device: int, accum: int, **kw) -> TrainingArguments:
+    options = dict(max_steps=STEPS, learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=1,
+                   optim="adamw_torch", report_to="none", use_cpu=True, save_strategy="no", logging_steps=1,
+                   disable_tqdm=True, seed=0, dataloader_num_workers=0)
+    options.update(kw)
+    return TrainingArguments(output_dir=out, per_device_train_batch_size=per_device, gradient_accumulation_steps=accum,
+                             **options)
+
+
+class Watch(TrainerCallback):
+    """The audit's step before HF's optimizer step; optimizer steps counted; optionally a budget drop."""
+
+    def __init__(self, audit: IdAudit, drop: tuple[int, object, int] | None = None) -> None:
+        self.audit, self.drop, self.optimizer_steps = audit, drop, 0
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        self.audit.watch(optimizer)
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.audit.step()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.optimizer_steps += 1
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.drop is not None and state.global_step == self.drop[0]:
+            self.drop[1].budget_bytes = self.drop[2]
+
+
+def train(trainer_cls, model, args, *, data=None, budget=None, drop_after=None, per_sample=False, resume=None,
+          **kwargs):
+    audit = IdAudit(model)
+    audit.hook_forward(model, ids_of)
+    meter = emulated_budget(budget, model) if budget is not None else None
+    watch = Watch(audit, None if drop_after is None else (drop_after, meter, parse_bytes(LOWER)))
+    trainer = trainer_cls(model=model, args=args, train_dataset=data or Rows(), callbacks=[watch],
+                          data_collator=lambda rows: collate(rows, per_sample), **kwargs)
+    if meter is None:
+        trainer.train(resume_from_checkpoint=resume)
+    else:
+        with meter:
+            trainer.train(resume_from_checkpoint=resume)
+    return trainer, audit, watch
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, one_thread):
+    """HF's own full-batch run: per device 8, no accumulation."""
+    transformers.logging.set_verbosity_error()
+    model = gpt2()
+    trainer, audit, _ = train(Trainer, model, arguments(str(tmp_path_factory.mktemp("ref")), 8, 1))
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    return {"params": params(model), "steps": audit.steps, "losses": losses, "norms": norms}
+
+
+def test_under_a_budget_that_forces_accumulation_it_equals_hfs_full_batch_run(reference, tmp_path):
+    model = gpt2()
+    trainer, audit, watch = train(AutoAccumTrainer, model, arguments(str(tmp_path), PER_DEVICE, ACCUM), budget=BUDGET)
+    plan = trainer.autoaccum_guard.guard.plan
+    assert trainer.autoaccum_guard.plan_source == "probe"
+    assert plan.target_batch == PER_DEVICE * ACCUM and plan.accum_steps > 1  # the budget forces accumulation
+    assert rel_diff(params(model), reference["params"]) <= RTOL
+    assert audit.steps == reference["steps"] and len(audit.steps) == STEPS  # the same samples in the same order
+    assert audit.check() == {"steps": STEPS, "repeated": 0, "inconsistent": 0}
+    assert sorted(i for s in audit.steps for i in s) == list(range(N))  # one epoch: each sample once
+    # HF's own clipping, schedule and logging ran on the exact gradient
+    history = trainer.state.log_history
+    # (HF's loss is a float32 value even for a float64 model -- its cross-entropy runs on logits.float();
+    # the step's loss here is the float64 sum of the micro-batches' float32 shares)
+    assert [h["loss"] for h in history if "loss" in h] == pytest.approx(reference["losses"], rel=1e-6)
+    assert [h["grad_norm"] for h in history if "grad_norm" in h] == pytest.approx(reference["norms"], rel=1e-10)
+    assert trainer.state.global_step == watch.optimizer_steps == trainer.lr_scheduler.last_epoch == STEPS
+    # the plan is in HF's log history; the caller's arguments are untouched
+    assert history[0]["autoaccum/micro_batch"] == plan.micro_batch
+    assert history[0]["autoaccum/accum_steps"] == plan.accum_steps
+    assert trainer.autoaccum_args.gradient_accumulation_steps == ACCUM and trainer.args.gradient_accumulation_steps == 1
+
+
+def test_the_budget_dropped_mid_run_is_recovered_in_place(reference, tmp_path, caplog):
+    model = gpt2()
+    with caplog.at_level(logging.WARNING, logger="autoaccum"):
+        trainer, audit, watch = train(AutoAccumTrainer, model, arguments(str(tmp_path), PER_DEVICE, ACCUM),
+                                      budget=BUDGET, drop_after=2, micro_batch=3)
+    guard = trainer.autoaccum_guard.guard
+    assert guard.ooms >= 1 and guard.plan.micro_batch < 3  # step 3 ran out of memory and was replayed smaller
+    assert all(c.step == 3 and c.reason == "oom" for c in guard.changes)
+    assert "global batch 8 unchanged" in caplog.text  # the guard's warning names the change
+    changes = [h for h in trainer.state.log_history if "autoaccum/micro_batch" in h]
+    assert [h["autoaccum/micro_batch"] for h in changes] == [3, guard.plan.micro_batch]
+    assert changes[1]["step"] == 2 and changes[1]["autoaccum/oom_replays"] == guard.ooms  # logged at the change
+    # nothing repeated or lost, every step the same samples as the full-batch run, the same result
+    assert audit.steps == reference["steps"] and audit.check() == {"steps": STEPS, "repeated": 0, "inconsistent": 0}
+    assert rel_diff(params(model), reference["params"]) <= RTOL
+    assert trainer.state.global_step == watch.optimizer_steps == trainer.lr_scheduler.last_epoch == STEPS
+
+
+def test_checkpoint_and_resume_keep_working_and_keep_the_plan(reference, tmp_path):
+    args = arguments(str(tmp_path), PER_DEVICE, ACCUM, save_strategy="steps", save_steps=2)
+    train(AutoAccumTrainer, gpt2(), args, micro_batch=3)
+    saved = json.loads((tmp_path / "checkpoint-2" / GUARD_FILE).read_text())
+    assert saved["plan"]["micro_batch"] == 3 and saved["steps"] == 2
+    model = gpt2()  # a new process would start from scratch: HF loads weights, optimizer, scheduler, RNG
+    trainer, audit, _ = train(AutoAccumTrainer, model, args, resume=str(tmp_path / "checkpoint-2"))
+    assert trainer.autoaccum_guard.plan_source == "checkpoint"  # no probe: the plan came with the checkpoint
+    assert trainer.autoaccum_guard.guard.plan.micro_batch == 3
+    assert audit.steps == reference["steps"][2:]  # HF skipped the trained batches
+    assert rel_diff(params(model), reference["params"]) <= RTOL
+    assert trainer.state.global_step == trainer.lr_scheduler.last_epoch == STEPS
+
+
+def test_negative_control_hfs_accumulation_as_a_mean_of_micro_batch_means_differs(reference, tmp_path):
+    """HF's own accumulation where the token-count path is off (a model whose forward takes no loss
+    keyword arguments): each micro-batch's token mean divided by the accumulation steps. On padded
+    rows the micro-batches hold different token counts, so it is not the full-batch step."""
+    model = gpt2()
+    audit = IdAudit(model)
+    trainer = Trainer(model=model, args=arguments(str(tmp_path), PER_DEVICE, ACCUM), train_dataset=Rows(),
+                      data_collator=collate, callbacks=[Watch(audit)])
+    trainer.model_accepts_loss_kwargs = False  # as for such a model
+    trainer.train()
+    assert rel_diff(params(model), reference["params"]) > 1e-6
+
+
+def test_per_sample_labels_are_weighted_by_samples_where_hfs_count_path_would_sum_means(tmp_path):
+    """BertForSequenceClassification takes loss keyword arguments, so HF counts items and passes the
+    count, which its loss ignores: HF's own accumulation then sums micro-batch means (4x the gradient
+    here). AutoAccumTrainer weights per-sample means by samples: equal to the full-batch run."""
+    ref = bert()
+    train(Trainer, ref, arguments(str(tmp_path / "ref"), 8, 1), per_sample=True)
+    model = bert()
+    trainer, _, _ = train(AutoAccumTrainer, model, arguments(str(tmp_path / "aa"), PER_DEVICE, ACCUM),
+                          per_sample=True, micro_batch=3)
+    assert trainer.autoaccum_guard.guard.plan.accum_steps == 3
+    assert rel_diff(params(model), params(ref)) <= RTOL
+    hf = bert()
+    train(Trainer, hf, arguments(str(tmp_path / "hf"), PER_DEVICE, ACCUM), per_sample=True)
+    assert rel_diff(params(hf), params(ref)) > 1e-6  # HF's own accumulation, for contrast
+
+
+def test_what_it_cannot_run_is_refused_at_construction(tmp_path):
+    with pytest.raises(ValueError, match=r"auto_find_batch_size=True: it shrinks the batch.*Drop it"):
+        AutoAccumTrainer(model=gpt2(), args=arguments(str(tmp_path), 2, 4, auto_find_batch_size=True))
+
+
+# -- two processes (gloo): DDP, HF's token count over all ranks ------------------------------------------------
+def _two_process_train(rank: int, world_size: int, out: str) -> dict:
+    """The AutoAccumTrainer on two processes (as torchrun starts them; the harness made the process group
+    and Accelerate takes it): per device 2 x accumulation 2, so 8 samples per optimizer step. HF multiplies
+    each loss by the number of processes (``average_tokens_across_devices``) for DDP's averaging; the guard
+    sums gradients, so that factor must come out again. Rank 1 alone runs out of memory in step 3."""
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT="1")
+    transformers.logging.set_verbosity_error()
+    model = gpt2()
+    audit = IdAudit(model)
+    audit.hook_forward(model, ids_of)
+    oom = {"armed": None}
+
+    def out_of_memory(module: torch.nn.Module, args: tuple) -> None:
+        if oom["armed"] is not None:
+            oom["armed"] -= 1
+            if oom["armed"] == 0:
+                oom["armed"] = None
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB (injected by the test)")
+
+    class Arm(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            oom["armed"] = 2 if state.global_step == 2 and rank == 1 else None
+
+    model.transformer.register_forward_pre_hook(out_of_memory)
+    trainer = AutoAccumTrainer(model=model, args=arguments(out, 2, 2, ddp_backend="gloo"), train_dataset=Rows(),
+                               data_collator=collate, callbacks=[Watch(audit), Arm()], micro_batch=2)
+    trainer.train()
+    guard = trainer.autoaccum_guard.guard
+    return {"params": params(model), "steps": audit.steps, "wrapper": type(trainer.model_wrapped).__name__,
+            "changes": [(c.step, c.reason) for c in guard.changes], "plan": guard.plan.to_dict(),
+            "global_step": trainer.state.global_step}
+
+
+@pytest.mark.slow  # two spawned processes, each importing its framework
+def test_two_processes_hfs_token_count_over_all_ranks_equals_one_process_full_batch(tmp_path):
+    from test_distributed import results, spawn
+
+    ranks = results(tmp_path, spawn(_two_process_train, tmp_path, out=str(tmp_path / "out"))[0])
+    assert [r["wrapper"] for r in ranks] == ["DistributedDataParallel"] * 2 and ranks[0]["plan"]["world_size"] == 2
+    assert [r["changes"] for r in ranks] == [[(3, "oom")]] * 2 and [r["global_step"] for r in ranks] == [STEPS] * 2
+    assert all(torch.equal(a, ranks[1]["params"][n]) for n, a in ranks[0]["params"].items())
+    batches = [sorted(a + b) for a, b in zip(ranks[0]["steps"], ranks[1]["steps"])]
+    assert [len(b) for b in batches] == [8] * STEPS and sorted(i for b in batches for i in b) == list(range(N))
+
+    class Order(torch.utils.data.Sampler):
+        def __iter__(self):
+            return iter([i for b in batches for i in b])
+
+        def __len__(self):
+            return N
+
+    class InOrder(Trainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            return Order()
+
+    model = gpt2()  # HF's own run in one process, one forward/backward per global batch of those samples
+    InOrder(model=model, args=arguments(str(tmp_path / "ref"), 8, 1), train_dataset=Rows(), data_collator=collate).train()
+    assert rel_diff(ranks[0]["params"], params(model)) <= RTOL
