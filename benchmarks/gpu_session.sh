@@ -23,6 +23,12 @@
 #   bash benchmarks/gpu_session.sh                                          # first machine
 #   bash benchmarks/gpu_session.sh --prev PREV_OUT --steps real_gpu,compare # the next: go on
 #
+# Under a runner that allows 10 minutes a command, split it the same way, each call going on from the
+# results of the calls before (PREV: their $OUT, copied into the checkout, where untracked files travel):
+#   bash benchmarks/gpu_session.sh --minutes 9 --steps env,pytest,probe
+#   bash benchmarks/gpu_session.sh --minutes 9 --steps real_gpu --prev PREV   # again until every model is done
+#   bash benchmarks/gpu_session.sh --minutes 9 --steps compare --prev PREV    # again until every workload is done
+#
 # Output: everything under $OUT (default ./gpu_out; the GPU runner sets it): per step NAME.out (stdout:
 # tables, JSON) and NAME.err (stderr: logs), steps.tsv (step, exit code, seconds: 124 = timed out),
 # real_gpu/<model>.json, compare/<model>.json, RESULTS.md. Exit code 0 when every step ran and passed.

@@ -19,8 +19,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
 MODELS = ["gpt2", "mlp"]  # a Hugging Face model with a token-level loss, and a tuple batch (seconds, not minutes)
@@ -47,6 +45,7 @@ def _args(rg, out: Path, *extra: str):
 
 @pytest.fixture(scope="module")
 def smoke(rg, tmp_path_factory, one_thread):
+    pytest.importorskip("transformers")  # GPT-2 from its config; the other tests need no Hugging Face
     out = tmp_path_factory.mktemp("real_gpu")
     said: list[str] = []
     return SimpleNamespace(out=out, doc=rg.cli.run(_args(rg, out), log=said.append), said=said)

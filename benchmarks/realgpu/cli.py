@@ -96,6 +96,10 @@ def main(doc: str, argv: list[str] | None = None) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("real_gpu.py: --device cuda but torch sees no CUDA device", file=sys.stderr)
         return 2
+    if args.size == "gpu" and not args.device.startswith("cuda"):
+        print("real_gpu.py: --size gpu needs a CUDA device (hours on a CPU); the CPU smoke run is --size cpu",
+              file=sys.stderr)
+        return 2
     if args.device == "cuda":
         args.device = "cuda:0"  # set_per_process_memory_fraction wants an index
     if args.device == "cpu":
