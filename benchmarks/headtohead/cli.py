@@ -38,6 +38,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="fixed memory budget in GiB for every model (e.g. 16, 24, 40 to emulate those cards on "
                              "a GPU); default: calibrated per model so a plain loop fits about a fifth of the target")
     parser.add_argument("--in-process", action="store_true", help="run every system in this process")
+    parser.add_argument("--out", default=None, metavar="DIR",
+                        help="save each model's results in DIR as it finishes and read back those already there "
+                             "(made under the same settings): a run that stops keeps what it finished (--size gpu "
+                             "on a machine held for a limited time)")
+    parser.add_argument("--redo", action="store_true", help="with --out: run again the models saved there")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: one system's runs, JSON out
     args, rest = parser.parse_known_args(argv)
     if args.child is not None:
@@ -51,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     config = Config(size=args.size, models=tuple(args.models), systems=tuple(args.systems), steps=args.steps,
                     device=args.device, runtime_oom=not args.no_runtime_oom,
                     dtype=args.dtype or ("float32" if args.device.startswith("cuda") else "float64"),
-                    threads=args.threads, isolate=not args.in_process, budget_gib=args.budget_gib)
+                    threads=args.threads, isolate=not args.in_process, budget_gib=args.budget_gib, out=args.out,
+                    redo=args.redo)
     if config.device == "cpu":
         torch.set_num_threads(args.threads)
     log = (lambda s: None) if args.json_only else (lambda s: print(s, file=sys.stderr, flush=True))

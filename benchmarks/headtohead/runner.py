@@ -16,12 +16,14 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 import autoaccum
+from autoaccum.jsonio import write_json_atomic
 
 from .budget import brute_force, budget_for, make_budget
 from .context import Context, RunResult
@@ -50,6 +52,8 @@ class Config:
     threads: int = 1
     budget_gib: float | None = None  # a fixed budget (e.g. 16, 24, 40 on a GPU) instead of the calibrated one
     isolate: bool = True  # each system in its own process (see run_isolated)
+    out: str | None = None  # a folder: each workload's results saved there as it finishes (see run_resumable)
+    redo: bool = False  # with ``out``: run workloads again whose results are there
 
 
 @dataclass(frozen=True)
@@ -195,6 +199,32 @@ def run_workload(name: str, w: Workload, config: Config, log: Callable[[str], No
     return out
 
 
+#: the fields of a Config that change a workload's results: saved ones are reused only where they agree
+RESUME_KEY = ("size", "systems", "steps", "drop_after", "drop_fraction", "device", "dtype", "runtime_oom", "threads",
+              "budget_gib", "isolate")
+
+
+def run_resumable(name: str, w: Workload, config: Config, log: Callable[[str], None]) -> dict[str, Any]:
+    """``run_workload``, with its result saved as ``<out>/<name>.json`` as soon as it is done; a workload whose
+    file is there (made under the same settings) is read back instead, unless ``config.redo``. A GPU machine
+    is held for a limited time: a run that stops keeps the workloads it finished, and the next one goes on."""
+    if config.out is None:
+        return run_workload(name, w, config, log)
+    path = Path(config.out) / f"{name}.json"
+    key = {k: list(v) if isinstance(v, tuple) else v for k, v in vars(config).items() if k in RESUME_KEY}
+    device = torch.device(config.device)
+    key["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"  # one card's numbers
+    if path.exists() and not config.redo:
+        saved = json.loads(path.read_text())
+        if saved.get("settings") == key:
+            log(f"{name}: results read from {path} (--redo runs it again)")
+            return saved["result"]
+        log(f"{name}: {path} was made under other settings; running it again")
+    result = json.loads(json.dumps(run_workload(name, w, config, log), default=str))
+    write_json_atomic(path, {"kind": "autoaccum.compare.workload", "settings": key, "result": result})
+    return result
+
+
 def run(config: Config, log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """The whole comparison; returns the JSON document."""
     started = time.perf_counter()
@@ -207,7 +237,7 @@ def run(config: Config, log: Callable[[str], None] = lambda s: None) -> dict[str
         raise ValueError(f"Invalid systems: {bad}. Allowed values: {', '.join(SYSTEMS)}")
     device = torch.device(config.device)
     host = machine(device)
-    results = [run_workload(m, all_workloads[m], config, log) for m in config.models]
+    results = [run_resumable(m, all_workloads[m], config, log) for m in config.models]
     return {
         "kind": "autoaccum.compare", "config": {k: (list(v) if isinstance(v, tuple) else v)
                                                 for k, v in vars(config).items()},

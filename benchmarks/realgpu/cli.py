@@ -1,0 +1,119 @@
+"""The command line of ``python benchmarks/real_gpu.py``: run what is missing, print the table and JSON,
+and on CUDA write the section of RESULTS.md."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from results_md import RESULTS
+
+from . import report
+from .models import workloads
+from .parts import Settings
+from .runner import run_model
+
+__all__ = ["main", "parse", "run"]
+
+CPU_NOTE = ("CPU smoke run: small models under an emulated --budget (squeeze iii); squeezes (i) and (ii) need "
+            "CUDA and were skipped. RESULTS.md is not written (its section holds GPU results only).")
+
+
+def parse(argv: list[str] | None = None, doc: str = __doc__) -> argparse.Namespace:
+    """The options (see ``python benchmarks/real_gpu.py --help``)."""
+    return _parser(doc).parse_args(argv)
+
+
+def _parser(doc: str) -> argparse.ArgumentParser:
+    cuda = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--size", choices=("gpu", "cpu"), default="gpu" if cuda else "cpu",
+                        help="gpu: the issue's models (default with CUDA); cpu: small configs, the smoke test")
+    parser.add_argument("--device", default="cuda:0" if cuda else "cpu")
+    parser.add_argument("--models", nargs="+", default=None, help="default: gpt2 resnet50 vit_b16 mlp")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="folder of the per-model results files (default out/real_gpu/<size>)")
+    parser.add_argument("--redo", action="store_true", help="measure again what the results files hold")
+    parser.add_argument("--report-only", action="store_true",
+                        help="measure nothing: the table, JSON and section from the results files as they are")
+    parser.add_argument("--fit-steps", type=int, default=None, help="steps of fit on each plan (default 50)")
+    parser.add_argument("--search-trials", type=int, default=None, help="search trials (default 10; 4 on cpu)")
+    parser.add_argument("--no-search", action="store_true", help="skip the optional Optuna search")
+    parser.add_argument("--json-only", action="store_true", help="print only the JSON document")
+    parser.add_argument("--no-write", action="store_true", help="do not write RESULTS.md")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="the RESULTS.md to write (CUDA runs)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads on the CPU (default 1)")
+    return parser
+
+
+def _versions() -> dict[str, str]:
+    try:
+        import transformers
+
+        hf = transformers.__version__
+    except ImportError:
+        hf = "not installed"
+    return {"torch": torch.__version__, "transformers": hf, "python": platform.python_version()}
+
+
+def run(args: argparse.Namespace, log: Any = lambda s: None) -> dict[str, Any]:
+    """Measure what is missing of each model and gather the document."""
+    device = torch.device(args.device)
+    all_workloads = workloads(args.size)
+    names = args.models or list(all_workloads)
+    unknown = [n for n in names if n not in all_workloads]
+    if unknown:
+        raise ValueError(f"Invalid models: {unknown}. Allowed values: {', '.join(all_workloads)}")
+    settings = Settings.for_size(args.size, args.fit_steps, args.search_trials)
+    out = args.out or Path("out") / "real_gpu" / args.size
+    started = time.perf_counter()
+    docs = [run_model(all_workloads[n], device, settings, args.size, out, redo=args.redo and not args.report_only,
+                      search=not args.no_search, measure=not args.report_only, log=log) for n in names]
+    rows = report.rows(docs)
+    return {
+        "version": 1, "kind": "autoaccum.bench.real_gpu", "size": args.size, "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", **_versions(),
+        "out": str(out), "settings": settings.to_dict(), "cpu_smoke": device.type != "cuda",
+        "note": CPU_NOTE if device.type != "cuda" else "",
+        "targets": report.targets(rows, settings.fit_steps), "per_model": report.model_lines(docs),
+        "rows": rows, "models": docs, "total_wall_time_s": time.perf_counter() - started,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def main(doc: str, argv: list[str] | None = None) -> int:
+    args = parse(argv, doc)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(name)s: %(message)s")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("real_gpu.py: --device cuda but torch sees no CUDA device", file=sys.stderr)
+        return 2
+    if args.size == "gpu" and not args.device.startswith("cuda"):
+        print("real_gpu.py: --size gpu needs a CUDA device (hours on a CPU); the CPU smoke run is --size cpu",
+              file=sys.stderr)
+        return 2
+    if args.device == "cuda":
+        args.device = "cuda:0"  # set_per_process_memory_fraction wants an index
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
+    result = run(args, log=lambda s: print(s, file=sys.stderr, flush=True))
+    if not args.json_only:
+        print(report.table(result["rows"]))
+        print()
+        print("\n".join(result["per_model"]))
+        print("\n".join(["Targets (issue 16):", *result["targets"]]) if not result["cpu_smoke"] else result["note"])
+        print()
+    print(json.dumps(result, indent=1, default=str))
+    if not result["cpu_smoke"] and not args.no_write:
+        command = "python benchmarks/real_gpu.py" + "".join(f" {a}" for a in (sys.argv[1:] if argv is None else argv))
+        report.write_section(result, command, args.results)
+        print(f"wrote the section {report.SECTION!r} of {args.results}", file=sys.stderr)
+    return 0
