@@ -60,7 +60,13 @@ def test_autoaccum_trains_the_exact_global_batch_and_survives_the_budget_drop(do
     assert row["max_rel_diff"] < 1e-10  # fp64: accumulated = full batch
 
     after = row["runtime_oom"]
-    assert after["error"] is None and "replayed in place" in after["outcome"]
+    assert after["error"] is None
+    if after["outcome"].startswith("no OOM"):
+        # The probe's speed choice (noisy on a loaded machine) may pick a size the lower budget
+        # still holds: then no OOM is the right outcome, and only then.
+        assert row["micro_batch"] <= result["runtime_drop"]["fits_micro"], after["outcome"]
+    else:
+        assert "replayed in place" in after["outcome"], after["outcome"]
     assert after["micro_batch_after"] <= result["runtime_drop"]["fits_micro"]
     assert after["recovery_s"] is not None
     assert (after["repeated_samples"], after["lost_samples"]) == (0, 0)
