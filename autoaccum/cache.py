@@ -19,7 +19,7 @@ import torch
 
 from autoaccum.batch import describe_batch
 from autoaccum.jsonio import write_json_atomic
-from autoaccum.log import user_stacklevel
+from autoaccum.log import rank_level, user_stacklevel
 from autoaccum.report import ProbeReport
 from autoaccum.task import Task
 
@@ -111,5 +111,5 @@ def load(fp: str, cache_dir: str | os.PathLike | None = None) -> ProbeReport | N
     if report.fingerprint != fp:
         warnings.warn(f"ignoring probe cache {path}: it was written for another task or device", stacklevel=user_stacklevel())
         return None
-    logger.info("probe: reusing cached result %s", path)
+    logger.log(rank_level(logging.INFO), "probe: reusing cached result %s", path)
     return dataclasses.replace(report, source="cache")

@@ -32,7 +32,7 @@ from autoaccum.cut import SampleCut, TokenCut
 from autoaccum.data import GlobalBatches
 from autoaccum.errors import AutoAccumError, NonFiniteError
 from autoaccum.guard import OOMGuard, PlanChange, StepResult
-from autoaccum.log import ensure_visible
+from autoaccum.log import ensure_visible, rank_level
 from autoaccum.losses import default_loss
 from autoaccum.lr import apply_lr_rule, warmup_lambda
 from autoaccum.memory import Meter, TrackedMemory, refuse_compiled
@@ -398,7 +398,8 @@ def _train(run: _Run, batches: GlobalBatches, eval_batches: GlobalBatches | None
         else:
             if fresh_epoch and not drawn:  # an exhausted iterator (a generator): another pass yields nothing
                 if pos.steps:
-                    logger.warning("the data yielded no batch in epoch %d; stopping after %d steps", pos.epoch, pos.steps)
+                    logger.log(rank_level(logging.WARNING, run.sync.rank), "the data yielded no batch in epoch %d; "
+                               "stopping after %d steps", pos.epoch, pos.steps)
                 break
             pos.epoch, pos.index = pos.epoch + 1, 0
     if eval_batches is not None and evaluated_at != pos.steps:  # the end, unless just evaluated

@@ -30,6 +30,7 @@ from autoaccum.batch import Batch, SplitFn, batch_size
 from autoaccum.batchnorm import batchnorm_layers, smallest_micro_batch, warn_batchnorm
 from autoaccum.cut import Cutter, SampleCut
 from autoaccum.errors import AutoAccumError, DoesNotFitError, NonFiniteError, TaskError
+from autoaccum.log import rank_level
 from autoaccum.memory import Meter, MemoryReading, TrackedMemory, active_budget, default_meter
 from autoaccum.optim_step import NONFINITE_POLICIES, NonFinite, step_oom_error, step_optimizer
 from autoaccum.plan import Plan, resolve_plan
@@ -418,7 +419,7 @@ class OOMGuard:
         change = PlanChange(self.steps + 1, reason, where, old, self.plan)
         self.changes.append(change)
         if self.log_changes:
-            logger.warning(change.describe())
+            logger.log(rank_level(logging.WARNING, self.sync.rank), change.describe())  # agreed: rank 0 says it
         self._ok_streak = 0
         self._warn_batchnorm()
         return change
