@@ -186,8 +186,8 @@ def fit(model: torch.nn.Module, data: Any, target_batch: int = 256, *, loss_fn: 
         config: a :class:`~autoaccum.training.config.FitConfig`; ``options`` override its fields.
         **options: ``lr``, ``base_batch``, ``lr_rule``, ``warmup_steps`` (:class:`LRConfig`);
             ``epochs``, ``max_steps``, ``seed`` (:class:`StopConfig`); ``device``, ``budget``,
-            ``headroom``, ``plan``, ``precision``, ``max_grad_norm``, ``grow_after``, ``probe_cache``
-            (:class:`MemoryConfig`); ``checkpoint_dir``, ``checkpoint_every``, ``resume``
+            ``headroom``, ``plan``, ``precision``, ``max_grad_norm``, ``nonfinite``, ``grow_after``,
+            ``probe_cache`` (:class:`MemoryConfig`); ``checkpoint_dir``, ``checkpoint_every``, ``resume``
             (:class:`CheckpointConfig`); ``progress``, ``log_file``, ``eval_every``
             (:class:`OutputConfig`). Each is documented on its config class.
 
@@ -197,7 +197,10 @@ def fit(model: torch.nn.Module, data: Any, target_batch: int = 256, *, loss_fn: 
     Raises:
         ValueError, TypeError: invalid arguments (before any work).
         DoesNotFitError: even a micro-batch of 1 does not fit.
-        AutoAccumError: the loss is NaN/inf (stops at once), or the fp16 scaler skips every step.
+        NonFiniteError: inf/NaN gradients or loss under ``nonfinite="stop"``, found before the
+            optimizer step (the weights, optimizer state and scheduler are those of the step before).
+        AutoAccumError: 25 steps in a row skipped for inf/NaN gradients (fp16 GradScaler, or
+            ``nonfinite="skip"``).
     """
     started = time.perf_counter()
     _check_call(data, target_batch, loss_fn)

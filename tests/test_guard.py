@@ -349,6 +349,26 @@ def test_the_check_folded_into_clipping_clips_as_before():
     assert_close(params_of(model), params_of(ref), dtype)
 
 
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_a_norm_that_overflows_is_not_taken_for_an_inf_gradient(clip):
+    """The check reduces gradients to 2-norms, which overflow for large finite values (fp16 past 65504,
+    fp32 past ~1.8e19): only an inf or NaN element counts, a large norm does not."""
+    from autoaccum.optim_step import _check_finite
+
+    def params(value, dtype):
+        p = nn.Parameter(torch.zeros(100, dtype=dtype))
+        p.grad = torch.full((100,), value, dtype=dtype)
+        return [p, nn.Parameter(torch.zeros(3))]
+
+    assert torch.isinf(torch.full((100,), 1e4, dtype=torch.float16).norm())  # the overflow it guards against
+    assert _check_finite(params(1e4, torch.float16), None, clip, None)[0]
+    assert _check_finite(params(1e30, torch.float32), torch.tensor(2.0), clip, None)[0]
+    for bad in (float("inf"), float("nan")):
+        assert not _check_finite(params(bad, torch.float32), None, clip, None)[0]
+        assert not _check_finite(params(1.0, torch.float32), torch.tensor(bad), clip, None)[0]
+        assert not _check_finite(params(1.0, torch.float32), bad, clip, None)[0]
+
+
 def test_nonfinite_policy_is_checked():
     model = Net()
     with pytest.raises(ValueError, match=r"Invalid nonfinite: 'raise'. Allowed values: stop, skip, None"):
