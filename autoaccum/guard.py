@@ -238,7 +238,7 @@ class OOMGuard:
                 f"{self.steps}, the step's gradients are cleared. Check the data and the loss for inf/NaN, lower "
                 f"the lr ({lr:.3g}) or clip gradients (max_grad_norm=1.0); nonfinite='skip' skips such steps "
                 f"instead.", self.steps + 1)
-        loss = totals.loss  # the step's one wait for the device, after the step's launch
+        loss = totals.loss  # after the step's launch (the inf/NaN check, when on, waited for the device before it)
         return StepResult(**self._finish(totals, loss, attempts, changes, start, started),
                           grad_norm=None if done.grad_norm is None else float(done.grad_norm),
                           skipped=done.skipped, lr=lr)
