@@ -4,7 +4,7 @@
 """
 
 from autoaccum.distributed import DistributedSync, broadcast_plan, init_from_env, wrap_model
-from autoaccum.errors import AutoAccumError, DoesNotFitError, OptimizerStepOOMError, TaskError
+from autoaccum.errors import AutoAccumError, DoesNotFitError, NonFiniteError, OptimizerStepOOMError, TaskError
 from autoaccum.fit import FitConfig, FitResult, fit
 from autoaccum.guard import AccumulateResult, OOMGuard, PlanChange, StepResult
 from autoaccum.knobs import Knobs
@@ -23,7 +23,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LR_RULES", "AccumulateResult", "AutoAccumError", "Candidate", "DistributedSync", "DoesNotFitError", "FitConfig", "FitResult", "Knobs",
-    "MemoryModel", "OOMGuard", "OptimizerStepOOMError", "Plan", "PlanChange", "ProbeReport", "SearchResult",
+    "MemoryModel", "NonFiniteError", "OOMGuard", "OptimizerStepOOMError", "Plan", "PlanChange", "ProbeReport", "SearchResult",
     "SearchSpace", "StepResult", "Task", "TaskError", "TrackedMemory", "broadcast_plan", "emulated_budget", "fit",
     "format_bytes", "init_from_env", "is_oom", "load_plan_file", "parse_bytes", "probe", "scale_adam_hparams",
     "scale_lr", "search", "wrap_model",

@@ -19,11 +19,11 @@ import torch
 
 from autoaccum.batch import describe_batch
 from autoaccum.jsonio import write_json_atomic
-from autoaccum.log import user_stacklevel
+from autoaccum.log import rank_level, user_stacklevel
 from autoaccum.report import ProbeReport
 from autoaccum.task import Task
 
-__all__ = ["fingerprint", "load", "store", "default_cache_dir"]
+__all__ = ["default_cache_dir", "describe_optimizer", "fingerprint", "load", "store"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,14 +38,12 @@ def fingerprint(task: Task, optimizer: Any, *, device: torch.device, capacity_by
                 precision: str = "fp32", lengths: Any = None) -> str:
     """A hash of what a probe's result depends on: parameter and buffer shapes and dtypes, the
     sample's shapes, the optimizer, the device and its capacity, torch, the budget and the target."""
-    opt_name = type(optimizer).__name__ if isinstance(optimizer, torch.optim.Optimizer) else \
-        getattr(task.make_optimizer, "__qualname__", type(task.make_optimizer).__name__)
     key = {
         "params": [[n, list(p.shape), str(p.dtype), p.requires_grad] for n, p in task.model.named_parameters()],
         "buffers": [[n, list(b.shape), str(b.dtype)] for n, b in task.model.named_buffers()],
         "model": type(task.model).__qualname__,
         "sample": describe_batch(task.batch(1)),
-        "optimizer": opt_name,
+        "optimizer": describe_optimizer(optimizer, task),
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
         "capacity_bytes": capacity_bytes if device.type == "cuda" else None,  # host RAM varies run to run
@@ -55,6 +53,34 @@ def fingerprint(task: Task, optimizer: Any, *, device: torch.device, capacity_by
         "lengths": lengths,
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def describe_optimizer(optimizer: Any, task: Task) -> dict[str, Any]:
+    """What the optimizer's memory depends on: its class and the options of each parameter group
+    (``foreach``, ``fused``, ``amsgrad``, momentum ... and the lr, which is what tells two factories
+    apart when nothing else does).
+
+    For a factory (``task.make_optimizer``) it is what the factory builds on the model's trainable
+    parameters, as the probe will build it: two lambdas share a ``__qualname__`` (``<lambda>``), so
+    the name alone made ``lambda p: SGD(p, lr=0.1)`` and ``lambda p: AdamW(p)`` collide. Building a
+    torch optimizer allocates no state (that comes with the first ``step()``). A factory that
+    cannot be built here is described by its code's location instead (the probe will report why).
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        factory = task.make_optimizer
+        try:
+            optimizer = factory([p for p in task.model.parameters() if p.requires_grad])
+        except Exception:  # noqa: BLE001 - a description only; the probe raises the factory's error itself
+            optimizer = None
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            code = getattr(factory, "__code__", None)
+            return {"factory": getattr(factory, "__qualname__", type(factory).__name__),
+                    "code": None if code is None else f"{code.co_filename}:{code.co_firstlineno}"}
+    kind = type(optimizer)
+    return {"class": f"{kind.__module__}.{kind.__qualname__}",
+            "groups": [{"params": len(group["params"]),
+                        **{k: repr(v) for k, v in sorted(group.items()) if k != "params"}}
+                       for group in optimizer.param_groups]}
 
 
 def _path(fp: str, cache_dir: str | os.PathLike | None) -> Path:
@@ -85,5 +111,5 @@ def load(fp: str, cache_dir: str | os.PathLike | None = None) -> ProbeReport | N
     if report.fingerprint != fp:
         warnings.warn(f"ignoring probe cache {path}: it was written for another task or device", stacklevel=user_stacklevel())
         return None
-    logger.info("probe: reusing cached result %s", path)
+    logger.log(rank_level(logging.INFO), "probe: reusing cached result %s", path)
     return dataclasses.replace(report, source="cache")

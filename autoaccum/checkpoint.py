@@ -30,7 +30,7 @@ import torch
 
 from autoaccum.errors import AutoAccumError
 from autoaccum.jsonio import fsync_dir
-from autoaccum.log import user_stacklevel
+from autoaccum.log import rank_level, user_stacklevel
 from autoaccum.state import RngState
 
 __all__ = [
@@ -192,7 +192,7 @@ def load_checkpoint(path_or_dir: str | os.PathLike[str]) -> dict | None:
         if candidate != path:
             warnings.warn(f"newest checkpoint unusable, loaded the previous one {candidate} instead "
                           f"(skipped {skipped[0]})", RuntimeWarning, stacklevel=user_stacklevel())
-        logger.info("checkpoint loaded from %s", candidate)
+        logger.log(rank_level(logging.INFO), "checkpoint loaded from %s", candidate)
         return state
     if not found:
         return None

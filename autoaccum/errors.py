@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["AutoAccumError", "DoesNotFitError", "OptimizerStepOOMError", "TaskError"]
+__all__ = ["AutoAccumError", "DoesNotFitError", "NonFiniteError", "OptimizerStepOOMError", "TaskError"]
 
 
 class AutoAccumError(Exception):
@@ -56,3 +56,16 @@ class OptimizerStepOOMError(AutoAccumError):
     inside ``optimizer.step()`` may leave some parameters updated and others not: the guard
     stops rather than replay a step on half-updated weights.
     """
+
+
+class NonFiniteError(AutoAccumError):
+    """The gradients (or the loss) of an optimizer step hold inf/NaN, under ``nonfinite="stop"``.
+
+    Raised before ``optimizer.step()``: the weights, the optimizer state and the scheduler are
+    those of the previous step, and the step's gradients are cleared. ``step`` is the number of the
+    optimizer step that was not taken (1-based).
+    """
+
+    def __init__(self, message: str, step: int) -> None:
+        super().__init__(message)
+        self.step = step

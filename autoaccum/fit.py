@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,9 +30,9 @@ from autoaccum import distributed
 from autoaccum.batchnorm import smallest_micro_batch
 from autoaccum.cut import SampleCut, TokenCut
 from autoaccum.data import GlobalBatches
-from autoaccum.errors import AutoAccumError
+from autoaccum.errors import AutoAccumError, NonFiniteError
 from autoaccum.guard import OOMGuard, PlanChange, StepResult
-from autoaccum.log import ensure_visible
+from autoaccum.log import ensure_visible, rank_level
 from autoaccum.losses import default_loss
 from autoaccum.lr import apply_lr_rule, warmup_lambda
 from autoaccum.memory import Meter, TrackedMemory, refuse_compiled
@@ -65,7 +64,8 @@ __all__ = ["FitConfig", "FitResult", "default_loss", "fit"]  # default_loss: fro
 
 logger = logging.getLogger(__name__)
 
-#: consecutive steps the fp16 GradScaler may skip before fit stops (a few are normal at the start)
+#: consecutive steps skipped for inf/NaN gradients before fit stops (the fp16 GradScaler skips a few at the
+#: start while it finds its scale; under nonfinite="skip" a long streak means every step is broken)
 MAX_SKIPPED_STEPS = 25
 
 
@@ -79,8 +79,16 @@ class FitResult:
         plan_changes: every change of plan (OOM shrinks, growth), in order.
         optimizer_steps, samples_seen: counted over the whole run (resumed runs included).
         oom_events: OOMs recovered in training; eval_ooms: in evaluation.
-        final_loss: the last step's loss (sample- or token-weighted); losses: every step's loss.
-        micro_steps: every step's micro-steps (with a token budget they follow the step's lengths).
+        skipped_steps: optimizer steps skipped for inf/NaN gradients (by the fp16 GradScaler, or under
+            ``nonfinite="skip"``), counted in ``optimizer_steps`` too (their samples were consumed).
+        final_loss: the last step's loss (sample- or token-weighted; after a resume of a finished run,
+            the checkpoint's).
+        losses: the loss of each step this call ran: steps ``optimizer_steps - len(losses) + 1`` to
+            ``optimizer_steps`` (after a resume, the steps after the checkpoint). A checkpoint keeps
+            only the last loss, so that its size does not grow with the run; ``log_file`` holds
+            every step's loss, each step once across resumes.
+        micro_steps: each step's micro-steps, for the steps in ``losses`` (with a token budget they
+            follow the step's lengths).
         eval_loss: the last evaluation's loss, None without eval_data.
         lr: the learning rate the rule set (before warmup).
         samples_per_s: samples per second of training steps in this call (probe excluded).
@@ -107,6 +115,7 @@ class FitResult:
     probe_time_s: float
     probe: ProbeReport | None = field(default=None, repr=False)
     micro_steps: tuple[int, ...] = ()
+    skipped_steps: int = 0
 
 
 def _placed(model: torch.nn.Module, device: Any) -> tuple[torch.nn.Module, GradSync, torch.device]:
@@ -177,8 +186,8 @@ def fit(model: torch.nn.Module, data: Any, target_batch: int = 256, *, loss_fn: 
         config: a :class:`~autoaccum.training.config.FitConfig`; ``options`` override its fields.
         **options: ``lr``, ``base_batch``, ``lr_rule``, ``warmup_steps`` (:class:`LRConfig`);
             ``epochs``, ``max_steps``, ``seed`` (:class:`StopConfig`); ``device``, ``budget``,
-            ``headroom``, ``plan``, ``precision``, ``max_grad_norm``, ``grow_after``, ``probe_cache``
-            (:class:`MemoryConfig`); ``checkpoint_dir``, ``checkpoint_every``, ``resume``
+            ``headroom``, ``plan``, ``precision``, ``max_grad_norm``, ``nonfinite``, ``grow_after``,
+            ``probe_cache`` (:class:`MemoryConfig`); ``checkpoint_dir``, ``checkpoint_every``, ``resume``
             (:class:`CheckpointConfig`); ``progress``, ``log_file``, ``eval_every``
             (:class:`OutputConfig`). Each is documented on its config class.
 
@@ -188,7 +197,10 @@ def fit(model: torch.nn.Module, data: Any, target_batch: int = 256, *, loss_fn: 
     Raises:
         ValueError, TypeError: invalid arguments (before any work).
         DoesNotFitError: even a micro-batch of 1 does not fit.
-        AutoAccumError: the loss is NaN/inf (stops at once), or the fp16 scaler skips every step.
+        NonFiniteError: inf/NaN gradients or loss under ``nonfinite="stop"``, found before the
+            optimizer step (the weights, optimizer state and scheduler are those of the step before).
+        AutoAccumError: 25 steps in a row skipped for inf/NaN gradients (fp16 GradScaler, or
+            ``nonfinite="skip"``).
     """
     started = time.perf_counter()
     _check_call(data, target_batch, loss_fn)
@@ -220,15 +232,17 @@ def fit(model: torch.nn.Module, data: Any, target_batch: int = 256, *, loss_fn: 
     cut = TokenCut() if batches.by_length else SampleCut()
     guard = OOMGuard(model, optimizer, plan=start_plan, scheduler=scheduler, scaler=scaler,
                      max_grad_norm=cfg.memory.max_grad_norm, autocast_dtype=autocast_dtype(cfg.memory.precision),
-                     sync=sync, meter=meter, grow_after=cfg.memory.grow_after, cut=cut)
+                     sync=sync, meter=meter, grow_after=cfg.memory.grow_after, cut=cut,
+                     nonfinite=cfg.memory.nonfinite)
     position = RunPosition() if state is None else restore_run(
-        state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, guard=guard)
+        state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, guard=guard, rank=sync.rank,
+        world_size=sync.world_size)
     run = _Run(model, optimizer, scheduler, scaler, guard, sync, loss_fn, dev, cfg, target_batch, run_lr, ckpt_dir,
                position)
     if cfg.output.verbose:
         ensure_visible()
     progress = Progress(cfg.output.progress, _total_steps(cfg, batches), cfg.output.log_file, sync.rank,
-                        cfg.output.verbose)
+                        cfg.output.verbose, resumed_at=None if state is None else position.steps)
     progress.say(_banner(run, start_plan, plan_source, emulated=meter is not None, resumed=state is not None))
     try:
         if meter is not None:  # the emulated device: weights and state count; steps run inside it (_train)
@@ -241,11 +255,11 @@ def fit(model: torch.nn.Module, data: Any, target_batch: int = 256, *, loss_fn: 
     return FitResult(
         plan=start_plan, final_plan=guard.plan, plan_source=plan_source, plan_changes=tuple(guard.changes),
         optimizer_steps=position.steps, samples_seen=position.samples, oom_events=guard.ooms,
-        eval_ooms=summary["eval_ooms"], final_loss=position.losses[-1], losses=tuple(position.losses),
+        eval_ooms=summary["eval_ooms"], final_loss=position.last_loss, losses=tuple(position.losses),
         eval_loss=summary["eval_loss"], lr=run_lr, samples_per_s=summary["samples_per_s"],
         peak_bytes=summary["peak_bytes"], wall_time_s=time.perf_counter() - started,
         probe_time_s=0.0 if report is None else report.wall_time_s, probe=report,
-        micro_steps=tuple(summary["micro_steps"]),
+        micro_steps=tuple(summary["micro_steps"]), skipped_steps=position.skipped,
     )
 
 
@@ -360,14 +374,19 @@ def _train(run: _Run, batches: GlobalBatches, eval_batches: GlobalBatches | None
         fresh_epoch, drawn = pos.index == 0, False
         for rb in batches.epoch(pos.epoch, pos.index):
             drawn = True
-            with device_region:  # the emulated device counts the step, not the host's drawing of the batch
-                result = guard.step(rb.batch, run.loss_fn, partial=rb.partial or rb.global_size < run.target_batch)
+            try:
+                with device_region:  # the emulated device counts the step, not the host's drawing of the batch
+                    result = guard.step(rb.batch, run.loss_fn, partial=rb.partial or rb.global_size < run.target_batch)
+            except NonFiniteError as exc:
+                raise _stopped(exc, run, pos, rb.index) from None
             pos.steps += 1
+            pos.skipped += result.skipped
             pos.samples += result.num_samples
             pos.index = rb.index + 1
             train_time += result.step_time_s
-            skipped_streak = _check_step(result, run, pos, rb.index, skipped_streak)
+            skipped_streak = _check_step(result, run, pos, skipped_streak)
             pos.losses.append(result.loss)
+            pos.last_loss = result.loss
             micro_steps.append(result.micro_steps)
             if result.peak_bytes is not None:
                 peak = max(peak or 0, result.peak_bytes)
@@ -382,16 +401,17 @@ def _train(run: _Run, batches: GlobalBatches, eval_batches: GlobalBatches | None
         else:
             if fresh_epoch and not drawn:  # an exhausted iterator (a generator): another pass yields nothing
                 if pos.steps:
-                    logger.warning("the data yielded no batch in epoch %d; stopping after %d steps", pos.epoch, pos.steps)
+                    logger.log(rank_level(logging.WARNING, run.sync.rank), "the data yielded no batch in epoch %d; "
+                               "stopping after %d steps", pos.epoch, pos.steps)
                 break
             pos.epoch, pos.index = pos.epoch + 1, 0
     if eval_batches is not None and evaluated_at != pos.steps:  # the end, unless just evaluated
         run_eval()
     save()
-    if not pos.losses:
+    if pos.last_loss is None:
         raise AutoAccumError("no optimizer step ran: the data yielded no batch")
     rate = (pos.samples - first_samples) / train_time if train_time > 0 else 0.0
-    progress.say(f"autoaccum fit done · {pos.steps} steps, {pos.samples:,} samples · final loss {pos.losses[-1]:.4g}"
+    progress.say(f"autoaccum fit done · {pos.steps} steps, {pos.samples:,} samples · final loss {pos.last_loss:.4g}"
                  + ("" if eval_loss is None else f" · eval loss {eval_loss:.4g}")
                  + f" · {rate:,.0f} samples/s · {guard.ooms} OOMs · {guard.plan.describe()}"
                  + ("" if peak is None else f" · peak {format_bytes(peak)}"))
@@ -399,17 +419,24 @@ def _train(run: _Run, batches: GlobalBatches, eval_batches: GlobalBatches | None
             "micro_steps": micro_steps}
 
 
-def _check_step(result: StepResult, run: _Run, pos: RunPosition, batch_index: int, skipped_streak: int) -> int:
-    """Stop on a NaN/inf loss (fp32) or a GradScaler that skips every step; returns the skip streak."""
-    if not math.isfinite(result.loss) and run.scaler is None:
-        raise AutoAccumError(
-            f"the loss is {result.loss} at optimizer step {pos.steps} (epoch {pos.epoch}, batch {batch_index}); "
-            f"stopping. Check the data and the loss for inf/NaN, lower the lr ({run.lr:.3g}), or clip "
-            f"gradients (max_grad_norm=1.0).")
+def _stopped(exc: NonFiniteError, run: _Run, pos: RunPosition, batch_index: int) -> NonFiniteError:
+    """The guard's inf/NaN stop, with where the run stands (nothing of the step reached the weights)."""
+    last = "" if run.ckpt_dir is None else f" The last checkpoint in {run.ckpt_dir} is intact."
+    step = f"optimizer step {exc.step}"
+    return NonFiniteError(str(exc).replace(step, f"{step} (epoch {pos.epoch}, batch {batch_index})", 1) + last,
+                          exc.step)
+
+
+def _check_step(result: StepResult, run: _Run, pos: RunPosition, skipped_streak: int) -> int:
+    """Stop where every step is skipped for inf/NaN gradients (the guard checked each step before
+    ``optimizer.step()``); returns the skip streak."""
     skipped_streak = skipped_streak + 1 if result.skipped else 0
     if skipped_streak >= MAX_SKIPPED_STEPS:
-        raise AutoAccumError(f"the fp16 GradScaler skipped {skipped_streak} steps in a row (inf/NaN "
-                             f"gradients at every scale); stopping. Try precision='bf16' or a lower lr.")
+        who = "the fp16 GradScaler" if run.scaler is not None else "nonfinite='skip'"
+        fix = "Try precision='bf16' or a lower lr." if run.scaler is not None else \
+            "Check the data and the loss for inf/NaN, lower the lr or clip gradients (max_grad_norm=1.0)."
+        raise AutoAccumError(f"{skipped_streak} optimizer steps in a row were skipped for inf/NaN gradients (by "
+                             f"{who}), the last at step {pos.steps}; stopping. {fix}")
     return skipped_streak
 
 
@@ -421,5 +448,5 @@ def _record(result: StepResult, pos: RunPosition) -> dict[str, Any]:
         "micro_steps": result.micro_steps,
         "peak_bytes": result.peak_bytes, "step_time_s": result.step_time_s,
         "samples_per_s": result.num_samples / result.step_time_s if result.step_time_s else 0.0,
-        "ooms": len([c for c in result.changes if c.reason == "oom"]),
+        "ooms": len([c for c in result.changes if c.reason == "oom"]), "skipped": result.skipped,
     }

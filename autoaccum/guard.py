@@ -29,16 +29,17 @@ from autoaccum.accumulate import Accumulated, StepTotals, accumulate, reduce_gra
 from autoaccum.batch import Batch, SplitFn, batch_size
 from autoaccum.batchnorm import batchnorm_layers, smallest_micro_batch, warn_batchnorm
 from autoaccum.cut import Cutter, SampleCut
-from autoaccum.errors import AutoAccumError, DoesNotFitError, TaskError
+from autoaccum.errors import AutoAccumError, DoesNotFitError, NonFiniteError, TaskError
+from autoaccum.log import rank_level
 from autoaccum.memory import Meter, MemoryReading, TrackedMemory, active_budget, default_meter
-from autoaccum.optim_step import step_oom_error, step_optimizer
+from autoaccum.optim_step import NONFINITE_POLICIES, NonFinite, step_oom_error, step_optimizer
 from autoaccum.plan import Plan, resolve_plan
 from autoaccum.policy import PlanChange, Reason, grown_plan, shrunk_plan
 from autoaccum.recovery import catch_oom, release_memory
 from autoaccum.state import capture_buffers, capture_rng, restore_buffers, restore_rng, state_buffers
 from autoaccum.sync import ERROR, OK, OOM, GradSync, LocalSync
 from autoaccum.task import LossFn, check_loss_fn, check_optimizer_covers, explain_error, trainable_parameters
-from autoaccum.validate import check_positive_float, check_positive_int
+from autoaccum.validate import check_choice, check_positive_float, check_positive_int
 
 __all__ = ["AccumulateResult", "OOMGuard", "PlanChange", "StepResult", "batchnorm_layers"]
 
@@ -79,7 +80,8 @@ class StepResult(AccumulateResult):
 
     Attributes:
         grad_norm: total gradient norm before clipping (when clipping), else None.
-        skipped: the GradScaler found inf/NaN gradients and skipped the optimizer step.
+        skipped: the optimizer step was skipped for inf/NaN gradients: by the GradScaler (fp16), or
+            under ``nonfinite="skip"`` (the weights, optimizer state and scheduler are unchanged).
         lr: learning rate of the first parameter group used by the step.
     """
 
@@ -117,7 +119,14 @@ class OOMGuard:
             the last size that worked. Off by default: growth can cost a failed attempt each time.
         thrash_steps: on CUDA, shrink after this many consecutive steps with allocator retries.
         meter: the meter whose readings each step reports (default: the CUDA allocator on CUDA, none elsewhere).
-        log_changes: log each plan change as a warning (the default).
+        log_changes: log each plan change as a warning (the default; on rank 0, other ranks at debug level).
+        nonfinite: what a step whose gradients (or loss) hold inf/NaN does, checked after the
+            gradients are reduced and before ``optimizer.step()``, so that they never reach the
+            weights: ``"stop"`` (the default) raises :class:`~autoaccum.errors.NonFiniteError` with
+            the weights, optimizer state and scheduler as they were and the gradients cleared;
+            ``"skip"`` skips the optimizer step (and the scheduler) and returns ``skipped=True``, as
+            the GradScaler does; ``None`` does not check (no wait for the device before the step).
+            With a GradScaler (fp16) the scaler's own check applies.
     """
 
     def __init__(
@@ -140,6 +149,7 @@ class OOMGuard:
         thrash_steps: int = 2,
         meter: Meter | None = None,
         log_changes: bool = True,
+        nonfinite: NonFinite | None = "stop",
     ) -> None:
         model_params = trainable_parameters(model)
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -169,6 +179,8 @@ class OOMGuard:
         if grow_after is not None:
             check_positive_int(grow_after, "grow_after")
         check_positive_int(thrash_steps, "thrash_steps")
+        check_choice(nonfinite, "nonfinite", (*NONFINITE_POLICIES, None))
+        self.nonfinite = nonfinite
         check_optimizer_covers(model, optimizer)
         if split_fn is not None and cut is not None:
             raise TypeError("give split_fn= or cut=, not both (a cutter splits batches itself)")
@@ -208,6 +220,7 @@ class OOMGuard:
         Raises:
             DoesNotFitError: a micro-batch of 1 ran out of memory.
             OptimizerStepOOMError: out of memory in gradient reduction, clipping or ``optimizer.step()``.
+            NonFiniteError: inf/NaN gradients or loss under ``nonfinite="stop"`` (nothing was stepped).
             ValueError: the batch holds the wrong number of samples.
         """
         started = time.perf_counter()
@@ -215,9 +228,17 @@ class OOMGuard:
         totals, attempts, changes, start = self._accumulate(batch, loss_fn, partial)
         done = step_optimizer(self.optimizer, self.params, scaler=self.scaler, scheduler=self.scheduler,
                               max_grad_norm=self.max_grad_norm, step_number=self.steps + 1,
-                              micro_batch=self.plan.micro_batch)
+                              micro_batch=self.plan.micro_batch, check_finite=self.nonfinite is not None,
+                              loss=totals.loss_total, sync=self.sync)
         self._zero_grad()
-        loss = totals.loss  # the step's one wait for the device, after the step's launch
+        if done.nonfinite and self.nonfinite == "stop":
+            raise NonFiniteError(
+                f"inf/NaN in the gradients or the loss (loss {totals.loss:.4g}) of optimizer step {self.steps + 1}; "
+                f"stopped before optimizer.step(): the weights, optimizer state and scheduler are those after step "
+                f"{self.steps}, the step's gradients are cleared. Check the data and the loss for inf/NaN, lower "
+                f"the lr ({lr:.3g}) or clip gradients (max_grad_norm=1.0); nonfinite='skip' skips such steps "
+                f"instead.", self.steps + 1)
+        loss = totals.loss  # after the step's launch (the inf/NaN check, when on, waited for the device before it)
         return StepResult(**self._finish(totals, loss, attempts, changes, start, started),
                           grad_norm=None if done.grad_norm is None else float(done.grad_norm),
                           skipped=done.skipped, lr=lr)
@@ -398,7 +419,7 @@ class OOMGuard:
         change = PlanChange(self.steps + 1, reason, where, old, self.plan)
         self.changes.append(change)
         if self.log_changes:
-            logger.warning(change.describe())
+            logger.log(rank_level(logging.WARNING, self.sync.rank), change.describe())  # agreed: rank 0 says it
         self._ok_streak = 0
         self._warn_batchnorm()
         return change

@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["fsync_dir", "write_json_atomic"]
+__all__ = ["fsync_dir", "write_bytes_atomic", "write_json_atomic"]
 
 
 def fsync_dir(directory: Path) -> None:
@@ -27,12 +27,18 @@ def fsync_dir(directory: Path) -> None:
 def write_json_atomic(path: str | os.PathLike[str], data: Any) -> Path:
     """Write ``data`` as JSON to ``path``: temp file in the same directory, fsync, rename, fsync the
     directory. Missing parent directories are created. Returns the path."""
+    return write_bytes_atomic(path, json.dumps(data, indent=1).encode())
+
+
+def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
+    """Write ``data`` to ``path`` as :func:`write_json_atomic` does (temp file, fsync, rename, fsync of
+    the directory). Returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -12,9 +12,10 @@ sets INFO. An application's own logging configuration takes precedence; silence 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
-__all__ = ["SHOWN", "ensure_visible", "user_stacklevel"]
+__all__ = ["SHOWN", "ensure_visible", "rank_level", "user_stacklevel"]
 
 #: set on a record's ``extra`` when the message is already shown on the terminal (above a progress bar)
 SHOWN = "autoaccum_shown"
@@ -36,6 +37,18 @@ def ensure_visible() -> None:
     package.addHandler(handler)
     if package.level == logging.NOTSET:
         package.setLevel(logging.INFO)
+
+
+def rank_level(level: int, rank: int | None = None) -> int:
+    """``level`` on rank 0, ``DEBUG`` on every other rank: what every rank would log alike (the probe's
+    measurements, a plan change the ranks agreed on) is logged once, and still there on the other
+    ranks for whoever turns on debug logging. ``rank``: the rank in the group that decided (default:
+    this process's rank in ``torch.distributed``, or torchrun's ``RANK`` before a group exists)."""
+    if rank is None:
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    return level if rank == 0 else logging.DEBUG
 
 
 def user_stacklevel() -> int:

@@ -1,4 +1,13 @@
-"""The optimizer step after accumulation: unscale once, clip once, step, then the scheduler.
+"""The optimizer step after accumulation: unscale once, check, clip once, step, then the scheduler.
+
+The check (``check_finite``): inf/NaN gradients never reach the weights. Before the step, one
+fused reduction over every gradient (``torch._foreach_norm``, the largest magnitude; with clipping,
+the total norm clipping computes anyway) and one read of its result on the host: a non-finite
+value skips ``optimizer.step()`` and the scheduler, and the caller decides what follows (stop or
+skip, ``autoaccum.guard``). The gradients are checked after they were reduced over ranks: under
+DDP every rank holds the same sums, so every rank decides the same; under FSDP2 each rank holds a
+shard, so the ranks exchange their verdicts (one all-reduce of one number). In fp16 the
+GradScaler checks (and skips) itself.
 
 An out-of-memory error here is not replayed (a decided limit, see the README): this memory does
 not depend on the micro-batch, so shrinking cannot help, and an OOM inside ``optimizer.step()``
@@ -10,16 +19,22 @@ record of the step, so that a caller who goes on (e.g. after freeing memory) can
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 
 from autoaccum.errors import OptimizerStepOOMError
 from autoaccum.recovery import catch_oom, release_memory
+from autoaccum.sync import GradSync
 
-__all__ = ["OptimizerStep", "step_oom_error", "step_optimizer"]
+__all__ = ["NONFINITE_POLICIES", "NonFinite", "OptimizerStep", "step_oom_error", "step_optimizer"]
+
+#: what a step with inf/NaN gradients does: raise NonFiniteError before the optimizer step, or skip it
+NonFinite = Literal["stop", "skip"]
+NONFINITE_POLICIES: tuple[str, ...] = get_args(NonFinite)
 
 
 @dataclass(frozen=True)
@@ -29,11 +44,14 @@ class OptimizerStep:
     Attributes:
         grad_norm: the total gradient norm before clipping (a device tensor, read after the step's
             launch), None without clipping.
-        skipped: the GradScaler found inf/NaN gradients and skipped the step (the scheduler did not step).
+        skipped: the optimizer did not step, for inf/NaN gradients: found by the GradScaler (fp16) or
+            by the check (the scheduler did not step either).
+        nonfinite: the check found inf/NaN in the gradients or the loss (the step was not taken).
     """
 
     grad_norm: torch.Tensor | None
     skipped: bool
+    nonfinite: bool = False
 
 
 def step_oom_error(phase: str, step_number: int, micro_batch: int) -> OptimizerStepOOMError:
@@ -49,8 +67,15 @@ def step_oom_error(phase: str, step_number: int, micro_batch: int) -> OptimizerS
 def step_optimizer(optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter], *,
                    scaler: torch.amp.GradScaler | None = None, scheduler: Any = None,
                    max_grad_norm: float | None = None, step_number: int = 0,
-                   micro_batch: int = 0) -> OptimizerStep:
-    """Unscale (once), clip (once), step and update the scaler; step the scheduler unless skipped.
+                   micro_batch: int = 0, check_finite: bool = False, loss: torch.Tensor | float | None = None,
+                   sync: GradSync | None = None) -> OptimizerStep:
+    """Unscale (once), check, clip (once), step and update the scaler; step the scheduler unless skipped.
+
+    Args:
+        check_finite: without a scaler, skip the step (``nonfinite=True``) when a gradient or
+            ``loss`` holds inf/NaN (see the module docstring).
+        loss: the step's loss (a device tensor or a float), checked with the gradients.
+        sync: how the ranks agree on the check where each holds a shard of the gradients (FSDP2).
 
     Raises:
         OptimizerStepOOMError: out of memory in unscaling, clipping or ``optimizer.step()``.
@@ -61,9 +86,17 @@ def step_optimizer(optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.P
         if scaler is not None:
             scaler.unscale_(optimizer)
         norm = None
+        if check_finite and scaler is None:
+            phase[0] = "gradient clipping" if max_grad_norm is not None else "the inf/NaN check"
+            finite, norm = _check_finite(params, loss, max_grad_norm, sync)
+            if not finite:
+                return OptimizerStep(None, True, nonfinite=True)
         if max_grad_norm is not None:
             phase[0] = "gradient clipping"
-            norm = torch.nn.utils.clip_grad_norm_(list(params), max_grad_norm)  # read after the step
+            if norm is None:
+                norm = torch.nn.utils.clip_grad_norm_(list(params), max_grad_norm)  # read after the step
+            else:  # the total norm the check computed: clip with it, not a second pass over the gradients
+                torch.nn.utils.clip_grads_with_norm_(list(params), max_grad_norm, norm)
         phase[0] = "optimizer.step()"
         if scaler is None:
             optimizer.step()
@@ -90,3 +123,46 @@ def step_optimizer(optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.P
     if not done.skipped and scheduler is not None:
         scheduler.step()
     return done
+
+
+def _check_finite(params: Sequence[torch.nn.Parameter], loss: torch.Tensor | float | None,
+                  max_grad_norm: float | None, sync: GradSync | None) -> tuple[bool, torch.Tensor | None]:
+    """Whether every gradient and the loss are finite: one fused reduction, one read on the host.
+
+    Returns (finite, the total 2-norm for clipping or None). The reduction is the 2-norm of each
+    gradient (``torch._foreach_norm``: one pass over the gradients; a NaN or inf element makes it
+    non-finite); with clipping, the total norm clipping needs anyway, so the check costs no second
+    pass. A norm can also overflow where every element is finite (fp32 beyond ~1.8e19, fp16 beyond
+    65504): only then, and only on a non-finite norm, are the elements looked at one by one.
+    (``ord=inf``, which cannot overflow, is some 100 times slower on the CPU.) FSDP2 gradients are
+    DTensor shards: each rank reduces its own shard (no collective inside) and the ranks exchange
+    one number."""
+    grads = [p.grad for p in params if p.grad is not None]
+    sharded = any(hasattr(g, "to_local") for g in grads)
+    if sharded:
+        grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # type: ignore[operator]
+    clip_norm = max_grad_norm is not None and not sharded
+    total: torch.Tensor | None = None
+    flags: list[torch.Tensor] = []
+    if grads and clip_norm:
+        total = torch.nn.utils.get_total_norm(grads, 2.0)
+        flags.append(torch.isfinite(total).reshape(1))
+    elif grads:
+        device = grads[0].device
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for g in grads:
+            groups.setdefault((g.device, g.dtype), []).append(g)
+        norms = [n.to(device) for group in groups.values() for n in torch._foreach_norm(group, 2.0)]
+        flags.append(torch.isfinite(torch.stack(norms)).all().reshape(1))
+    if isinstance(loss, torch.Tensor):
+        flags.append(torch.isfinite(loss.detach()).reshape(1).to(flags[0].device if flags else loss.device))
+    finite = bool(torch.cat(flags).all()) if flags else True  # the one read on the host
+    if isinstance(loss, float):
+        finite = finite and math.isfinite(loss)
+    if not finite and grads and (loss is None or math.isfinite(float(loss))):
+        # a norm that overflowed, or an inf/NaN element? (rare: look at the elements)
+        finite = all(bool(torch.isfinite(g).all()) for g in grads)
+    if sharded and sync is not None and sync.world_size > 1:
+        flag = torch.tensor([0.0 if finite else 1.0], dtype=torch.float64)
+        finite = float(sync.sum_items(flag)[0]) == 0.0  # one rank's non-finite shard stops every rank
+    return finite, total if clip_norm else None

@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 
 from autoaccum.batch import Batch, move_to, tensors
+from autoaccum.log import rank_level
 from autoaccum.memory import Meter
 from autoaccum.precision import autocast
 from autoaccum.recovery import catch_oom, release_memory
@@ -183,5 +184,6 @@ class Stepper:
             candidate = ran  # type: ignore[assignment]
         self.measured[(size, self.length)] = candidate
         at = "" if self.length is None else f" at length {self.length}"
-        logger.info("probe micro-batch %d%s: %s, peak %s", size, at, candidate.status, candidate.peak_bytes)
+        logger.log(rank_level(logging.INFO), "probe micro-batch %d%s: %s, peak %s", size, at, candidate.status,
+                   candidate.peak_bytes)
         return candidate

@@ -9,6 +9,11 @@ and what one OOM recovery costs.
    The variants alternate in blocks (order flipped every repeat); each block times ``--steps``
    steps after warm-up. Reported: the median per-step time of each variant and the median of the
    per-repeat ratios guard / hand (the paired ratio, robust to drift of the machine).
+   In the same blocks, the inf/NaN check before the optimizer step (issue 14): ``guard`` (the
+   default, ``nonfinite="stop"``) against ``guard, check off`` (``nonfinite=None``), and the same
+   pair with clipping (``max_grad_norm=1.0``, where the check is the norm clipping computes
+   anyway). Reported: the paired ratios check on / check off, and the check alone (the guard's
+   function on the model's real gradients, timed over many calls) as a share of a step.
 2. OOM recovery. An injected ``torch.OutOfMemoryError`` in the loss of the first micro-batch (no
    work lost) or of the last one (almost a whole step lost); the guard releases, halves the
    micro-batch and replays. Reported: the wall time of that step against a normal step at the
@@ -17,7 +22,7 @@ and what one OOM recovery costs.
 
 Prints a table, then one JSON document. Not part of the test run.
 
-    python benchmarks/guard_bench.py [--device cpu|cuda] [--json-only]
+    python benchmarks/guard_bench.py [--device cpu|cuda] [--clock wall|cpu] [--json-only]
 """
 
 from __future__ import annotations
@@ -38,6 +43,13 @@ import torch
 import autoaccum
 from autoaccum import OOMGuard, Plan
 from autoaccum.demo import TinyGPT, synthetic_tokens, token_loss
+from autoaccum.optim_step import _check_finite
+
+
+#: the clock of the overhead blocks and of the check alone: wall time, or with ``--clock cpu`` this
+#: process's CPU time (one thread on a loaded, shared machine: what the step computes, not how long
+#: it waited for a core)
+_clock = time.perf_counter
 
 
 def _sync(device: torch.device) -> None:
@@ -62,24 +74,30 @@ def hand_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: t
 def _time_block(step: Callable[[torch.Tensor], float], batches: list[torch.Tensor], device: torch.device) -> float:
     """Seconds per step over the batches, synchronised at both ends."""
     _sync(device)
-    started = time.perf_counter()
+    started = _clock()
     for batch in batches:
         step(batch)
     _sync(device)
-    return (time.perf_counter() - started) / len(batches)
+    return (_clock() - started) / len(batches)
 
 
 def overhead(args: argparse.Namespace, device: torch.device) -> dict:
     torch.manual_seed(0)
     base = TinyGPT(vocab_size=256, seq_len=args.seq_len, dim=args.dim, layers=args.layers, heads=args.heads).to(device)
-    hand_model, guard_model = base, copy.deepcopy(base)
+    hand_model = base
     hand_opt = torch.optim.AdamW(hand_model.parameters(), lr=1e-4)
-    guard_opt = torch.optim.AdamW(guard_model.parameters(), lr=1e-4)
-    guard = OOMGuard(guard_model, guard_opt, target_batch=args.target, micro_batch=args.micro)
+    guards: dict[str, OOMGuard] = {}
+    for name, options in {"guard": {}, "guard_unchecked": {"nonfinite": None},
+                          "guard_clip": {"max_grad_norm": 1.0},
+                          "guard_clip_unchecked": {"max_grad_norm": 1.0, "nonfinite": None}}.items():
+        model = copy.deepcopy(base)
+        guards[name] = OOMGuard(model, torch.optim.AdamW(model.parameters(), lr=1e-4), target_batch=args.target,
+                                micro_batch=args.micro, **options)
+    guard = guards["guard"]
     batches = [synthetic_tokens(args.target, seq_len=args.seq_len, seed=i).to(device) for i in range(args.steps)]
     variants: dict[str, Callable[[torch.Tensor], float]] = {
         "hand": lambda b: hand_step(hand_model, hand_opt, b, args.micro),
-        "guard": lambda b: guard.step(b, token_loss).loss,
+        **{name: (lambda g: lambda b: g.step(b, token_loss).loss)(g) for name, g in guards.items()},
     }
     for step in variants.values():  # warm-up: lazy optimizer state, allocator, kernels
         _time_block(step, batches[: args.warmup], device)
@@ -90,12 +108,40 @@ def overhead(args: argparse.Namespace, device: torch.device) -> dict:
             times[name].append(_time_block(variants[name], batches, device))
     ratios = [g / h for g, h in zip(times["guard"], times["hand"])]
     hand_med, guard_med = statistics.median(times["hand"]), statistics.median(times["guard"])
+
+    def paired(a: str, b: str) -> dict:
+        r = [x / y for x, y in zip(times[a], times[b])]
+        return {"paired_ratio_median": statistics.median(r), "paired_ratios": r,
+                "ratio_of_medians": statistics.median(times[a]) / statistics.median(times[b])}
+
     return {
         "hand_step_s": times["hand"], "guard_step_s": times["guard"],
         "hand_median_s": hand_med, "guard_median_s": guard_med,
         "ratio_of_medians": guard_med / hand_med, "paired_ratio_median": statistics.median(ratios),
         "paired_ratios": ratios, "plan": guard.plan.describe(),
+        "step_s": times, "medians_s": {name: statistics.median(t) for name, t in times.items()},
+        "check": {"no_clip": paired("guard", "guard_unchecked"), "clip": paired("guard_clip", "guard_clip_unchecked"),
+                  **check_alone(guard, batches[0], device, guard_med)},
     }
+
+
+def check_alone(guard: OOMGuard, batch: torch.Tensor, device: torch.device, step_s: float, calls: int = 200) -> dict:
+    """The check by itself, as the guard runs it (one fused reduction over the gradients and the loss, one
+    read on the host), on the gradients of a real accumulated step; its share of a median step."""
+    totals = guard._accumulate(batch, token_loss, False)[0]
+    out = {}
+    for name, clip in (("check_s", None), ("check_clip_s", 1.0)):
+        _check_finite(guard.params, totals.loss_total, clip, guard.sync)  # warm-up
+        _sync(device)
+        started = _clock()
+        for _ in range(calls):
+            _check_finite(guard.params, totals.loss_total, clip, guard.sync)
+        _sync(device)
+        out[name] = (_clock() - started) / calls
+    guard._zero_grad()
+    out["check_share_of_step"] = out["check_s"] / step_s
+    out["params"] = sum(p.numel() for p in guard.params)
+    return out
 
 
 def recovery(args: argparse.Namespace, device: torch.device) -> dict:
@@ -187,8 +233,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="time the overhead blocks by wall clock or by this process's CPU time (CPU device)")
     parser.add_argument("--json-only", action="store_true")
     args = parser.parse_args(argv)
+    global _clock
+    if args.clock == "cpu":
+        if args.device != "cpu":
+            parser.error("--clock cpu measures the CPU device only (a GPU's work is not this process's CPU time)")
+        _clock = time.process_time
     if args.threads:
         torch.set_num_threads(args.threads)
     logging.getLogger("autoaccum.guard").setLevel(logging.ERROR)  # the injected OOMs are expected
@@ -199,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "guard", "autoaccum": autoaccum.__version__, "torch": torch.__version__,
         "python": platform.python_version(), "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "threads": torch.get_num_threads(),
+        "threads": torch.get_num_threads(), "clock": args.clock,
         "model": {"name": "TinyGPT", "dim": args.dim, "layers": args.layers, "heads": args.heads,
                   "seq_len": args.seq_len},
         "target_batch": args.target, "micro_batch": args.micro, "steps_per_block": args.steps,
@@ -208,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.json_only:
         ms = 1e3
         print(f"guard benchmark on {result['device_name']} ({device}, {result['threads']} threads), torch "
-              f"{torch.__version__}; TinyGPT dim {args.dim} x {args.layers} layers, seq {args.seq_len}; "
+              f"{torch.__version__}, {args.clock} clock; TinyGPT dim {args.dim} x {args.layers} layers, seq {args.seq_len}; "
               f"{ov['plan']}; AdamW; {args.repeats} repeats x {args.steps} steps")
         print(f"{'':34}{'median ms/step':>16}{'min':>10}{'max':>10}")
         for name, label in (("hand", "hand-written accumulation loop"), ("guard", "guard.step")):
@@ -216,6 +269,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{label:34}{statistics.median(t) * ms:16.2f}{min(t) * ms:10.2f}{max(t) * ms:10.2f}")
         print(f"{'guard / hand':34}{ov['ratio_of_medians']:16.4f}   paired median {ov['paired_ratio_median']:.4f}"
               f" (range {min(ov['paired_ratios']):.4f} .. {max(ov['paired_ratios']):.4f})")
+        for name, label in (("guard_unchecked", "guard.step, inf/NaN check off"),
+                            ("guard_clip", "guard.step, clip 1.0"),
+                            ("guard_clip_unchecked", "guard.step, clip 1.0, check off")):
+            t = ov["step_s"][name]
+            print(f"{label:34}{statistics.median(t) * ms:16.2f}{min(t) * ms:10.2f}{max(t) * ms:10.2f}")
+        c = ov["check"]
+        for key, label in (("no_clip", "check on / off"), ("clip", "check on / off, clipping")):
+            r = c[key]
+            print(f"{label:34}{r['ratio_of_medians']:16.4f}   paired median {r['paired_ratio_median']:.4f}"
+                  f" (range {min(r['paired_ratios']):.4f} .. {max(r['paired_ratios']):.4f})")
+        print(f"the check alone: {c['check_s'] * 1e6:.1f} us ({c['check_share_of_step'] * 100:.3f}% of a step), with "
+              f"clipping's norm {c['check_clip_s'] * 1e6:.1f} us; {c['params']:,} parameters")
         m = rec["medians_s"]
         print(f"OOM recovery, micro {args.micro} -> {args.micro // 2}: normal step {m['normal_micro_s'] * ms:.2f} ms "
               f"at micro {args.micro}, {m['normal_half_s'] * ms:.2f} ms at micro {args.micro // 2}; "

@@ -87,6 +87,31 @@ def test_the_fingerprint_is_stable_and_covers_what_memory_depends_on():
         assert fp(**change) != base, change
 
 
+def test_two_lambda_factories_do_not_collide_and_the_same_one_hits(tmp_path):
+    """Every lambda's __qualname__ is ``<lambda>``: the fingerprint used to name a factory by it, so a
+    probe with an SGD lambda reused the plan measured for an AdamW lambda (whose state is twice the
+    weights). The fingerprint now holds what the factory builds: class and group options."""
+    sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+    adamw = lambda params: torch.optim.AdamW(params, lr=0.1)  # noqa: E731
+    sgd_other_lr = lambda params: torch.optim.SGD(params, lr=0.5)  # noqa: E731
+    first = _probe(tmp_path, optimizer=sgd)
+    for other in (adamw, sgd_other_lr):
+        loss = CountingLoss()
+        report = _probe(tmp_path, loss, optimizer=other)
+        assert report.source == "probe" and loss.calls > 0 and report.fingerprint != first.fingerprint
+    assert len(list(tmp_path.iterdir())) == 3
+    loss = CountingLoss()
+    again = _probe(tmp_path, loss, optimizer=sgd)  # the same lambda: a hit, not one step
+    assert again.source == "cache" and loss.calls == 0 and again.fingerprint == first.fingerprint
+    # an optimizer instance is described the same way: momentum (a buffer per parameter) changes the key
+    task = autoaccum.Task(model=mlp(), loss_fn=mlp_loss, make_batch=mlp_batch())
+    args = {"device": torch.device("cpu"), "capacity_bytes": 2**34, "budget_bytes": 2**20, "headroom": 0.1,
+            "target_batch": 256, "world_size": 1, "upper": 256, "estimate": False}
+    plain = fingerprint(task, torch.optim.SGD(task.model.parameters(), lr=0.1), **args)
+    assert plain == fingerprint(task, torch.optim.SGD(task.model.parameters(), lr=0.1), **args)
+    assert plain != fingerprint(task, torch.optim.SGD(task.model.parameters(), lr=0.1, momentum=0.9), **args)
+
+
 @pytest.mark.parametrize("content", ["{not json", "[1, 2, 3]", '{"kind": "autoaccum.probe"}', "\xff\xfe"])
 def test_a_corrupt_cache_file_is_ignored_with_a_warning(tmp_path, content):
     _probe(tmp_path)

@@ -26,7 +26,7 @@ import autoaccum
 from _fit_models import (RESUME_EPOCHS, RESUME_SAMPLES, Mlp, cross_entropy, global_batches, gpt, gpt_tokens,
                          max_abs_diff, mlp_data, reference_fit, resumable_run, token_loss)
 from autoaccum import checkpoint, state
-from autoaccum.errors import AutoAccumError, TaskError
+from autoaccum.errors import AutoAccumError, NonFiniteError, TaskError
 from autoaccum.plan import Plan
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -211,7 +211,8 @@ def test_resume_after_sigkill_is_bit_identical(mode, at, resumes_after, uninterr
     assert [r["step"] for r in _records(log)][0] == resumes_after + 1  # it resumed, did not start afresh
     assert result.optimizer_steps == full_result.optimizer_steps == 3 * RESUME_EPOCHS
     assert result.samples_seen == full_result.samples_seen == RESUME_SAMPLES * RESUME_EPOCHS
-    assert result.losses == full_result.losses
+    # this call's steps: those after the checkpoint (the checkpoint keeps the last loss, not every step's)
+    assert result.losses == full_result.losses[resumes_after:] and result.final_loss == full_result.final_loss
     assert result.lr == full_result.lr == pytest.approx(0.05 * math.sqrt(2))
     for (name, a), b in zip(model.named_parameters(), full_model.parameters()):
         assert torch.equal(a, b), name
@@ -237,8 +238,71 @@ def test_resume_of_a_finished_run_trains_no_more(uninterrupted, tmp_path):
     directory = tmp_path / "done"
     resumable_run(directory)
     result, model = resumable_run(directory)
-    assert result.optimizer_steps == full_result.optimizer_steps and result.losses == full_result.losses
+    assert result.optimizer_steps == full_result.optimizer_steps and result.losses == ()
+    assert result.final_loss == full_result.final_loss  # the checkpoint's last loss
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), full_model.parameters()))
+
+
+def test_resumed_metrics_file_holds_each_step_once(tmp_path):
+    """A run stopped at step 6 (checkpoint at step 4, a line torn by the kill) and resumed with the same
+    log_file: the lines of steps 5 and 6 written before the stop are dropped first, so the file holds
+    steps 1..9 once each, equal to an uninterrupted run's (an earlier run's lines before them kept)."""
+    full_log = tmp_path / "full.jsonl"
+    resumable_run(tmp_path / "full", log_file=full_log, checkpoint_every=4)
+    log, directory = tmp_path / "metrics.jsonl", tmp_path / "ckpt"
+    earlier = [{"step": 1, "loss": 9.0}, {"step": 2, "loss": 8.0}]  # another run appended to the same file
+    log.write_text("".join(json.dumps(r) + "\n" for r in earlier))
+    calls = [0]
+
+    def stop_in_step_6(m, batch):
+        calls[0] += 1
+        if calls[0] == 19:  # 4 + 4 + 2 micro-batches per epoch: call 19 is step 6's first
+            raise RuntimeError("stopped")
+        return cross_entropy(m, batch)
+
+    with pytest.raises(RuntimeError, match="stopped"):
+        resumable_run(directory, loss_fn=stop_in_step_6, log_file=log, checkpoint_every=4)
+    assert [r["step"] for r in _records(log)] == [1, 2, 1, 2, 3, 4, 5]
+    with log.open("a") as f:
+        f.write('{"step": 6, "epoch": 1, "lo')  # a kill in the middle of a write
+    result, _ = resumable_run(directory, log_file=log, checkpoint_every=4)
+    records = _records(log)
+    assert [r["step"] for r in records] == [1, 2] + list(range(1, 10))
+    assert records[:2] == earlier
+    want = _records(full_log)
+    for key in ("step", "epoch", "loss", "lr", "samples", "micro_batch", "accum_steps"):
+        assert [r[key] for r in records[2:]] == [r[key] for r in want], key
+    assert [r["loss"] for r in records[-len(result.losses):]] == list(result.losses)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".metrics")]  # no temp file left
+
+
+def test_truncate_metrics_cuts_only_the_tail(tmp_path):
+    from autoaccum.training.progress import truncate_metrics
+
+    log = tmp_path / "m.jsonl"
+    assert truncate_metrics(log, 3) == 0 and not log.exists()
+    lines = [json.dumps({"step": s}) + "\n" for s in (1, 2, 3, 4, 5)]
+    log.write_text("".join(lines))
+    assert truncate_metrics(log, 5) == 0 and log.read_text() == "".join(lines)  # nothing after the checkpoint
+    assert truncate_metrics(log, 3) == 2 and log.read_text() == "".join(lines[:3])
+    log.write_text("".join(lines[:3]) + '{"step": 2}')  # a parseable last line without its newline: torn
+    assert truncate_metrics(log, 3) == 1 and log.read_text() == "".join(lines[:3])
+
+
+def test_checkpoint_size_does_not_grow_with_the_run(tmp_path):
+    """The checkpoint used to hold every step's loss (a list growing by a float a step). It holds the last
+    loss now: after 1,000 steps it is the size it was after 10 (the history is in the metrics file)."""
+    sizes = {}
+    for steps in (10, 1000):
+        directory = tmp_path / str(steps)
+        result = autoaccum.fit(Mlp(p=0.0, hidden=4), mlp_data(64), 8, plan=Plan.for_target(8, 8), epochs=None,
+                               max_steps=steps, checkpoint_dir=directory, progress=False, verbose=False)
+        assert result.optimizer_steps == steps and len(result.losses) == steps
+        sizes[steps] = (directory / "checkpoint.pt").stat().st_size
+        saved = checkpoint.load_checkpoint(directory)
+        assert saved["counters"] == {"steps": steps, "samples": 8 * steps, "skipped": 0,
+                                     "last_loss": result.final_loss}
+    assert abs(sizes[1000] - sizes[10]) <= 64, sizes  # a pickled int may take a few bytes more
 
 
 # -- LR rules ------------------------------------------------------------------------------------
@@ -535,8 +599,11 @@ def test_checkpoint_of_another_seed_or_target(tmp_path):
 
 
 @pytest.mark.parametrize("given_plan", [True, False])
-def test_nan_loss_stops_at_once(given_plan, tmp_path):
+def test_nan_loss_stops_before_the_weights_change(given_plan, tmp_path):
+    """fp32: the NaN of step 1 is found before optimizer.step(): the weights and the optimizer are as
+    they were (they used to hold NaN after one AdamW step), the error names the step."""
     model = Mlp(p=0.0)
+    before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.AdamW(model.parameters())
     log = tmp_path / "log.jsonl"
 
@@ -544,13 +611,57 @@ def test_nan_loss_stops_at_once(given_plan, tmp_path):
         return cross_entropy(m, batch) * float("nan")
 
     started = time.perf_counter()
-    with pytest.raises(AutoAccumError, match="the loss is nan at optimizer step 1 .*stopping"):
+    with pytest.raises(NonFiniteError, match=r"of optimizer step 1 \(epoch 0, batch 0\); stopped before "
+                                             r"optimizer.step\(\)") as info:
         autoaccum.fit(model, mlp_data(640), 64, loss_fn=nan_loss, optimizer=opt, epochs=None, max_steps=10_000,
                       plan=Plan.for_target(64, 16) if given_plan else None, budget=None if given_plan else "64MiB",
                       progress=False, log_file=log)
+    assert info.value.step == 1 and isinstance(info.value, AutoAccumError)
     assert time.perf_counter() - started < 30
-    assert {int(s["step"]) for s in opt.state.values()} == {1}  # one optimizer step, no loop
+    assert opt.state == {} or all(not s for s in opt.state.values())  # no optimizer step ran
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    assert all(p.grad is None for p in model.parameters())
     assert not log.exists() or log.read_text() == ""
+
+
+def test_nonfinite_skip_skips_the_step_and_counts_it(tmp_path):
+    """nonfinite='skip': the step whose loss is NaN is not taken (as a GradScaler skips); the run equals a
+    full-batch loop that leaves that global batch out of its optimizer steps (fp64), and says so."""
+    n, target = 256, 64
+    data = mlp_data(n, dtype=torch.float64)
+    calls = [0]
+
+    def nan_in_step_2(m, batch):
+        calls[0] += 1
+        loss = cross_entropy(m, batch)
+        return loss * float("nan") if calls[0] == 5 else loss  # micro-batches 5..8 are step 2's
+
+    model = Mlp(p=0.0, dtype=torch.float64)
+    log = tmp_path / "log.jsonl"
+    result = autoaccum.fit(model, data, target, loss_fn=nan_in_step_2, plan=Plan.for_target(target, 16), lr=1e-2,
+                           nonfinite="skip", progress=False, log_file=log, epochs=2)
+    assert result.skipped_steps == 1 and result.optimizer_steps == 8 and result.samples_seen == 2 * n
+    assert [r["skipped"] for r in _records(log)] == [False, True] + [False] * 6
+    assert math.isnan(result.losses[1]) and all(math.isfinite(x) for i, x in enumerate(result.losses) if i != 1)
+    reference = Mlp(p=0.0, dtype=torch.float64)
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for i, idx in enumerate(global_batches(n, target, seed=0, epochs=2)):
+        if i == 1:
+            continue  # the skipped step: no optimizer.step(), no state
+        opt.zero_grad()
+        cross_entropy(reference, (data[0][idx], data[1][idx])).backward()
+        opt.step()
+    assert max_abs_diff(model, reference) < 1e-12
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_every_step_skipped_stops_the_run():
+    with pytest.raises(AutoAccumError, match=r"25 optimizer steps in a row were skipped for inf/NaN gradients "
+                                             r"\(by nonfinite='skip'\)"):
+        autoaccum.fit(Mlp(p=0.0), mlp_data(640), 64, loss_fn=lambda m, b: cross_entropy(m, b) * float("inf"),
+                      plan=Plan.for_target(64, 64), nonfinite="skip", epochs=None, max_steps=100, progress=False)
+    with pytest.raises(ValueError, match=r"Invalid nonfinite: 'ignore'. Allowed values: stop, skip"):
+        autoaccum.fit(Mlp(p=0.0), mlp_data(640), 64, nonfinite="ignore")
 
 
 def test_default_loss_needs_pairs():

@@ -25,7 +25,7 @@ from _guard_models import (
     token_batch, token_mean, token_sum,
 )
 from autoaccum import DoesNotFitError, OOMGuard, OptimizerStepOOMError, Plan, emulated_budget
-from autoaccum.errors import TaskError
+from autoaccum.errors import NonFiniteError, TaskError
 
 TOL = {torch.float64: {"rtol": 0.0, "atol": 1e-12}, torch.float32: {"rtol": 1e-5, "atol": 1e-6}}
 DTYPES = pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
@@ -272,6 +272,109 @@ def test_grad_scaler_skip_leaves_parameters_optimizer_and_scheduler_untouched():
     assert not after.skipped and sched.last_epoch == 2 and max_diff(params_of(model), params) > 0
 
 
+class _NanGrad(torch.autograd.Function):
+    """Identity forward; backward returns NaN: finite loss, NaN gradients (the case a loss check misses)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.full_like(grad, float("nan"))
+
+
+@pytest.mark.parametrize("clip", [None, 1.0], ids=["no-clip", "clip"])
+@pytest.mark.parametrize("poison", ["loss", "grad", "inf-grad"])
+def test_nonfinite_gradients_never_reach_the_weights(clip, poison):
+    """fp32, no scaler: a NaN/inf loss or a NaN gradient under a finite loss is found after accumulation and
+    before optimizer.step(). 'stop' raises with the weights, optimizer state and scheduler of the step before
+    and the gradients cleared; 'skip' does the same without raising (skipped=True); None steps as before
+    (the negative control: the weights then hold NaN)."""
+    def make(policy):
+        model = Net(dtype=torch.float32)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        guard = OOMGuard(model, opt, target_batch=64, micro_batch=16, scheduler=sched, max_grad_norm=clip,
+                         nonfinite=policy)
+        return model, opt, sched, guard
+
+    bad = [False]
+
+    def loss_fn(m, b):
+        loss = mse(m, b)
+        if bad[0] and poison == "grad":  # the loss stays finite (+ 0); every parameter's gradient is NaN
+            loss = loss + 0 * _NanGrad.apply(m(b[0])).sum()
+            assert torch.isfinite(loss)
+        if bad[0] and poison == "loss":
+            return loss * float("nan")
+        if bad[0] and poison == "inf-grad":
+            return loss * torch.tensor(float("inf"))  # inf loss, inf * 0 gradients: NaN
+        return loss
+
+    for policy in ("stop", "skip", None):
+        model, opt, sched, guard = make(policy)
+        bad[0] = False
+        guard.step(data(64, dtype=torch.float32, seed=0), loss_fn)
+        params, state = params_of(model), copy.deepcopy(opt.state_dict())
+        bad[0] = True
+        if policy == "stop":
+            with pytest.raises(NonFiniteError, match="of optimizer step 2; stopped before optimizer.step") as info:
+                guard.step(data(64, dtype=torch.float32, seed=1), loss_fn)
+            assert info.value.step == 2 and guard.steps == 1
+        else:
+            result = guard.step(data(64, dtype=torch.float32, seed=1), loss_fn)
+            assert result.skipped == (policy == "skip")
+        if policy is None:  # no check: the step ran and wrote NaN (what happened before the check existed)
+            assert any(not torch.isfinite(p).all() for p in model.parameters())
+            continue
+        assert all(torch.equal(a, b) for a, b in zip(params_of(model), params))
+        torch.testing.assert_close(opt.state_dict(), state, rtol=0, atol=0)
+        assert sched.last_epoch == 1 and all(p.grad is None for p in model.parameters())
+        bad[0] = False  # and the run goes on from there
+        after = guard.step(data(64, dtype=torch.float32, seed=2), loss_fn)
+        assert not after.skipped and sched.last_epoch == 2 and max_diff(params_of(model), params) > 0
+
+
+def test_the_check_folded_into_clipping_clips_as_before():
+    """With clipping, the check is the total norm clipping computes: the result equals clip_grad_norm_."""
+    dtype = torch.float64
+    (model, opt), (ref, ref_opt) = pair(Net(dtype=dtype))
+    guard = OOMGuard(model, opt, target_batch=64, micro_batch=16, max_grad_norm=0.05)
+    for s in range(3):
+        batch = data(64, dtype=dtype, seed=s)
+        _, norm = full_step(ref, ref_opt, batch, max_grad_norm=0.05)
+        result = guard.step(batch, mse)
+        assert result.grad_norm == pytest.approx(norm, rel=1e-12) and norm > 0.05  # clipped
+    assert_close(params_of(model), params_of(ref), dtype)
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_a_norm_that_overflows_is_not_taken_for_an_inf_gradient(clip):
+    """The check reduces gradients to 2-norms, which overflow for large finite values (fp16 past 65504,
+    fp32 past ~1.8e19): only an inf or NaN element counts, a large norm does not."""
+    from autoaccum.optim_step import _check_finite
+
+    def params(value, dtype):
+        p = nn.Parameter(torch.zeros(100, dtype=dtype))
+        p.grad = torch.full((100,), value, dtype=dtype)
+        return [p, nn.Parameter(torch.zeros(3))]
+
+    assert torch.isinf(torch.full((100,), 1e4, dtype=torch.float16).norm())  # the overflow it guards against
+    assert _check_finite(params(1e4, torch.float16), None, clip, None)[0]
+    assert _check_finite(params(1e30, torch.float32), torch.tensor(2.0), clip, None)[0]
+    for bad in (float("inf"), float("nan")):
+        assert not _check_finite(params(bad, torch.float32), None, clip, None)[0]
+        assert not _check_finite(params(1.0, torch.float32), torch.tensor(bad), clip, None)[0]
+        assert not _check_finite(params(1.0, torch.float32), bad, clip, None)[0]
+
+
+def test_nonfinite_policy_is_checked():
+    model = Net()
+    with pytest.raises(ValueError, match=r"Invalid nonfinite: 'raise'. Allowed values: stop, skip, None"):
+        OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), target_batch=8, micro_batch=8, nonfinite="raise")
+
+
 # -- OOM replay -----------------------------------------------------------------------------------
 
 def _guarded_run(model, opt, arm=None, oom_step=2, steps=5, micro=16, dtype=torch.float64, **kwargs):
@@ -476,6 +579,7 @@ def test_oom_in_gradient_clipping_raises_before_the_optimizer_steps(monkeypatch)
         raise torch.OutOfMemoryError("injected OOM in clip_grad_norm_")
 
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+    monkeypatch.setattr(torch.nn.utils, "clip_grads_with_norm_", clip)  # clipping with the norm the check computed
     with pytest.raises(OptimizerStepOOMError, match="gradient clipping"):
         guard.step(data(64), mse)
     assert opt.calls == 0 and guard.changes == [] and model.trigger.sizes == [16] * 4
@@ -490,15 +594,17 @@ def test_after_an_oom_in_clipping_the_scaler_is_ready_for_the_next_step(monkeypa
     scaler = torch.amp.GradScaler("cpu")
     calls = _counting_unscale(scaler)
     guard = OOMGuard(model, opt, target_batch=64, micro_batch=16, scaler=scaler, max_grad_norm=1.0)
-    clip = torch.nn.utils.clip_grad_norm_
+    clip, clip_with_norm = torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grads_with_norm_
 
     def failing(*args, **kwargs):
         raise torch.OutOfMemoryError("injected OOM in clip_grad_norm_")
 
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", failing)
+    monkeypatch.setattr(torch.nn.utils, "clip_grads_with_norm_", failing)
     with pytest.raises(OptimizerStepOOMError, match="gradient clipping"):
         guard.step(data(64, dtype=torch.float32), mse)
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+    monkeypatch.setattr(torch.nn.utils, "clip_grads_with_norm_", clip_with_norm)
     result = guard.step(data(64, dtype=torch.float32, seed=1), mse)
     assert not result.skipped and opt.calls == 1 and calls[0] == 2
 

@@ -50,11 +50,12 @@ from autoaccum.distributed.models import (
     ModelKind, full_state_dicts, is_fsdp2, load_full_state_dicts, model_kind, unwrap_model, wrap_model,  # noqa: F401
 )
 from autoaccum.distributed.process_group import (
-    WorldInfo, broadcast_plan, init_from_env, is_distributed, is_rank_zero, world_info,
+    WorldInfo, broadcast_plan, gather_to_rank_zero, init_from_env, is_distributed, is_rank_zero, world_info,
 )
 
 __all__ = [
-    "DistributedSync", "WorldInfo", "broadcast_plan", "full_state_dicts", "init_from_env", "is_distributed",
+    "DistributedSync", "WorldInfo", "broadcast_plan", "full_state_dicts", "gather_to_rank_zero", "init_from_env",
+    "is_distributed",
     "is_fsdp2", "is_rank_zero", "load_full_state_dicts", "model_kind", "unwrap_model",
     "world_info", "wrap_model",
 ]

@@ -102,6 +102,15 @@ class DistributedSync:
             return self._fsdp.window()
         return contextlib.nullcontext()
 
+    def evaluation(self) -> contextlib.AbstractContextManager[None]:
+        """Around one evaluation attempt (forwards without gradients), so that an OOM on one rank meets
+        no collective on the way to :meth:`agree`: FSDP2 unshards once at its start instead of in every
+        module's forward. DDP runs no collective in a forward without gradients (it broadcasts buffers
+        only before a forward that will sync gradients), a plain module none: nothing to do there."""
+        if self._fsdp is not None:
+            return self._fsdp.evaluation()
+        return contextlib.nullcontext()
+
     def agree(self, status: int) -> int:
         """The worst status over all ranks (OK=0 < OOM=1 < ERROR=2)."""
         agreed = int(_all_reduce(torch.tensor([status], dtype=torch.int64), dist.ReduceOp.MAX, self.group).item())

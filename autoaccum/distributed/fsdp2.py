@@ -54,6 +54,24 @@ class _FSDP2Window:
 
     @contextlib.contextmanager
     def window(self) -> Iterator[None]:
+        self._open()
+        yield
+
+    @contextlib.contextmanager
+    def evaluation(self) -> Iterator[None]:
+        """Forward passes without gradients and without collectives: the same unsharded window (one
+        all-gather at its start), resharded at its end. Without it each module's forward all-gathers,
+        and an OOM in mid-forward on one rank sends it to the status exchange while the others wait
+        in the next module's all-gather (seen: both ranks stuck until the process group's timeout)."""
+        self._open()
+        try:
+            yield
+        finally:
+            for root in self.roots:
+                root.set_requires_gradient_sync(True)
+            self._restore()  # local: frees the unsharded parameters, no collective
+
+    def _open(self) -> None:
         if self.dirty:
             for root in self.roots:
                 root.reset_iter_state()  # FSDP2's documented recovery after a forward/backward raised
@@ -72,7 +90,6 @@ class _FSDP2Window:
             for fp in g.fsdp_params:  # what a failed attempt accumulated
                 fp.unsharded_param.grad = None
                 fp.unsharded_accumulated_grad = None
-        yield
 
     def reduce(self, group: Any) -> None:
         # As for DDP: a parameter no rank used ends with no gradient (FSDP2 would reduce-scatter zeros).

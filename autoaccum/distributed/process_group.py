@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 from autoaccum.plan import Plan
 
-__all__ = ["WorldInfo", "broadcast_plan", "init_from_env", "is_distributed", "is_rank_zero", "world_info"]
+__all__ = ["WorldInfo", "broadcast_plan", "gather_to_rank_zero", "init_from_env", "is_distributed", "is_rank_zero",
+           "world_info"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,18 @@ def _all_reduce(values: torch.Tensor, op: Any, group: Any = None) -> torch.Tenso
     work = values.detach().to(device, copy=True)
     dist.all_reduce(work, op=op, group=group)
     return work.to(values.device)
+
+
+def gather_to_rank_zero(obj: Any, group: Any = None) -> list[Any] | None:
+    """Every rank's ``obj`` (picklable), in rank order, on rank 0; None on the other ranks. A collective:
+    every rank of the group calls it. Without a process group: ``[obj]``."""
+    if not is_distributed() or dist.get_world_size(group) == 1:
+        return [obj]
+    rank = dist.get_rank(group)
+    out: list[Any] | None = [None] * dist.get_world_size(group) if rank == 0 else None
+    dst = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.gather_object(obj, out, dst=dst, group=group)  # nccl: through the current device (init_from_env sets it)
+    return out
 
 
 def broadcast_plan(plan: Plan | None, group: Any = None) -> Plan:

@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import (
 from autoaccum import distributed
 from autoaccum.batch import Batch, batch_size, split_batch
 from autoaccum.guard import AccumulateResult, OOMGuard, StepResult
+from autoaccum.log import rank_level
 from autoaccum.memory import TrackedMemory, active_budget
 from autoaccum.plan import Plan, resolve_plan
 from autoaccum.precision import Precision
@@ -161,7 +162,7 @@ class LazyGuard:
         if self._saved is not None:
             self.guard.load_state_dict(self._saved)
             self._saved = None
-        logger.info("autoaccum: %s (plan from %s)", self.guard.plan.describe(), self.plan_source)
+        logger.log(rank_level(logging.INFO, self.sync.rank), "autoaccum: %s (plan from %s)", self.guard.plan.describe(), self.plan_source)
         return self.guard
 
     def _first_plan(self, batch: Batch, loss_fn: LossFn) -> Plan:
@@ -202,7 +203,8 @@ class LazyGuard:
                            target_batch=target, world_size=self.sync.world_size, budget=budget,
                            headroom=self.headroom, precision=self.precision, max_micro_batch=size)
         self.report = report
-        logger.info("autoaccum probe: micro-batches up to %d fit in %s usable; %d passes, %.2f s",
+        logger.log(rank_level(logging.INFO, self.sync.rank), "autoaccum probe: micro-batches up to %d fit in %s "
+                   "usable; %d passes, %.2f s",
                     report.max_fitting_micro_batch, format_bytes(report.usable_bytes), report.probe_steps,
                     report.wall_time_s)
         return report.plan

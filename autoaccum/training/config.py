@@ -19,6 +19,7 @@ import torch
 
 from autoaccum.data import LastBatch
 from autoaccum.lr import LR_RULES, LrRule
+from autoaccum.optim_step import NONFINITE_POLICIES, NonFinite
 from autoaccum.precision import Precision, check_precision
 from autoaccum.units import parse_bytes
 from autoaccum.validate import (
@@ -125,6 +126,11 @@ class MemoryConfig:
         plan: skip probing: a Plan, a ProbeReport, or a probe/search JSON file.
         precision: ``fp32``, ``bf16`` (autocast) or ``fp16`` (autocast + GradScaler).
         max_grad_norm: clip the global gradient norm once per step.
+        nonfinite: a step whose gradients (or loss) hold inf/NaN, found before ``optimizer.step()``:
+            ``"stop"`` (default) raises ``NonFiniteError`` naming the step, with the weights,
+            optimizer state and scheduler of the step before; ``"skip"`` skips it and counts it
+            (``FitResult.skipped_steps``, ``"skipped"`` in the metrics file), as the fp16
+            GradScaler does. Either way fit stops after 25 skipped steps in a row.
         grow_after: let the guard grow the micro-batch back after this many calm steps.
         probe_cache: reuse a cached probe result with the same fingerprint.
     """
@@ -135,6 +141,7 @@ class MemoryConfig:
     plan: Any = _option(default=None)
     precision: Precision = _option(default="fp32")
     max_grad_norm: float | None = _option(default=None)
+    nonfinite: NonFinite = _option(default="stop")
     grow_after: int | None = _option(default=None)
     probe_cache: bool = _option(default=False)
 
@@ -149,6 +156,7 @@ class MemoryConfig:
             lambda: check_precision(self.precision),
             lambda: self.max_grad_norm is None or check_positive_float(
                 self.max_grad_norm, "max_grad_norm", hint=", or None for no clipping"),
+            lambda: check_choice(self.nonfinite, "nonfinite", NONFINITE_POLICIES),
             lambda: self.grow_after is None or check_positive_int(self.grow_after, "grow_after"),
         )
 

@@ -4,11 +4,13 @@ It reuses the accumulation component (``autoaccum.accumulate`` with ``backward=F
 micro-batch's mean loss is weighted by its samples, token-level losses are summed and divided once
 by their item count, over all batches and ranks. An OOM halves only the evaluation micro-batch
 (the training plan is unchanged); every rank agrees on it, so that a shrink on one rank is a
-shrink on all.
+shrink on all. Each attempt runs inside the sync's ``evaluation()`` where it has one (FSDP2: the
+parameters unsharded once, so that no forward runs a collective a failed rank would not meet).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -19,6 +21,7 @@ from autoaccum.batch import batch_size
 from autoaccum.cut import Cutter, SampleCut
 from autoaccum.data import GlobalBatches
 from autoaccum.errors import DoesNotFitError, TaskError
+from autoaccum.log import rank_level
 from autoaccum.memory import active_budget
 from autoaccum.plan import Plan
 from autoaccum.recovery import release_memory
@@ -53,6 +56,7 @@ def evaluate(model: torch.nn.Module, batches: GlobalBatches, loss_fn: LossFn, mi
     loss_sum = torch.zeros((), dtype=sum_dtype(device), device=device)
     divisor = torch.zeros((), dtype=sum_dtype(device), device=device)
     ooms = 0
+    window = getattr(sync, "evaluation", contextlib.nullcontext)  # a sync of one's own may not have it
     try:
         for rb in batches.epoch(0):
             n = batch_size(rb.batch)
@@ -61,9 +65,10 @@ def evaluate(model: torch.nn.Module, batches: GlobalBatches, loss_fn: LossFn, mi
                 steps = cut.steps(rb.batch, n, plan)
                 gathered = sync.gather((n, steps)) if sync.world_size > 1 else ((n, steps),)
                 steps = max(g[1] for g in gathered)
-                result = accumulate(model, cut(rb.batch, n, plan, steps), loss_fn,
-                                    num_samples=sum(g[0] for g in gathered), device=device, sync=sync,
-                                    autocast_dtype=autocast_dtype, backward=False)
+                with window():
+                    result = accumulate(model, cut(rb.batch, n, plan, steps), loss_fn,
+                                        num_samples=sum(g[0] for g in gathered), device=device, sync=sync,
+                                        autocast_dtype=autocast_dtype, backward=False)
                 agreed = sync.agree(OK if isinstance(result, Accumulated) else ERROR if result.error else OOM)
                 if agreed == OK:
                     break
@@ -82,7 +87,8 @@ def evaluate(model: torch.nn.Module, batches: GlobalBatches, loss_fn: LossFn, mi
                         "evaluate under bf16 autocast (precision='bf16')",
                         "pass eval_data=None and evaluate separately on a larger device"))
                 old, micro_batch = micro_batch, micro_batch // 2
-                logger.warning("OOM in evaluation: eval micro-batch %d -> %d (training plan unchanged)", old, micro_batch)
+                logger.log(rank_level(logging.WARNING, sync.rank), "OOM in evaluation: eval micro-batch %d -> %d "
+                           "(training plan unchanged)", old, micro_batch)
             loss_sum += result.loss_sum
             divisor += result.num_items if result.kind == "sum" else n
         if sync.world_size > 1:

@@ -1,4 +1,9 @@
-"""What ``fit`` reports while it runs: banner, progress bar, one JSON line per step, summary."""
+"""What ``fit`` reports while it runs: banner, progress bar, one JSON line per step, summary.
+
+The metrics file gets one line per optimizer step. A resumed run first cuts the file back to the
+checkpoint's step (:func:`truncate_metrics`: the lines of the steps after the checkpoint, which the
+resumed run trains again, and a line a kill cut short), so that each step appears once.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +11,14 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
+from autoaccum.jsonio import write_bytes_atomic
 from autoaccum.log import SHOWN
 from autoaccum.units import format_bytes
 
-__all__ = ["Progress"]
+__all__ = ["Progress", "truncate_metrics"]
 
 logger = logging.getLogger("autoaccum.fit")
 
@@ -21,11 +28,12 @@ class Progress:
 
     Messages go to the ``autoaccum.fit`` logger (INFO; ``verbose=False`` drops them); on a
     terminal a tqdm bar on stderr shows each step and the messages above it (``progress=False``
-    turns the bar off). ``log_file`` gets one JSON line per optimizer step.
+    turns the bar off). ``log_file`` gets one JSON line per optimizer step; ``resumed_at``: the
+    checkpoint's step, where the file is cut back to first (:func:`truncate_metrics`).
     """
 
     def __init__(self, progress: bool, total: int | None, log_file: str | os.PathLike[str] | None, rank: int,
-                 verbose: bool = True) -> None:
+                 verbose: bool = True, resumed_at: int | None = None) -> None:
         self.rank, self.verbose = rank, verbose
         self.interactive = progress and rank == 0 and sys.stderr.isatty()
         self.bar: Any = None
@@ -33,6 +41,8 @@ class Progress:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr)
+        if log_file is not None and rank == 0 and resumed_at is not None:
+            truncate_metrics(log_file, resumed_at)
         self.log = open(log_file, "a") if log_file is not None and rank == 0 else None  # noqa: SIM115
 
     def say(self, message: str) -> None:
@@ -60,3 +70,32 @@ class Progress:
             self.bar.close()
         if self.log is not None:
             self.log.close()
+
+
+def truncate_metrics(path: str | os.PathLike[str], step: int) -> int:
+    """Cut the metrics file back to ``step``: drop the lines at its end of steps after ``step`` (and a
+    last line a kill cut short), atomically (the file is rewritten whole: temp file, fsync, rename).
+    Lines before them (e.g. an earlier run's, appended to the same file) are kept. Returns the
+    number of lines dropped; a missing file is left missing."""
+    path = Path(path)
+    if not path.exists():
+        return 0
+    lines = path.read_bytes().splitlines(keepends=True)
+    keep = len(lines)
+    while keep:
+        line = lines[keep - 1]
+        try:
+            record = json.loads(line)
+        except ValueError:  # torn by a kill mid-write (a complete line ends in a newline and parses)
+            keep -= 1
+            continue
+        if not line.endswith(b"\n") or isinstance(record, dict) and isinstance(record.get("step"), int) \
+                and record["step"] > step:
+            keep -= 1
+            continue
+        break
+    if keep < len(lines):
+        write_bytes_atomic(path, b"".join(lines[:keep]))
+        logger.debug("metrics file %s cut back to step %d (%d lines of later steps dropped)", path, step,
+                     len(lines) - keep)
+    return len(lines) - keep

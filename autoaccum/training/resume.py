@@ -1,13 +1,22 @@
 """What a ``fit`` checkpoint holds, what resuming from one checks, and the run's position in its data.
 
 A checkpoint is written atomically by ``autoaccum.checkpoint`` (one writer: rank 0) and loads with
-``torch.load(weights_only=True)``. Resuming refuses a checkpoint written for another model shape,
-another target batch or another data order, naming the first difference: continuing would train
-a different run than the one that was interrupted.
+``torch.load(weights_only=True)``. It holds the model and optimizer (full state, FSDP2 shards
+gathered), scheduler, scaler, the guard's plan and counters, the position in the data, the run's
+counters (steps, samples, skipped steps, the last step's loss: a fixed size, however long the run;
+every step's loss is in the metrics file) and **every rank's RNG state**, gathered to rank 0 (a
+list indexed by rank; each rank restores its own, so dropout on rank 1 continues as rank 1's).
+
+Resuming refuses a checkpoint written for another model shape, another target batch or another
+data order, naming the first difference: continuing would train a different run than the one that
+was interrupted. Under another number of ranks each rank ``r`` restores the RNG state rank ``r``
+saved where there was one, and a rank the checkpoint has none for keeps its generators as they are
+(warned: the run goes on, but the random draws are not those of any uninterrupted run).
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +26,7 @@ import torch
 from autoaccum import checkpoint as ckpt
 from autoaccum import distributed
 from autoaccum.guard import OOMGuard
+from autoaccum.log import user_stacklevel
 from autoaccum.state import capture_rng, restore_rng
 
 __all__ = ["CHECKPOINT_FORMAT", "RunPosition", "check_resumable", "model_shapes", "restore_run", "save_run"]
@@ -31,13 +41,17 @@ class RunPosition:
     Attributes:
         epoch, index: the epoch in progress and the number of the next global batch in it.
         steps, samples: optimizer steps taken and samples seen (resumed runs included).
-        losses: every step's loss.
+        skipped: steps skipped for inf/NaN gradients (resumed runs included).
+        last_loss: the last step's loss (resumed runs included), None before the first step.
+        losses: the loss of each step this process ran (not saved: a checkpoint stays one size).
     """
 
     epoch: int = 0
     index: int = 0
     steps: int = 0
     samples: int = 0
+    skipped: int = 0
+    last_loss: float | None = None
     losses: list[float] = field(default_factory=list)
 
 
@@ -67,11 +81,13 @@ def check_resumable(state: dict[str, Any], directory: Path, model: torch.nn.Modu
 def save_run(directory: Path | None, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
              scaler: Any, guard: OOMGuard, position: RunPosition, seed: int, target_batch: int, lr: float,
              rank: int) -> None:
-    """Write the run's checkpoint (every rank calls this: FSDP2 gathers its shards collectively)."""
+    """Write the run's checkpoint (every rank calls this: FSDP2 gathers its shards collectively, and
+    every rank's RNG state is gathered to rank 0)."""
     if directory is None:
         return
     model_state, optimizer_state = distributed.full_state_dicts(model, optimizer)
-    if rank != 0:  # one writer
+    rngs = distributed.gather_to_rank_zero(ckpt.rng_to_plain(capture_rng()))
+    if rank != 0 or rngs is None:  # one writer
         return
     ckpt.save_checkpoint(directory, {
         "format": CHECKPOINT_FORMAT, "model": model_state, "optimizer": optimizer_state,
@@ -79,22 +95,44 @@ def save_run(directory: Path | None, *, model: torch.nn.Module, optimizer: torch
         "scaler": None if scaler is None else scaler.state_dict(), "guard": guard.state_dict(),
         "position": {"epoch": position.epoch, "index": position.index}, "seed": seed,
         "target_batch": target_batch, "lr": lr, "shapes": model_shapes(distributed.unwrap_model(model)),
-        "counters": {"steps": position.steps, "samples": position.samples, "losses": list(position.losses)},
-        "rng": ckpt.rng_to_plain(capture_rng()),
+        "counters": {"steps": position.steps, "samples": position.samples, "skipped": position.skipped,
+                     "last_loss": position.last_loss},
+        "rng": rngs,  # indexed by rank
     })
 
 
 def restore_run(state: dict[str, Any], *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-                scaler: Any, guard: OOMGuard) -> RunPosition:
-    """Load a checkpoint's training state into the run's objects; returns where the run stands."""
+                scaler: Any, guard: OOMGuard, rank: int = 0, world_size: int = 1) -> RunPosition:
+    """Load a checkpoint's training state into the run's objects, and this rank's RNG state; returns
+    where the run stands."""
     distributed.load_full_state_dicts(model, optimizer, state["model"], state["optimizer"])
     if scheduler is not None and state["scheduler"] is not None:
         scheduler.load_state_dict(state["scheduler"])
     if scaler is not None and state["scaler"] is not None:
         scaler.load_state_dict(state["scaler"])
     guard.load_state_dict(state["guard"])
-    restore_rng(ckpt.rng_from_plain(state["rng"]))
+    _restore_rank_rng(state["rng"], rank, world_size)
     counters = state["counters"]
+    last_loss = counters.get("last_loss")
+    if "losses" in counters:  # written before the counters were bounded: every step's loss
+        last_loss = float(counters["losses"][-1]) if counters["losses"] else None
     return RunPosition(epoch=int(state["position"]["epoch"]), index=int(state["position"]["index"]),
                        steps=int(counters["steps"]), samples=int(counters["samples"]),
-                       losses=[float(x) for x in counters["losses"]])
+                       skipped=int(counters.get("skipped", 0)),
+                       last_loss=None if last_loss is None else float(last_loss))
+
+
+def _restore_rank_rng(saved: Any, rank: int, world_size: int) -> None:
+    """This rank's RNG state from the checkpoint's list (one per rank that saved it)."""
+    if isinstance(saved, dict):  # written before RNG states were saved per rank: rank 0's, restored everywhere
+        restore_rng(ckpt.rng_from_plain(saved))
+        return
+    if len(saved) != world_size and rank == 0:
+        warnings.warn(f"the checkpoint holds the RNG states of {len(saved)} rank(s) and this run has {world_size}: "
+                      f"ranks 0..{min(len(saved), world_size) - 1} restore their own, "
+                      + (f"ranks {len(saved)}..{world_size - 1} keep their generators as they are; " if
+                         world_size > len(saved) else "")
+                      + "the run goes on, but its random draws (dropout) are not those of an uninterrupted run",
+                      RuntimeWarning, stacklevel=user_stacklevel())
+    if rank < len(saved):
+        restore_rng(ckpt.rng_from_plain(saved[rank]))
