@@ -482,7 +482,7 @@ class OOMGuard:
         if self.plan.micro_batch == old.micro_batch:
             return []  # nothing fits yet: the calm steps go on counting, and the next step asks again
         self._grown = True
-        return [self._record("grow", "", old)]
+        return [self._record("grow", "predicted to fit in the free memory", old)]
 
     def _measured(self, start: MemoryReading | None, end: MemoryReading | None) -> None:
         """After a clean step with memory-guided growth on: what a step at this size took, and the room it had."""

@@ -26,7 +26,8 @@ Reason = Literal["oom", "thrash", "grow"]
 
 @dataclass(frozen=True)
 class PlanChange:
-    """One change of plan: why, at which optimizer step, and where the OOM struck."""
+    """One change of plan: why, at which optimizer step, and where the OOM struck (for a growth: what
+    guided it, empty for blind doubling)."""
 
     step: int
     reason: Reason
@@ -35,7 +36,8 @@ class PlanChange:
     new: Plan
 
     def describe(self) -> str:
-        what = {"oom": f"OOM in {self.where} at", "thrash": "allocator thrashing at", "grow": "no OOM for a while:"}
+        grow = f"no OOM for a while ({self.where}):" if self.where else "no OOM for a while:"
+        what = {"oom": f"OOM in {self.where} at", "thrash": "allocator thrashing at", "grow": grow}
         if self.old.tokens is not None and self.new.tokens is not None:
             return (f"{what[self.reason]} a budget of {self.old.tokens.max_cost:,.0f} -> {self.new.tokens.max_cost:,.0f} "
                     f"token-units per micro-batch (micro <= {self.old.micro_batch} -> {self.new.micro_batch}), "

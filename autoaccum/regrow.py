@@ -15,13 +15,16 @@ micro-batch predicted to fit in what is free now:
   of the limit, ``limit x (1 - headroom)`` (:func:`autoaccum.memory.usable_bytes`). The predicted
   rise is the largest of the estimates at hand: the memory model ``max(optimizer rise, base +
   per_sample x b)`` fitted on the sizes measured (:class:`autoaccum.memory_model.MemoryModel`);
-  the probe's bytes per sample anchored on the largest size measured below; with one size
-  measured and no probe, that size's rise scaled in proportion to ``b`` (an upper bound: the part
-  of the rise that does not grow with ``b`` -- gradients, optimizer temporaries -- is not
-  negative). Nothing measured and no estimate: it does not fit;
+  the probe's bytes per sample anchored on the largest size measured below; and -- with one size
+  measured and no probe, or where a growth past that size failed -- its rise scaled in
+  proportion to ``b`` (an upper bound: the part of the rise that does not grow with ``b`` --
+  gradients, optimizer temporaries -- is not negative). Nothing measured below: it does not fit;
 - a size at or above one whose growth ran out of memory is not tried again until more is free
-  than when it failed (by at least what the failed allocation lacked, where the meter says), and
-  the bytes that failed attempt reached raise the estimates of sizes at or above it.
+  than when it failed (by at least what the failed allocation lacked, where the meter says); the
+  bytes that failed attempt reached (a lower bound on its rise) join the line as a point and
+  raise the estimates of sizes at or above it, and between the size that ran and the one that
+  failed only the upper bound decides: a failed growth is followed by no other failed growth
+  while the room stays the same.
 
 The limit (:func:`memory_limit`) is the emulated budget of a :class:`~autoaccum.memory.TrackedMemory`,
 or on CUDA what this process can reach: free device memory plus its allocator's cache, within the
@@ -107,23 +110,28 @@ def predicted_rise(micro_batch: int, rises: Mapping[int, Rise], prior: MemoryMod
                    failures: Iterable[FailedGrowth] = ()) -> int | None:
     """How far a step at ``micro_batch`` is predicted to rise above the bytes live at its start
     (the largest of the estimates in the module docstring); None where nothing can be estimated."""
+    failures = tuple(failures)
     reached = max((f.reached_bytes for f in failures if f.micro_batch <= micro_batch), default=0)
     if micro_batch in rises:
         return max(rises[micro_batch].step_bytes, reached)
     below = [r for b, r in rises.items() if b < micro_batch]
     opt = max((_optimizer_rise(r) for r in rises.values()), default=0)
     estimates = []
-    if len(rises) >= 2:
-        model = MemoryModel.fit([MemoryPoint(r.micro_batch, r.fwd_bwd_bytes, _optimizer_rise(r))
-                                 for r in rises.values()])
-        estimates.append(model.predict(micro_batch))
-    if below and prior is not None:
-        anchor = max(below, key=lambda r: r.micro_batch)
+    # the line through the measured sizes, and through the bytes failed growths reached (lower bounds)
+    points = [MemoryPoint(r.micro_batch, r.fwd_bwd_bytes, _optimizer_rise(r)) for r in rises.values()]
+    points += [MemoryPoint(f.micro_batch, f.reached_bytes, 0) for f in failures
+               if f.reached_bytes > 0 and f.micro_batch not in rises]
+    if rises and len({p.micro_batch for p in points}) >= 2:
+        estimates.append(MemoryModel.fit(points).predict(micro_batch))
+    anchor = max(below, key=lambda r: r.micro_batch) if below else None
+    if anchor is not None and prior is not None:
         slope = max(prior.per_sample_bytes, 0.0)
         estimates.append(max(opt, int(anchor.fwd_bwd_bytes + slope * (micro_batch - anchor.micro_batch) + 0.5)))
-    if len(rises) == 1 and below and prior is None:
-        (only,) = below
-        estimates.append(-(-only.step_bytes * micro_batch // only.micro_batch))
+    # the upper bound: with nothing else to go by, or where a growth past the anchor failed (the
+    # estimates let it be tried: they are not trusted above the anchor until memory frees up)
+    if anchor is not None and ((len(rises) == 1 and prior is None) or
+                               any(f.micro_batch > anchor.micro_batch for f in failures)):
+        estimates.append(-(-anchor.step_bytes * micro_batch // anchor.micro_batch))
     return max(*estimates, reached) if estimates else None
 
 
