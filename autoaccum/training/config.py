@@ -13,11 +13,12 @@ from __future__ import annotations
 import difflib
 import os
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
 from autoaccum.data import LastBatch
+from autoaccum.guard import GrowMode
 from autoaccum.lr import LR_RULES, LrRule
 from autoaccum.precision import Precision, check_precision
 from autoaccum.units import parse_bytes
@@ -125,7 +126,12 @@ class MemoryConfig:
         plan: skip probing: a Plan, a ProbeReport, or a probe/search JSON file.
         precision: ``fp32``, ``bf16`` (autocast) or ``fp16`` (autocast + GradScaler).
         max_grad_norm: clip the global gradient norm once per step.
-        grow_after: let the guard grow the micro-batch back after this many calm steps.
+        grow: how the guard grows the micro-batch back after an OOM (``OOMGuard(grow=...)``):
+            ``auto`` (default): after calm steps, straight to the largest micro-batch predicted to
+            fit in the memory free now (the probe's model, the steps run, the meter's limit) where
+            memory can be read -- on CUDA, and under ``budget=`` elsewhere; otherwise no growth
+            unless ``grow_after`` is given (then blind doubling). ``model``, ``double``, ``off``.
+        grow_after: calm steps before the guard grows back (default 2).
         probe_cache: reuse a cached probe result with the same fingerprint.
     """
 
@@ -135,6 +141,7 @@ class MemoryConfig:
     plan: Any = _option(default=None)
     precision: Precision = _option(default="fp32")
     max_grad_norm: float | None = _option(default=None)
+    grow: GrowMode = _option(default="auto")
     grow_after: int | None = _option(default=None)
     probe_cache: bool = _option(default=False)
 
@@ -149,6 +156,7 @@ class MemoryConfig:
             lambda: check_precision(self.precision),
             lambda: self.max_grad_norm is None or check_positive_float(
                 self.max_grad_norm, "max_grad_norm", hint=", or None for no clipping"),
+            lambda: check_choice(self.grow, "grow", get_args(GrowMode)),
             lambda: self.grow_after is None or check_positive_int(self.grow_after, "grow_after"),
         )
 
