@@ -178,7 +178,7 @@ def fit(model: torch.nn.Module, data: Any, target_batch: int = 256, *, loss_fn: 
         config: a :class:`~autoaccum.training.config.FitConfig`; ``options`` override its fields.
         **options: ``lr``, ``base_batch``, ``lr_rule``, ``warmup_steps`` (:class:`LRConfig`);
             ``epochs``, ``max_steps``, ``seed`` (:class:`StopConfig`); ``device``, ``budget``,
-            ``headroom``, ``plan``, ``precision``, ``max_grad_norm``, ``grow_after``, ``probe_cache``
+            ``headroom``, ``plan``, ``precision``, ``max_grad_norm``, ``grow``, ``grow_after``, ``probe_cache``
             (:class:`MemoryConfig`); ``checkpoint_dir``, ``checkpoint_every``, ``resume``
             (:class:`CheckpointConfig`); ``progress``, ``log_file``, ``eval_every``
             (:class:`OutputConfig`). Each is documented on its config class.
