@@ -490,7 +490,11 @@ class OOMGuard:
         if self._limit is None or not self._full_step or start is None or end is None or fwd_bwd is None:
             return
         size = self.plan.micro_batch
-        rise = Rise(size, fwd_bwd.peak_bytes - start.current_bytes, end.peak_bytes - start.current_bytes,
+        fwd_bwd_rise = fwd_bwd.peak_bytes - start.current_bytes
+        # what the step left live (the optimizer state its first step creates) is in the next step's
+        # start, not in its rise
+        kept = max(0, end.current_bytes - start.current_bytes)
+        rise = Rise(size, fwd_bwd_rise, max(fwd_bwd_rise, end.peak_bytes - start.current_bytes - kept),
                     self._limit - start.current_bytes)
         old = self._rises.get(size)
         self._rises[size] = rise if old is None else old.merged(rise)

@@ -223,6 +223,28 @@ def test_a_growth_that_runs_out_of_memory_backs_off_and_waits_for_more_room(capl
     assert sum("OOM in" in r.message for r in caplog.records) == 2
 
 
+def test_what_a_step_leaves_live_counts_in_the_next_start_not_in_its_rise():
+    """AdamW creates its state in the first step: that step's peak is higher by the state, which every
+    later step holds from its start. The rise recorded is that of a later step, from the first."""
+    model = Net(hidden=4096)  # many parameters, few samples: the optimizer step sets the peak
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with TrackedMemory(budget_bytes=2**30).track(model, opt) as mem:
+        guard = OOMGuard(model, opt, target_batch=4, micro_batch=4, meter=mem)
+        starts, rises = [], []
+        for s in range(3):
+            batch = data(4, seed=s)
+            starts.append(mem.current_bytes)  # the batch included, as in the guard's own reading
+            result = guard.step(batch, mse)
+            rises.append(result.peak_bytes - starts[-1])
+            del batch
+    state = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values())
+    assert 0.9 * state < starts[1] - starts[0] <= state  # the moments (AdamW's step counters may sit elsewhere)
+    assert rises[0] > rises[1] == rises[2]
+    recorded = guard._rises[4]
+    # the later steps' rise (to a scalar or two of bookkeeping), not the first step's
+    assert abs(recorded.step_bytes - rises[1]) <= 16 and recorded.step_bytes > recorded.fwd_bwd_bytes
+
+
 def test_default_growth_needs_a_meter_that_knows_the_limit():
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
