@@ -15,8 +15,10 @@ micro-batch: as when another process takes memory), then returns for ``--after``
 
 Reported per variant: samples/s over the ``--before`` steps and over the ``--after`` steps that
 follow the squeeze (wall time and process CPU time; one thread), their ratio, the micro-batch of
-every step, OOMs (in all and after the squeeze) and failed growths. Each repeat runs every variant
-(order rotated); medians over repeats. The emulated device's per-op bookkeeping is paid by every
+every step, OOMs (in all and after the squeeze) and failed growths. The variants run in lockstep
+(step i of each, order rotated per step) next to a control that is never squeezed; the ratio
+divided by the control's is the same ratio with the machine's drift over those steps taken out.
+Medians over ``--repeats`` runs. The emulated device's per-op bookkeeping is paid by every
 variant (a fixed cost per operation, as a GPU's kernel launches), so fewer, larger micro-batches
 run faster, as on a device.
 
@@ -71,48 +73,71 @@ def classify(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torc
     return F.cross_entropy(model(x), y)
 
 
-def one_run(args: argparse.Namespace, report: autoaccum.ProbeReport, variant: str,
-            batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device, room: int) -> dict:
-    model = make_model(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+def _phase(args: argparse.Namespace, i: int) -> str:
+    if i < args.warmup:
+        return "warmup"
+    if i < args.warmup + args.before:
+        return "before"
+    return "squeeze" if i < args.warmup + args.before + args.squeeze_steps else "after"
+
+
+def runs_in_lockstep(args: argparse.Namespace, report: autoaccum.ProbeReport,
+                     batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device, room: int) -> dict:
+    """Every variant, and a control that is never squeezed, each with its own model, optimizer, meter
+    and guard, stepped in lockstep: step i of each, in an order rotated per step. A shared machine's
+    drift then falls on every variant alike, and the control measures it."""
     budget = parse_bytes(args.budget)
-    mem = TrackedMemory(budget_bytes=budget).track(model, optimizer)
-    steps: list[dict] = []
-    with mem:
-        guard = OOMGuard(model, optimizer, target_batch=args.target, micro_batch=args.micro, meter=mem,
-                         memory_model=report.model, headroom=report.headroom, **VARIANTS[variant])
-        squeeze_bytes = None
-        for i, batch in enumerate(batches):
-            phase = ("warmup" if i < args.warmup else "before" if i < args.warmup + args.before else
-                     "squeeze" if i < args.warmup + args.before + args.squeeze_steps else "after")
-            if phase == "squeeze" and squeeze_bytes is None:
-                squeeze_bytes = min(mem.current_bytes + room, budget - 1)
-            mem.budget_bytes = squeeze_bytes if phase == "squeeze" else budget
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            wall, cpu = time.perf_counter(), time.process_time()
-            result = guard.step(batch, classify)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            steps.append({"phase": phase, "wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu,
-                          "micro_batch": result.plan.micro_batch, "attempts": result.attempts,
-                          "ooms": sum(c.reason == "oom" for c in result.changes)})
-    mem.close()
+    names = [*VARIANTS, "control"]
+    state: dict[str, dict] = {}
+    for name in names:
+        model = make_model(device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        mem = TrackedMemory(budget_bytes=budget).track(model, optimizer)
+        with mem:
+            guard = OOMGuard(model, optimizer, target_batch=args.target, micro_batch=args.micro, meter=mem,
+                             memory_model=report.model, headroom=report.headroom,
+                             **VARIANTS.get(name, VARIANTS["model"]))
+        state[name] = {"mem": mem, "guard": guard, "steps": [], "squeeze_bytes": None}
+    for i, batch in enumerate(batches):
+        phase = _phase(args, i)
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            st, mem = state[name], state[name]["mem"]
+            if phase == "squeeze" and name != "control" and st["squeeze_bytes"] is None:
+                st["squeeze_bytes"] = min(mem.current_bytes + room, budget - 1)
+            mem.budget_bytes = st["squeeze_bytes"] if phase == "squeeze" and name != "control" else budget
+            with mem:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                wall, cpu = time.perf_counter(), time.process_time()
+                result = st["guard"].step(batch, classify)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            st["steps"].append({"phase": phase, "wall_s": wall, "cpu_s": cpu, "micro_batch": result.plan.micro_batch,
+                                "attempts": result.attempts, "ooms": sum(c.reason == "oom" for c in result.changes)})
+    out = {}
+    for name, st in state.items():
+        st["mem"].close()
+        steps, guard = st["steps"], st["guard"]
 
-    def rate(phase: str, key: str) -> float:
-        chosen = [s for s in steps if s["phase"] == phase]
-        return args.target * len(chosen) / sum(s[key] for s in chosen)
+        def rate(phase: str, key: str, steps: list[dict] = steps) -> float:
+            chosen = [x for x in steps if x["phase"] == phase]
+            return args.target * len(chosen) / sum(x[key] for x in chosen)
 
-    out = {"variant": variant, "steps": steps, "squeeze_budget_bytes": squeeze_bytes, "budget_bytes": budget,
-           "ooms": guard.ooms, "failed_growths": guard.failed_growths,
-           "ooms_after_squeeze": sum(s["ooms"] for s in steps if s["phase"] == "after"),
-           "ooms_in_squeeze": sum(s["ooms"] for s in steps if s["phase"] == "squeeze"),
-           "micro_batches": [s["micro_batch"] for s in steps]}
-    for key in ("wall_s", "cpu_s"):
-        name = key.removesuffix("_s")
-        out[f"before_samples_per_s_{name}"] = rate("before", key)
-        out[f"after_samples_per_s_{name}"] = rate("after", key)
-        out[f"ratio_{name}"] = out[f"after_samples_per_s_{name}"] / out[f"before_samples_per_s_{name}"]
+        run = {"steps": steps, "squeeze_budget_bytes": st["squeeze_bytes"], "budget_bytes": budget,
+               "ooms": guard.ooms, "failed_growths": guard.failed_growths,
+               "ooms_after_squeeze": sum(x["ooms"] for x in steps if x["phase"] == "after"),
+               "ooms_in_squeeze": sum(x["ooms"] for x in steps if x["phase"] == "squeeze"),
+               "micro_batches": [x["micro_batch"] for x in steps]}
+        for key in ("wall_s", "cpu_s"):
+            kind = key.removesuffix("_s")
+            run[f"before_samples_per_s_{kind}"] = rate("before", key)
+            run[f"after_samples_per_s_{kind}"] = rate("after", key)
+            run[f"ratio_{kind}"] = run[f"after_samples_per_s_{kind}"] / run[f"before_samples_per_s_{kind}"]
+        out[name] = run
+    for name in VARIANTS:  # the machine's drift over the same steps, measured by the control, divided out
+        for kind in ("wall", "cpu"):
+            out[name][f"ratio_{kind}_vs_control"] = out[name][f"ratio_{kind}"] / out["control"][f"ratio_{kind}"]
     return out
 
 
@@ -164,30 +189,33 @@ def main(argv: list[str] | None = None) -> int:
     total = args.warmup + args.before + args.squeeze_steps + args.after
     batches = [make_batch(args.target, 1000 + i, device) for i in range(total)]
     room = squeeze_room(args, report, batches, device)
-    runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
-    for r in range(args.repeats):
-        order = list(VARIANTS)[r % len(VARIANTS):] + list(VARIANTS)[:r % len(VARIANTS)]
-        for variant in order:
-            runs[variant].append(one_run(args, report, variant, batches, device, room))
-    summary = {}
-    for variant, rs in runs.items():
+    runs: dict[str, list[dict]] = {v: [] for v in [*VARIANTS, "control"]}
+    for _ in range(args.repeats):
+        for name, run in runs_in_lockstep(args, report, batches, device, room).items():
+            runs[name].append(run)
+    summary: dict[str, dict] = {}
+    for variant in VARIANTS:
+        rs = runs[variant]
         summary[variant] = {
-            "ratio_wall_median": statistics.median(r["ratio_wall"] for r in rs),
-            "ratio_cpu_median": statistics.median(r["ratio_cpu"] for r in rs),
-            "ratios_wall": [r["ratio_wall"] for r in rs], "ratios_cpu": [r["ratio_cpu"] for r in rs],
+            **{f"ratio_{k}_median": statistics.median(r[f"ratio_{k}"] for r in rs)
+               for k in ("cpu", "wall", "cpu_vs_control", "wall_vs_control")},
+            "ratios_cpu": [r["ratio_cpu"] for r in rs], "ratios_wall": [r["ratio_wall"] for r in rs],
+            "ratios_cpu_vs_control": [r["ratio_cpu_vs_control"] for r in rs],
             "before_samples_per_s_cpu_median": statistics.median(r["before_samples_per_s_cpu"] for r in rs),
             "after_samples_per_s_cpu_median": statistics.median(r["after_samples_per_s_cpu"] for r in rs),
             "ooms": [r["ooms"] for r in rs], "ooms_after_squeeze": [r["ooms_after_squeeze"] for r in rs],
             "failed_growths": [r["failed_growths"] for r in rs], "micro_batches": rs[0]["micro_batches"],
         }
+    control = {f"ratios_{k}": [r[f"ratio_{k}"] for r in runs["control"]] for k in ("cpu", "wall")}
     result = {
         "benchmark": "squeeze", "autoaccum": autoaccum.__version__, "torch": torch.__version__,
         "python": platform.python_version(), "device": str(device), "threads": torch.get_num_threads(),
         "model": "MLP 128-256-256-10 (fp32), AdamW", "target_batch": args.target, "budget": args.budget,
-        "plan": autoaccum.Plan.for_target(args.target, args.micro).describe(), "probe_plan": report.plan.describe(), "probe_model": None if report.model is None else report.model.to_dict(),
+        "plan": autoaccum.Plan.for_target(args.target, args.micro).describe(), "probe_plan": report.plan.describe(),
+        "probe_model": None if report.model is None else report.model.to_dict(),
         "squeeze": args.squeeze, "squeeze_budget_bytes": runs["model"][0]["squeeze_budget_bytes"],
         "steps": {"warmup": args.warmup, "before": args.before, "squeeze": args.squeeze_steps, "after": args.after},
-        "repeats": args.repeats, "summary": summary, "runs": runs,
+        "repeats": args.repeats, "summary": summary, "control": control, "runs": runs,
         "total_wall_time_s": time.perf_counter() - started,
     }
     if not args.json_only:
@@ -195,12 +223,16 @@ def main(argv: list[str] | None = None) -> int:
               f"{result['model']}; budget {args.budget}, plan {result['plan']}; the budget drops to "
               f"{result['squeeze_budget_bytes'] / 2**20:.2f} MiB for {args.squeeze_steps} steps (room for "
               f"{args.squeeze:g} x the micro-batch); {args.repeats} repeats")
-        print(f"{'':40}{'after/before (CPU)':>20}{'(wall)':>10}{'OOMs':>6}{'after':>7}{'failed grows':>14}")
-        for variant, s in summary.items():
-            print(f"{LABELS[variant]:40}{s['ratio_cpu_median']:20.3f}{s['ratio_wall_median']:10.3f}"
-                  f"{max(s['ooms']):6d}{max(s['ooms_after_squeeze']):7d}{max(s['failed_growths']):14d}")
-        for variant, s in summary.items():
-            print(f"  micro-batch per step, {variant}: {s['micro_batches']}")
+        print(f"{'':40}{'after/before: CPU':>18}{'wall':>7}{'CPU vs control':>16}{'OOMs':>6}{'after':>7}"
+              f"{'failed grows':>14}")
+        for variant, v in summary.items():
+            print(f"{LABELS[variant]:40}{v['ratio_cpu_median']:18.3f}{v['ratio_wall_median']:7.3f}"
+                  f"{v['ratio_cpu_vs_control_median']:16.3f}{max(v['ooms']):6d}{max(v['ooms_after_squeeze']):7d}"
+                  f"{max(v['failed_growths']):14d}")
+        print(f"{'control (never squeezed)':40}{statistics.median(control['ratios_cpu']):18.3f}"
+              f"{statistics.median(control['ratios_wall']):7.3f}")
+        for variant, v in summary.items():
+            print(f"  micro-batch per step, {variant}: {v['micro_batches']}")
     print(json.dumps(result, indent=None if args.json_only else 1))
     return 0
 
