@@ -37,6 +37,7 @@ from autoaccum.cut import MicroBatch
 from autoaccum.errors import TaskError
 from autoaccum.oom import is_oom
 from autoaccum.precision import autocast
+from autoaccum.recovery import drop_frames
 from autoaccum.sync import GradSync, LocalSync
 from autoaccum.task import LossFn, check_loss
 
@@ -179,6 +180,7 @@ def accumulate(model: torch.nn.Module, micro_batches: Iterable[MicroBatch], loss
                 del loss, weighted, part
     except Exception as exc:  # noqa: BLE001 - sorted: an OOM is recovered, anything else re-raised by the caller
         if is_oom(exc):
+            drop_frames(exc)  # no frame of the failed attempt keeps a tensor, cycle or not
             return Failed(oom=True, where=where)
         return Failed(oom=False, where=where, error=exc)
     return Accumulated(loss_sum, items, kind)

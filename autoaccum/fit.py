@@ -36,6 +36,7 @@ from autoaccum.log import ensure_visible, rank_level
 from autoaccum.losses import default_loss
 from autoaccum.lr import apply_lr_rule, warmup_lambda
 from autoaccum.memory import Meter, TrackedMemory, refuse_compiled
+from autoaccum.memory_model import MemoryModel
 from autoaccum.plan import Plan, rank_share
 from autoaccum.precision import autocast_dtype, make_scaler
 from autoaccum.report import ProbeReport
@@ -186,7 +187,7 @@ def fit(model: torch.nn.Module, data: Any, target_batch: int = 256, *, loss_fn: 
         config: a :class:`~autoaccum.training.config.FitConfig`; ``options`` override its fields.
         **options: ``lr``, ``base_batch``, ``lr_rule``, ``warmup_steps`` (:class:`LRConfig`);
             ``epochs``, ``max_steps``, ``seed`` (:class:`StopConfig`); ``device``, ``budget``,
-            ``headroom``, ``plan``, ``precision``, ``max_grad_norm``, ``nonfinite``, ``grow_after``,
+            ``headroom``, ``plan``, ``precision``, ``max_grad_norm``, ``nonfinite``, ``grow``, ``grow_after``,
             ``probe_cache`` (:class:`MemoryConfig`); ``checkpoint_dir``, ``checkpoint_every``, ``resume``
             (:class:`CheckpointConfig`); ``progress``, ``log_file``, ``eval_every``
             (:class:`OutputConfig`). Each is documented on its config class.
@@ -230,9 +231,13 @@ def fit(model: torch.nn.Module, data: Any, target_batch: int = 256, *, loss_fn: 
     budget_bytes = cfg.memory.budget_bytes
     meter = TrackedMemory(budget_bytes=budget_bytes) if budget_bytes is not None and dev.type != "cuda" else None
     cut = TokenCut() if batches.by_length else SampleCut()
+    # growth after an OOM reads the probe's memory model (a given probe report's too) and plans with its headroom
+    given_model = getattr(cfg.memory.plan, "model", None)
     guard = OOMGuard(model, optimizer, plan=start_plan, scheduler=scheduler, scaler=scaler,
                      max_grad_norm=cfg.memory.max_grad_norm, autocast_dtype=autocast_dtype(cfg.memory.precision),
-                     sync=sync, meter=meter, grow_after=cfg.memory.grow_after, cut=cut,
+                     sync=sync, meter=meter, grow=cfg.memory.grow, grow_after=cfg.memory.grow_after, cut=cut,
+                     memory_model=report.model if report is not None else
+                     given_model if isinstance(given_model, MemoryModel) else None, headroom=cfg.memory.headroom,
                      nonfinite=cfg.memory.nonfinite)
     position = RunPosition() if state is None else restore_run(
         state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, guard=guard, rank=sync.rank,
@@ -311,6 +316,10 @@ def _check_model(model: torch.nn.Module, batches: GlobalBatches, cfg: FitConfig,
     """What the model cannot do with this data and budget, found before any work."""
     if cfg.memory.budget is not None and device.type != "cuda":
         refuse_compiled(model, "train it under an emulated budget")
+    if cfg.memory.grow == "model" and cfg.memory.budget is None and device.type != "cuda":
+        raise ValueError(f"grow='model' needs memory the guard can read: a CUDA device, or budget= (an emulated "
+                         f"budget) on {device.type}. Pass budget=..., or grow='auto' (no growth here), 'double' or "
+                         f"'off'.")
     smallest, last = smallest_micro_batch(model), batches.last_global_size
     if smallest == 1 or last is None:
         return

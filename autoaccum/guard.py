@@ -12,7 +12,10 @@ and the buffers a forward updates (BatchNorm running statistics) are put back as
 start of the step, the micro-batch is halved (accumulation steps follow; the global batch does
 not change) and the ranks agree on the smallest. The replayed step equals a run that had planned
 the smaller micro-batch. After a successful step the guard may shrink on allocator thrashing
-(CUDA) or grow back after calm steps (``autoaccum.policy``).
+(CUDA). After calm steps it grows back (``autoaccum.policy``): where its meter reads memory and
+knows the limit, straight to the largest micro-batch predicted to fit in what is free now, from
+the rises it measured and the probe's memory model (``autoaccum.regrow``); elsewhere, if asked,
+by doubling.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -32,18 +35,27 @@ from autoaccum.cut import Cutter, SampleCut
 from autoaccum.errors import AutoAccumError, DoesNotFitError, NonFiniteError, TaskError
 from autoaccum.log import rank_level
 from autoaccum.memory import Meter, MemoryReading, TrackedMemory, active_budget, default_meter
+from autoaccum.memory_model import MemoryModel
 from autoaccum.optim_step import NONFINITE_POLICIES, NonFinite, step_oom_error, step_optimizer
 from autoaccum.plan import Plan, resolve_plan
-from autoaccum.policy import PlanChange, Reason, grown_plan, shrunk_plan
+from autoaccum.policy import PlanChange, Reason, fitting_plan, grown_plan, shrunk_plan
 from autoaccum.recovery import catch_oom, release_memory
+from autoaccum.regrow import FailedGrowth, Rise, fits, memory_limit
 from autoaccum.state import capture_buffers, capture_rng, restore_buffers, restore_rng, state_buffers
 from autoaccum.sync import ERROR, OK, OOM, GradSync, LocalSync
 from autoaccum.task import LossFn, check_loss_fn, check_optimizer_covers, explain_error, trainable_parameters
-from autoaccum.validate import check_choice, check_positive_float, check_positive_int
+from autoaccum.validate import check_choice, check_headroom, check_positive_float, check_positive_int
 
-__all__ = ["AccumulateResult", "OOMGuard", "PlanChange", "StepResult", "batchnorm_layers"]
+__all__ = ["AccumulateResult", "GrowMode", "OOMGuard", "PlanChange", "StepResult", "batchnorm_layers"]
 
 logger = logging.getLogger(__name__)
+
+#: how the guard grows the micro-batch back after calm steps (see ``OOMGuard``)
+GrowMode = Literal["auto", "model", "double", "off"]
+#: calm steps before growing, where ``grow_after`` is not given
+DEFAULT_GROW_AFTER = 2
+#: the fraction of the limit a predicted size keeps free, where neither ``headroom`` nor a probe report gives one
+DEFAULT_HEADROOM = 0.1
 
 
 @dataclass(frozen=True)
@@ -113,12 +125,25 @@ class OOMGuard:
         split_fn, size_fn: cut and count batches of types other than tensors/tuples/lists/dicts.
         cut: how a batch is cut into micro-batches (default: by samples, :class:`~autoaccum.cut.SampleCut`).
         sync: how ranks agree (default: one process). See ``autoaccum.distributed``.
-        grow_after: after this many steps without OOM, grow the micro-batch back toward the initial
-            one: at most double it, never to a size that failed, and only where that saves micro-steps
-            (then the smallest micro-batch with that many steps). An OOM at a grown size goes back to
-            the last size that worked. Off by default: growth can cost a failed attempt each time.
+        grow: how the micro-batch grows back toward the initial one after calm steps:
+            ``"model"``: straight to the largest micro-batch predicted to fit in what is free now
+            (``autoaccum.regrow``: the rises of the steps it ran, the probe's memory model, the
+            limit its meter reads; a size whose growth failed is not retried until more is free);
+            needs a meter that reads memory and knows the limit (CUDA, or an emulated budget).
+            ``"double"``: blindly, at most doubling, never to a size that once failed.
+            ``"off"``: never. ``"auto"`` (default): ``"model"`` where the meter allows it (and the
+            plan cuts by samples), else ``"double"`` if ``grow_after`` is given, else ``"off"``.
+        grow_after: calm steps (no OOM since the last plan change) before growing; default 2.
+            Given without a meter that reads memory (e.g. on the CPU without a budget), it asks for
+            blind doubling, as before the memory-guided growth.
+        memory_model: the probe's memory model (``report.model``): its bytes per sample predict
+            sizes not yet run. Default: the model of ``plan`` where that is a probe report; the
+            guard learns from its own steps in any case.
+        headroom: the fraction of the limit a predicted (never run) size keeps free; default the
+            probe report's, else 0.1.
         thrash_steps: on CUDA, shrink after this many consecutive steps with allocator retries.
-        meter: the meter whose readings each step reports (default: the CUDA allocator on CUDA, none elsewhere).
+        meter: the meter whose readings each step reports and growth reads (default: the CUDA
+            allocator on CUDA, none elsewhere).
         log_changes: log each plan change as a warning (the default; on rank 0, other ranks at debug level).
         nonfinite: what a step whose gradients (or loss) hold inf/NaN does, checked after the
             gradients are reduced and before ``optimizer.step()``, so that they never reach the
@@ -145,7 +170,10 @@ class OOMGuard:
         size_fn: Callable[[Batch], int] | None = None,
         cut: Cutter | None = None,
         sync: GradSync | None = None,
+        grow: GrowMode = "auto",
         grow_after: int | None = None,
+        memory_model: MemoryModel | None = None,
+        headroom: float | None = None,
         thrash_steps: int = 2,
         meter: Meter | None = None,
         log_changes: bool = True,
@@ -178,6 +206,16 @@ class OOMGuard:
             check_positive_float(max_grad_norm, "max_grad_norm", hint=", or None for no clipping")
         if grow_after is not None:
             check_positive_int(grow_after, "grow_after")
+        check_choice(grow, "grow", get_args(GrowMode))
+        if memory_model is not None and not isinstance(memory_model, MemoryModel):
+            raise TypeError(f"memory_model must be an autoaccum.MemoryModel (a probe report's .model), got "
+                            f"{type(memory_model).__name__}")
+        report_model = getattr(plan, "model", None)
+        self.memory_model = memory_model if memory_model is not None else (
+            report_model if isinstance(report_model, MemoryModel) else None)
+        report_headroom = getattr(plan, "headroom", None) if isinstance(report_model, MemoryModel) else None
+        self.headroom = check_headroom(headroom if headroom is not None else
+                                       report_headroom if report_headroom is not None else DEFAULT_HEADROOM)
         check_positive_int(thrash_steps, "thrash_steps")
         check_choice(nonfinite, "nonfinite", (*NONFINITE_POLICIES, None))
         self.nonfinite = nonfinite
@@ -187,9 +225,13 @@ class OOMGuard:
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.max_grad_norm, self.autocast_dtype, self.size_fn = max_grad_norm, autocast_dtype, size_fn
         self.cut: Cutter = cut if cut is not None else SampleCut(split_fn)
-        self.grow_after, self.thrash_steps, self.log_changes = grow_after, thrash_steps, log_changes
+        self.grow, self.grow_after, self.thrash_steps, self.log_changes = grow, grow_after, thrash_steps, log_changes
         self.device = self.params[0].device
         self.meter: Meter = meter if meter is not None else default_meter(self.device)
+        if grow == "model" and (self.meter.read() is None or memory_limit(self.meter) is None):
+            raise ValueError(f"grow='model' needs a meter that reads memory and knows its limit: CUDA, or an emulated "
+                             f"budget (meter=autoaccum.TrackedMemory(budget_bytes=...)); this guard's meter is "
+                             f"{type(self.meter).__name__} ({self.meter.kind}). Use grow='double' or 'off' here.")
         # an emulated device (a counter with a budget): micro-batches are copied in, as a GPU's would be
         self._emulated = isinstance(self.meter, TrackedMemory) and self.meter.budget_bytes is not None
         self.initial_micro_batch = self.plan.micro_batch
@@ -198,7 +240,17 @@ class OOMGuard:
         self._buffer_slots = state_buffers(model)
         self.steps = 0  # optimizer steps (or accumulations) completed
         self.ooms = 0  # OOMs recovered
+        self.failed_growths = 0  # growths that ran out of memory in their first step (each also counts in ooms)
         self.changes: list[PlanChange] = []
+        # memory-guided growth: what clean steps took per size, what failed, and this step's room
+        self._rises: dict[int, Rise] = {}
+        self._failures: list[FailedGrowth] = []
+        self._grown = False  # the plan in force was grown and has not run a clean step yet
+        self._limit: int | None = None  # the meter's limit at this step's start (memory-guided growth on)
+        self._start: MemoryReading | None = None  # the meter at this step's start
+        self._start_ooms = 0  # the emulated budget's OOM count at this step's start
+        self._fwd_bwd: MemoryReading | None = None  # the meter after this step's forward/backward passes
+        self._full_step = False
         self._ok_streak = 0
         self._thrash_streak = 0
         self._last_retries: int | None = None
@@ -275,7 +327,8 @@ class OOMGuard:
     def state_dict(self) -> dict[str, Any]:
         """The current plan and counters, so a resumed run does not rediscover its micro-batch."""
         return {"plan": self.plan.to_dict(), "initial_micro_batch": self.initial_micro_batch,
-                "ceiling": self.ceiling, "floor": self.floor, "steps": self.steps, "ooms": self.ooms}
+                "ceiling": self.ceiling, "floor": self.floor, "steps": self.steps, "ooms": self.ooms,
+                "failed_growths": self.failed_growths}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         plan = Plan.from_dict(state["plan"])
@@ -287,6 +340,7 @@ class OOMGuard:
         self.ceiling = None if state["ceiling"] is None else int(state["ceiling"])
         self.floor = None if state.get("floor") is None else int(state["floor"])
         self.steps, self.ooms = int(state["steps"]), int(state["ooms"])
+        self.failed_growths = int(state.get("failed_growths", 0))
         self._warn_batchnorm()
 
     # -- one global batch, replayed until it fits ------------------------------------------------------
@@ -347,10 +401,17 @@ class OOMGuard:
         n = self._local_size(batch, partial)
         num_items = self._count_items(loss_fn, batch)
         self.meter.reset_peak()
-        start = self.meter.read()
+        start = self._start = self.meter.read()
+        self._start_ooms = getattr(self.meter, "oom_count", 0)
+        self._full_step = n == self.plan.rank_batch(self.sync.rank)
+        # memory-guided growth reads the limit once per step (CUDA: two allocator queries), only where it is on
+        self._limit = memory_limit(self.meter) if (start is not None and self.grow in ("auto", "model")
+                                                   and self.plan.tokens is None) else None
+        changes: list[PlanChange] = []
+        if self._limit is not None and start is not None:
+            changes.extend(self._grow_to_fit(start.current_bytes, self._limit))
         rng = capture_rng()
         buffers = capture_buffers(self._buffer_slots)
-        changes: list[PlanChange] = []
         attempts = 0
         self._zero_grad()
         while True:
@@ -374,12 +435,17 @@ class OOMGuard:
                 raise AutoAccumError("another rank failed with an error during this step; see its log")
             where = "another rank" if isinstance(result, Accumulated) else result.where
             result = None  # type: ignore[assignment]  # OOM here or elsewhere: replay smaller, from the same start
+            if self._grown:  # the growth did not fit after all: counted, and remembered against the room it had
+                self._failed_growth(start, local=where != "another rank")
             self._zero_grad()
-            release_memory(self.device, self.meter, None if start is None else start.current_bytes)
+            # a second OOM in one step: a full collection where no meter says whether memory came back
+            release_memory(self.device, self.meter, None if start is None else start.current_bytes,
+                           thorough=attempts > 1)
             restore_rng(rng)
             restore_buffers(buffers)
             changes.append(self._shrink("oom", where))
         buffers = None  # type: ignore[assignment]
+        self._fwd_bwd = self.meter.read() if self._limit is not None else None
         totals, failed = catch_oom(reduce_gradients, self.params, result, num_samples=num_samples, sync=self.sync,
                                    num_items_in_batch=num_items)
         if failed:
@@ -395,6 +461,9 @@ class OOMGuard:
         self.steps += 1
         self.floor = self.plan.micro_batch
         reading = self.meter.read()
+        if attempts == 1:
+            self._grown = False
+            self._measured(start, reading)
         changes.extend(self._adapt(attempts, reading))
         return {"loss": loss, "num_samples": totals.num_samples, "num_items": totals.num_items, "plan": self.plan,
                 "changes": tuple(changes), "attempts": attempts, "step_time_s": time.perf_counter() - started,
@@ -413,7 +482,63 @@ class OOMGuard:
             raise self._does_not_fit()
         self.ceiling = old.micro_batch if self.ceiling is None else min(self.ceiling, old.micro_batch)
         self.plan = self.sync.agree_plan(shrunk_plan(old, self.floor))
+        self._grown = False
         return self._record(reason, where, old)
+
+    # -- growth guided by memory (autoaccum.regrow) -------------------------------------------------------
+    def _grow_to_fit(self, live_bytes: int, limit_bytes: int) -> list[PlanChange]:
+        """At a step's start, after calm steps: the plan with the fewest micro-steps predicted to fit
+        in what is free now, up to the initial micro-batch; the smallest any rank proposes wins.
+
+        Whether to ask depends only on what every rank shares (the agreed plan, the calm steps), so
+        every rank joins the exchange; what each proposes depends on its own memory."""
+        calm = self.grow_after if self.grow_after is not None else DEFAULT_GROW_AFTER
+        if self._ok_streak < calm or self.plan.micro_batch >= self.initial_micro_batch:
+            return []
+        old = self.plan
+        proposal = fitting_plan(old, self.initial_micro_batch, lambda b: fits(
+            b, live_bytes=live_bytes, limit_bytes=limit_bytes, headroom=self.headroom, rises=self._rises,
+            prior=self.memory_model, failures=self._failures))
+        self.plan = self.sync.agree_plan(proposal if proposal is not None else old)
+        if self.plan.micro_batch == old.micro_batch:
+            return []  # nothing fits yet: the calm steps go on counting, and the next step asks again
+        self._grown = True
+        return [self._record("grow", "predicted to fit in the free memory", old)]
+
+    def _measured(self, start: MemoryReading | None, end: MemoryReading | None) -> None:
+        """After a clean step with memory-guided growth on: what a step at this size took, and the room it had."""
+        fwd_bwd, self._fwd_bwd = self._fwd_bwd, None
+        if self._limit is None or not self._full_step or start is None or end is None or fwd_bwd is None:
+            return
+        size = self.plan.micro_batch
+        fwd_bwd_rise = fwd_bwd.peak_bytes - start.current_bytes
+        # what the step left live (the optimizer state its first step creates) is in the next step's
+        # start, not in its rise
+        kept = max(0, end.current_bytes - start.current_bytes)
+        rise = Rise(size, fwd_bwd_rise, max(fwd_bwd_rise, end.peak_bytes - start.current_bytes - kept),
+                    self._limit - start.current_bytes)
+        old = self._rises.get(size)
+        self._rises[size] = rise if old is None else old.merged(rise)
+        # a size at least this large failed earlier, with no more room than this: that record is stale
+        self._failures = [f for f in self._failures if f.micro_batch > size or f.free_bytes > rise.free_bytes]
+
+    def _failed_growth(self, start: MemoryReading | None, *, local: bool) -> None:
+        """The first step of a grown plan ran out of memory: count it; where it struck on this rank,
+        remember the size against the room it had (and how far it got), so it is not retried until
+        more is free."""
+        self.failed_growths += 1
+        self._grown = False
+        if not local or self._limit is None or start is None:
+            return
+        self._failures.append(self._failure(start, self._limit, self.meter.read()))
+
+    def _failure(self, start: MemoryReading, limit_bytes: int, now: MemoryReading | None) -> FailedGrowth:
+        reached = 0 if now is None else now.peak_bytes - start.current_bytes
+        needed = self.meter.last_oom_needed_bytes
+        short = 0
+        if needed is not None and getattr(self.meter, "oom_count", 0) > self._start_ooms:  # the budget's own OOM
+            short, reached = max(needed - limit_bytes, 0), max(reached, needed - start.current_bytes)
+        return FailedGrowth(self.plan.micro_batch, limit_bytes - start.current_bytes, short, max(reached, 0))
 
     def _record(self, reason: Reason, where: str, old: Plan) -> PlanChange:
         change = PlanChange(self.steps + 1, reason, where, old, self.plan)
@@ -434,9 +559,11 @@ class OOMGuard:
             self._thrash_streak = self._thrash_streak + 1 if rising else 0
             if self._thrash_streak >= self.thrash_steps and self.plan.can_shrink:
                 self._thrash_streak = 0
+                if self._limit is not None and self._start is not None:  # memory-guided growth: not back to it soon
+                    self._failures.append(FailedGrowth(self.plan.micro_batch, self._limit - self._start.current_bytes))
                 return [self._shrink("thrash", "allocator retries")]
         self._ok_streak = self._ok_streak + 1 if attempts == 1 else 0
-        if self.grow_after is None or self._ok_streak < self.grow_after:
+        if not self._doubles() or self._ok_streak < (self.grow_after or DEFAULT_GROW_AFTER):
             return []
         self._ok_streak = 0
         old = self.plan
@@ -445,6 +572,10 @@ class OOMGuard:
             return []
         self.plan = self.sync.agree_plan(bigger)
         return [self._record("grow", "", old)] if self.plan.micro_batch != old.micro_batch else []
+
+    def _doubles(self) -> bool:
+        """Blind growth: asked for, or asked for with ``grow_after`` where memory cannot guide it."""
+        return self.grow == "double" or (self.grow == "auto" and self.grow_after is not None and self._limit is None)
 
     def _does_not_fit(self) -> DoesNotFitError:
         meter = self.meter if self.meter.budget_bytes is not None else (active_budget() or self.meter)

@@ -3,25 +3,31 @@
 - after an OOM (or allocator thrashing): half the micro-batch, the accumulation steps it then
   takes; the global batch never changes. Where a grown micro-batch failed, back to the last size
   that worked rather than below it.
-- after calm steps (``grow_after``): at most double, never to a size that failed, and only where
-  that saves micro-steps; then the smallest micro-batch with that many steps (the lowest peak).
+- after calm steps, guided by memory (``autoaccum.regrow``): the plan with the fewest micro-steps
+  whose micro-batch is predicted to fit in what is free now, up to the initial micro-batch
+  (:func:`fitting_plan`);
+- after calm steps, blindly (``grow="double"``, or where no meter reads memory): at most double,
+  never to a size that failed, and only where that saves micro-steps; then the smallest
+  micro-batch with that many steps (the lowest peak) (:func:`grown_plan`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from autoaccum.plan import Plan
+from autoaccum.plan import Plan, micro_step_count
 
-__all__ = ["PlanChange", "Reason", "grown_plan", "shrunk_plan"]
+__all__ = ["PlanChange", "Reason", "fitting_plan", "grown_plan", "shrunk_plan"]
 
 Reason = Literal["oom", "thrash", "grow"]
 
 
 @dataclass(frozen=True)
 class PlanChange:
-    """One change of plan: why, at which optimizer step, and where the OOM struck."""
+    """One change of plan: why, at which optimizer step, and where the OOM struck (for a growth: what
+    guided it, empty for blind doubling)."""
 
     step: int
     reason: Reason
@@ -30,7 +36,8 @@ class PlanChange:
     new: Plan
 
     def describe(self) -> str:
-        what = {"oom": f"OOM in {self.where} at", "thrash": "allocator thrashing at", "grow": "no OOM for a while:"}
+        grow = f"no OOM for a while ({self.where}):" if self.where else "no OOM for a while:"
+        what = {"oom": f"OOM in {self.where} at", "thrash": "allocator thrashing at", "grow": grow}
         if self.old.tokens is not None and self.new.tokens is not None:
             return (f"{what[self.reason]} a budget of {self.old.tokens.max_cost:,.0f} -> {self.new.tokens.max_cost:,.0f} "
                     f"token-units per micro-batch (micro <= {self.old.micro_batch} -> {self.new.micro_batch}), "
@@ -66,3 +73,24 @@ def grown_plan(plan: Plan, initial_micro_batch: int, ceiling: int | None) -> Pla
     if bigger.accum_steps >= plan.accum_steps:
         return None  # a bigger micro-batch with as many passes costs memory and gains nothing
     return bigger
+
+
+def fitting_plan(plan: Plan, largest: int, fits: Callable[[int], bool]) -> Plan | None:
+    """The plan with the fewest micro-steps whose micro-batch is at most ``largest`` and ``fits``;
+    None where no plan that fits saves a micro-step.
+
+    Each number of micro-steps is tried with the smallest micro-batch that makes it (plans are
+    balanced: ``target 256`` in 2 steps is ``128 x 2``, not ``200 + 56``), fewest steps first, so
+    the first that fits is the largest that fits. The target, the ranks and the smallest
+    micro-batch stay the plan's.
+    """
+    share = plan.rank_batch(0)
+    tried: set[int] = set()
+    for steps in range(micro_step_count(share, max(1, min(largest, share))), plan.accum_steps):
+        candidate = plan.with_micro_batch(max(plan.min_micro_batch, -(-share // steps)))
+        if candidate.micro_batch in tried or candidate.accum_steps >= plan.accum_steps:
+            continue
+        tried.add(candidate.micro_batch)
+        if candidate.micro_batch <= largest and fits(candidate.micro_batch):
+            return candidate
+    return None

@@ -16,9 +16,13 @@ and what one OOM recovery costs.
    function on the model's real gradients, timed over many calls) as a share of a step.
 2. OOM recovery. An injected ``torch.OutOfMemoryError`` in the loss of the first micro-batch (no
    work lost) or of the last one (almost a whole step lost); the guard releases, halves the
-   micro-batch and replays. Reported: the wall time of that step against a normal step at the
-   starting micro-batch and at the halved one, and the time spent releasing memory
-   (``gc.collect`` and, on CUDA, ``empty_cache``).
+   micro-batch and replays. Reported: the extra time of that step over a normal step at the
+   starting micro-batch, in step-times (wall and process CPU time), the normal step at the halved
+   one, and the time spent releasing memory (``gc.collect`` where needed and, on CUDA,
+   ``empty_cache``) with what was collected. Three variants (issue 15): with a meter that reads
+   memory (CPU: a counting ``TrackedMemory``; CUDA: the allocator, the default), without one (CPU:
+   the default; CUDA: ``meter=NullMeter()``), and without one with the full ``gc.collect()`` every
+   recovery made before issue 15 (the same run's baseline).
 
 Prints a table, then one JSON document. Not part of the test run.
 
@@ -28,7 +32,9 @@ Prints a table, then one JSON document. Not part of the test run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import gc
 import importlib
 import json
 import logging
@@ -41,7 +47,8 @@ from collections.abc import Callable
 import torch
 
 import autoaccum
-from autoaccum import OOMGuard, Plan
+from autoaccum import OOMGuard, Plan, TrackedMemory
+from autoaccum.memory import Meter, NullMeter
 from autoaccum.demo import TinyGPT, synthetic_tokens, token_loss
 from autoaccum.optim_step import _check_finite
 
@@ -142,44 +149,55 @@ def check_alone(guard: OOMGuard, batch: torch.Tensor, device: torch.device, step
     out["check_share_of_step"] = out["check_s"] / step_s
     out["params"] = sum(p.numel() for p in guard.params)
     return out
+def _timed(step: Callable[[], object], device: torch.device) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) of ``step()``, synchronised at both ends."""
+    _sync(device)
+    wall, cpu = time.perf_counter(), time.process_time()
+    step()
+    _sync(device)
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def _meters(device: torch.device) -> dict[str, Callable[..., Meter] | None]:
+    """The meter variants of the recovery measurement: with a meter that reads memory (the guard
+    then collects nothing when the live bytes came back) and without one."""
+    if device.type == "cuda":
+        return {"CUDA meter (default)": None, "no meter": lambda *track: NullMeter(),
+                "no meter, full gc (before issue 15)": lambda *track: NullMeter()}
+    return {"tracked meter": lambda *track: TrackedMemory().track(*track), "no meter (default)": None,
+            "no meter, full gc (before issue 15)": None}
+
+
+def _full_release(device: torch.device, *args: object, **kwargs: object) -> str:
+    """Recovery before issue 15 where no meter says memory came back: a full collection every time."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return "full"
 
 
 def recovery(args: argparse.Namespace, device: torch.device) -> dict:
-    """Wall time of a step with one injected OOM, against normal steps at micro and micro / 2."""
+    """Wall and CPU time of a step with one injected OOM, against normal steps at micro and micro / 2,
+    with and without a meter, and with the full collection every recovery made before issue 15."""
     torch.manual_seed(0)
     model = TinyGPT(vocab_size=256, seq_len=args.seq_len, dim=args.dim, layers=args.layers, heads=args.heads).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch = synthetic_tokens(args.target, seq_len=args.seq_len, seed=0).to(device)
     accum = Plan.for_target(args.target, args.micro).accum_steps
-    release_s: list[float] = []
-
     guard_module = importlib.import_module("autoaccum.guard")
-    release = getattr(guard_module, "release_memory", None)  # autoaccum.recovery's, as the guard calls it
+    release = guard_module.release_memory  # autoaccum.recovery's, as the guard calls it
+    released: list[tuple[str, float, str]] = []  # (variant, seconds, what was collected)
+    variant = [""]
 
-    def timed_release(*args: object, **kwargs: object) -> None:
+    def timed_release(*a: object, **kw: object) -> str:
         _sync(device)
         started = time.perf_counter()
-        release(*args, **kwargs)  # type: ignore[misc]
+        what = (_full_release(device) if variant[0].endswith("(before issue 15)") else release(*a, **kw))
         _sync(device)
-        release_s.append(time.perf_counter() - started)
+        released.append((variant[0], time.perf_counter() - started, what))
+        return what
 
-    if release is not None:
-        guard_module.release_memory = timed_release
-
-    def guarded(micro: int) -> OOMGuard:
-        guard = OOMGuard(model, optimizer, target_batch=args.target, micro_batch=micro)
-        if release is None:  # before the restructuring (issue 10): the guard's own method
-            own = guard._release
-
-            def timed_own(*args: object) -> None:
-                _sync(device)
-                started = time.perf_counter()
-                own(*args)
-                _sync(device)
-                release_s.append(time.perf_counter() - started)
-
-            guard._release = timed_own  # type: ignore[method-assign]
-        return guard
+    guard_module.release_memory = timed_release
 
     def failing_loss(fail_at: int) -> Callable:
         calls = [0]
@@ -192,31 +210,53 @@ def recovery(args: argparse.Namespace, device: torch.device) -> dict:
             return loss
         return loss_fn
 
-    def normal(micro: int) -> float:
-        guard = guarded(micro)
-        return _time_block(lambda b: guard.step(b, token_loss).loss, [batch], device)
-
-    for micro in (args.micro, args.micro // 2):  # warm-up
-        normal(micro)
+    meters = _meters(device)
     cases = {"first micro-batch": 1, "last micro-batch": accum}
-    samples: dict[str, list[float]] = {"normal_micro_s": [], "normal_half_s": [],
-                                       **{f"oom_{name}_s": [] for name in cases}}
-    for _ in range(args.repeats):
-        samples["normal_micro_s"].append(normal(args.micro))
-        samples["normal_half_s"].append(normal(args.micro // 2))
-        for name, fail_at in cases.items():
-            guard = guarded(args.micro)
-            loss_fn = failing_loss(fail_at)
-            t = _time_block(lambda b: guard.step(b, loss_fn).loss, [batch], device)
-            assert guard.plan.micro_batch == args.micro // 2 and len(guard.changes) == 1
-            samples[f"oom_{name}_s"].append(t)
-    med = {k: statistics.median(v) for k, v in samples.items()}
-    out: dict = {"samples": samples, "medians_s": med, "release_median_s": statistics.median(release_s),
-                 "release_s": release_s, "cases": {}}
-    for name in cases:
-        t = med[f"oom_{name}_s"]
-        out["cases"][name] = {"step_s": t, "x_normal_step": t / med["normal_micro_s"],
-                              "extra_over_half_step_s": t - med["normal_half_s"]}
+
+    def run(name: str, micro: int, fail_at: int | None) -> tuple[float, float]:
+        variant[0] = name
+        make = meters[name]
+        meter = make(model, optimizer) if make is not None else None
+        guard = OOMGuard(model, optimizer, target_batch=args.target, micro_batch=micro, meter=meter)
+        loss_fn = token_loss if fail_at is None else failing_loss(fail_at)
+        with meter if isinstance(meter, TrackedMemory) else contextlib.nullcontext():
+            t = _timed(lambda: guard.step(batch, loss_fn), device)
+        if isinstance(meter, TrackedMemory):
+            meter.close()
+        if fail_at is not None:
+            assert guard.plan.micro_batch == micro // 2 and guard.ooms == 1, guard.changes
+        return t
+
+    for name in meters:  # warm-up
+        for micro in (args.micro, args.micro // 2):
+            run(name, micro, None)
+    released.clear()
+    keys = ["normal_micro", "normal_half"] + [f"oom_{case}" for case in cases]
+    samples = {name: {k: {"wall": [], "cpu": []} for k in keys} for name in meters}
+    for r in range(args.repeats):
+        names = list(meters) if r % 2 == 0 else list(reversed(meters))
+        for name in names:  # interleaved: each variant's normal steps next to its OOM steps
+            measured = [("normal_micro", args.micro, None), ("normal_half", args.micro // 2, None)]
+            measured += [(f"oom_{case}", args.micro, at) for case, at in cases.items()]
+            for key, micro, at in measured:
+                wall, cpu = run(name, micro, at)
+                samples[name][key]["wall"].append(wall)
+                samples[name][key]["cpu"].append(cpu)
+    guard_module.release_memory = release
+    out: dict = {"samples": samples, "variants": {}}
+    for name in meters:
+        med = {k: {c: statistics.median(v[c]) for c in ("wall", "cpu")} for k, v in samples[name].items()}
+        mine = [(t, what) for v, t, what in released if v == name]
+        entry: dict = {"medians_s": med, "release_median_s": statistics.median(t for t, _ in mine),
+                       "collected": sorted({what for _, what in mine}), "cases": {}}
+        for case in cases:
+            t = med[f"oom_{case}"]
+            entry["cases"][case] = {
+                "step_s": t["wall"], "x_normal_step": t["wall"] / med["normal_micro"]["wall"],
+                "extra_step_times": t["wall"] / med["normal_micro"]["wall"] - 1,
+                "extra_step_times_cpu": t["cpu"] / med["normal_micro"]["cpu"] - 1,
+                "extra_over_half_step_s": t["wall"] - med["normal_half"]["wall"]}
+        out["variants"][name] = entry
     return out
 
 
@@ -281,13 +321,17 @@ def main(argv: list[str] | None = None) -> int:
                   f" (range {min(r['paired_ratios']):.4f} .. {max(r['paired_ratios']):.4f})")
         print(f"the check alone: {c['check_s'] * 1e6:.1f} us ({c['check_share_of_step'] * 100:.3f}% of a step), with "
               f"clipping's norm {c['check_clip_s'] * 1e6:.1f} us; {c['params']:,} parameters")
-        m = rec["medians_s"]
-        print(f"OOM recovery, micro {args.micro} -> {args.micro // 2}: normal step {m['normal_micro_s'] * ms:.2f} ms "
-              f"at micro {args.micro}, {m['normal_half_s'] * ms:.2f} ms at micro {args.micro // 2}; "
-              f"release {rec['release_median_s'] * ms:.2f} ms")
-        for name, case in rec["cases"].items():
-            print(f"  OOM in the loss of the {name:18}{case['step_s'] * ms:8.2f} ms = {case['x_normal_step']:.2f} x a "
-                  f"normal step; {case['extra_over_half_step_s'] * ms:+.2f} ms over a step at micro {args.micro // 2}")
+        print(f"OOM recovery, micro {args.micro} -> {args.micro // 2}: the step with one injected OOM, in extra "
+              f"step-times over a normal step at micro {args.micro} (median wall time; CPU time in brackets)")
+        print(f"{'':38}{'normal ms':>10}{'half ms':>9}{'OOM at first':>16}{'OOM at last':>16}{'release ms':>12}"
+              f"  collected")
+        for name, v in rec["variants"].items():
+            m, c = v["medians_s"], v["cases"]
+            first, last = c["first micro-batch"], c["last micro-batch"]
+            print(f"{name:38}{m['normal_micro']['wall'] * ms:10.2f}{m['normal_half']['wall'] * ms:9.2f}"
+                  f"{first['extra_step_times']:+8.2f} ({first['extra_step_times_cpu']:+.2f})"
+                  f"{last['extra_step_times']:+8.2f} ({last['extra_step_times_cpu']:+.2f})"
+                  f"{v['release_median_s'] * ms:12.2f}  {', '.join(v['collected'])}")
     print(json.dumps(result, indent=None if args.json_only else 1))
     return 0
 

@@ -103,7 +103,7 @@ def test_oom_mid_run_changes_nothing_but_the_plan(tokens, reference, gpt_peaks, 
     model = gpt()
     log = tmp_path / "log.jsonl"
     result = autoaccum.fit(model, tokens, TARGET, loss_fn=token_loss, plan=Plan.for_target(TARGET, 16),
-                           budget=budget, epochs=EPOCHS, progress=False, log_file=log)
+                           budget=budget, epochs=EPOCHS, progress=False, log_file=log, grow="off")
     assert result.oom_events == 1
     [change] = result.plan_changes
     assert (change.step, change.reason, change.old.micro_batch, change.new.micro_batch) == (2, "oom", 16, 8)
@@ -113,6 +113,23 @@ def test_oom_mid_run_changes_nothing_but_the_plan(tokens, reference, gpt_peaks, 
     assert [r["accum_steps"] for r in records] == [4, 8, 8, 8, 8, 8]
     assert [r["ooms"] for r in records] == [0, 1, 0, 0, 0, 0]
     assert {r["lr"] for r in records} == {1e-3} and result.lr == 1e-3  # an OOM never changes the LR
+    assert result.peak_bytes <= budget
+    assert max_abs_diff(model, ref_model) < 1e-10
+    assert result.losses == pytest.approx(ref_losses, rel=1e-12, abs=0)
+
+
+def test_by_default_the_guard_grows_into_the_room_halving_left_and_stays_exact(tokens, reference, gpt_peaks):
+    """The same OOM as above, with fit's default growth: after two calm steps the guard grows from 8
+    straight to the largest micro-batch predicted to fit under the budget with its 10% headroom
+    (13: 64 in 5 micro-steps), runs out of memory no more, and the run is still the loop's."""
+    ref_model, ref_losses = reference
+    budget = (gpt_peaks[16][0] + gpt_peaks[16][1]) // 2
+    model = gpt()
+    result = autoaccum.fit(model, tokens, TARGET, loss_fn=token_loss, plan=Plan.for_target(TARGET, 16),
+                           budget=budget, epochs=EPOCHS, progress=False)
+    assert [(c.step, c.reason, c.old.micro_batch, c.new.micro_batch) for c in result.plan_changes] == [
+        (2, "oom", 16, 8), (5, "grow", 8, 13)]
+    assert result.oom_events == 1 and result.final_plan == Plan.for_target(TARGET, 13)
     assert result.peak_bytes <= budget
     assert max_abs_diff(model, ref_model) < 1e-10
     assert result.losses == pytest.approx(ref_losses, rel=1e-12, abs=0)
@@ -567,6 +584,8 @@ def _fit_bad(data=None, target=64, **kwargs):
     (dict(eval_data=(torch.zeros(10, 6), torch.zeros(9))), ValueError, "disagree in dim 0"),
     (dict(eval_data=(torch.zeros(10, 6), torch.zeros(9)), plan=None, budget="64MiB"), ValueError, "disagree"),
     (dict(optimizer="adam"), TypeError, "optimizer must be a torch.optim.Optimizer"),
+    (dict(grow="grown"), ValueError, "Invalid grow: 'grown'. Allowed values: auto, model, double, off"),
+    (dict(grow="model"), ValueError, "grow='model' needs memory the guard can read: a CUDA device, or budget="),
 ])
 def test_bad_input_is_refused_before_any_work(kwargs, error, match):
     with pytest.raises(error, match=match):

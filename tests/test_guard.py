@@ -425,8 +425,8 @@ def test_negative_control_without_rng_restore_the_replay_differs(monkeypatch):
     assert max_diff(params_of(model), params_of(ref)) > 1e-6
 
 
-def test_negative_control_a_kept_traceback_keeps_the_failed_activations_alive(monkeypatch):
-    """The weakref check can fail: keep the exception (and its traceback) and it does."""
+def _keep_exceptions(monkeypatch) -> list:
+    """Keep every exception accumulate sorts (as a logging handler or a debugger might)."""
     kept = []
     is_oom = accumulate_module.is_oom
 
@@ -435,6 +435,23 @@ def test_negative_control_a_kept_traceback_keeps_the_failed_activations_alive(mo
         return is_oom(exc)
 
     monkeypatch.setattr(accumulate_module, "is_oom", keeping)
+    return kept
+
+
+def test_a_kept_oom_exception_holds_no_activation_once_its_frames_are_cleared(monkeypatch):
+    """The frames an OOM unwound lose their locals in the except block (recovery.drop_frames), so
+    even an exception someone keeps (and its traceback) keeps no activation of the failed attempt."""
+    kept = _keep_exceptions(monkeypatch)
+    model, _ = pair(Net(p=0.2))[0]
+    _guarded_run(model, torch.optim.SGD(model.parameters(), lr=0.1), arm=("forward", 2), steps=3)
+    assert len(kept) == 1 and model.dead_at_replay == [True]
+
+
+def test_negative_control_a_kept_traceback_keeps_the_failed_activations_alive(monkeypatch):
+    """The weakref check can fail: keep the exception (and its traceback) without clearing its
+    frames, and it does."""
+    _keep_exceptions(monkeypatch)
+    monkeypatch.setattr(accumulate_module, "drop_frames", lambda exc: None)
     model, _ = pair(Net(p=0.2))[0]
     _guarded_run(model, torch.optim.SGD(model.parameters(), lr=0.1), arm=("forward", 2), steps=3)
     assert model.dead_at_replay == [False]

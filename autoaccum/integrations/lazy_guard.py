@@ -94,7 +94,8 @@ class LazyGuard:
             no collective).
         budget, headroom, precision: what the probe plans for (``autoaccum.probe``).
         **guard_options: passed to :class:`~autoaccum.guard.OOMGuard` (``scaler``, ``autocast_dtype``,
-            ``grow_after``, ``max_grad_norm``, ``scheduler``, ``size_fn``, ...).
+            ``grow``, ``grow_after``, ``max_grad_norm``, ``scheduler``, ``size_fn``, ...; the probe's
+            memory model and ``headroom`` reach its growth after an OOM).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, target_batch: int | None = None,
@@ -158,6 +159,9 @@ class LazyGuard:
         emulated = active_budget()
         if options.get("meter") is None and emulated is not None:
             options["meter"] = emulated  # an emulated device: its counter reports each step's peak
+        if self.report is not None and self.report.model is not None:  # growth after an OOM reads it
+            options.setdefault("memory_model", self.report.model)
+        options.setdefault("headroom", self.headroom)
         self.guard = OOMGuard(self.model, self.optimizer, plan=plan, sync=self.sync, **options)
         if self._saved is not None:
             self.guard.load_state_dict(self._saved)

@@ -85,7 +85,9 @@ class AutoAccum(pl.Callback):
         headroom: fraction of the budget kept free, in [0, 1).
         plan: a :class:`~autoaccum.plan.Plan`, probe report or plan file instead of probing; or
         micro_batch: the largest micro-batch to start with, instead of probing.
-        grow_after: grow the micro-batch back after this many steps without OOM (off by default).
+        grow_after: calm steps before the guard grows the micro-batch back after an OOM (default 2;
+            where memory can be read -- CUDA, an emulated budget -- it grows to what is predicted
+            to fit; elsewhere giving it asks for blind doubling: ``OOMGuard(grow=...)``).
         loss_fn: ``loss_fn(module, batch)`` -> mean loss or ``(loss_sum, num_items)``, instead of the
             module's ``training_step``.
     """

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from autoaccum.memory.capacity import (
-    Budget, DeviceCapacity, cuda_capacity, device_capacity, resolve_budget, usable_bytes,
+    Budget, DeviceCapacity, cuda_available_bytes, cuda_capacity, device_capacity, resolve_budget, usable_bytes,
 )
 from autoaccum.memory.cuda import CudaMeter
 from autoaccum.memory.meter import MemoryReading, Meter, NullMeter
@@ -20,8 +20,8 @@ from autoaccum.memory.tracked import (
 
 __all__ = [
     "Budget", "CudaMeter", "active_budget", "DeviceCapacity", "MemoryReading", "Meter", "NullMeter", "TrackedMemory",
-    "cuda_capacity", "default_meter", "device_capacity", "emulated_budget", "is_compiled", "iter_tensors",
-    "refuse_compiled", "resolve_budget", "usable_bytes",
+    "cuda_available_bytes", "cuda_capacity", "default_meter", "device_capacity", "emulated_budget", "is_compiled",
+    "iter_tensors", "refuse_compiled", "resolve_budget", "usable_bytes",
 ]
 
 

@@ -15,7 +15,8 @@ from autoaccum.memory.cuda import nvml_other_process_bytes
 from autoaccum.units import parse_bytes
 from autoaccum.validate import check_headroom
 
-__all__ = ["Budget", "DeviceCapacity", "cuda_capacity", "device_capacity", "resolve_budget", "usable_bytes"]
+__all__ = ["Budget", "DeviceCapacity", "cuda_available_bytes", "cuda_capacity", "device_capacity", "resolve_budget",
+           "usable_bytes"]
 
 
 @dataclass(frozen=True)
@@ -60,24 +61,34 @@ class Budget:
         return usable_bytes(self.budget_bytes, self.headroom)
 
 
-def cuda_capacity(device: torch.device) -> DeviceCapacity:
-    """Total memory of a CUDA device and what this process can still use of it.
+def cuda_available_bytes(device: torch.device) -> int:
+    """What this process can still reach on a CUDA device: free memory plus what its allocator
+    holds already (reusable by it, though the driver counts it as used), no more than the process
+    may reserve under ``torch.cuda.set_per_process_memory_fraction`` (``fraction x total``: the
+    allocator refuses past it, whatever is free). Two cheap queries, no NVML."""
+    return _cuda_available(device)[0]
 
-    What is free on the device plus what this process's allocator holds already (reusable by it,
-    though the driver counts it as used) -- and no more than the process may reserve under
-    ``torch.cuda.set_per_process_memory_fraction`` (``fraction x total``: the allocator refuses past
-    it, whatever is free)."""
+
+def _cuda_available(device: torch.device) -> tuple[int, int, float]:
+    """(available bytes, total bytes, the per-process fraction where it caps them, else 1.0)."""
     free, total = torch.cuda.mem_get_info(device)
-    reserved = torch.cuda.memory_reserved(device)
-    available = free + reserved
-    others = nvml_other_process_bytes(device)
-    source = "cuda+nvml" if others is not None else "cuda"
+    available = free + torch.cuda.memory_reserved(device)
     get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.6
     fraction = float(get_fraction(device)) if get_fraction is not None else 1.0
     if fraction < 1.0 and fraction * total < available:
-        available = int(fraction * total)
+        return int(fraction * total), int(total), fraction
+    return int(available), int(total), 1.0
+
+
+def cuda_capacity(device: torch.device) -> DeviceCapacity:
+    """Total memory of a CUDA device and what this process can still use of it
+    (:func:`cuda_available_bytes`), with NVML's count of memory held by other processes."""
+    available, total, fraction = _cuda_available(device)
+    others = nvml_other_process_bytes(device)
+    source = "cuda+nvml" if others is not None else "cuda"
+    if fraction < 1.0:
         source += f", per-process fraction {fraction:g}"
-    return DeviceCapacity(total_bytes=int(total), available_bytes=int(available), other_process_bytes=others,
+    return DeviceCapacity(total_bytes=total, available_bytes=available, other_process_bytes=others,
                           source=source)
 
 

@@ -13,11 +13,12 @@ from __future__ import annotations
 import difflib
 import os
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
 from autoaccum.data import LastBatch
+from autoaccum.guard import GrowMode
 from autoaccum.lr import LR_RULES, LrRule
 from autoaccum.optim_step import NONFINITE_POLICIES, NonFinite
 from autoaccum.precision import Precision, check_precision
@@ -131,7 +132,12 @@ class MemoryConfig:
             optimizer state and scheduler of the step before; ``"skip"`` skips it and counts it
             (``FitResult.skipped_steps``, ``"skipped"`` in the metrics file), as the fp16
             GradScaler does. Either way fit stops after 25 skipped steps in a row.
-        grow_after: let the guard grow the micro-batch back after this many calm steps.
+        grow: how the guard grows the micro-batch back after an OOM (``OOMGuard(grow=...)``):
+            ``auto`` (default): after calm steps, straight to the largest micro-batch predicted to
+            fit in the memory free now (the probe's model, the steps run, the meter's limit) where
+            memory can be read -- on CUDA, and under ``budget=`` elsewhere; otherwise no growth
+            unless ``grow_after`` is given (then blind doubling). ``model``, ``double``, ``off``.
+        grow_after: calm steps before the guard grows back (default 2).
         probe_cache: reuse a cached probe result with the same fingerprint.
     """
 
@@ -142,6 +148,7 @@ class MemoryConfig:
     precision: Precision = _option(default="fp32")
     max_grad_norm: float | None = _option(default=None)
     nonfinite: NonFinite = _option(default="stop")
+    grow: GrowMode = _option(default="auto")
     grow_after: int | None = _option(default=None)
     probe_cache: bool = _option(default=False)
 
@@ -157,6 +164,7 @@ class MemoryConfig:
             lambda: self.max_grad_norm is None or check_positive_float(
                 self.max_grad_norm, "max_grad_norm", hint=", or None for no clipping"),
             lambda: check_choice(self.nonfinite, "nonfinite", NONFINITE_POLICIES),
+            lambda: check_choice(self.grow, "grow", get_args(GrowMode)),
             lambda: self.grow_after is None or check_positive_int(self.grow_after, "grow_after"),
         )
 

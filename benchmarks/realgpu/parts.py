@@ -216,7 +216,7 @@ def sweep(built: Built, device: torch.device, squeezes: dict[str, dict], setting
         for i in range(settings.confirm_rounds if len(readings) > 1 else 0):  # one plan: nothing to compare
             for b in order[i % len(order):] + order[:i % len(order)]:  # rotate: no size always first
                 measure(b)
-    del bench
+    bench = None  # the closure held it; its memory is released below
     release(device)
     return {"sizes": sizes, "capped": capped, "floor": settings.sweep_floor, "usable_bytes": usable,
             "readings": {str(b): r for b, r in readings.items()}, "wall_time_s": time.perf_counter() - started,
@@ -250,7 +250,7 @@ def search(built: Built, device: torch.device, budget_row: dict[str, Any], setti
                     readings[name].append(bench.run(micro, knobs))
     finally:
         optuna_logger.setLevel(level)
-    del bench
+    bench = None  # the closure held it; its memory is released below
     release(device)
     best = {name: max((m.samples_per_s or 0.0 for m in runs), default=0.0) for name, runs in readings.items()}
     return {"winner": {"plan": result.plan.to_dict(), "knobs": result.knobs.describe(),

@@ -1,0 +1,241 @@
+"""Transient squeeze benchmark (issue 15): throughput after the memory comes back, by how the guard grows.
+
+On an emulated device: ``autoaccum.probe`` measures the model under a budget (its memory model);
+then each variant trains a fresh copy of the same model with ``OOMGuard(target_batch, micro_batch,
+memory_model=report.model)`` under a ``TrackedMemory`` of that budget (the micro-batch is fixed,
+``--micro``, so that every run and every variant starts from the same plan; the probe's own pick
+varies with its timings). After warm-up and ``--before`` timed steps the budget drops for ``--squeeze-steps`` steps
+(to the bytes live plus the rise the probe's model predicts for ``--squeeze`` x the plan's
+micro-batch: as when another process takes memory), then returns for ``--after`` steps. Variants:
+
+- ``model``: the default (``grow="auto"``: memory-guided; the meter knows the budget);
+- ``double``: blind growth as before issue 15 (``grow="double", grow_after=2``: at most double,
+  never to a size that once failed);
+- ``off``: no growth (``grow="off"``; the default before issue 15).
+
+Reported per variant: samples/s over the ``--before`` steps and over the ``--after`` steps that
+follow the squeeze (wall time and process CPU time; one thread), their ratio, the micro-batch of
+every step, OOMs (in all and after the squeeze) and failed growths. The variants run in lockstep
+(step i of each, order rotated per step) next to a control that is never squeezed; the ratio
+divided by the control's is the same ratio with the machine's drift over those steps taken out.
+Medians over ``--repeats`` runs. The emulated device's per-op bookkeeping is paid by every
+variant (a fixed cost per operation, as a GPU's kernel launches), so fewer, larger micro-batches
+run faster, as on a device.
+
+Prints a table, then one JSON document. Not part of the test run.
+
+    python benchmarks/squeeze_bench.py [--device cpu|cuda] [--repeats 3] [--json-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import autoaccum
+from autoaccum import OOMGuard, TrackedMemory, parse_bytes
+
+VARIANTS = {
+    "model": {"grow": "auto"},
+    "double": {"grow": "double", "grow_after": 2},
+    "off": {"grow": "off"},
+}
+LABELS = {
+    "model": "memory-guided growth (default)",
+    "double": "blind doubling, grow_after=2 (before)",
+    "off": "no growth (the default before)",
+}
+
+
+def make_model(device: torch.device) -> nn.Module:
+    """An MLP whose activations, not AdamW's step, set the peak at the micro-batches used here."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                         nn.Linear(256, 10)).to(device)
+
+
+def make_batch(n: int, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 128, generator=g).to(device), torch.randint(0, 10, (n,), generator=g).to(device)
+
+
+def classify(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+def _phase(args: argparse.Namespace, i: int) -> str:
+    if i < args.warmup:
+        return "warmup"
+    if i < args.warmup + args.before:
+        return "before"
+    return "squeeze" if i < args.warmup + args.before + args.squeeze_steps else "after"
+
+
+def runs_in_lockstep(args: argparse.Namespace, report: autoaccum.ProbeReport,
+                     batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device, room: int) -> dict:
+    """Every variant, and a control that is never squeezed, each with its own model, optimizer, meter
+    and guard, stepped in lockstep: step i of each, in an order rotated per step. A shared machine's
+    drift then falls on every variant alike, and the control measures it."""
+    budget = parse_bytes(args.budget)
+    names = [*VARIANTS, "control"]
+    state: dict[str, dict] = {}
+    for name in names:
+        model = make_model(device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        mem = TrackedMemory(budget_bytes=budget).track(model, optimizer)
+        with mem:
+            guard = OOMGuard(model, optimizer, target_batch=args.target, micro_batch=args.micro, meter=mem,
+                             memory_model=report.model, headroom=report.headroom,
+                             **VARIANTS.get(name, VARIANTS["model"]))
+        state[name] = {"mem": mem, "guard": guard, "steps": [], "squeeze_bytes": None}
+    for i, batch in enumerate(batches):
+        phase = _phase(args, i)
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            st, mem = state[name], state[name]["mem"]
+            if phase == "squeeze" and name != "control" and st["squeeze_bytes"] is None:
+                st["squeeze_bytes"] = min(mem.current_bytes + room, budget - 1)
+            mem.budget_bytes = st["squeeze_bytes"] if phase == "squeeze" and name != "control" else budget
+            with mem:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                wall, cpu = time.perf_counter(), time.process_time()
+                result = st["guard"].step(batch, classify)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            st["steps"].append({"phase": phase, "wall_s": wall, "cpu_s": cpu, "micro_batch": result.plan.micro_batch,
+                                "attempts": result.attempts, "ooms": sum(c.reason == "oom" for c in result.changes)})
+    out = {}
+    for name, st in state.items():
+        st["mem"].close()
+        steps, guard = st["steps"], st["guard"]
+
+        def rate(phase: str, key: str, steps: list[dict] = steps) -> float:
+            chosen = [x for x in steps if x["phase"] == phase]
+            return args.target * len(chosen) / sum(x[key] for x in chosen)
+
+        run = {"steps": steps, "squeeze_budget_bytes": st["squeeze_bytes"], "budget_bytes": budget,
+               "ooms": guard.ooms, "failed_growths": guard.failed_growths,
+               "ooms_after_squeeze": sum(x["ooms"] for x in steps if x["phase"] == "after"),
+               "ooms_in_squeeze": sum(x["ooms"] for x in steps if x["phase"] == "squeeze"),
+               "micro_batches": [x["micro_batch"] for x in steps]}
+        for key in ("wall_s", "cpu_s"):
+            kind = key.removesuffix("_s")
+            run[f"before_samples_per_s_{kind}"] = rate("before", key)
+            run[f"after_samples_per_s_{kind}"] = rate("after", key)
+            run[f"ratio_{kind}"] = run[f"after_samples_per_s_{kind}"] / run[f"before_samples_per_s_{kind}"]
+        out[name] = run
+    for name in VARIANTS:  # the machine's drift over the same steps, measured by the control, divided out
+        for kind in ("wall", "cpu"):
+            out[name][f"ratio_{kind}_vs_control"] = out[name][f"ratio_{kind}"] / out["control"][f"ratio_{kind}"]
+    return out
+
+
+def squeeze_room(args: argparse.Namespace, report: autoaccum.ProbeReport,
+                 batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> int:
+    """The room above the live bytes during the squeeze, for ``--squeeze`` x the plan's micro-batch:
+    the forward/backward rise a guard measures at that size (a calibration run of the warm-up steps),
+    less the probe's bytes per sample for the samples left out; never less than the optimizer
+    step's rise (which no micro-batch changes: an OOM there is not replayed)."""
+    model = make_model(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with TrackedMemory(budget_bytes=parse_bytes(args.budget)).track(model, optimizer) as mem:
+        guard = OOMGuard(model, optimizer, target_batch=args.target, micro_batch=args.micro, meter=mem,
+                         memory_model=report.model, headroom=report.headroom)
+        for batch in batches[:args.warmup]:
+            guard.step(batch, classify)
+    mem.close()
+    micro = guard.plan.micro_batch
+    measured = guard._rises[micro]  # the guard's record of its clean steps at this size
+    slope = report.model.per_sample_bytes if report.model is not None else measured.fwd_bwd_bytes / micro
+    opt_rise = measured.step_bytes if measured.step_bytes > measured.fwd_bwd_bytes else 0
+    return int(max(measured.fwd_bwd_bytes - slope * micro * (1 - args.squeeze), opt_rise))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--budget", default="4MiB", help="the emulated device's memory")
+    parser.add_argument("--target", type=int, default=2048, help="global batch")
+    parser.add_argument("--micro", type=int, default=512, help="the plan's micro-batch (it must fit the budget)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--before", type=int, default=10, help="timed steps before the squeeze")
+    parser.add_argument("--squeeze-steps", type=int, default=5)
+    parser.add_argument("--squeeze", type=float, default=0.6,
+                        help="room during the squeeze: for this fraction of the plan's micro-batch")
+    parser.add_argument("--after", type=int, default=20, help="timed steps after the squeeze")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json-only", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    logging.getLogger("autoaccum.guard").setLevel(logging.ERROR)  # the squeeze's OOMs are expected
+    device = torch.device(args.device)
+    started = time.perf_counter()
+    probe_model = make_model(device)
+    report = autoaccum.probe(model=probe_model, loss_fn=classify, make_batch=lambda b: make_batch(b, b, device),
+                             optimizer=torch.optim.AdamW(probe_model.parameters(), lr=1e-3),
+                             target_batch=args.target, budget=args.budget)
+    total = args.warmup + args.before + args.squeeze_steps + args.after
+    batches = [make_batch(args.target, 1000 + i, device) for i in range(total)]
+    room = squeeze_room(args, report, batches, device)
+    runs: dict[str, list[dict]] = {v: [] for v in [*VARIANTS, "control"]}
+    for _ in range(args.repeats):
+        for name, run in runs_in_lockstep(args, report, batches, device, room).items():
+            runs[name].append(run)
+    summary: dict[str, dict] = {}
+    for variant in VARIANTS:
+        rs = runs[variant]
+        summary[variant] = {
+            **{f"ratio_{k}_median": statistics.median(r[f"ratio_{k}"] for r in rs)
+               for k in ("cpu", "wall", "cpu_vs_control", "wall_vs_control")},
+            "ratios_cpu": [r["ratio_cpu"] for r in rs], "ratios_wall": [r["ratio_wall"] for r in rs],
+            "ratios_cpu_vs_control": [r["ratio_cpu_vs_control"] for r in rs],
+            "before_samples_per_s_cpu_median": statistics.median(r["before_samples_per_s_cpu"] for r in rs),
+            "after_samples_per_s_cpu_median": statistics.median(r["after_samples_per_s_cpu"] for r in rs),
+            "ooms": [r["ooms"] for r in rs], "ooms_after_squeeze": [r["ooms_after_squeeze"] for r in rs],
+            "failed_growths": [r["failed_growths"] for r in rs], "micro_batches": rs[0]["micro_batches"],
+        }
+    control = {f"ratios_{k}": [r[f"ratio_{k}"] for r in runs["control"]] for k in ("cpu", "wall")}
+    result = {
+        "benchmark": "squeeze", "autoaccum": autoaccum.__version__, "torch": torch.__version__,
+        "python": platform.python_version(), "device": str(device), "threads": torch.get_num_threads(),
+        "model": "MLP 128-256-256-10 (fp32), AdamW", "target_batch": args.target, "budget": args.budget,
+        "plan": autoaccum.Plan.for_target(args.target, args.micro).describe(), "probe_plan": report.plan.describe(),
+        "probe_model": None if report.model is None else report.model.to_dict(),
+        "squeeze": args.squeeze, "squeeze_budget_bytes": runs["model"][0]["squeeze_budget_bytes"],
+        "steps": {"warmup": args.warmup, "before": args.before, "squeeze": args.squeeze_steps, "after": args.after},
+        "repeats": args.repeats, "summary": summary, "control": control, "runs": runs,
+        "total_wall_time_s": time.perf_counter() - started,
+    }
+    if not args.json_only:
+        print(f"transient squeeze on {device} ({result['threads']} thread(s)), torch {torch.__version__}; "
+              f"{result['model']}; budget {args.budget}, plan {result['plan']}; the budget drops to "
+              f"{result['squeeze_budget_bytes'] / 2**20:.2f} MiB for {args.squeeze_steps} steps (room for "
+              f"{args.squeeze:g} x the micro-batch); {args.repeats} repeats")
+        print(f"{'':40}{'after/before: CPU':>18}{'wall':>7}{'CPU vs control':>16}{'OOMs':>6}{'after':>7}"
+              f"{'failed grows':>14}")
+        for variant, v in summary.items():
+            print(f"{LABELS[variant]:40}{v['ratio_cpu_median']:18.3f}{v['ratio_wall_median']:7.3f}"
+                  f"{v['ratio_cpu_vs_control_median']:16.3f}{max(v['ooms']):6d}{max(v['ooms_after_squeeze']):7d}"
+                  f"{max(v['failed_growths']):14d}")
+        print(f"{'control (never squeezed)':40}{statistics.median(control['ratios_cpu']):18.3f}"
+              f"{statistics.median(control['ratios_wall']):7.3f}")
+        for variant, v in summary.items():
+            print(f"  micro-batch per step, {variant}: {v['micro_batches']}")
+    print(json.dumps(result, indent=None if args.json_only else 1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
