@@ -1,8 +1,8 @@
 """The probe: measure real training steps at a few micro-batch sizes, fit the memory model, plan.
 
 The optimizer phase is measured once (two complete steps at the model's smallest size: the
-optimizer creates its state in the first); each further size runs forward/backward passes only,
-as the micro-batches of an accumulation step run (``autoaccum.stepper``). The forward/backward
+optimizer creates its state in the first); each further size runs one forward/backward pass (its
+memory and its time), as the micro-batches of an accumulation step run (``autoaccum.stepper``). The forward/backward
 peak and the optimizer-step peak are recorded apart. Sizes are chosen, not laddered: the smallest
 the model trains at (1, or 2 with BatchNorm), a safe second size, then the size the fitted model
 says is the largest under the budget, verified by a measurement, refined by bisection where the
@@ -28,7 +28,7 @@ from autoaccum.batch import Batch
 from autoaccum.batchnorm import smallest_micro_batch
 from autoaccum.estimate import cuda_library_bytes, fake_setup, with_offset
 from autoaccum.memory import (
-    CudaMeter, TrackedMemory, device_capacity, refuse_compiled, resolve_budget, usable_bytes,
+    CudaMeter, TrackedMemory, device_capacity, is_compiled, refuse_compiled, resolve_budget, usable_bytes,
 )
 from autoaccum.memory_model import MemoryModel, TokenMemoryModel
 from autoaccum.plan import Plan, TokenBudget
@@ -84,13 +84,11 @@ def _new_optimizer(make_optimizer: Callable[..., Any], model: torch.nn.Module) -
     return optimizer
 
 
-def _check_args(target_batch: int, world_size: int, steps_per_size: int, max_candidates: int) -> None:
+def _check_args(target_batch: int, world_size: int, steps_per_size: int | None, max_candidates: int) -> None:
     check_positive_int(target_batch, "target_batch")
     check_positive_int(world_size, "world_size")
-    check_positive_int(steps_per_size, "steps_per_size")
-    if steps_per_size < 2:
-        raise ValueError(f"Invalid steps_per_size: {steps_per_size}. Allowed range: >= 2 (the first pass at a "
-                         f"size warms up; the others are timed)")
+    if steps_per_size is not None:
+        check_positive_int(steps_per_size, "steps_per_size", hint=" passes, or None for the default")
     check_positive_int(max_candidates, "max_candidates")
     if max_candidates < 3:
         raise ValueError(f"Invalid max_candidates: {max_candidates}. Allowed range: >= 3")
@@ -110,7 +108,7 @@ def probe(
     precision: Precision = "fp32",
     max_micro_batch: int | None = None,
     estimate: bool = False,
-    steps_per_size: int = 2,
+    steps_per_size: int | None = None,
     max_candidates: int = 12,
     cache: bool = False,
     refresh: bool = False,
@@ -135,7 +133,11 @@ def probe(
         max_micro_batch: largest size worth trying (default: the per-rank share of the target).
         estimate: run the steps on fake tensors (no memory, no real compute): a fake-``cpu``
             estimate, reported as such; CPU kernels differ from a GPU's.
-        steps_per_size: forward/backward passes per size, at least 2 (the first warms up).
+        steps_per_size: forward/backward passes per size. Default 1: one pass gives a size's peak and
+            its time, and where the choice between two sizes hangs on their speed both are timed
+            again, interleaved. 2 or more: the first pass warms up and the fastest of the others is
+            the time (the schedule before issue 15). A ``torch.compile``-d model defaults to 2: its
+            first pass at a new shape compiles.
         max_candidates: most sizes to measure.
         cache, cache_dir: reuse a report with the same fingerprint (see ``autoaccum.cache``).
         refresh: with ``cache``, measure anyway and overwrite the cached report.
@@ -181,8 +183,9 @@ def probe(
     # Fake tensors never allocate what cuBLAS/cuDNN keep once they have run: an estimate for a CUDA
     # model plans against the budget less those bytes and reports every peak with them added.
     library = cuda_library_bytes(device) if estimate and device.type == "cuda" else 0
+    passes = steps_per_size if steps_per_size is not None else 2 if is_compiled(task.model) else 1
     measured = _measure(task, optimizer, precision, plan_budget.budget_bytes - library, plan_budget.headroom,
-                        estimate=estimate, share=share, smallest=smallest, upper=upper, passes=steps_per_size,
+                        estimate=estimate, share=share, smallest=smallest, upper=upper, passes=passes,
                         max_candidates=max_candidates, profile=profile)
     stepper, model_fit, token_model, note = measured.stepper, measured.model, measured.token_model, measured.note
     candidates = tuple(stepper.measured.values())

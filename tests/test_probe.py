@@ -52,11 +52,10 @@ def test_planned_micro_batch_is_within_90_percent_of_brute_force_and_runs(name):
         assert runs_under(make_model(), make_batch, loss_fn, c.micro_batch, usable) == (c.status == "ok"), c
     assert runs_under(make_model(), make_batch, loss_fn, report.plan.micro_batch, usable)
     assert runs_under(make_model(), make_batch, loss_fn, report.plan.micro_batch, budget)
-    # bookkeeping: 2 passes per size that ran (4 more when two sizes are timed again), one per size that
-    # ran out of memory; the optimizer stepped twice, at the first size only
-    ran = [c for c in report.candidates if c.status != "oom"]
-    assert report.probe_ooms == sum(c.status == "oom" for c in report.candidates)
-    assert report.probe_steps - report.probe_ooms - 2 * len(ran) in (0, 4)
+    # bookkeeping: two complete steps at the first size, one pass at each later size (4 more when two
+    # sizes are timed again), no OOM; the optimizer stepped twice, at the first size only
+    assert report.probe_ooms == 0 and all(c.status != "oom" for c in report.candidates)
+    assert report.probe_steps - (len(report.candidates) + 1) in (0, 4)
     assert report.optimizer_steps == 2
     assert len(report.candidates) <= 12
     assert (report.meter, report.is_estimate, report.source) == ("tracked", False, "probe")
@@ -69,7 +68,7 @@ def test_when_everything_fits_the_search_goes_straight_to_the_largest_size():
     report = probe(model=mlp(), loss_fn=mlp_loss, make_batch=mlp_batch(), target_batch=512, budget=8_000_000)
     sizes = [c.micro_batch for c in report.candidates]
     assert sizes[0] == 1 and 1 < sizes[1] < 512 and sizes[2:] == [512], sizes
-    assert (report.probe_steps, report.optimizer_steps, report.probe_ooms) == (6, 2, 0)
+    assert (report.probe_steps, report.optimizer_steps, report.probe_ooms) == (4, 2, 0)
     assert report.max_fitting_micro_batch == 512
     assert report.fit_note == "limit bracketed by measurement: 512 fits"
 
@@ -173,7 +172,7 @@ def test_probe_that_times_two_sizes_again_leaves_no_trace(monkeypatch):
     model, optimizer = _trained()
     differences, report = _probe_keeping(model, optimizer, 1_000_000)
     assert isinstance(report, ProbeReport) and len(calls) == 2  # the choice was made again after timing
-    assert report.probe_steps == 2 * len(report.candidates) + 4  # two sizes, twice each
+    assert report.probe_steps == len(report.candidates) + 1 + 4  # two sizes, twice each
     assert differences == []
 
 
@@ -276,7 +275,8 @@ def _probe(**kwargs):
     ({"headroom": 1.5}, ValueError, r"Invalid headroom: 1\.5"),
     ({"headroom": float("nan")}, ValueError, r"Invalid headroom: nan"),
     ({"world_size": 0}, ValueError, r"Invalid world_size: 0"),
-    ({"steps_per_size": 1}, ValueError, r"Invalid steps_per_size: 1\. Allowed range: >= 2"),
+    ({"steps_per_size": 0}, ValueError, r"Invalid steps_per_size: 0\. Allowed range: 1 ~ any positive int passes"),
+    ({"steps_per_size": 1.5}, TypeError, r"steps_per_size must be an int, got 1\.5"),
     ({"max_candidates": 2}, ValueError, r"Invalid max_candidates: 2\. Allowed range: >= 3"),
     ({"max_micro_batch": 0}, ValueError, r"Invalid max_micro_batch: 0"),
 ])
