@@ -57,7 +57,7 @@ class Stepper:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
                  make_batch: Callable[[int], Batch], device: torch.device, meter: Meter, usable_bytes: int, *,
-                 share: int, passes: int = 2, autocast_dtype: torch.dtype | None = None,
+                 share: int, passes: int = 1, autocast_dtype: torch.dtype | None = None,
                  scaler: torch.amp.GradScaler | None = None) -> None:
         self.model, self.optimizer, self.loss_fn, self.make_batch = model, optimizer, loss_fn, make_batch
         self.device, self.meter, self.usable_bytes, self.passes = device, meter, usable_bytes, passes

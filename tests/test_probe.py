@@ -1,5 +1,6 @@
 """autoaccum.probe: real training steps measured under a budget; the plan; no trace left behind."""
 
+import contextlib
 import copy
 import importlib
 import random
@@ -12,9 +13,11 @@ import autoaccum
 import autoaccum.state
 from autoaccum import AutoAccumError, DoesNotFitError, Plan, ProbeReport, TaskError, probe
 from autoaccum.demo import TinyGPT, synthetic_tokens, token_loss
+from autoaccum.memory import TrackedMemory
 from autoaccum.probe import THROUGHPUT_TIE, Candidate, choose_micro_batch
+from autoaccum.stepper import Stepper
 from _probe_models import (
-    convnet, gpt_batch, gpt_loss, image_batch, largest_fitting, mlp, mlp_batch, mlp_loss, runs_under,
+    convnet, gpt_batch, gpt_loss, image_batch, largest_fitting, measure_phases, mlp, mlp_batch, mlp_loss, runs_under,
     stateful_batch, stateful_mlp, tiny_gpt,
 )
 
@@ -83,6 +86,99 @@ def test_the_search_never_passes_max_micro_batch_or_the_rank_share():
                    budget="64MiB")
     assert max(c.micro_batch for c in report.candidates) == 13  # ceil(100 / 8)
     assert report.plan == Plan.for_target(100, choose_micro_batch(report.candidates, 13), 8)
+
+
+# -- the optimizer phase, measured once ------------------------------------------------------------
+
+def _wide() -> torch.nn.Module:
+    """AdamW on a wide model with tiny activations: the optimizer step (weights, gradients, two
+    states and the update's temporaries: about 6x the weights) peaks above every forward/backward
+    pass up to hundreds of samples (weights, gradients and state: 4x, plus ~16 KB a sample)."""
+    return mlp(in_dim=8, hidden=1024, out_dim=2)
+
+
+def test_the_optimizer_peak_measured_once_is_the_peak_where_it_dominates():
+    make_batch = mlp_batch(in_dim=8, out_dim=2)
+    weights = sum(p.numel() * p.element_size() for p in _wide().parameters())
+    fwd_bwd_1, opt_peak = measure_phases(_wide(), make_batch, mlp_loss, 1)  # fresh copies, two full steps
+    assert opt_peak > 1.4 * fwd_bwd_1 and opt_peak > 5.5 * weights  # the optimizer step dominates
+    budget = int(opt_peak * 1.08 / (1 - HEADROOM))  # room for ~100s of samples above the optimizer's peak
+    usable = int(budget * (1 - HEADROOM))
+    report = probe(model=_wide(), loss_fn=mlp_loss, make_batch=make_batch, target_batch=TARGET, budget=budget,
+                   headroom=HEADROOM)
+    # measured in two complete steps at the first size, and never again
+    assert report.optimizer_steps == 2
+    assert report.model.opt_peak_bytes == opt_peak
+    assert all(c.opt_peak_bytes == opt_peak for c in report.candidates)
+    # ... and it holds at the limit: a size's optimizer step peaks as at one sample (plus its inputs)
+    best = largest_fitting(_wide(), make_batch, mlp_loss, usable)
+    at_limit = measure_phases(_wide(), make_batch, mlp_loss, best)
+    assert opt_peak <= at_limit[1] <= opt_peak + best * 8 * 9  # 8 float32 inputs and an int64 label a sample
+    # the sizes were measured with the optimizer's state in memory: the limit is brute force's (a
+    # probe that measured sizes before the state existed would find a limit ~2x the weights too high)
+    found = report.max_fitting_micro_batch
+    assert 0.95 * best <= found <= best, (found, best, [(c.micro_batch, c.status) for c in report.candidates])
+    for c in report.candidates:
+        assert runs_under(_wide(), make_batch, mlp_loss, c.micro_batch, usable) == (c.status == "ok"), c
+    assert report.probe_ooms == 0
+
+
+def test_a_budget_under_the_optimizer_peak_does_not_fit_although_a_pass_does():
+    # usable between a one-sample forward/backward and the optimizer step: a probe that took the
+    # optimizer's memory from the passes (or skipped its step) would plan here, and training would
+    # run out of memory at its first optimizer step
+    make_batch = mlp_batch(in_dim=8, out_dim=2)
+    fwd_bwd_1, opt_peak = measure_phases(_wide(), make_batch, mlp_loss, 1)
+    budget = int(opt_peak * 1.05)  # the step runs under the budget, and peaks above the usable part of it
+    usable = int(budget * (1 - HEADROOM))
+    assert fwd_bwd_1 < usable < opt_peak < budget
+    assert not runs_under(_wide(), make_batch, mlp_loss, 1, usable)  # brute force agrees: nothing fits
+    with pytest.raises(DoesNotFitError) as info:
+        probe(model=_wide(), loss_fn=mlp_loss, make_batch=make_batch, target_batch=TARGET, budget=budget,
+              headroom=HEADROOM)
+    assert info.value.needed_bytes == opt_peak and info.value.available_bytes == usable
+
+
+def test_after_an_oom_the_next_size_runs_with_the_gradients_held():
+    # One pass per size measures an accumulation's later micro-batch only with earlier gradients in
+    # memory. An OOM clears them; the next size must make them again (a pass at the smallest size),
+    # or it would be measured nearly a whole gradient too low.
+    model = mlp(hidden=256)
+    grads = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    def failing_at(size):
+        def loss_fn(m, batch):
+            if batch[0].shape[0] == size:
+                raise torch.OutOfMemoryError("injected")
+            return mlp_loss(m, batch)
+        return loss_fn
+
+    with contextlib.ExitStack() as stack:
+        clean = _stepper(stack, model)
+        clean.warm_up(1)
+        expected = clean.measure(40)
+        stepper = _stepper(stack, model, loss_fn=failing_at(30))
+        stepper.warm_up(1)
+        assert stepper.measure(30).status == "oom" and not stepper.holding_grads
+        steps = stepper.steps
+        after = stepper.measure(40)
+        assert stepper.steps == steps + 2  # the pass that made the gradients, then the measured one
+        assert after.fwd_bwd_peak_bytes == expected.fwd_bwd_peak_bytes
+        # negative control: the same size measured from no gradients peaks nearly a whole gradient lower
+        # (the last layers' gradients, made early in backward, are in both peaks)
+        bare = _stepper(stack, model)
+        bare.warm_up(1)
+        bare.optimizer.zero_grad(set_to_none=True)
+        bare.holding_grads = True  # pretend, as a probe without the re-made gradients would
+        assert expected.fwd_bwd_peak_bytes - bare.measure(40).fwd_bwd_peak_bytes >= 0.9 * grads
+
+
+def _stepper(stack: contextlib.ExitStack, model: torch.nn.Module, loss_fn=mlp_loss):
+    """A stepper (one pass per size) on a copy of ``model`` with a fresh AdamW, counted while ``stack`` is open."""
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters())
+    meter = stack.enter_context(TrackedMemory(budget_bytes=None).track(model, optimizer))
+    return Stepper(model, optimizer, loss_fn, mlp_batch(), torch.device("cpu"), meter, 2**40, share=4096)
 
 
 def test_a_target_of_one_measures_one_size():
