@@ -235,7 +235,7 @@ def test_winner_at_least_as_fast_as_the_probe_pick(searched):
     assert max(wins) / max(picks) >= 0.85, (wins, picks)
 
 
-def _stubbed_search(monkeypatch, again: dict[int, list[float]]):
+def _stubbed_search(monkeypatch, again: dict[int, list[float]], rounds: int = 3):
     """A search over micro 2, 4 and 8 whose readings are stubbed, so the outcome is exact. Three
     trials, the seeds: the probe's pick (micro 2) and the two largest sizes predicted to fit (4 and
     8; about 11 fit). Micro 4 is the fastest single trial; ``again[micro]``: the readings of the
@@ -253,20 +253,20 @@ def _stubbed_search(monkeypatch, again: dict[int, list[float]]):
     monkeypatch.setattr(Bench, "run", run)
     space = SearchSpace(micro_batches=(2, 4, 8), checkpointing=(False,), autocast=("fp32",))
     result = search(task, TARGET, report=report, space=space, n_trials=3, patience=None, confirm_top=1,
-                    confirm_rounds=3, **FAST)
+                    confirm_rounds=rounds, **FAST)
     assert [(t.plan.micro_batch, t.seeded, t.samples_per_s) for t in result.trials] == \
         [(2, "probe", 10.0), (4, "fit", 50.0), (8, "fit", 45.0)]
-    # measured again, 3 rounds each: the fastest trial (confirm_top=1), the probe's pick, and the
-    # simplest feasible configuration (micro 8: 4 passes, the fewest)
-    assert calls == {2: 3, 4: 3, 8: 3}
-    return result
+    # measured again: the fastest trial (confirm_top=1), the probe's pick, and the simplest feasible
+    # configuration (micro 8: 4 passes, the fewest); ``calls``: rounds each ran (after its trial)
+    return result, calls
 
 
 def test_winner_is_the_best_median_of_the_final_rounds_where_it_leads_beyond_noise(monkeypatch):
     # the pick -- whose trial met a busy moment -- is faster when measured again, by 25% and more in
     # every round: no tie, so the fastest wins although micro 8 needs fewer passes
     again = {2: [41.0, 42.0, 43.0], 4: [21.0, 22.0, 23.0], 8: [31.0, 32.0, 33.0]}
-    result = _stubbed_search(monkeypatch, again)
+    result, calls = _stubbed_search(monkeypatch, again)
+    assert calls == {2: 3, 4: 3, 8: 3}
     assert dict(result.confirmed) == {1: (21.0, 22.0, 23.0), 0: (41.0, 42.0, 43.0), 2: (31.0, 32.0, 33.0)}
     # the best median wins, not the best single trial; the pick is read as its median there
     assert (result.plan.micro_batch, result.samples_per_s, result.probe_samples_per_s) == (2, 42.0, 42.0)
@@ -278,12 +278,26 @@ def test_a_finalist_within_noise_of_the_leader_and_with_fewer_passes_wins(monkey
     # micro 8 (4 passes) reads 0.5% below the pick (micro 2, 16 passes) in every round: a tie, which
     # goes to fewer passes; its own median is its speed
     again = {2: [40.0, 42.0, 41.0], 4: [21.0, 22.0, 23.0], 8: [39.8, 41.79, 40.795]}
-    result = _stubbed_search(monkeypatch, again)
+    result, calls = _stubbed_search(monkeypatch, again)
+    assert calls == {2: 3, 4: 3, 8: 3}
     assert (result.plan.micro_batch, result.plan.accum_steps, result.samples_per_s) == (8, 4, 40.795)
     leader = next(c for c in result.comparison if c.leader)
     tie = next(c for c in result.comparison if c.trial == 2)
     assert leader.trial == 0 and tie.within_noise and tie.ratio == pytest.approx(0.995)
     assert "tie" in format_search(result)
+
+
+def test_a_finalist_far_behind_in_three_rounds_is_measured_no_more(monkeypatch):
+    # 5 rounds: micro 4 reads half the leader's speed in each of the first three, micro 8 only 5%
+    # less in one of them; micro 4 is out of the race (no tie, no lead possible), micro 8 runs on
+    again = {2: [40.0, 42.0, 41.0, 40.0, 41.0], 4: [21.0, 22.0, 23.0, 60.0, 60.0],
+             8: [38.0, 41.0, 40.5, 40.0, 40.5]}
+    result, calls = _stubbed_search(monkeypatch, again, rounds=5)
+    assert calls == {2: 5, 4: 3, 8: 5}
+    assert dict(result.confirmed)[1] == (21.0, 22.0, 23.0)
+    # micro 8 ties the pick (0.988 of it, round by round) and needs 4 passes, not 16
+    assert (result.plan.micro_batch, result.samples_per_s) == (8, 40.5)
+    assert next(c for c in result.comparison if c.trial == 1).ratio == pytest.approx(21 / 40)  # 3 rounds
 
 
 def test_oom_trials_are_recorded_and_not_fatal(tmp_path):

@@ -107,7 +107,7 @@ class SearchResult:
         peak_bytes: the winner's peak memory.
         trials: every completed trial of the study, in order (samples/s as measured in the trial).
         confirmed: ``(trial number, samples/s readings)`` of the finalists measured again (reading
-            ``i``: round ``i``).
+            ``i``: round ``i``; a finalist out of the race after three rounds has fewer).
         comparison: the finalists' paired comparison with the leader (empty without rounds): the
             winner is the simplest finalist within noise of the leader.
         probe_plan: what the probe picked; probe_samples_per_s: its samples/s in this search, read

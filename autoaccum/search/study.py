@@ -18,7 +18,8 @@ and the checks that let a stored study be resumed.
   fewest passes) -- are measured ``confirm_rounds`` more times, interleaved (each round runs every
   finalist once, the order rotating), and compared paired, round by round, with the leader (the
   best median): a finalist within noise of it ties, and a tie goes to the simplest
-  (:mod:`autoaccum.search.compare`). The winner comes from these rounds.
+  (:mod:`autoaccum.search.compare`). The winner comes from these rounds. After three rounds, a
+  finalist slower than the leader by more than the tie ceiling in every round is measured no more.
 - **Storage**: in memory by default; any Optuna storage URL (``sqlite:///autoaccum.db`` keeps and
   resumes a study with its trials; an RDB shared by several workers, one per GPU). The study
   keeps its space and what it measures (target, world size, device, a given budget) in its user
@@ -41,7 +42,7 @@ from autoaccum.errors import AutoAccumError
 from autoaccum.knobs import Knobs
 from autoaccum.plan import Plan
 from autoaccum.report import ProbeReport
-from autoaccum.search.compare import compare_finalists
+from autoaccum.search.compare import DEFAULT_TIE_CEILING, compare_finalists, paired_ratios
 from autoaccum.search.result import FinalComparison, SearchResult, Stopped, TrialRecord
 from autoaccum.search.space import KNOBS, SearchSpace
 from autoaccum.throughput import Bench, Measurement
@@ -324,23 +325,31 @@ def _finalists(ok: list[TrialRecord], seeded: TrialRecord | None, top: int) -> l
     return chosen
 
 
+#: rounds after which a finalist slower than the leader beyond the tie ceiling in every round so far
+#: is measured no more (its readings stay in the comparison)
+OUT_AFTER_ROUNDS = 3
+
+
 def _confirm(bench: Bench, ok: list[TrialRecord], seeded: TrialRecord | None, top: int,
              rounds: int) -> list[tuple[TrialRecord, list[float]]]:
     """Measure the finalists (:func:`_finalists`) ``rounds`` more times, interleaved: in each round
     every finalist once, back to back, the order rotating from round to round; return each with its
     readings (index ``i``: round ``i``), for :func:`~autoaccum.search.compare.compare_finalists`. A
     trial is one reading at one moment: a configuration that won a single trial because its rivals'
-    trials met a busy machine loses here, where all of them meet the same moments. Without rounds,
-    the trial's reading stands. A configuration that no longer fits (e.g. fragmentation on CUDA)
-    drops out."""
+    trials met a busy machine loses here, where all of them meet the same moments. After
+    OUT_AFTER_ROUNDS rounds, a finalist slower than the leader (the best median) by more than the tie
+    ceiling in every round is out of the race: it could neither lead nor tie, and its later rounds
+    are not run. Without rounds, the trial's reading stands. A configuration that no longer fits
+    (e.g. fragmentation on CUDA) drops out."""
     chosen = _finalists(ok, seeded, top)
     if rounds == 0:
         return [(r, [float(r.samples_per_s or 0.0)]) for r in chosen]
     runs: dict[int, list[float]] = {r.number: [] for r in chosen}
     dropped: set[int] = set()
+    out: set[int] = set()
     for i in range(rounds):
         for r in chosen[i % len(chosen):] + chosen[:i % len(chosen)]:
-            if r.number in dropped:
+            if r.number in dropped or r.number in out:
                 continue
             m = bench.run(r.plan.micro_batch, r.knobs)
             if m.ok and m.samples_per_s is not None:
@@ -349,5 +358,11 @@ def _confirm(bench: Bench, ok: list[TrialRecord], seeded: TrialRecord | None, to
                 logger.warning("micro %d %s: %s when measured again; dropped", r.plan.micro_batch,
                                r.knobs.describe(), m.status)
                 dropped.add(r.number)
+        if i + 1 >= OUT_AFTER_ROUNDS:
+            racing = {n: v for n, v in runs.items() if n not in dropped and v}
+            if racing:
+                leader = max(racing, key=lambda n: statistics.median(racing[n]))
+                out |= {n for n, v in racing.items() if n != leader and n not in out and
+                        all(x < 1 - DEFAULT_TIE_CEILING for x in paired_ratios(v, racing[leader]))}
     kept = [(r, runs[r.number]) for r in chosen if r.number not in dropped]
     return kept or [(chosen[0], [float(chosen[0].samples_per_s or 0.0)])]
