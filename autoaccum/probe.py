@@ -2,11 +2,12 @@
 
 The optimizer phase is measured once (two complete steps at the model's smallest size: the
 optimizer creates its state in the first); each further size runs one forward/backward pass (its
-memory and its time), as the micro-batches of an accumulation step run (``autoaccum.stepper``). The forward/backward
-peak and the optimizer-step peak are recorded apart. Sizes are chosen, not laddered: the smallest
-the model trains at (1, or 2 with BatchNorm), a safe second size, then the size the fitted model
-says is the largest under the budget, verified by a measurement, refined by bisection where the
-model does not hold. Every pass runs under the run's precision (autocast, and a GradScaler for
+memory and its time), as the micro-batches of an accumulation step run (``autoaccum.stepper``).
+The forward/backward peak and the optimizer-step peak are recorded apart. Sizes are chosen, not
+laddered: the smallest the model trains at (1, or 2 with BatchNorm), a safe second size, then the
+size the fitted model says is the largest under the budget, verified by a measurement, refined by
+bisection where the model does not hold. Among the sizes that fit, the plan measured fastest wins
+(ties to fewer passes); sizes are timed again only where the choice hangs on it. Every pass runs under the run's precision (autocast, and a GradScaler for
 fp16). Afterwards the model, optimizer and RNG are exactly as before (invariant 4).
 """
 
