@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 
 from autoaccum.errors import DoesNotFitError
-from autoaccum.probe import probe
+from autoaccum.probe import plan_step_times, probe
 from autoaccum.report import REPORT_VERSION, ProbeReport
 from autoaccum.precision import PRECISIONS
 from autoaccum.validate import check_headroom, resolve_device
@@ -98,6 +98,7 @@ def _probe_table(report: ProbeReport) -> str:
     head = (("length",) if by_length else ()) + ("micro", "status", "peak", "fwd/bwd", "opt step") + \
         (("pass s", "samples/s") if times else ("pass s",) if by_length and not report.is_estimate else ())
     rows = [head]
+    steps = plan_step_times(report.candidates, share, smallest) if times else {}
     for c in sorted(report.candidates, key=lambda c: (-(c.length or 0), c.micro_batch)):
         row = (str(c.length),) if by_length else ()
         row += (str(c.micro_batch), c.status,
@@ -107,7 +108,7 @@ def _probe_table(report: ProbeReport) -> str:
         if not report.is_estimate:
             row += ("-" if c.micro_step_time_s is None else f"{c.micro_step_time_s:.4f}",)
         if times:
-            step = c.plan_step_time_s(share, smallest)
+            step = steps.get(c.micro_batch)
             row += ("-" if not step else f"{share / step:,.0f}",)
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -152,8 +153,8 @@ def format_probe(report: ProbeReport) -> str:
     # the plan is cut evenly from the size it was chosen at: the smallest measured size that covers it
     chosen = min((c for c in report.candidates if c.status == "ok" and c.micro_batch >= plan.micro_batch),
                  key=lambda c: c.micro_batch, default=None)
-    step = None if chosen is None or report.is_estimate else chosen.plan_step_time_s(plan.rank_batch(0),
-                                                                                     plan.min_micro_batch)
+    step = None if chosen is None or report.is_estimate or report.lengths is not None else \
+        plan_step_times(report.candidates, plan.rank_batch(0), plan.min_micro_batch).get(chosen.micro_batch)
     speed = "" if not step or report.lengths is not None else f" · {plan.rank_batch(0) / step:,.0f} samples/s"
     peak = "" if report.model is None or report.lengths is not None else \
         f" · peak {'~' if report.is_estimate else ''}{format_bytes(report.model.predict(plan.micro_batch))} " \

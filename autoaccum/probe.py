@@ -1,12 +1,13 @@
 """The probe: measure real training steps at a few micro-batch sizes, fit the memory model, plan.
 
 The optimizer phase is measured once (two complete steps at the model's smallest size: the
-optimizer creates its state in the first); each further size runs forward/backward passes only,
-as the micro-batches of an accumulation step run (``autoaccum.stepper``). The forward/backward
-peak and the optimizer-step peak are recorded apart. Sizes are chosen, not laddered: the smallest
-the model trains at (1, or 2 with BatchNorm), a safe second size, then the size the fitted model
-says is the largest under the budget, verified by a measurement, refined by bisection where the
-model does not hold. Every pass runs under the run's precision (autocast, and a GradScaler for
+optimizer creates its state in the first); each further size runs one forward/backward pass (its
+memory and its time), as the micro-batches of an accumulation step run (``autoaccum.stepper``).
+The forward/backward peak and the optimizer-step peak are recorded apart. Sizes are chosen, not
+laddered: the smallest the model trains at (1, or 2 with BatchNorm), a safe second size, then the
+size the fitted model says is the largest under the budget, verified by a measurement, refined by
+bisection where the model does not hold. Among the sizes that fit, the plan measured fastest wins
+(ties to fewer passes); sizes are timed again only where the choice hangs on it. Every pass runs under the run's precision (autocast, and a GradScaler for
 fp16). Afterwards the model, optimizer and RNG are exactly as before (invariant 4).
 """
 
@@ -28,7 +29,7 @@ from autoaccum.batch import Batch
 from autoaccum.batchnorm import smallest_micro_batch
 from autoaccum.estimate import cuda_library_bytes, fake_setup, with_offset
 from autoaccum.memory import (
-    CudaMeter, TrackedMemory, device_capacity, refuse_compiled, resolve_budget, usable_bytes,
+    CudaMeter, TrackedMemory, device_capacity, is_compiled, refuse_compiled, resolve_budget, usable_bytes,
 )
 from autoaccum.memory_model import MemoryModel, TokenMemoryModel
 from autoaccum.plan import Plan, TokenBudget
@@ -41,7 +42,7 @@ from autoaccum.stepper import Stepper
 from autoaccum.task import LossFn, Task, default_optimizer, resolve_task, trainable_parameters
 from autoaccum.validate import check_positive_int
 
-__all__ = ["Candidate", "ProbeReport", "choose_micro_batch", "probe"]
+__all__ = ["Candidate", "ProbeReport", "choose_micro_batch", "plan_step_times", "probe", "time_slope"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,28 +51,60 @@ logger = logging.getLogger(__name__)
 THROUGHPUT_TIE = 0.05
 
 
+def time_slope(candidates: Iterable[Candidate]) -> float | None:
+    """Seconds a pass takes per sample: the least-squares slope of the measured pass times over the
+    sizes that ran (one length), or None where fewer than two sizes were timed or the slope is not
+    positive (noise)."""
+    points = [(c.micro_batch, c.micro_step_time_s) for c in candidates
+              if c.status == "ok" and c.micro_step_time_s is not None]
+    if len({b for b, _ in points}) < 2:
+        return None
+    mean_b = sum(b for b, _ in points) / len(points)
+    mean_t = sum(t for _, t in points) / len(points)
+    slope = sum((b - mean_b) * (t - mean_t) for b, t in points) / sum((b - mean_b) ** 2 for b, _ in points)
+    return slope if slope > 0 else None
+
+
+def plan_step_times(candidates: Iterable[Candidate], share: int, min_micro_batch: int = 1) -> dict[int, float]:
+    """Each fitting size's estimated optimizer step for ``share`` samples cut at it
+    (:meth:`Candidate.plan_step_time_s`, with the slope of the timings)."""
+    fitting = [c for c in candidates if c.status == "ok" and c.step_time_s is not None]
+    slope = time_slope(fitting)
+    return {c.micro_batch: c.plan_step_time_s(share, min_micro_batch, slope) or 0.0 for c in fitting}
+
+
 def choose_micro_batch(candidates: Iterable[Candidate], share: int | None = None, min_micro_batch: int = 1) -> int:
-    """The fitting size whose plan for ``share`` samples steps fastest by measurement; plans within
-    THROUGHPUT_TIE of the fastest tie (timing noise), and ties go to the fewest passes, then to the
-    larger size. Without ``share``: the best measured samples/s of one micro-batch, ties to the larger."""
+    """The fitting size whose plan for ``share`` samples steps fastest by measurement
+    (:func:`plan_step_times`); plans within THROUGHPUT_TIE of the fastest tie (timing noise), and
+    ties go to the fewest passes, then to the larger size. Without ``share``: the best measured
+    samples/s of one micro-batch, ties to the larger."""
     fitting = [c for c in candidates if c.status == "ok"]
     if share is None:
         best = max(c.samples_per_s or 0.0 for c in fitting)
         return max(c.micro_batch for c in fitting if (c.samples_per_s or 0.0) >= best * (1 - THROUGHPUT_TIE))
-    times = {c.micro_batch: c.plan_step_time_s(share, min_micro_batch) or 0.0 for c in fitting}
+    times = plan_step_times(fitting, share, min_micro_batch)
+    if not times:  # nothing timed (an estimate): the largest
+        return max(c.micro_batch for c in fitting)
     fastest = min(times.values())
     tied = [b for b, t in times.items() if t <= fastest * (1 + THROUGHPUT_TIE)]
     return min(tied, key=lambda b: (Plan.for_target(share, b, 1, min_micro_batch).accum_steps, -b))
 
 
+#: most rounds of timing the chosen size and the largest again (two passes a round)
+RETIME_ROUNDS = 2
+
+
 def _choose(stepper: Stepper, share: int, min_micro_batch: int) -> int:
-    """:func:`choose_micro_batch`, with the timing repeated where it matters: when the choice is not
-    the largest size that fits (it wins only by speed), both are timed once more, interleaved, and
-    the choice is made again on the fastest readings."""
-    chosen = choose_micro_batch(stepper.current.values(), share, min_micro_batch)
+    """:func:`choose_micro_batch`, with the timing repeated where it matters. Each size's time is its
+    one (first) pass; no size is timed again while the largest that fits wins. When another size
+    wins (by speed alone), both are timed once more, interleaved, and the choice is made again on
+    the fastest readings -- up to RETIME_ROUNDS times while it still differs from the largest."""
     largest = max(c.micro_batch for c in stepper.current.values() if c.status == "ok")
-    if chosen != largest:
-        for size in (chosen, largest, chosen, largest):
+    chosen = choose_micro_batch(stepper.current.values(), share, min_micro_batch)
+    for _ in range(RETIME_ROUNDS):
+        if chosen == largest:
+            break
+        for size in (chosen, largest):
             stepper.retime(size)
         chosen = choose_micro_batch(stepper.current.values(), share, min_micro_batch)
     return chosen
@@ -84,13 +117,11 @@ def _new_optimizer(make_optimizer: Callable[..., Any], model: torch.nn.Module) -
     return optimizer
 
 
-def _check_args(target_batch: int, world_size: int, steps_per_size: int, max_candidates: int) -> None:
+def _check_args(target_batch: int, world_size: int, steps_per_size: int | None, max_candidates: int) -> None:
     check_positive_int(target_batch, "target_batch")
     check_positive_int(world_size, "world_size")
-    check_positive_int(steps_per_size, "steps_per_size")
-    if steps_per_size < 2:
-        raise ValueError(f"Invalid steps_per_size: {steps_per_size}. Allowed range: >= 2 (the first pass at a "
-                         f"size warms up; the others are timed)")
+    if steps_per_size is not None:
+        check_positive_int(steps_per_size, "steps_per_size", hint=" passes, or None for the default")
     check_positive_int(max_candidates, "max_candidates")
     if max_candidates < 3:
         raise ValueError(f"Invalid max_candidates: {max_candidates}. Allowed range: >= 3")
@@ -110,7 +141,7 @@ def probe(
     precision: Precision = "fp32",
     max_micro_batch: int | None = None,
     estimate: bool = False,
-    steps_per_size: int = 2,
+    steps_per_size: int | None = None,
     max_candidates: int = 12,
     cache: bool = False,
     refresh: bool = False,
@@ -135,7 +166,11 @@ def probe(
         max_micro_batch: largest size worth trying (default: the per-rank share of the target).
         estimate: run the steps on fake tensors (no memory, no real compute): a fake-``cpu``
             estimate, reported as such; CPU kernels differ from a GPU's.
-        steps_per_size: forward/backward passes per size, at least 2 (the first warms up).
+        steps_per_size: forward/backward passes per size. Default 1: one pass gives a size's peak and
+            its time, and where the choice between two sizes hangs on their speed both are timed
+            again, interleaved. 2 or more: the first pass warms up and the fastest of the others is
+            the time (the schedule before issue 15). A ``torch.compile``-d model defaults to 2: its
+            first pass at a new shape compiles.
         max_candidates: most sizes to measure.
         cache, cache_dir: reuse a report with the same fingerprint (see ``autoaccum.cache``).
         refresh: with ``cache``, measure anyway and overwrite the cached report.
@@ -181,8 +216,9 @@ def probe(
     # Fake tensors never allocate what cuBLAS/cuDNN keep once they have run: an estimate for a CUDA
     # model plans against the budget less those bytes and reports every peak with them added.
     library = cuda_library_bytes(device) if estimate and device.type == "cuda" else 0
+    passes = steps_per_size if steps_per_size is not None else 2 if is_compiled(task.model) else 1
     measured = _measure(task, optimizer, precision, plan_budget.budget_bytes - library, plan_budget.headroom,
-                        estimate=estimate, share=share, smallest=smallest, upper=upper, passes=steps_per_size,
+                        estimate=estimate, share=share, smallest=smallest, upper=upper, passes=passes,
                         max_candidates=max_candidates, profile=profile)
     stepper, model_fit, token_model, note = measured.stepper, measured.model, measured.token_model, measured.note
     candidates = tuple(stepper.measured.values())

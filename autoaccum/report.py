@@ -53,14 +53,24 @@ class Candidate:
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "samples_per_s": self.samples_per_s}
 
-    def plan_step_time_s(self, share: int, min_micro_batch: int = 1) -> float | None:
+    def plan_step_time_s(self, share: int, min_micro_batch: int = 1, per_sample_s: float | None = None) -> float | None:
         """Seconds of one optimizer step of ``share`` samples cut at this size: its passes, then the
-        optimizer step (None after an OOM)."""
+        optimizer step (None after an OOM).
+
+        The plan cuts the share evenly, so its passes hold at most this many samples, and together
+        exactly ``share``: each pass is this size's measured pass less ``per_sample_s`` for every
+        sample the cut leaves out of it (default: the pass's time per sample, as if it had no fixed
+        cost; the probe gives the slope of its timings). Timing every pass at the full size would
+        charge a size that does not divide the share for samples it never runs (40 for 256: 7
+        passes of 37, not of 40)."""
         if self.step_time_s is None:
             return None
-        passes = Plan.for_target(share, self.micro_batch, 1, min_micro_batch).accum_steps
+        plan = Plan.for_target(share, self.micro_batch, 1, min_micro_batch)
         micro = self.micro_step_time_s if self.micro_step_time_s is not None else self.step_time_s
-        return passes * micro + (self.step_time_s - micro)
+        slope = micro / self.micro_batch if per_sample_s is None else min(max(per_sample_s, 0.0),
+                                                                          micro / self.micro_batch)
+        left_out = plan.accum_steps * min(self.micro_batch, share) - share  # samples the cut leaves out
+        return plan.accum_steps * micro - slope * max(left_out, 0) + (self.step_time_s - micro)
 
 
 @dataclass(frozen=True)

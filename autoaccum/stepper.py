@@ -9,9 +9,13 @@ measured once, and every candidate size only runs forward and backward:
   and times the optimizer step;
 - :meth:`Stepper.measure` runs ``passes`` forward/backward passes at one size. A size smaller
   than the rank's share will accumulate, so it runs as a real accumulation's later micro-batches
-  do: with the summed gradients of earlier ones in memory (and the optimizer state). The share
-  itself runs alone, from no gradients, as the guard runs it. The first pass warms up; the others
-  are timed (the fastest counts: contention only ever slows a pass).
+  do: with the summed gradients of earlier ones in memory (and the optimizer state; where none are
+  held, after an OOM, a pass at the smallest size makes them first). The share itself runs alone,
+  from no gradients, as the guard runs it. With one pass (the default) that pass is the size's
+  memory reading and its time; with more, the first warms up and the fastest of the others is the
+  time (contention only ever slows a pass).
+- :meth:`Stepper.retime` times one more pass at a size already measured, where the choice between
+  sizes hangs on their speed.
 
 Each pass runs under the run's precision: forward and loss under autocast, the loss scaled by a
 GradScaler for fp16. An OOM ends the size (status ``oom``) and is recovered outside the
@@ -54,7 +58,7 @@ class Stepper:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
                  make_batch: Callable[[int], Batch], device: torch.device, meter: Meter, usable_bytes: int, *,
-                 share: int, passes: int = 2, autocast_dtype: torch.dtype | None = None,
+                 share: int, passes: int = 1, autocast_dtype: torch.dtype | None = None,
                  scaler: torch.amp.GradScaler | None = None) -> None:
         self.model, self.optimizer, self.loss_fn, self.make_batch = model, optimizer, loss_fn, make_batch
         self.device, self.meter, self.usable_bytes, self.passes = device, meter, usable_bytes, passes
@@ -69,6 +73,8 @@ class Stepper:
         self.opt_time_s = 0.0
         self.start_bytes = 0
         self.batch_bytes: dict[tuple[int, int | None], int] = {}  # bytes of the inputs of a batch of each size
+        self.smallest = 1  # the size warmed up at: the cheapest pass that makes gradients
+        self.holding_grads = False  # gradients of earlier passes are in memory (as in an accumulation)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -92,7 +98,20 @@ class Stepper:
         peak = self._peak()
         self._sync()
         self.steps += 1
+        self.holding_grads = True
         return peak, time.perf_counter() - started
+
+    def _zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.holding_grads = False
+
+    def _start(self, size: int) -> None:
+        """The gradients a pass at ``size`` runs with: none for the whole share (it runs alone), the
+        summed gradients of earlier micro-batches below it."""
+        if size >= self.share:
+            self._zero_grad()
+        elif not self.holding_grads:  # after an OOM: gradients as an accumulation's later passes hold them
+            self._pass(self._batch(self.smallest))
 
     def _optimizer_step(self) -> None:
         self._sync()
@@ -120,11 +139,12 @@ class Stepper:
         return batch
 
     def _warm_up(self, size: int) -> Candidate:
+        self.smallest = size
         batch = self._batch(size)
         peaks, times = [], []
         for step in range(2):
             if step == 0 or size >= self.share:
-                self.optimizer.zero_grad(set_to_none=True)
+                self._zero_grad()
             peak, seconds = self._pass(batch)
             peaks.append(peak)
             times.append(seconds)
@@ -135,12 +155,11 @@ class Stepper:
         batch = self._batch(size)
         peaks, times = [], []
         for _ in range(self.passes):
-            if size >= self.share:
-                self.optimizer.zero_grad(set_to_none=True)  # the whole share runs alone, from no gradients
+            self._start(size)
             peak, seconds = self._pass(batch)
             peaks.append(peak)
             times.append(seconds)
-        return self._candidate(size, max(peaks), times[1:])
+        return self._candidate(size, max(peaks), times[1:] or times)
 
     def _candidate(self, size: int, fwd_bwd: int, times: list[float]) -> Candidate:
         peak = max(fwd_bwd, self.opt_peak_bytes)
@@ -163,8 +182,7 @@ class Stepper:
         """One more timed pass at a size that fits: the fastest reading so far of its micro-step time."""
         candidate = self.measured[(size, self.length)]
         batch = self._batch(size)
-        if size >= self.share:
-            self.optimizer.zero_grad(set_to_none=True)
+        self._start(size)
         _, seconds = self._pass(batch)
         micro = min(seconds, candidate.micro_step_time_s or seconds)
         self.measured[(size, self.length)] = Candidate(
@@ -177,7 +195,7 @@ class Stepper:
         if failed:  # outside any except block: the failed pass's activations are gone
             self.steps += 1
             self.ooms += 1
-            self.optimizer.zero_grad(set_to_none=True)
+            self._zero_grad()
             release_memory(self.device)
             candidate = Candidate(size, "oom", self.meter.last_oom_needed_bytes, length=self.length)
         else:

@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("integrations.lazy_guard", "integrations.transformers", "integrations.lightning", "integrations.accelerate",
      "integrations"),
     # search on top
-    ("knobs", "throughput", "search.space", "search.result", "search.study", "search"),
+    ("knobs", "throughput", "search.space", "search.compare", "search.result", "search.study", "search"),
     # the entry points
     ("demo", "plot", "cli", "__main__", ""),
 ]

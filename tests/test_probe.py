@@ -1,5 +1,6 @@
 """autoaccum.probe: real training steps measured under a budget; the plan; no trace left behind."""
 
+import contextlib
 import copy
 import importlib
 import random
@@ -12,9 +13,11 @@ import autoaccum
 import autoaccum.state
 from autoaccum import AutoAccumError, DoesNotFitError, Plan, ProbeReport, TaskError, probe
 from autoaccum.demo import TinyGPT, synthetic_tokens, token_loss
-from autoaccum.probe import THROUGHPUT_TIE, Candidate, choose_micro_batch
+from autoaccum.memory import TrackedMemory
+from autoaccum.probe import THROUGHPUT_TIE, Candidate, choose_micro_batch, plan_step_times, time_slope
+from autoaccum.stepper import Stepper
 from _probe_models import (
-    convnet, gpt_batch, gpt_loss, image_batch, largest_fitting, mlp, mlp_batch, mlp_loss, runs_under,
+    convnet, gpt_batch, gpt_loss, image_batch, largest_fitting, measure_phases, mlp, mlp_batch, mlp_loss, runs_under,
     stateful_batch, stateful_mlp, tiny_gpt,
 )
 
@@ -52,11 +55,10 @@ def test_planned_micro_batch_is_within_90_percent_of_brute_force_and_runs(name):
         assert runs_under(make_model(), make_batch, loss_fn, c.micro_batch, usable) == (c.status == "ok"), c
     assert runs_under(make_model(), make_batch, loss_fn, report.plan.micro_batch, usable)
     assert runs_under(make_model(), make_batch, loss_fn, report.plan.micro_batch, budget)
-    # bookkeeping: 2 passes per size that ran (4 more when two sizes are timed again), one per size that
-    # ran out of memory; the optimizer stepped twice, at the first size only
-    ran = [c for c in report.candidates if c.status != "oom"]
-    assert report.probe_ooms == sum(c.status == "oom" for c in report.candidates)
-    assert report.probe_steps - report.probe_ooms - 2 * len(ran) in (0, 4)
+    # bookkeeping: two complete steps at the first size, one pass at each later size (4 more when two
+    # sizes are timed again), no OOM; the optimizer stepped twice, at the first size only
+    assert report.probe_ooms == 0 and all(c.status != "oom" for c in report.candidates)
+    assert report.probe_steps - (len(report.candidates) + 1) in (0, 4)
     assert report.optimizer_steps == 2
     assert len(report.candidates) <= 12
     assert (report.meter, report.is_estimate, report.source) == ("tracked", False, "probe")
@@ -69,7 +71,7 @@ def test_when_everything_fits_the_search_goes_straight_to_the_largest_size():
     report = probe(model=mlp(), loss_fn=mlp_loss, make_batch=mlp_batch(), target_batch=512, budget=8_000_000)
     sizes = [c.micro_batch for c in report.candidates]
     assert sizes[0] == 1 and 1 < sizes[1] < 512 and sizes[2:] == [512], sizes
-    assert (report.probe_steps, report.optimizer_steps, report.probe_ooms) == (6, 2, 0)
+    assert (report.probe_steps, report.optimizer_steps, report.probe_ooms) == (4, 2, 0)
     assert report.max_fitting_micro_batch == 512
     assert report.fit_note == "limit bracketed by measurement: 512 fits"
 
@@ -84,6 +86,99 @@ def test_the_search_never_passes_max_micro_batch_or_the_rank_share():
                    budget="64MiB")
     assert max(c.micro_batch for c in report.candidates) == 13  # ceil(100 / 8)
     assert report.plan == Plan.for_target(100, choose_micro_batch(report.candidates, 13), 8)
+
+
+# -- the optimizer phase, measured once ------------------------------------------------------------
+
+def _wide() -> torch.nn.Module:
+    """AdamW on a wide model with tiny activations: the optimizer step (weights, gradients, two
+    states and the update's temporaries: about 6x the weights) peaks above every forward/backward
+    pass up to hundreds of samples (weights, gradients and state: 4x, plus ~16 KB a sample)."""
+    return mlp(in_dim=8, hidden=1024, out_dim=2)
+
+
+def test_the_optimizer_peak_measured_once_is_the_peak_where_it_dominates():
+    make_batch = mlp_batch(in_dim=8, out_dim=2)
+    weights = sum(p.numel() * p.element_size() for p in _wide().parameters())
+    fwd_bwd_1, opt_peak = measure_phases(_wide(), make_batch, mlp_loss, 1)  # fresh copies, two full steps
+    assert opt_peak > 1.4 * fwd_bwd_1 and opt_peak > 5.5 * weights  # the optimizer step dominates
+    budget = int(opt_peak * 1.08 / (1 - HEADROOM))  # room for ~100s of samples above the optimizer's peak
+    usable = int(budget * (1 - HEADROOM))
+    report = probe(model=_wide(), loss_fn=mlp_loss, make_batch=make_batch, target_batch=TARGET, budget=budget,
+                   headroom=HEADROOM)
+    # measured in two complete steps at the first size, and never again
+    assert report.optimizer_steps == 2
+    assert report.model.opt_peak_bytes == opt_peak
+    assert all(c.opt_peak_bytes == opt_peak for c in report.candidates)
+    # ... and it holds at the limit: a size's optimizer step peaks as at one sample (plus its inputs)
+    best = largest_fitting(_wide(), make_batch, mlp_loss, usable)
+    at_limit = measure_phases(_wide(), make_batch, mlp_loss, best)
+    assert opt_peak <= at_limit[1] <= opt_peak + best * 8 * 9  # 8 float32 inputs and an int64 label a sample
+    # the sizes were measured with the optimizer's state in memory: the limit is brute force's (a
+    # probe that measured sizes before the state existed would find a limit ~2x the weights too high)
+    found = report.max_fitting_micro_batch
+    assert 0.95 * best <= found <= best, (found, best, [(c.micro_batch, c.status) for c in report.candidates])
+    for c in report.candidates:
+        assert runs_under(_wide(), make_batch, mlp_loss, c.micro_batch, usable) == (c.status == "ok"), c
+    assert report.probe_ooms == 0
+
+
+def test_a_budget_under_the_optimizer_peak_does_not_fit_although_a_pass_does():
+    # usable between a one-sample forward/backward and the optimizer step: a probe that took the
+    # optimizer's memory from the passes (or skipped its step) would plan here, and training would
+    # run out of memory at its first optimizer step
+    make_batch = mlp_batch(in_dim=8, out_dim=2)
+    fwd_bwd_1, opt_peak = measure_phases(_wide(), make_batch, mlp_loss, 1)
+    budget = int(opt_peak * 1.05)  # the step runs under the budget, and peaks above the usable part of it
+    usable = int(budget * (1 - HEADROOM))
+    assert fwd_bwd_1 < usable < opt_peak < budget
+    assert not runs_under(_wide(), make_batch, mlp_loss, 1, usable)  # brute force agrees: nothing fits
+    with pytest.raises(DoesNotFitError) as info:
+        probe(model=_wide(), loss_fn=mlp_loss, make_batch=make_batch, target_batch=TARGET, budget=budget,
+              headroom=HEADROOM)
+    assert info.value.needed_bytes == opt_peak and info.value.available_bytes == usable
+
+
+def test_after_an_oom_the_next_size_runs_with_the_gradients_held():
+    # One pass per size measures an accumulation's later micro-batch only with earlier gradients in
+    # memory. An OOM clears them; the next size must make them again (a pass at the smallest size),
+    # or it would be measured nearly a whole gradient too low.
+    model = mlp(hidden=256)
+    grads = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    def failing_at(size):
+        def loss_fn(m, batch):
+            if batch[0].shape[0] == size:
+                raise torch.OutOfMemoryError("injected")
+            return mlp_loss(m, batch)
+        return loss_fn
+
+    with contextlib.ExitStack() as stack:
+        clean = _stepper(stack, model)
+        clean.warm_up(1)
+        expected = clean.measure(40)
+        stepper = _stepper(stack, model, loss_fn=failing_at(30))
+        stepper.warm_up(1)
+        assert stepper.measure(30).status == "oom" and not stepper.holding_grads
+        steps = stepper.steps
+        after = stepper.measure(40)
+        assert stepper.steps == steps + 2  # the pass that made the gradients, then the measured one
+        assert after.fwd_bwd_peak_bytes == expected.fwd_bwd_peak_bytes
+        # negative control: the same size measured from no gradients peaks nearly a whole gradient lower
+        # (the last layers' gradients, made early in backward, are in both peaks)
+        bare = _stepper(stack, model)
+        bare.warm_up(1)
+        bare.optimizer.zero_grad(set_to_none=True)
+        bare.holding_grads = True  # pretend, as a probe without the re-made gradients would
+        assert expected.fwd_bwd_peak_bytes - bare.measure(40).fwd_bwd_peak_bytes >= 0.9 * grads
+
+
+def _stepper(stack: contextlib.ExitStack, model: torch.nn.Module, loss_fn=mlp_loss):
+    """A stepper (one pass per size) on a copy of ``model`` with a fresh AdamW, counted while ``stack`` is open."""
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters())
+    meter = stack.enter_context(TrackedMemory(budget_bytes=None).track(model, optimizer))
+    return Stepper(model, optimizer, loss_fn, mlp_batch(), torch.device("cpu"), meter, 2**40, share=4096)
 
 
 def test_a_target_of_one_measures_one_size():
@@ -172,8 +267,8 @@ def test_probe_that_times_two_sizes_again_leaves_no_trace(monkeypatch):
     monkeypatch.setattr(probe_module, "choose_micro_batch", first_pick_the_smallest)
     model, optimizer = _trained()
     differences, report = _probe_keeping(model, optimizer, 1_000_000)
-    assert isinstance(report, ProbeReport) and len(calls) == 2  # the choice was made again after timing
-    assert report.probe_steps == 2 * len(report.candidates) + 4  # two sizes, twice each
+    assert isinstance(report, ProbeReport) and len(calls) in (2, 3)  # the choice was made again after timing
+    assert report.probe_steps == len(report.candidates) + 1 + 2 * (len(calls) - 1)  # two sizes, once a round
     assert differences == []
 
 
@@ -276,7 +371,8 @@ def _probe(**kwargs):
     ({"headroom": 1.5}, ValueError, r"Invalid headroom: 1\.5"),
     ({"headroom": float("nan")}, ValueError, r"Invalid headroom: nan"),
     ({"world_size": 0}, ValueError, r"Invalid world_size: 0"),
-    ({"steps_per_size": 1}, ValueError, r"Invalid steps_per_size: 1\. Allowed range: >= 2"),
+    ({"steps_per_size": 0}, ValueError, r"Invalid steps_per_size: 0\. Allowed range: 1 ~ any positive int passes"),
+    ({"steps_per_size": 1.5}, TypeError, r"steps_per_size must be an int, got 1\.5"),
     ({"max_candidates": 2}, ValueError, r"Invalid max_candidates: 2\. Allowed range: >= 3"),
     ({"max_micro_batch": 0}, ValueError, r"Invalid max_micro_batch: 0"),
 ])
@@ -409,16 +505,38 @@ def _timed(b, micro_step_s, opt_s=0.0):
 def test_choose_for_a_target_compares_whole_plans_and_ties_go_to_fewer_passes():
     # the GPT-2 case of issue 11: 7 looked faster per sample than 8, by a noisy first reading
     share = 64
-    clearly_faster = [_timed(7, 0.060), _timed(8, 0.100)]  # 10 x 0.060 = 0.60 s against 8 x 0.100 = 0.80 s
+    # 7 cuts 64 into 10 passes (4 of 7, 6 of 6); with the timings' slope (0.04 s a sample here, which
+    # bounds the time per sample at 7 from above) a pass of 6 takes 0.060 - 0.04 = 0.020 s:
+    # 4 x 0.060 + 6 x 0.020 = 0.36 s against 8 x 0.100 = 0.80 s
+    clearly_faster = [_timed(7, 0.060), _timed(8, 0.100)]
     assert choose_micro_batch(clearly_faster, share) == 7
-    within_noise = [_timed(7, 0.070), _timed(8, 0.0870)]  # 0.700 s against 0.696 s: 8 in 8 passes
-    assert choose_micro_batch(within_noise, share) == 8
-    slightly = [_timed(7, 0.068), _timed(8, 0.0870)]  # 0.680 against 0.696: inside 5%, fewer passes win
+    assert plan_step_times(clearly_faster, share) == pytest.approx({7: 0.060 * 10 - (0.060 / 7) * 6, 8: 0.8})
+    # without a slope (one size timed, or a slope that is not positive) each pass is scaled to its
+    # samples: 64 x 0.070 / 7 = 0.640 s against 8 x 0.087 = 0.696 s, more than 5% apart
+    within_noise = [_timed(7, 0.070), _timed(8, 0.0870)]
+    assert plan_step_times(within_noise, share)[7] == pytest.approx(0.64)
+    assert choose_micro_batch(within_noise, share) == 7
+    slightly = [_timed(7, 0.0750), _timed(8, 0.0870)]  # 0.686 against 0.696: inside 5%, fewer passes win
     assert choose_micro_batch(slightly, share) == 8
     # the optimizer step is paid once per plan, whatever the micro-batch
     assert choose_micro_batch([_timed(16, 0.1, 5.0), _timed(32, 0.21, 5.0)], share) == 32
     # sizes with as many passes: the larger (4 x 16 = 64; 15 needs 5)
     assert choose_micro_batch([_timed(15, 0.10), _timed(16, 0.10)], share) == 16
+
+
+def test_a_size_that_does_not_divide_the_share_is_timed_at_its_cut():
+    # 256 at 40 runs 7 passes of 37 (36 in the last): timing all 7 at 40 would charge it 24 samples it
+    # never runs, 9% -- more than the 5% tie -- and hand the plan to 33 (8 passes of 32) on timings
+    # that fit a line through the origin exactly (the same speed per sample)
+    timed = [_timed(1, 0.002), _timed(33, 0.066), _timed(40, 0.080)]
+    assert time_slope(timed) == pytest.approx(0.002)
+    steps = plan_step_times(timed, 256)
+    assert steps[40] == pytest.approx(7 * 0.080 - 0.002 * (7 * 40 - 256)) == pytest.approx(0.512)
+    assert steps[33] == pytest.approx(0.512)
+    assert choose_micro_batch(timed, 256) == 40
+    # negative control: timing each pass at the full size picks 33
+    naive = {c.micro_batch: Plan.for_target(256, c.micro_batch).accum_steps * c.micro_step_time_s for c in timed}
+    assert naive[33] * (1 + THROUGHPUT_TIE) < naive[40]
 
 
 def test_choose_prefers_measured_throughput_and_ties_go_to_the_larger():

@@ -24,8 +24,9 @@ from autoaccum.task import Task
 optuna = pytest.importorskip("optuna")
 
 from autoaccum.search import (  # noqa: E402 - after the skip: these tests need the search extra
-    SearchSpace, candidate_micro_batches, load_plan_file, read_plan_file, search,
+    SearchSpace, candidate_micro_batches, format_search, load_plan_file, read_plan_file, search,
 )
+from autoaccum.search.compare import compare_finalists  # noqa: E402
 from autoaccum.throughput import Bench, Measurement, measure  # noqa: E402
 
 TARGET = 32
@@ -199,19 +200,27 @@ def test_winner_at_least_as_fast_as_the_probe_pick(searched):
     task, result = searched
     medians = {n: statistics.median(runs) for n, runs in result.confirmed}
     trials = {t.number: t for t in result.trials}
-    assert all(len(runs) == 3 for _, runs in result.confirmed)  # confirm_rounds=3 (the default), each measured
-    # the probe's pick was measured in the round-robin, and its speed is its median there
+    assert all(len(runs) == 5 for _, runs in result.confirmed)  # confirm_rounds=5 (the default), each measured
+    # the probe's pick was measured in the final rounds, and its speed is its median there
     probe_trial = next(t for t in result.trials if t.seeded == "probe")
     assert probe_trial.number in medians and result.probe_samples_per_s == medians[probe_trial.number]
-    # ... with the fastest distinct configurations of the trials (confirm_top=3)
+    # ... with the fastest distinct configurations of the trials (confirm_top=3) and the simplest
+    # feasible one (fewest knobs, then fewest passes)
     fastest = {}
     for t in sorted((t for t in result.trials if t.status == "ok"), key=lambda t: -t.samples_per_s):
         fastest.setdefault((t.plan, t.knobs), t)
-    assert set(list(fastest)[:3]) <= {(trials[n].plan, trials[n].knobs) for n in medians}
-    # the winner is the argmax of the medians: its configuration, its median
-    best = max(medians, key=medians.get)
-    assert (result.plan, result.knobs) == (trials[best].plan, trials[best].knobs)
-    assert result.samples_per_s == medians[best] == max(medians.values())
+    measured = {(trials[n].plan, trials[n].knobs) for n in medians}
+    assert set(list(fastest)[:3]) <= measured
+    simplest = min(fastest, key=lambda c: (c[1] != Knobs(), c[0].accum_steps))
+    assert simplest in measured and simplest[1] == Knobs()
+    # the winner: the paired comparison of those readings, ties to the simplest
+    verdict = compare_finalists(dict(result.confirmed), lambda n: (
+        int(trials[n].knobs.checkpointing) + int(trials[n].knobs.autocast != "fp32"), trials[n].plan.accum_steps))
+    assert (result.plan, result.knobs) == (trials[verdict.winner].plan, trials[verdict.winner].knobs)
+    assert result.samples_per_s == medians[verdict.winner]
+    assert [(c.trial, c.leader, c.within_noise) for c in result.comparison] == \
+        [(f.key, f.key == verdict.leader, f.within_noise) for f in verdict.finalists]
+    assert verdict.of(verdict.winner).within_noise and medians[verdict.leader] == max(medians.values())
     if result.plan == result.probe_plan and result.knobs == Knobs():
         return
     # Measured again, in turn, 7 rounds: a winner that won by timing noise alone is not faster when
@@ -226,31 +235,69 @@ def test_winner_at_least_as_fast_as_the_probe_pick(searched):
     assert max(wins) / max(picks) >= 0.85, (wins, picks)
 
 
-def test_winner_is_the_best_median_of_a_round_robin_with_the_probe_pick(monkeypatch):
-    # Readings stubbed, so the outcome is exact. Three trials, the seeds: the probe's pick (micro 2)
-    # and the two largest sizes predicted to fit (4 and 8; about 11 fit). Micro 4 is the fastest
-    # single trial, but the pick -- whose trial met a busy moment -- is faster when measured again.
+def _stubbed_search(monkeypatch, again: dict[int, list[float]], rounds: int = 3):
+    """A search over micro 2, 4 and 8 whose readings are stubbed, so the outcome is exact. Three
+    trials, the seeds: the probe's pick (micro 2) and the two largest sizes predicted to fit (4 and
+    8; about 11 fit). Micro 4 is the fastest single trial; ``again[micro]``: the readings of the
+    final rounds, in order."""
     task = small_task()
     report = dataclasses.replace(probe(task, target_batch=TARGET, budget=BUDGET), plan=Plan.for_target(TARGET, 2))
     in_trial = {2: 10.0, 4: 50.0, 8: 45.0}
-    again = {2: 40.0, 4: 20.0, 8: 30.0}  # + the round: 41, 42, 43 for micro 2
     calls: dict[int, int] = {}
 
     def run(self, micro, knobs):
         n = calls[micro] = calls.get(micro, -1) + 1
-        speed = in_trial[micro] if n == 0 else again[micro] + n
+        speed = in_trial[micro] if n == 0 else again[micro][n - 1]
         return Measurement("ok", speed, None, TARGET / speed, 1000)
 
     monkeypatch.setattr(Bench, "run", run)
     space = SearchSpace(micro_batches=(2, 4, 8), checkpointing=(False,), autocast=("fp32",))
-    result = search(task, TARGET, report=report, space=space, n_trials=3, patience=None, confirm_top=1, **FAST)
+    result = search(task, TARGET, report=report, space=space, n_trials=3, patience=None, confirm_top=1,
+                    confirm_rounds=rounds, **FAST)
     assert [(t.plan.micro_batch, t.seeded, t.samples_per_s) for t in result.trials] == \
         [(2, "probe", 10.0), (4, "fit", 50.0), (8, "fit", 45.0)]
-    # measured again, 3 rounds each: the fastest trial (confirm_top=1) and the probe's pick; micro 8 not
-    assert calls == {2: 3, 4: 3, 8: 0}
-    assert dict(result.confirmed) == {1: (21.0, 22.0, 23.0), 0: (41.0, 42.0, 43.0)}
+    # measured again: the fastest trial (confirm_top=1), the probe's pick, and the simplest feasible
+    # configuration (micro 8: 4 passes, the fewest); ``calls``: rounds each ran (after its trial)
+    return result, calls
+
+
+def test_winner_is_the_best_median_of_the_final_rounds_where_it_leads_beyond_noise(monkeypatch):
+    # the pick -- whose trial met a busy moment -- is faster when measured again, by 25% and more in
+    # every round: no tie, so the fastest wins although micro 8 needs fewer passes
+    again = {2: [41.0, 42.0, 43.0], 4: [21.0, 22.0, 23.0], 8: [31.0, 32.0, 33.0]}
+    result, calls = _stubbed_search(monkeypatch, again)
+    assert calls == {2: 3, 4: 3, 8: 3}
+    assert dict(result.confirmed) == {1: (21.0, 22.0, 23.0), 0: (41.0, 42.0, 43.0), 2: (31.0, 32.0, 33.0)}
     # the best median wins, not the best single trial; the pick is read as its median there
     assert (result.plan.micro_batch, result.samples_per_s, result.probe_samples_per_s) == (2, 42.0, 42.0)
+    assert [(c.trial, c.leader, c.within_noise) for c in result.comparison] == \
+        [(1, False, False), (0, True, True), (2, False, False)]
+
+
+def test_a_finalist_within_noise_of_the_leader_and_with_fewer_passes_wins(monkeypatch):
+    # micro 8 (4 passes) reads 0.5% below the pick (micro 2, 16 passes) in every round: a tie, which
+    # goes to fewer passes; its own median is its speed
+    again = {2: [40.0, 42.0, 41.0], 4: [21.0, 22.0, 23.0], 8: [39.8, 41.79, 40.795]}
+    result, calls = _stubbed_search(monkeypatch, again)
+    assert calls == {2: 3, 4: 3, 8: 3}
+    assert (result.plan.micro_batch, result.plan.accum_steps, result.samples_per_s) == (8, 4, 40.795)
+    leader = next(c for c in result.comparison if c.leader)
+    tie = next(c for c in result.comparison if c.trial == 2)
+    assert leader.trial == 0 and tie.within_noise and tie.ratio == pytest.approx(0.995)
+    assert "tie" in format_search(result)
+
+
+def test_a_finalist_far_behind_in_three_rounds_is_measured_no_more(monkeypatch):
+    # 5 rounds: micro 4 reads half the leader's speed in each of the first three, micro 8 only 5%
+    # less in one of them; micro 4 is out of the race (no tie, no lead possible), micro 8 runs on
+    again = {2: [40.0, 42.0, 41.0, 40.0, 41.0], 4: [21.0, 22.0, 23.0, 60.0, 60.0],
+             8: [38.0, 41.0, 40.5, 40.0, 40.5]}
+    result, calls = _stubbed_search(monkeypatch, again, rounds=5)
+    assert calls == {2: 5, 4: 3, 8: 5}
+    assert dict(result.confirmed)[1] == (21.0, 22.0, 23.0)
+    # micro 8 ties the pick (0.988 of it, round by round) and needs 4 passes, not 16
+    assert (result.plan.micro_batch, result.samples_per_s) == (8, 40.5)
+    assert next(c for c in result.comparison if c.trial == 1).ratio == pytest.approx(21 / 40)  # 3 rounds
 
 
 def test_oom_trials_are_recorded_and_not_fatal(tmp_path):

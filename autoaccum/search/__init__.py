@@ -7,7 +7,8 @@ guarded optimizer steps (:mod:`autoaccum.throughput`) and returns measured sampl
 
 - :mod:`~autoaccum.search.space`: what may be tried (:class:`SearchSpace`, the candidate sizes).
 - :mod:`~autoaccum.search.study`: the Optuna study (seeds, infeasible trials, patience, the
-  confirmation round-robin that picks the winner, stored studies and their resumption).
+  final comparison that picks the winner, stored studies and their resumption).
+- :mod:`~autoaccum.search.compare`: the final comparison's statistic (paired, with its noise).
 - :mod:`~autoaccum.search.result`: :class:`SearchResult`, its trials and the plan file.
 
 Afterwards the model, optimizer and RNG are bit-identical to before (invariant 4).
@@ -67,7 +68,7 @@ def search(
     min_improvement: float = 0.01,
     seed: int | None = 0,
     confirm_top: int = 3,
-    confirm_rounds: int = 3,
+    confirm_rounds: int = 5,
     clock: Clock = "wall",
     report: ProbeReport | None = None,
 ) -> SearchResult:
@@ -93,9 +94,12 @@ def search(
             gain in the best samples/s (None: never); the seeds and the sampler's random start
             trials do not count.
         seed: the sampler's seed.
-        confirm_top, confirm_rounds: afterwards, measure the ``confirm_top`` fastest configurations
-            and the probe's pick ``confirm_rounds`` more times each, in turn; the winner has the
-            best median there (0 rounds: the best single trial wins).
+        confirm_top, confirm_rounds: afterwards, measure the finalists -- the ``confirm_top``
+            fastest configurations, the probe's pick and the simplest feasible one (fewest knobs,
+            then fewest passes) -- ``confirm_rounds`` more times each, interleaved; the leader has
+            the best median, and finalists whose paired ratio to it is within noise (two standard
+            errors, at least 1% and at most 10%) tie with it; the simplest of them wins (see
+            :mod:`autoaccum.search.compare`; 0 rounds: the best single trial wins).
         clock: ``wall`` time, or ``cpu`` time of this process for a CPU shared with busy
             processes (with one intra-op thread; see :data:`autoaccum.throughput.Clock`).
         report: a probe report to start from (default: run :func:`~autoaccum.probe`).

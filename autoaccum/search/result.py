@@ -22,8 +22,8 @@ from autoaccum.plan import Plan, read_plan_document
 from autoaccum.throughput import Status
 from autoaccum.units import format_bytes
 
-__all__ = ["FILE_VERSION", "PLAN_FILE_KIND", "SEARCH_KIND", "SearchResult", "Stopped", "TrialRecord", "format_search",
-           "load_plan_file", "read_plan_file"]
+__all__ = ["FILE_VERSION", "PLAN_FILE_KIND", "SEARCH_KIND", "FinalComparison", "SearchResult", "Stopped",
+           "TrialRecord", "format_search", "load_plan_file", "read_plan_file"]
 
 PLAN_FILE_KIND = "autoaccum.plan"
 SEARCH_KIND = "autoaccum.search"
@@ -68,6 +68,34 @@ class TrialRecord:
 
 
 @dataclass(frozen=True)
+class FinalComparison:
+    """One finalist of the final comparison (:mod:`autoaccum.search.compare`).
+
+    Attributes:
+        trial: its trial number.
+        median: median samples/s of its readings in the rounds.
+        ratio: median over rounds of its reading / the leader's in the same round.
+        spread: median absolute deviation of those per-round ratios: how much one round strays.
+        noise: the standard error of ``ratio`` (from ``spread`` and the number of rounds).
+        within_noise: its gap to the leader is within the tolerance (two standard errors, within
+            the floor and the ceiling): a tie, which goes to the simplest.
+        leader: it has the best median.
+    """
+
+    trial: int
+    median: float
+    ratio: float
+    spread: float
+    noise: float
+    within_noise: bool
+    leader: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"trial": self.trial, "median": self.median, "ratio": self.ratio, "spread": self.spread,
+                "noise": self.noise, "within_noise": self.within_noise, "leader": self.leader}
+
+
+@dataclass(frozen=True)
 class SearchResult:
     """The fastest configuration found, and every trial.
 
@@ -75,10 +103,13 @@ class SearchResult:
         plan: the winner's plan for ``target_batch`` (give it to ``OOMGuard(plan=...)`` / ``fit``).
         knobs: the winner's knobs (``knobs.autocast_dtype`` for ``OOMGuard(autocast_dtype=...)``).
         samples_per_s: the winner's samples/s on one rank: the median of its readings in the
-            confirmation round-robin (its trial's reading without one); items_per_s likewise.
+            final rounds (its trial's reading without them); items_per_s likewise.
         peak_bytes: the winner's peak memory.
         trials: every completed trial of the study, in order (samples/s as measured in the trial).
-        confirmed: ``(trial number, samples/s readings)`` of the configurations measured again.
+        confirmed: ``(trial number, samples/s readings)`` of the finalists measured again (reading
+            ``i``: round ``i``; a finalist out of the race after three rounds has fewer).
+        comparison: the finalists' paired comparison with the leader (empty without rounds): the
+            winner is the simplest finalist within noise of the leader.
         probe_plan: what the probe picked; probe_samples_per_s: its samples/s in this search, read
             as the winner's (None if it did not fit as a guarded, accumulated step).
         budget_bytes, usable_bytes: the budget and ``budget * (1 - headroom)`` every trial had to fit.
@@ -107,6 +138,7 @@ class SearchResult:
     stopped: Stopped
     wall_time_s: float
     probe_wall_time_s: float
+    comparison: tuple[FinalComparison, ...] = ()
     torch_version: str = field(default_factory=lambda: torch.__version__)
 
     @property
@@ -126,6 +158,7 @@ class SearchResult:
             "trials": [t.to_dict() for t in self.trials],
             "confirmed": [{"trial": n, "samples_per_s": list(runs), "median": statistics.median(runs)}
                           for n, runs in self.confirmed],
+            "comparison": [c.to_dict() for c in self.comparison],
         }
 
     def plan_file(self) -> dict[str, Any]:
@@ -192,7 +225,13 @@ def format_search(result: SearchResult) -> str:
              + f" · study {result.study_name}", ""]
     lines += ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.append("")
-    if any(len(runs) > 1 for _, runs in result.confirmed):
+    if result.comparison:
+        rounds = {n: len(runs) for n, runs in result.confirmed}
+        lines.append("final rounds (median samples/s; paired ratio to the leader ± its noise): " + " · ".join(
+            f"#{c.trial} {c.median:,.1f} of {rounds.get(c.trial, 0)}, "
+            + ("leader" if c.leader else f"{c.ratio:.3f} ± {c.noise:.3f}" + (" tie" if c.within_noise else ""))
+            for c in result.comparison))
+    elif any(len(runs) > 1 for _, runs in result.confirmed):
         lines.append("measured again: " + " · ".join(
             f"#{n} median {statistics.median(runs):,.1f} of {len(runs)}" for n, runs in result.confirmed))
     speed = f"{result.samples_per_s:,.1f} samples/s" + \

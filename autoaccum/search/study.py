@@ -12,10 +12,14 @@ and the checks that let a stored study be resumed.
   measured and confirmed alongside the best; then the two largest sizes predicted to fit as an
   accumulated step. The search stops after ``n_trials`` trials, ``timeout_s`` seconds, or
   ``patience`` trials in a row without a ``min_improvement`` gain.
-- **Confirmation**: a trial is one reading on a possibly busy machine, and the best of many
-  readings flatters whoever got a quiet moment. The ``confirm_top`` fastest configurations and
-  the probe's pick are measured ``confirm_rounds`` more times, in turn, and judged by the median
-  of their readings there. The winner comes from this round-robin.
+- **Final comparison**: a trial is one reading on a possibly busy machine, and the best of many
+  readings flatters whoever got a quiet moment. The finalists -- the ``confirm_top`` fastest
+  configurations, the probe's pick and the simplest feasible configuration (fewest knobs, then
+  fewest passes) -- are measured ``confirm_rounds`` more times, interleaved (each round runs every
+  finalist once, the order rotating), and compared paired, round by round, with the leader (the
+  best median): a finalist within noise of it ties, and a tie goes to the simplest
+  (:mod:`autoaccum.search.compare`). The winner comes from these rounds. After three rounds, a
+  finalist slower than the leader by more than the tie ceiling in every round is measured no more.
 - **Storage**: in memory by default; any Optuna storage URL (``sqlite:///autoaccum.db`` keeps and
   resumes a study with its trials; an RDB shared by several workers, one per GPU). The study
   keeps its space and what it measures (target, world size, device, a given budget) in its user
@@ -38,7 +42,8 @@ from autoaccum.errors import AutoAccumError
 from autoaccum.knobs import Knobs
 from autoaccum.plan import Plan
 from autoaccum.report import ProbeReport
-from autoaccum.search.result import SearchResult, Stopped, TrialRecord
+from autoaccum.search.compare import DEFAULT_TIE_CEILING, compare_finalists, paired_ratios
+from autoaccum.search.result import FinalComparison, SearchResult, Stopped, TrialRecord
 from autoaccum.search.space import KNOBS, SearchSpace
 from autoaccum.throughput import Bench, Measurement
 from autoaccum.units import format_bytes
@@ -259,9 +264,19 @@ def run_study(optuna: Any, bench: Bench, report: ProbeReport, space: dict[str, A
                    stopped=stopped[0], started=started)
 
 
+def _knob_count(knobs: Knobs) -> int:
+    """Knobs switched on: each changes how the model runs (numerics, recompute, compilation)."""
+    return int(knobs.checkpointing) + int(knobs.autocast != "fp32") + int(knobs.compile)
+
+
+def _simplicity(record: TrialRecord) -> tuple[int, int]:
+    """Sort key among finalists within noise of each other: fewer knobs, then fewer passes."""
+    return _knob_count(record.knobs), record.plan.accum_steps
+
+
 def _result(bench: Bench, report: ProbeReport, records: tuple[TrialRecord, ...], options: StudyOptions, *,
             study_name: str, run_now: int, stopped: Stopped, started: float) -> SearchResult:
-    """The winner of the confirmation round-robin among the feasible trials, and every trial."""
+    """The winner of the final comparison among the feasible trials, and every trial."""
     ok = [r for r in records if r.status == "ok" and r.samples_per_s is not None]
     if not ok:
         raise SearchError(f"no configuration fitted in {len(records)} trials under {format_bytes(bench.usable_bytes)} "
@@ -269,7 +284,16 @@ def _result(bench: Bench, report: ProbeReport, records: tuple[TrialRecord, ...],
                                                   for r in records[:8]))
     seeded = next((r for r in records if r.seeded == "probe"), None)
     confirmed = _confirm(bench, ok, seeded, options.confirm_top, options.confirm_rounds)
-    winner, runs = max(confirmed, key=lambda c: statistics.median(c[1]))
+    by_number = {r.number: r for r, _ in confirmed}
+    if options.confirm_rounds > 0:
+        verdict = compare_finalists({r.number: runs for r, runs in confirmed},
+                                    lambda n: _simplicity(by_number[n]))
+        winner, runs = by_number[verdict.winner], dict((r.number, v) for r, v in confirmed)[verdict.winner]
+        comparison = tuple(FinalComparison(f.key, f.median, f.ratio, f.spread, f.noise, f.within_noise,
+                                           f.key == verdict.leader) for f in verdict.finalists)
+    else:  # no rounds: the best single trial stands
+        winner, runs = max(confirmed, key=lambda c: statistics.median(c[1]))
+        comparison = ()
     speed = statistics.median(runs)
     probe_runs = next((r for t, r in confirmed if seeded is not None and
                        (t.plan.micro_batch, t.knobs) == (seeded.plan.micro_batch, seeded.knobs)), None)
@@ -281,31 +305,51 @@ def _result(bench: Bench, report: ProbeReport, records: tuple[TrialRecord, ...],
         budget_bytes=report.budget_bytes, usable_bytes=bench.usable_bytes, headroom=report.headroom,
         device=str(bench.device), emulated=bench.emulate, study_name=study_name, n_trials_run=run_now,
         stopped=stopped, wall_time_s=time.perf_counter() - started, probe_wall_time_s=report.wall_time_s,
+        comparison=comparison,
     )
 
 
-def _confirm(bench: Bench, ok: list[TrialRecord], seeded: TrialRecord | None, top: int,
-             rounds: int) -> list[tuple[TrialRecord, list[float]]]:
-    """Measure the ``top`` fastest configurations and the probe's pick ``rounds`` more times, in
-    turn (the order rotating each round), and return each with its readings; each is then judged
-    by the median of its readings here. A trial is one reading at one moment: a configuration
-    that won a single trial because its rivals' trials met a busy machine loses here, where all
-    of them meet the same moments. Without rounds, the trial's reading stands. A configuration
-    that no longer fits (e.g. fragmentation on CUDA) drops out."""
+def _finalists(ok: list[TrialRecord], seeded: TrialRecord | None, top: int) -> list[TrialRecord]:
+    """The ``top`` fastest distinct configurations by their trial's reading, the probe's pick, and the
+    simplest feasible configuration (fewest knobs, then fewest passes): the one a tie goes to must
+    be measured with the others, whatever its own trial met."""
     distinct: dict[tuple[int, Knobs], TrialRecord] = {}
     for r in sorted(ok, key=lambda r: -(r.samples_per_s or 0.0)):
         distinct.setdefault((r.plan.micro_batch, r.knobs), r)
     chosen = list(distinct.values())[:top]
-    if seeded is not None and seeded.status == "ok" and \
-            all((c.plan.micro_batch, c.knobs) != (seeded.plan.micro_batch, seeded.knobs) for c in chosen):
-        chosen.append(seeded)
+    simplest = min(distinct.values(), key=lambda r: (_simplicity(r), -(r.samples_per_s or 0.0)))
+    for extra in (seeded, simplest):
+        if extra is not None and extra.status == "ok" and \
+                all((c.plan.micro_batch, c.knobs) != (extra.plan.micro_batch, extra.knobs) for c in chosen):
+            chosen.append(extra)
+    return chosen
+
+
+#: rounds after which a finalist slower than the leader beyond the tie ceiling in every round so far
+#: is measured no more (its readings stay in the comparison)
+OUT_AFTER_ROUNDS = 3
+
+
+def _confirm(bench: Bench, ok: list[TrialRecord], seeded: TrialRecord | None, top: int,
+             rounds: int) -> list[tuple[TrialRecord, list[float]]]:
+    """Measure the finalists (:func:`_finalists`) ``rounds`` more times, interleaved: in each round
+    every finalist once, back to back, the order rotating from round to round; return each with its
+    readings (index ``i``: round ``i``), for :func:`~autoaccum.search.compare.compare_finalists`. A
+    trial is one reading at one moment: a configuration that won a single trial because its rivals'
+    trials met a busy machine loses here, where all of them meet the same moments. After
+    OUT_AFTER_ROUNDS rounds, a finalist slower than the leader (the best median) by more than the tie
+    ceiling in every round is out of the race: it could neither lead nor tie, and its later rounds
+    are not run. Without rounds, the trial's reading stands. A configuration that no longer fits
+    (e.g. fragmentation on CUDA) drops out."""
+    chosen = _finalists(ok, seeded, top)
     if rounds == 0:
         return [(r, [float(r.samples_per_s or 0.0)]) for r in chosen]
     runs: dict[int, list[float]] = {r.number: [] for r in chosen}
     dropped: set[int] = set()
+    out: set[int] = set()
     for i in range(rounds):
         for r in chosen[i % len(chosen):] + chosen[:i % len(chosen)]:
-            if r.number in dropped:
+            if r.number in dropped or r.number in out:
                 continue
             m = bench.run(r.plan.micro_batch, r.knobs)
             if m.ok and m.samples_per_s is not None:
@@ -314,5 +358,11 @@ def _confirm(bench: Bench, ok: list[TrialRecord], seeded: TrialRecord | None, to
                 logger.warning("micro %d %s: %s when measured again; dropped", r.plan.micro_batch,
                                r.knobs.describe(), m.status)
                 dropped.add(r.number)
+        if i + 1 >= OUT_AFTER_ROUNDS:
+            racing = {n: v for n, v in runs.items() if n not in dropped and v}
+            if racing:
+                leader = max(racing, key=lambda n: statistics.median(racing[n]))
+                out |= {n for n, v in racing.items() if n != leader and n not in out and
+                        all(x < 1 - DEFAULT_TIE_CEILING for x in paired_ratios(v, racing[leader]))}
     kept = [(r, runs[r.number]) for r in chosen if r.number not in dropped]
     return kept or [(chosen[0], [float(chosen[0].samples_per_s or 0.0)])]
