@@ -375,13 +375,10 @@ _WRITER = textwrap.dedent('''
             break
         pid = os.fork()
         if pid == 0:
-            try:
-                write_forever(mode, int(base))
-            except BaseException:
-                import traceback
-                traceback.print_exc()
-            finally:
-                os._exit(1)
+            # the child saves until it is SIGKILLed; an error ends it with its traceback and exit
+            # status 1 (it propagates out of this loop: the child never runs the parent's next line)
+            write_forever(mode, int(base))
+            raise SystemExit(1)  # not reached: write_forever only ends by an error or SIGKILL
         print(pid, flush=True)
         print(os.waitpid(pid, 0)[1], flush=True)
 ''')

@@ -25,8 +25,8 @@ LAYERS: list[tuple[str, ...]] = [
     # measure -> model -> plan
     ("report", "cache", "estimate", "stepper", "size_search", "length_search", "probe"),
     # cut -> accumulate -> guard
-    ("data", "sync", "cut", "distributed.process_group", "distributed.models", "distributed.fsdp2",
-     "distributed.ddp", "distributed"),
+    ("data", "sync", "cut", "distributed.settle", "distributed.process_group", "distributed.models",
+     "distributed.fsdp2", "distributed.ddp", "distributed"),
     ("accumulate", "regrow", "policy", "optim_step", "losses"),
     ("guard",),
     # the trainer and its components

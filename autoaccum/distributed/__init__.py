@@ -40,7 +40,9 @@ launcher of your own, the process group's timeout does.
 The package, by job: ``process_group`` (where this process stands, torchrun's environment, the
 small all-reduces, one plan for every rank), ``models`` (DDP, FSDP2 or plain; wrapping; full state
 for checkpoints), ``ddp`` (:class:`DistributedSync` and the bucketed gradient all-reduce),
-``fsdp2`` (FSDP2's side of the accumulation window).
+``fsdp2`` (FSDP2's side of the accumulation window), ``settle`` (every collective returns only once
+gloo's worker thread has let go of its tensors: nothing of autoaccum's is in flight when a call
+returns, so nothing is freed on a worker thread during interpreter shutdown).
 """
 
 from __future__ import annotations
@@ -52,10 +54,10 @@ from autoaccum.distributed.models import (
 from autoaccum.distributed.process_group import (
     WorldInfo, broadcast_plan, gather_to_rank_zero, init_from_env, is_distributed, is_rank_zero, world_info,
 )
+from autoaccum.distributed.settle import settled
 
 __all__ = [
     "DistributedSync", "WorldInfo", "broadcast_plan", "full_state_dicts", "gather_to_rank_zero", "init_from_env",
-    "is_distributed",
-    "is_fsdp2", "is_rank_zero", "load_full_state_dicts", "model_kind", "unwrap_model",
+    "is_distributed", "is_fsdp2", "is_rank_zero", "load_full_state_dicts", "model_kind", "settled", "unwrap_model",
     "world_info", "wrap_model",
 ]

@@ -20,6 +20,7 @@ from autoaccum.distributed.process_group import (
     broadcast_plan,
     is_distributed,
 )
+from autoaccum.distributed.settle import settled
 from autoaccum.log import user_stacklevel
 from autoaccum.plan import Plan
 from autoaccum.validate import check_positive_int
@@ -157,26 +158,27 @@ class DistributedSync:
         present = _all_reduce(torch.tensor([p.grad is not None for p in params], dtype=torch.int32),
                               dist.ReduceOp.MAX, self.group).tolist()
         live = [p for p, used in zip(params, present) if used]
-        for bucket in _buckets(live, self.bucket_bytes):
-            if len(bucket) == 1 and bucket[0].grad is not None and bucket[0].grad.is_contiguous():
-                dist.all_reduce(bucket[0].grad, group=self.group)  # one big tensor: in place, no copy
-                continue
-            flat = self._flat_buffer(bucket)
-            offsets = [0]
-            for p in bucket:
-                offsets.append(offsets[-1] + p.numel())
-            for p, start, end in zip(bucket, offsets, offsets[1:]):
-                if p.grad is None:
-                    flat[start:end].zero_()
-                else:
-                    flat[start:end].copy_(p.grad.reshape(-1))
-            dist.all_reduce(flat[:offsets[-1]], group=self.group)
-            for p, start, end in zip(bucket, offsets, offsets[1:]):
-                summed = flat[start:end].view_as(p)
-                if p.grad is None:
-                    p.grad = summed.clone()
-                else:
-                    p.grad.copy_(summed)  # copy_ keeps the gradient's own dtype and layout
+        with settled() as keep:  # every bucket's tensor held until gloo's worker thread let go of it
+            for bucket in _buckets(live, self.bucket_bytes):
+                if len(bucket) == 1 and bucket[0].grad is not None and bucket[0].grad.is_contiguous():
+                    dist.all_reduce(keep(bucket[0].grad), group=self.group)  # one big tensor: in place, no copy
+                    continue
+                flat = self._flat_buffer(bucket)
+                offsets = [0]
+                for p in bucket:
+                    offsets.append(offsets[-1] + p.numel())
+                for p, start, end in zip(bucket, offsets, offsets[1:]):
+                    if p.grad is None:
+                        flat[start:end].zero_()
+                    else:
+                        flat[start:end].copy_(p.grad.reshape(-1))
+                dist.all_reduce(keep(flat[:offsets[-1]]), group=self.group)
+                for p, start, end in zip(bucket, offsets, offsets[1:]):
+                    summed = flat[start:end].view_as(p)
+                    if p.grad is None:
+                        p.grad = summed.clone()
+                    else:
+                        p.grad.copy_(summed)  # copy_ keeps the gradient's own dtype and layout
 
     def _flat_buffer(self, bucket: list[torch.nn.Parameter]) -> torch.Tensor:
         """A flat buffer kept from step to step (as DDP keeps its buckets): after the first step the
@@ -191,6 +193,6 @@ class DistributedSync:
 
     def _broadcast_from_rank_zero(self, tensors: list[torch.Tensor]) -> None:
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        with torch.no_grad():
+        with torch.no_grad(), settled() as keep:
             for t in tensors:
-                dist.broadcast(t.data, src=src, group=self.group)
+                dist.broadcast(keep(t.data), src=src, group=self.group)

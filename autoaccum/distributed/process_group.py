@@ -12,7 +12,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from autoaccum.distributed.settle import settled
 from autoaccum.plan import Plan
+
+if dist.is_available():
+    # Imported before any process group exists, on purpose: torch.distributed.nn.functional's
+    # collectives take ``group=group.WORLD`` as a default argument, evaluated at import. Imported
+    # after init_process_group (DDP's constructor does it, through torch._dynamo), those defaults
+    # hold the default group for good, so destroy_process_group() cannot free it: gloo's worker
+    # threads then live into interpreter shutdown, where a late one aborts the process.
+    import torch.distributed.nn  # noqa: F401
 
 __all__ = ["WorldInfo", "broadcast_plan", "gather_to_rank_zero", "init_from_env", "is_distributed", "is_rank_zero",
            "world_info"]
@@ -96,7 +105,8 @@ def _all_reduce(values: torch.Tensor, op: Any, group: Any = None) -> torch.Tenso
     """``values`` reduced over the group with ``op``, returned on the device and in the dtype they came in."""
     device = _comm_device(group)
     work = values.detach().to(device, copy=True)
-    dist.all_reduce(work, op=op, group=group)
+    with settled(work):  # returns once gloo's worker thread has let go of `work` (see settle.py)
+        dist.all_reduce(work, op=op, group=group)
     return work.to(values.device)
 
 

@@ -1,0 +1,154 @@
+"""Nothing of autoaccum's left in flight: the exit-time abort under gloo (issue 14).
+
+The abort: gloo's worker thread drops its reference to a finished collective a moment after the call
+returned; if the caller has dropped the tensor, the worker frees it and needs the GIL, which it cannot
+take during interpreter shutdown, so the process aborts ("terminate called without an active
+exception"). Two things make that impossible for autoaccum's collectives and for a script that ends
+with ``destroy_process_group()``, and each is tested here against the real gloo backend:
+
+1. every collective autoaccum runs returns only once the worker has let go of its tensors
+   (``autoaccum.distributed.settled``); a late worker thread is emulated by handing each collective's
+   work handle (it holds the tensors) to a thread that drops it 50 ms later;
+2. ``destroy_process_group()`` after ``fit`` really frees the group and stops gloo's worker threads
+   (torch.distributed.nn's default arguments would otherwise pin the group: autoaccum imports it
+   before any group exists).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import autoaccum
+from _spawn import results, spawn
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="needs torch.distributed with gloo")
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(96, 6, generator=g, dtype=torch.float64)
+    return x, (x[:, 0] > 0).long()
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.BatchNorm1d(8),
+                               torch.nn.Linear(8, 2)).double()
+
+
+class LateWorker:
+    """A gloo worker thread that lets go of each finished collective late.
+
+    Every ``dist.all_reduce``/``dist.broadcast`` still runs on the real backend and is waited on; its
+    work handle (which holds the tensors) is then dropped by this thread ``LATE_S`` later, as by a
+    worker thread the OS did not schedule for that long. ``held()`` counts the tensors handed to a
+    collective that are still held beyond the reference count they had before it."""
+
+    LATE_S = 0.05
+
+    def __init__(self) -> None:
+        self.handles: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.records: list[tuple[torch.Tensor, int]] = []
+        threading.Thread(target=self._drop, daemon=True).start()
+        for name in ("all_reduce", "broadcast"):
+            setattr(dist, name, self._late(getattr(dist, name)))
+
+    def _drop(self) -> None:
+        while True:
+            work, due = self.handles.get()
+            time.sleep(max(0.0, due - time.monotonic()))
+            del work  # the last reference to the handle: dropped here, on this thread
+
+    def _late(self, real: Any) -> Any:
+        def collective(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+            self.records.append((tensor, tensor._use_count()))
+            kwargs.pop("async_op", None)
+            work = real(tensor, *args, async_op=True, **kwargs)
+            work.wait()
+            self.handles.put((work, time.monotonic() + self.LATE_S))
+        return collective
+
+    def held(self) -> int:
+        return sum(t._use_count() > before for t, before in self.records)
+
+
+def fit_with_a_late_worker(rank: int, world_size: int, settle: bool) -> dict[str, Any]:
+    if not settle:  # negative control: autoaccum's collectives without the wait
+        import autoaccum.distributed.settle as settle_module
+        settle_module._wait = lambda noted, timeout_s: None
+    late = LateWorker()
+    held_at_loss: list[int] = []
+
+    def loss_fn(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        held_at_loss.append(late.held())  # inside guard.step: after its gather and agreement
+        x, y = batch
+        return F.cross_entropy(model(x), y)
+
+    x, y = _data()
+    autoaccum.fit(_model(), (x, y), target_batch=32, loss_fn=loss_fn, eval_data=(x[:40], y[:40]), epochs=1,
+                  plan=autoaccum.Plan.for_target(32, 8, world_size), progress=False, verbose=False,
+                  optimizer=None, lr=0.05, seed=1)
+    return {"held_after_fit": late.held(), "held_at_loss": held_at_loss, "collectives": len(late.records)}
+
+
+@pytest.mark.parametrize("settle", [True, False], ids=["settled", "negative-control"])
+def test_no_collective_tensor_is_held_when_fit_returns(tmp_path: Path, settle: bool) -> None:
+    out = results(tmp_path, spawn(fit_with_a_late_worker, tmp_path, settle=settle)[0])
+    for r in out:
+        assert r["collectives"] > 20  # every step: gather, agree, gradients, buffers, loss; evaluation
+        if settle:
+            assert r["held_after_fit"] == 0 and set(r["held_at_loss"]) == {0}, r
+        else:  # the late worker still holds the step's first collectives when the loss runs: the test sees it
+            assert max(r["held_at_loss"]) > 0, r
+
+
+def _gloo_threads() -> int:
+    return sum(open(f"/proc/self/task/{t}/comm").read().strip() == "pt_gloo_runloop"
+               for t in os.listdir("/proc/self/task"))
+
+
+def fit_then_destroy(rank: int, world_size: int, pin: bool) -> dict[str, int]:
+    if pin:  # negative control: the defaults of torch.distributed.nn bound to the live group
+        import importlib
+
+        import torch.distributed.nn.functional as functional
+        importlib.reload(functional)
+    x, y = _data()
+    autoaccum.fit(_model(), (x, y), target_batch=32, epochs=1, plan=autoaccum.Plan.for_target(32, 8, world_size),
+                  progress=False, verbose=False, seed=1)  # wraps the model in DDP, which imports torch._dynamo
+    during = _gloo_threads()
+    dist.destroy_process_group()
+    return {"during": during, "after": _gloo_threads()}
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through /proc")
+@pytest.mark.parametrize("pin", [False, True], ids=["freed", "negative-control"])
+def test_destroy_process_group_after_fit_stops_gloo_threads(tmp_path: Path, pin: bool) -> None:
+    out = results(tmp_path, spawn(fit_then_destroy, tmp_path, pin=pin)[0])
+    for r in out:
+        assert r["during"] > 0
+        assert (r["after"] > 0) == pin, r
+
+
+def test_settled_waits_for_a_tensor_held_elsewhere_then_gives_up_with_a_warning(caplog) -> None:
+    free = torch.zeros(3)
+    held = torch.zeros(3, requires_grad=True)
+    with autoaccum.distributed.settled(free, timeout_s=0.05) as keep:
+        graph = (keep(held) * 2).sum()  # the autograd graph holds `held` until it is freed: never, here
+    assert "still holds a collective's tensor" in caplog.text
+    caplog.clear()
+    with autoaccum.distributed.settled(free, held.detach(), timeout_s=0.05):
+        pass
+    assert caplog.text == ""  # nothing held: no wait, no warning
+    del graph
