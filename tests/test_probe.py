@@ -14,7 +14,7 @@ import autoaccum.state
 from autoaccum import AutoAccumError, DoesNotFitError, Plan, ProbeReport, TaskError, probe
 from autoaccum.demo import TinyGPT, synthetic_tokens, token_loss
 from autoaccum.memory import TrackedMemory
-from autoaccum.probe import THROUGHPUT_TIE, Candidate, choose_micro_batch, plan_step_times, time_slope
+from autoaccum.probe import RETIME_ROUNDS, THROUGHPUT_TIE, Candidate, choose_micro_batch, plan_step_times, time_slope
 from autoaccum.stepper import Stepper
 from _probe_models import (
     convnet, gpt_batch, gpt_loss, image_batch, largest_fitting, measure_phases, mlp, mlp_batch, mlp_loss, runs_under,
@@ -71,7 +71,10 @@ def test_when_everything_fits_the_search_goes_straight_to_the_largest_size():
     report = probe(model=mlp(), loss_fn=mlp_loss, make_batch=mlp_batch(), target_batch=512, budget=8_000_000)
     sizes = [c.micro_batch for c in report.candidates]
     assert sizes[0] == 1 and 1 < sizes[1] < 512 and sizes[2:] == [512], sizes
-    assert (report.probe_steps, report.optimizer_steps, report.probe_ooms) == (4, 2, 0)
+    # 4 passes, and 2 more per retiming round (at most RETIME_ROUNDS) where a smaller size timed faster
+    # on a loaded machine
+    assert report.probe_steps in {4 + 2 * r for r in range(RETIME_ROUNDS + 1)}, report.probe_steps
+    assert (report.optimizer_steps, report.probe_ooms) == (2, 0)
     assert report.max_fitting_micro_batch == 512
     assert report.fit_note == "limit bracketed by measurement: 512 fits"
 
