@@ -28,8 +28,8 @@ fresh process, which the first optimizer built in a process pays (``Optimizer.ad
 wrapped in ``torch._disable_dynamo``): the CLI's probe builds the demo's optimizer, so its first
 probe pays it; ``fit`` builds the optimizer before it probes.
 
-Prints a table, then one JSON document, and writes the sub-section "### Probe cost (item 3)" of
-"## Issue 15" in benchmarks/RESULTS.md (``--no-write`` to skip; the rest stays as it is). Not part
+Prints a table, then one JSON document, and writes the sub-section "### Probe cost" of
+"## Speed (issue 15)" in benchmarks/RESULTS.md (``--no-write`` to skip; the rest stays as it is). Not part
 of the test run.
 
     python benchmarks/probe_bench.py [--json-only] [--no-write] [--threads N] [--cold N]
@@ -59,10 +59,9 @@ from autoaccum import emulated_budget
 from autoaccum.demo import TinyGPT, synthetic_tokens, token_loss
 from autoaccum.task import Task
 from autoaccum.throughput import measure
-from results_md import RESULTS, markdown_table
+from results_md import RESULTS, SPEED, markdown_table, write_subsection
 
-ISSUE = "## Issue 15"
-SECTION = "### Probe cost (item 3)"
+SECTION = "### Probe cost"  # of SPEED, "## Speed (issue 15)"
 HEADROOM = 0.1
 UPPER = 4096  # brute force stops doubling here
 VARIANTS = {"old": 2, "new": None}  # steps_per_size: the schedule before issue 15, and the default
@@ -313,27 +312,6 @@ def cold_table(result: dict) -> str:
     return markdown_table(lines)
 
 
-def write_subsection(title: str, text: str, path: Path = RESULTS) -> None:
-    """Replace the sub-section ``title`` of "## Issue 15" (up to the next ``### `` or ``## ``), or add it
-    at the end of that section (the section itself at the end of the file where it is missing)."""
-    doc = path.read_text() if path.exists() else "# Benchmark results\n"
-    text = text.rstrip("\n") + "\n"
-    start = doc.find(title)
-    if start != -1:
-        ends = [i for i in (doc.find("\n### ", start + len(title)), doc.find("\n## ", start + len(title))) if i != -1]
-        end = min(ends) + 1 if ends else len(doc)
-        doc = doc[:start] + text + ("\n" + doc[end:] if end < len(doc) else "")
-    else:
-        issue = doc.find(ISSUE + "\n")
-        if issue == -1:
-            doc = doc.rstrip("\n") + f"\n\n{ISSUE}\n\n" + text
-        else:
-            nxt = doc.find("\n## ", issue + len(ISSUE))
-            end = len(doc) if nxt == -1 else nxt + 1
-            doc = doc[:end].rstrip("\n") + "\n\n" + text + ("\n" + doc[end:] if end < len(doc) else "")
-    path.write_text(doc.rstrip("\n") + "\n")
-
-
 def write_section(result: dict, command: str, path: Path = RESULTS) -> None:
     sequences = "; ".join(f"{r['model']} @ {r['budget']}: " + ", ".join(
         f"{name} {' -> '.join(map(str, r['probe'][name]['sizes']))}" for name in VARIANTS) for r in result["rows"])
@@ -372,7 +350,7 @@ def write_section(result: dict, command: str, path: Path = RESULTS) -> None:
         ]
     if not result["cuda"]:
         parts += ["No GPU on this machine: the CUDA probe (the issue's GPU MLP row) is unconfirmed by this run.", ""]
-    write_subsection(SECTION, "\n".join(parts), path)
+    write_subsection(SECTION, "\n".join(parts), SPEED, path)
 
 
 def main() -> int:
