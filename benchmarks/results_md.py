@@ -39,6 +39,34 @@ def replace_section(title: str, section: str, path: Path = RESULTS) -> None:
     path.write_text(text.rstrip("\n") + "\n")
 
 
+SPEED = "## Speed (issue 15)"  # the section the issue-15 benchmarks write their sub-sections into
+
+
+def write_subsection(title: str, text: str, section: str = SPEED, path: Path = RESULTS) -> None:
+    """Replace the sub-section headed ``title`` (a ``### `` line, up to the next ``### `` or ``## ``) of the
+    section headed ``section``, or add it at the end of that section; the section itself is appended at the
+    end of the file where it is missing. Only that section is searched: a sub-section of the same title
+    elsewhere in the file, and every other section, stay as they are."""
+    doc = path.read_text() if path.exists() else "# Benchmark results\n"
+    text = text.rstrip("\n") + "\n"
+    head = doc.find("\n" + section + "\n")
+    if head == -1:
+        path.write_text(doc.rstrip("\n") + f"\n\n{section}\n\n" + text)
+        return
+    body = head + len(section) + 2
+    nxt = doc.find("\n## ", body)
+    end = len(doc) if nxt == -1 else nxt + 1
+    start = doc.find("\n" + title + "\n", head, end)
+    if start == -1:
+        doc = doc[:end].rstrip("\n") + "\n\n" + text + ("\n" + doc[end:] if end < len(doc) else "")
+    else:
+        start += 1
+        sub = doc.find("\n### ", start + len(title), end)
+        stop = end if sub == -1 else sub + 1
+        doc = doc[:start] + text + ("\n" + doc[stop:] if stop < len(doc) else "")
+    path.write_text(doc.rstrip("\n") + "\n")
+
+
 def bench_main(doc: str, script: str, run: Callable[[], dict], table: Callable[[dict], str],
                write_section: Callable[[dict, str], None]) -> int:
     """Parse the flags, ``run()``, add the run's context (wall time, threads, machine, date) to its

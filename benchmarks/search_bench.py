@@ -57,10 +57,9 @@ from autoaccum.search import SearchSpace, search
 from autoaccum.search.compare import paired_ratios
 from autoaccum.task import Task
 from autoaccum.throughput import make_bench
-from probe_bench import write_subsection
-from results_md import markdown_table
+from results_md import markdown_table, write_subsection
 
-SECTION = "### Search robustness (item 5)"
+SECTION = "### Search robustness"  # of "## Speed (issue 15)"
 
 HEADROOM = 0.1
 MEASURE: dict = {"warmup_steps": 2, "measure_steps": 5}
@@ -216,7 +215,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=1, help="repeat the whole benchmark this many times (1)")
     parser.add_argument("--json-only", action="store_true")
     parser.add_argument("--write", action="store_true",
-                        help="write the sub-section \"### Search robustness (item 5)\" of \"## Issue 15\" in RESULTS.md")
+                        help="write the sub-section \"### Search robustness\" of \"## Speed (issue 15)\" in RESULTS.md")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.clock == "cpu" and args.threads != 1:
@@ -252,7 +251,7 @@ def main() -> None:
 
 
 def write_section(doc: dict, command: str) -> None:
-    """This benchmark's sub-section of "## Issue 15" in RESULTS.md (the rest stays as it is)."""
+    """This benchmark's sub-section of "## Speed (issue 15)" in RESULTS.md (the rest stays as it is)."""
     runs = doc["runs"]
     wall = [(r["search_micro_only"]["wall_time_s"], r["search_micro_only"]["trials"],
              sum(len(f["runs"]) for f in r["search_micro_only"]["finalists"]),
