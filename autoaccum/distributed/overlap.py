@@ -62,6 +62,7 @@ class _OverlappedReduce:
         self.active = False  # between start() and finish()
         self.reduced: list[bool] | None = None  # after an agreed OK: which parameters have a sum to take
         self.late = False  # after an agreed OK: a gradient was late on some rank; reduce the old way
+        self.early = 0  # buckets of the last attempt sent from inside its backward (the overlap itself)
         self._hooks: list[Any] = []
         self._stack = contextlib.ExitStack()
         self._keep: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -101,7 +102,7 @@ class _OverlappedReduce:
         last micro-step's backward (the guard calls it when it hands out the last micro-batch)."""
         if self.flats is None or self.active:
             raise RuntimeError("internal: an overlapped attempt needs its buffers and no attempt in flight")
-        self.active, self.reduced, self.late = True, None, False
+        self.active, self.reduced, self.late, self.early = True, None, False, 0
         self._works, self._fired, self._next, self._late = [], set(), 0, False
         self._waiting = [len(b) for b in self.buckets]
         self._stack = contextlib.ExitStack()
@@ -123,6 +124,7 @@ class _OverlappedReduce:
         self._waiting[self.where[key]] -= 1
         while self._next < len(self.buckets) and self._waiting[self._next] == 0:  # strictly in order
             self._launch(self._next, copy=True)
+            self.early += 1
 
     def _launch(self, index: int, *, copy: bool) -> None:
         assert self.flats is not None and self._keep is not None
