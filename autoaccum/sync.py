@@ -2,12 +2,14 @@
 ``autoaccum.distributed`` and has the same methods.
 
 The guard asks these things of a sync, in this order, once per optimizer step:
-1. ``gather((n, steps))``: every rank's sample count of the step and the micro-steps its cut
-   needs (the counts' sum is the global batch; the largest step count is what every rank runs);
+1. ``gather((n, steps, vote))``: every rank's sample count of the step, the micro-steps its cut
+   needs (the counts' sum is the global batch; the largest step count is what every rank runs)
+   and its vote to overlap the all-reduce (below);
 2. ``no_sync()`` around every micro-batch's forward and backward: no gradient collective runs
-   while a rank may still hit an OOM;
+   while a rank may still hit an OOM (except an overlapped attempt's own buckets, below);
 3. ``agree(status)``: the worst status over all ranks (OK < OOM < ERROR), exchanged where no
-   gradient collective can be in flight, so an OOM on one rank becomes a shrink on every rank;
+   gradient collective can be in flight (or, overlapped, after every rank issued the same
+   ones, in the same order), so an OOM on one rank becomes a shrink on every rank;
    after a shrink, ``agree_plan(plan)``: the smallest micro-batch any rank proposes;
 4. ``reduce_gradients()`` and ``sum_items(n)``: gradients summed over ranks once, token counts too.
 
