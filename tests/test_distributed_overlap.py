@@ -407,3 +407,16 @@ def test_negative_control_unaligned_buckets_break_the_ranks(tmp_path: Path) -> N
     bucket all-reduce: the run does not end well (an error or a hang, bounded here)."""
     codes, _ = spawn(unaligned_run, tmp_path, timeout_s=40, allow_hang=True)
     assert codes != [0, 0], "the unaligned protocol survived: the injection is not where the hazard is"
+
+
+# -- in one process -----------------------------------------------------------------------------------
+def test_bad_overlap_value_is_refused_and_one_process_never_overlaps() -> None:
+    net = make_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="overlap.*sometimes.*auto.*on.*off"):
+        autoaccum.OOMGuard(net, opt, target_batch=TARGET, micro_batch=MICRO, overlap="sometimes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="overlap"):
+        autoaccum.fit(net, make_data(TARGET), target_batch=TARGET, optimizer=opt, overlap="yes", progress=False)
+    guard = autoaccum.OOMGuard(net, opt, target_batch=TARGET, micro_batch=MICRO, overlap="on")
+    stats = guard.step(make_data(TARGET), mean_loss)
+    assert not stats.overlapped and guard.overlapped_steps == 0  # one process: nothing to all-reduce
