@@ -280,6 +280,7 @@ class OOMGuard:
         self._overlap_wait = 0  # clean steps to wait before overlapping again, after an OOM struck an overlapped one
         self._overlap_decision: bool | None = None  # the last agreed decision (logged when it changes)
         self._overlapped = False  # the attempt in progress is overlapped
+        self._fresh_buffers = False  # the overlap's buffers were allocated in this attempt's vote
         self._warn_batchnorm()
 
     # -- public ---------------------------------------------------------------------------------
@@ -446,6 +447,7 @@ class OOMGuard:
             return False, reason
         if not sync.prepare_overlap(self.params):
             return False, f"its buffers ({format_bytes(extra)}) do not fit now"
+        self._fresh_buffers = extra > 0
         return True, reason
 
     def _overlap_room(self, extra_bytes: int) -> tuple[bool, str]:
@@ -489,6 +491,13 @@ class OOMGuard:
             self.grow in ("auto", "model") or overlap_auto)) else None
         changes: list[PlanChange] = []
         if self._limit is not None and start is not None and self.grow in ("auto", "model"):
+            if self._may_grow() and isinstance(self.sync, OverlapSync):
+                # growth first: the overlap's buffers are memory a larger micro-batch may take (the
+                # overlap then runs only where room is left after it)
+                self.sync.release_overlap()
+                self.meter.reset_peak()
+                start = self._start = self.meter.read()
+            assert start is not None
             changes.extend(self._grow_to_fit(start.current_bytes, self._limit))
         rng = capture_rng()
         buffers = capture_buffers(self._buffer_slots)
@@ -496,7 +505,13 @@ class OOMGuard:
         self._zero_grad()
         while True:
             attempts += 1
+            self._fresh_buffers = False
             num_samples, steps, self._overlapped = self._agree_cut(batch, n, attempts)
+            if self._fresh_buffers and start is not None:
+                # the overlap's buffers were allocated just now: from here on they are live at a
+                # step's start, so they count there, not in this step's measured rise
+                self.meter.reset_peak()
+                start = self._start = self.meter.read()
             self._last_steps = steps
             micro_batches = self.cut(batch, n, self.plan, steps)
             if self._overlapped:
@@ -579,8 +594,7 @@ class OOMGuard:
 
         Whether to ask depends only on what every rank shares (the agreed plan, the calm steps), so
         every rank joins the exchange; what each proposes depends on its own memory."""
-        calm = self.grow_after if self.grow_after is not None else DEFAULT_GROW_AFTER
-        if self._ok_streak < calm or self.plan.micro_batch >= self.initial_micro_batch:
+        if not self._may_grow():
             return []
         old = self.plan
         proposal = fitting_plan(old, self.initial_micro_batch, lambda b: fits(
@@ -591,6 +605,11 @@ class OOMGuard:
             return []  # nothing fits yet: the calm steps go on counting, and the next step asks again
         self._grown = True
         return [self._record("grow", "predicted to fit in the free memory", old)]
+
+    def _may_grow(self) -> bool:
+        """Calm steps enough, and below the initial micro-batch: memory-guided growth asks this step."""
+        calm = self.grow_after if self.grow_after is not None else DEFAULT_GROW_AFTER
+        return self._ok_streak >= calm and self.plan.micro_batch < self.initial_micro_batch
 
     def _measured(self, start: MemoryReading | None, end: MemoryReading | None) -> None:
         """After a clean step with memory-guided growth on: what a step at this size took, and the room it had."""
