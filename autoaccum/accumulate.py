@@ -1,7 +1,8 @@
 """The exact gradient of one global batch (invariant 2), as a component.
 
 :func:`accumulate` runs the forward and backward of each micro-batch of one rank, inside the
-sync's accumulation window (no gradient collective in flight), with each loss weighted so that the
+sync's accumulation window (no gradient collective of the model's own; an overlapped step sends
+autoaccum's buckets from the last backward, ``autoaccum.distributed.overlap``), with each loss weighted so that the
 summed gradients are those of the whole global batch:
 
 - a **mean loss** over a micro-batch of ``n_i`` samples is weighted by ``n_i / N``, ``N`` the

@@ -34,24 +34,27 @@ from autoaccum.batchnorm import batchnorm_layers, smallest_micro_batch, warn_bat
 from autoaccum.cut import Cutter, SampleCut
 from autoaccum.errors import AutoAccumError, DoesNotFitError, NonFiniteError, TaskError
 from autoaccum.log import rank_level
-from autoaccum.memory import Meter, MemoryReading, TrackedMemory, active_budget, default_meter
+from autoaccum.memory import Meter, MemoryReading, TrackedMemory, active_budget, default_meter, usable_bytes
 from autoaccum.memory_model import MemoryModel
 from autoaccum.optim_step import NONFINITE_POLICIES, NonFinite, step_oom_error, step_optimizer
 from autoaccum.plan import Plan, resolve_plan
 from autoaccum.policy import PlanChange, Reason, fitting_plan, grown_plan, shrunk_plan
 from autoaccum.recovery import catch_oom, release_memory
-from autoaccum.regrow import FailedGrowth, Rise, fits, memory_limit
+from autoaccum.regrow import FailedGrowth, Rise, fits, memory_limit, predicted_rise
 from autoaccum.state import capture_buffers, capture_rng, restore_buffers, restore_rng, state_buffers
-from autoaccum.sync import ERROR, OK, OOM, GradSync, LocalSync
+from autoaccum.sync import ERROR, OK, OOM, GradSync, LocalSync, OverlapSync
+from autoaccum.units import format_bytes
 from autoaccum.task import LossFn, check_loss_fn, check_optimizer_covers, explain_error, trainable_parameters
 from autoaccum.validate import check_choice, check_headroom, check_positive_float, check_positive_int
 
-__all__ = ["AccumulateResult", "GrowMode", "OOMGuard", "PlanChange", "StepResult", "batchnorm_layers"]
+__all__ = ["AccumulateResult", "GrowMode", "OOMGuard", "OverlapMode", "PlanChange", "StepResult", "batchnorm_layers"]
 
 logger = logging.getLogger(__name__)
 
 #: how the guard grows the micro-batch back after calm steps (see ``OOMGuard``)
 GrowMode = Literal["auto", "model", "double", "off"]
+#: whether the gradient all-reduce may run during the last micro-batch's backward (see ``OOMGuard``)
+OverlapMode = Literal["auto", "on", "off"]
 #: calm steps before growing, where ``grow_after`` is not given
 DEFAULT_GROW_AFTER = 2
 #: the fraction of the limit a predicted size keeps free, where neither ``headroom`` nor a probe report gives one
@@ -73,6 +76,8 @@ class AccumulateResult:
         peak_bytes: peak memory of the step (the meter's), else None.
         micro_steps: micro-steps of the attempt that succeeded (on every rank; with a token budget
             it depends on the step's lengths).
+        overlapped: the attempt that succeeded all-reduced its gradients during the last
+            micro-batch's backward (``OOMGuard(overlap=...)``).
     """
 
     loss: float
@@ -84,6 +89,7 @@ class AccumulateResult:
     step_time_s: float
     peak_bytes: int | None
     micro_steps: int = 0
+    overlapped: bool = False
 
 
 @dataclass(frozen=True)
@@ -152,6 +158,16 @@ class OOMGuard:
             ``"skip"`` skips the optimizer step (and the scheduler) and returns ``skipped=True``, as
             the GradScaler does; ``None`` does not check (no wait for the device before the step).
             With a GradScaler (fp16) the scaler's own check applies.
+        overlap: under ``torch.distributed`` (a :class:`~autoaccum.distributed.DistributedSync` on a
+            DDP or plain module), whether the gradient all-reduce runs during the last micro-batch's
+            backward, bucket by bucket, as DDP's does, instead of after it. ``"auto"`` (default):
+            where every rank's measured memory predicts room for the step's peak plus the
+            all-reduce buffers (the gradients' bytes) within the usable limit (``headroom``), or
+            where no limit can be run into (CPU without an emulated budget); not in a step's
+            replay after an OOM, nor for ``grow_after`` (default 2) clean steps after an OOM struck
+            an overlapped step. ``"on"``: wherever the sync can. ``"off"``: never (the all-reduce
+            after every rank said OK). An OOM in an overlapped micro-batch is recovered like any
+            other (see ``autoaccum.distributed.overlap``); FSDP2 never overlaps.
     """
 
     def __init__(
@@ -178,6 +194,7 @@ class OOMGuard:
         meter: Meter | None = None,
         log_changes: bool = True,
         nonfinite: NonFinite | None = "stop",
+        overlap: OverlapMode = "auto",
     ) -> None:
         model_params = trainable_parameters(model)
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -219,6 +236,8 @@ class OOMGuard:
         check_positive_int(thrash_steps, "thrash_steps")
         check_choice(nonfinite, "nonfinite", (*NONFINITE_POLICIES, None))
         self.nonfinite = nonfinite
+        check_choice(overlap, "overlap", get_args(OverlapMode))
+        self.overlap = overlap
         check_optimizer_covers(model, optimizer)
         if split_fn is not None and cut is not None:
             raise TypeError("give split_fn= or cut=, not both (a cutter splits batches itself)")
@@ -257,6 +276,11 @@ class OOMGuard:
         self._warned_batchnorm = False
         self._checked_loss_fn: Any = None
         self._last_steps = 0
+        self.overlapped_steps = 0  # steps whose gradient all-reduce ran during the last backward
+        self._overlap_wait = 0  # clean steps to wait before overlapping again, after an OOM struck an overlapped one
+        self._overlap_decision: bool | None = None  # the last agreed decision (logged when it changes)
+        self._overlapped = False  # the attempt in progress is overlapped
+        self._fresh_buffers = False  # the overlap's buffers were allocated in this attempt's vote
         self._warn_batchnorm()
 
     # -- public ---------------------------------------------------------------------------------
@@ -385,14 +409,70 @@ class OOMGuard:
                              f"last_batch='drop')) or make it hold at least {self.plan.min_micro_batch} per rank.")
         return n
 
-    def _agree_cut(self, batch: Batch, n: int) -> tuple[int, int]:
-        """The step's samples over all ranks, and the micro-steps every rank runs (the most any rank's
-        cut needs): one exchange, where no gradient collective can be in flight."""
+    def _agree_cut(self, batch: Batch, n: int, attempt: int) -> tuple[int, int, bool]:
+        """The step's samples over all ranks, the micro-steps every rank runs (the most any rank's
+        cut needs), and whether every rank votes to overlap the all-reduce: one exchange, where no
+        gradient collective can be in flight."""
         steps = self.cut.steps(batch, n, self.plan)
         if self.sync.world_size == 1:
-            return n, steps
-        gathered = self.sync.gather((n, steps))
-        return sum(g[0] for g in gathered), max(g[1] for g in gathered)
+            return n, steps, False
+        vote, reason = self._overlap_vote(attempt)
+        gathered = self.sync.gather((n, steps, int(vote)))
+        overlap = all(g[2] for g in gathered)
+        if attempt == 1 and overlap != self._overlap_decision:
+            self._overlap_decision = overlap
+            why = reason if vote or not overlap else "another rank has no room for it"
+            logger.log(rank_level(logging.INFO, self.sync.rank), "gradient all-reduce %s: %s",
+                       "overlapped with the last backward" if overlap else "after the backward (not overlapped)", why)
+        return sum(g[0] for g in gathered), max(g[1] for g in gathered), overlap
+
+    # -- the overlapped all-reduce (autoaccum.distributed.overlap) ------------------------------------------
+    def _overlap_vote(self, attempt: int) -> tuple[bool, str]:
+        """This rank's vote to overlap this attempt's gradient all-reduce, and why; with a yes, the
+        sync holds its buffers already (so that no rank can fail to allocate them after the vote)."""
+        sync = self.sync
+        if self.overlap == "off" or not isinstance(sync, OverlapSync):
+            return False, "overlap='off'" if self.overlap == "off" else "this sync does not overlap"
+        extra = sync.overlap_bytes(self.params)
+        if extra is None:
+            return False, "this model's sync does not overlap (FSDP2: its reduce-scatter stays after the backward)"
+        if attempt > 1:
+            vote, reason = False, "a replay after an OOM"
+        elif self.overlap == "on":
+            vote, reason = True, "overlap='on'"
+        else:
+            vote, reason = self._overlap_room(extra)
+        if not vote:
+            sync.release_overlap()
+            return False, reason
+        if not sync.prepare_overlap(self.params):
+            return False, f"its buffers ({format_bytes(extra)}) do not fit now"
+        self._fresh_buffers = extra > 0
+        return True, reason
+
+    def _overlap_room(self, extra_bytes: int) -> tuple[bool, str]:
+        """overlap='auto': room for the step's predicted peak plus ``extra_bytes`` of buffers."""
+        if self._overlap_wait > 0:
+            return False, f"an OOM struck an overlapped step; {self._overlap_wait} more clean step(s) first"
+        start, limit = self._start, self._limit
+        if start is None or limit is None:
+            if self.device.type == "cpu" and memory_limit(self.meter) is None and active_budget() is None:
+                return True, "no memory limit to run into (CPU without an emulated budget)"
+            return False, "no memory model for this micro-batch yet (a meter that reads memory and its limit)"
+        rise = predicted_rise(self.plan.micro_batch, self._rises, self.memory_model, self._failures)
+        if rise is None:
+            return False, f"no step measured yet at or below micro-batch {self.plan.micro_batch}"
+        predicted, usable = start.current_bytes + rise + extra_bytes, usable_bytes(limit, self.headroom)
+        room = f"predicted peak {format_bytes(predicted)} (buffers {format_bytes(extra_bytes)} included), usable " \
+               f"{format_bytes(usable)} (headroom {self.headroom:.0%})"
+        return predicted <= usable, room
+
+    def _arming(self, micro_batches: Any, steps: int, arm: Callable[[], None]) -> Any:
+        """The micro-batches, arming the overlapped all-reduce before the last micro-step runs."""
+        for index, micro in enumerate(micro_batches):
+            if index == steps - 1:
+                arm()
+            yield micro
 
     def _accumulate(self, batch: Batch, loss_fn: LossFn,
                     partial: bool) -> tuple[StepTotals, int, list[PlanChange], MemoryReading | None]:
@@ -404,11 +484,20 @@ class OOMGuard:
         start = self._start = self.meter.read()
         self._start_ooms = getattr(self.meter, "oom_count", 0)
         self._full_step = n == self.plan.rank_batch(self.sync.rank)
-        # memory-guided growth reads the limit once per step (CUDA: two allocator queries), only where it is on
-        self._limit = memory_limit(self.meter) if (start is not None and self.grow in ("auto", "model")
-                                                   and self.plan.tokens is None) else None
+        # memory-guided growth and the overlap's room read the limit once per step (CUDA: two allocator
+        # queries), only where one of them is on
+        overlap_auto = self.overlap == "auto" and self.sync.world_size > 1 and isinstance(self.sync, OverlapSync)
+        self._limit = memory_limit(self.meter) if (start is not None and self.plan.tokens is None and (
+            self.grow in ("auto", "model") or overlap_auto)) else None
         changes: list[PlanChange] = []
-        if self._limit is not None and start is not None:
+        if self._limit is not None and start is not None and self.grow in ("auto", "model"):
+            if self._may_grow() and isinstance(self.sync, OverlapSync):
+                # growth first: the overlap's buffers are memory a larger micro-batch may take (the
+                # overlap then runs only where room is left after it)
+                self.sync.release_overlap()
+                self.meter.reset_peak()
+                start = self._start = self.meter.read()
+            assert start is not None
             changes.extend(self._grow_to_fit(start.current_bytes, self._limit))
         rng = capture_rng()
         buffers = capture_buffers(self._buffer_slots)
@@ -416,9 +505,17 @@ class OOMGuard:
         self._zero_grad()
         while True:
             attempts += 1
-            num_samples, steps = self._agree_cut(batch, n)
+            self._fresh_buffers = False
+            num_samples, steps, self._overlapped = self._agree_cut(batch, n, attempts)
+            if self._fresh_buffers and start is not None:
+                # the overlap's buffers were allocated just now: from here on they are live at a
+                # step's start, so they count there, not in this step's measured rise
+                self.meter.reset_peak()
+                start = self._start = self.meter.read()
             self._last_steps = steps
             micro_batches = self.cut(batch, n, self.plan, steps)
+            if self._overlapped:
+                micro_batches = self._arming(micro_batches, steps, self.sync.overlapped(self.params))  # type: ignore[attr-defined]
             result = accumulate(self.model, micro_batches, loss_fn, num_samples=num_samples, device=self.device,
                                 sync=self.sync, scaler=self.scaler, autocast_dtype=self.autocast_dtype,
                                 num_items_in_batch=num_items, copy_inputs=self._emulated)
@@ -435,6 +532,8 @@ class OOMGuard:
                 raise AutoAccumError("another rank failed with an error during this step; see its log")
             where = "another rank" if isinstance(result, Accumulated) else result.where
             result = None  # type: ignore[assignment]  # OOM here or elsewhere: replay smaller, from the same start
+            if self._overlapped:  # the room was not there after all: today's protocol for a while
+                self._overlap_wait = self.grow_after or DEFAULT_GROW_AFTER
             if self._grown:  # the growth did not fit after all: counted, and remembered against the room it had
                 self._failed_growth(start, local=where != "another rank")
             self._zero_grad()
@@ -461,13 +560,16 @@ class OOMGuard:
         self.steps += 1
         self.floor = self.plan.micro_batch
         reading = self.meter.read()
+        self.overlapped_steps += self._overlapped
         if attempts == 1:
             self._grown = False
             self._measured(start, reading)
+            self._overlap_wait = max(0, self._overlap_wait - 1)
         changes.extend(self._adapt(attempts, reading))
         return {"loss": loss, "num_samples": totals.num_samples, "num_items": totals.num_items, "plan": self.plan,
                 "changes": tuple(changes), "attempts": attempts, "step_time_s": time.perf_counter() - started,
-                "peak_bytes": None if reading is None else reading.peak_bytes, "micro_steps": self._last_steps}
+                "peak_bytes": None if reading is None else reading.peak_bytes, "micro_steps": self._last_steps,
+                "overlapped": self._overlapped}
 
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)  # through the optimizer: hooks on zero_grad see it
@@ -492,8 +594,7 @@ class OOMGuard:
 
         Whether to ask depends only on what every rank shares (the agreed plan, the calm steps), so
         every rank joins the exchange; what each proposes depends on its own memory."""
-        calm = self.grow_after if self.grow_after is not None else DEFAULT_GROW_AFTER
-        if self._ok_streak < calm or self.plan.micro_batch >= self.initial_micro_batch:
+        if not self._may_grow():
             return []
         old = self.plan
         proposal = fitting_plan(old, self.initial_micro_batch, lambda b: fits(
@@ -504,6 +605,11 @@ class OOMGuard:
             return []  # nothing fits yet: the calm steps go on counting, and the next step asks again
         self._grown = True
         return [self._record("grow", "predicted to fit in the free memory", old)]
+
+    def _may_grow(self) -> bool:
+        """Calm steps enough, and below the initial micro-batch: memory-guided growth asks this step."""
+        calm = self.grow_after if self.grow_after is not None else DEFAULT_GROW_AFTER
+        return self._ok_streak >= calm and self.plan.micro_batch < self.initial_micro_batch
 
     def _measured(self, start: MemoryReading | None, end: MemoryReading | None) -> None:
         """After a clean step with memory-guided growth on: what a step at this size took, and the room it had."""

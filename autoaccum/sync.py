@@ -2,27 +2,36 @@
 ``autoaccum.distributed`` and has the same methods.
 
 The guard asks these things of a sync, in this order, once per optimizer step:
-1. ``gather((n, steps))``: every rank's sample count of the step and the micro-steps its cut
-   needs (the counts' sum is the global batch; the largest step count is what every rank runs);
+1. ``gather((n, steps, vote))``: every rank's sample count of the step, the micro-steps its cut
+   needs (the counts' sum is the global batch; the largest step count is what every rank runs)
+   and its vote to overlap the all-reduce (below);
 2. ``no_sync()`` around every micro-batch's forward and backward: no gradient collective runs
-   while a rank may still hit an OOM;
+   while a rank may still hit an OOM (except an overlapped attempt's own buckets, below);
 3. ``agree(status)``: the worst status over all ranks (OK < OOM < ERROR), exchanged where no
-   gradient collective can be in flight, so an OOM on one rank becomes a shrink on every rank;
+   gradient collective can be in flight (or, overlapped, after every rank issued the same
+   ones, in the same order), so an OOM on one rank becomes a shrink on every rank;
    after a shrink, ``agree_plan(plan)``: the smallest micro-batch any rank proposes;
 4. ``reduce_gradients()`` and ``sum_items(n)``: gradients summed over ranks once, token counts too.
+
+A sync that can overlap the gradient all-reduce with the last micro-batch's backward
+(:class:`OverlapSync`: ``DistributedSync`` for DDP and plain modules) is asked, in step 1, whether
+it has room (``overlap_bytes``, ``prepare_overlap``); the ranks vote in the same ``gather``; where
+every rank voted for it, ``overlapped()`` starts the attempt, the guard arms it before the last
+micro-step, and ``agree(status)`` first sends what was not sent yet, in order, then exchanges the
+flag (``autoaccum.distributed.overlap``).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Protocol
+from collections.abc import Callable, Iterator
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from autoaccum.plan import Plan
 
-__all__ = ["GradSync", "LocalSync", "OK", "OOM", "ERROR"]
+__all__ = ["GradSync", "LocalSync", "OK", "OOM", "ERROR", "OverlapSync"]
 
 OK, OOM, ERROR = 0, 1, 2
 
@@ -37,6 +46,16 @@ class GradSync(Protocol):
     def sum_items(self, count: torch.Tensor) -> torch.Tensor: ...
     def gather(self, values: tuple[int, ...]) -> tuple[tuple[int, ...], ...]: ...
     def agree_plan(self, plan: Plan) -> Plan: ...
+
+
+@runtime_checkable
+class OverlapSync(Protocol):
+    """A sync that can all-reduce gradients during the last micro-batch's backward."""
+
+    def overlap_bytes(self, params: list[torch.nn.Parameter]) -> int | None: ...
+    def prepare_overlap(self, params: list[torch.nn.Parameter]) -> bool: ...
+    def release_overlap(self) -> None: ...
+    def overlapped(self, params: list[torch.nn.Parameter]) -> Callable[[], None]: ...
 
 
 class LocalSync:

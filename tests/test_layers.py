@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("report", "cache", "estimate", "stepper", "size_search", "length_search", "probe"),
     # cut -> accumulate -> guard
     ("data", "sync", "cut", "distributed.settle", "distributed.process_group", "distributed.models",
-     "distributed.fsdp2", "distributed.ddp", "distributed"),
+     "distributed.fsdp2", "distributed.overlap", "distributed.ddp", "distributed"),
     ("accumulate", "regrow", "policy", "optim_step", "losses"),
     ("guard",),
     # the trainer and its components

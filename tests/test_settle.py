@@ -71,12 +71,15 @@ class LateWorker:
             del work  # the last reference to the handle: dropped here, on this thread
 
     def _late(self, real: Any) -> Any:
-        def collective(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        def collective(tensor: torch.Tensor, *args: Any, async_op: bool = False, **kwargs: Any) -> Any:
             self.records.append((tensor, tensor._use_count()))
-            kwargs.pop("async_op", None)
             work = real(tensor, *args, async_op=True, **kwargs)
+            if async_op:  # the overlapped all-reduce's buckets: the caller holds the handle and waits on it
+                self.handles.put((work, time.monotonic() + self.LATE_S))  # and this thread lets go of it late
+                return work
             work.wait()
             self.handles.put((work, time.monotonic() + self.LATE_S))
+            return None
         return collective
 
     def held(self) -> int:

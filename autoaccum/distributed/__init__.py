@@ -3,6 +3,8 @@
 Where the ranks talk, per optimizer step, in the guard's order::
 
     step start    sum_items(n)          samples in the global batch              all_reduce SUM
+                  gather((n, steps,     samples, micro-steps, and each rank's    all_reduce SUM
+                          vote))        vote to overlap (every rank must)
     window        no_sync():            every micro-batch's forward + backward   no collective at all
     after it      agree(status)         OK < OOM < ERROR, the worst wins         all_reduce MAX
                   reduce_gradients()    gradients summed once                    all_reduce SUM (FSDP2:
@@ -11,10 +13,24 @@ Where the ranks talk, per optimizer step, in the guard's order::
 
 The gloo hazard (a rank that runs out of memory inside a synchronising backward enters the flag
 all-reduce while the other rank is inside its gradient all-reduce; the two collectives pair up and
-both processes die) cannot happen here, because no micro-batch, not even the last, runs a
-gradient collective: every forward and backward is inside the window, the OOM flag is exchanged
+both processes die) cannot happen in this protocol (the one kept where memory is tight), because
+no micro-batch, not even the last, runs a gradient collective: every forward and backward is inside the window, the OOM flag is exchanged
 after it, and gradients are reduced once, after every rank has said OK. A rank that fails can only
 be waiting in ``agree``, where every other rank is headed too.
+
+**Overlapped** (DDP and plain modules, where every rank voted for it: ``OOMGuard(overlap=...)``):
+the last micro-batch's backward is the exception to "no collective in the window"::
+
+    last backward  bucket k final        all_reduce SUM, async, buckets strictly in order
+    after it       the buckets not sent  all_reduce SUM, async, in the same order (zeros after a failure)
+                   agree(status)         status, presence bits, "late" flag       all_reduce MAX
+                                         then every bucket waited on and settled
+                   reduce_gradients()    the sums copied into ``.grad`` (no collective)
+                   sum_items(scalars)    loss sum, item (token) count             all_reduce SUM
+
+Every rank issues the same collectives in the same order whatever its micro-batches did, so the
+flag exchange can only meet the flag exchange; an OOM anywhere drops the sums on every rank and the
+step is replayed, not overlapped (``autoaccum.distributed.overlap``).
 
 - **DDP**: the window is ``model.no_sync()`` (forward included, so DDP neither prepares its reducer
   nor broadcasts buffers), gradients hold local sums, and :meth:`DistributedSync.reduce_gradients`
@@ -40,6 +56,7 @@ launcher of your own, the process group's timeout does.
 The package, by job: ``process_group`` (where this process stands, torchrun's environment, the
 small all-reduces, one plan for every rank), ``models`` (DDP, FSDP2 or plain; wrapping; full state
 for checkpoints), ``ddp`` (:class:`DistributedSync` and the bucketed gradient all-reduce),
+``overlap`` (the all-reduce during the last backward, and the order it keeps on an OOM),
 ``fsdp2`` (FSDP2's side of the accumulation window), ``settle`` (every collective returns only once
 gloo's worker thread has let go of its tensors: nothing of autoaccum's is in flight when a call
 returns, so nothing is freed on a worker thread during interpreter shutdown).

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from autoaccum.distributed.fsdp2 import _FSDP2Window
 from autoaccum.distributed.models import ModelKind, model_kind
+from autoaccum.distributed.overlap import _OverlappedReduce
 from autoaccum.distributed.process_group import (
     _all_reduce,
     broadcast_plan,
@@ -29,17 +30,23 @@ __all__ = ["BUCKET_BYTES", "DistributedSync"]
 
 #: gradients are all-reduced in flat buckets of at most this many bytes (DDP's default bucket_cap_mb)
 BUCKET_BYTES = 25 * 2**20
+#: overlapped, the first bucket (the last layers' gradients, final first in a backward) holds at most
+#: this many bytes, so that it leaves early (DDP's ``dist._DEFAULT_FIRST_BUCKET_BYTES``)
+FIRST_BUCKET_BYTES = 2**20
 
 
-def _buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> Iterator[list[torch.nn.Parameter]]:
-    """Consecutive runs of parameters of one dtype and device, each up to ``bucket_bytes`` (or one parameter)."""
+def _buckets(params: list[torch.nn.Parameter], bucket_bytes: int,
+             first_bytes: int | None = None) -> Iterator[list[torch.nn.Parameter]]:
+    """Consecutive runs of parameters of one dtype and device, each up to ``bucket_bytes`` (or one
+    parameter); the first one up to ``first_bytes`` where given."""
     bucket: list[torch.nn.Parameter] = []
     size = 0
+    cap = bucket_bytes if first_bytes is None else min(first_bytes, bucket_bytes)
     for p in params:
         nbytes = p.numel() * p.element_size()
-        if bucket and (p.dtype != bucket[0].dtype or p.device != bucket[0].device or size + nbytes > bucket_bytes):
+        if bucket and (p.dtype != bucket[0].dtype or p.device != bucket[0].device or size + nbytes > cap):
             yield bucket
-            bucket, size = [], 0
+            bucket, size, cap = [], 0, bucket_bytes
         bucket.append(p)
         size += nbytes
     if bucket:
@@ -80,6 +87,7 @@ class DistributedSync:
         self.world_size = dist.get_world_size(group)
         self._fsdp = _FSDP2Window(model) if self.kind == "fsdp2" else None
         self._buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._overlap: _OverlappedReduce | None = None
         sparse = [name for name, m in model.named_modules()
                   if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
         if sparse:  # checked here, the same on every rank, not when one rank meets a sparse gradient
@@ -113,7 +121,10 @@ class DistributedSync:
         return contextlib.nullcontext()
 
     def agree(self, status: int) -> int:
-        """The worst status over all ranks (OK=0 < OOM=1 < ERROR=2)."""
+        """The worst status over all ranks (OK=0 < OOM=1 < ERROR=2). After an overlapped attempt, every
+        bucket this rank has not sent yet goes first, in order (``autoaccum.distributed.overlap``)."""
+        if self._overlap is not None and self._overlap.active:
+            return self._overlap.finish(status)
         agreed = int(_all_reduce(torch.tensor([status], dtype=torch.int64), dist.ReduceOp.MAX, self.group).item())
         if agreed != 0 and self._fsdp is not None:
             # every rank replays from the same FSDP2 state, whether its own attempt failed or not,
@@ -145,9 +156,52 @@ class DistributedSync:
             if params:
                 self._all_reduce_grads(params)
             return
-        self._all_reduce_grads(params)
+        overlap = self._overlap
+        if overlap is not None and overlap.reduced is not None and not overlap.late:
+            overlap.copy_back()  # summed during the last backward; the ranks agreed the step is OK
+        else:
+            if overlap is not None:
+                overlap.reduced = None
+            self._all_reduce_grads(params)
         if self.kind == "plain" or getattr(self.model, "broadcast_buffers", False):
             self._broadcast_from_rank_zero(list(self.model.buffers()))
+
+    # -- the overlapped all-reduce (DDP and plain modules; autoaccum.distributed.overlap) ---------------
+    def overlap_bytes(self, params: list[torch.nn.Parameter]) -> int | None:
+        """The memory an overlapped attempt would add now (its flat buffers, 0 once they are held), or
+        None where this sync does not overlap (FSDP2; switched off after a gradient came late)."""
+        overlap = self._overlap_for(params)
+        if overlap is None:
+            return None
+        return 0 if overlap.flats is not None else overlap.nbytes
+
+    def prepare_overlap(self, params: list[torch.nn.Parameter]) -> bool:
+        """Hold the flat buffers before voting to overlap; False where they do not fit (an OOM)."""
+        overlap = self._overlap_for(params)
+        return overlap is not None and overlap.allocate()
+
+    def release_overlap(self) -> None:
+        """Give the overlap's buffers back (this rank votes against overlapping: memory is tight)."""
+        if self._overlap is not None and not self._overlap.active:
+            self._overlap.release()
+
+    def overlapped(self, params: list[torch.nn.Parameter]) -> Callable[[], None]:
+        """Start an overlapped attempt (every rank voted for it, :meth:`prepare_overlap` held the
+        buffers); returns ``arm``, called before the last micro-step's backward."""
+        overlap = self._overlap_for(params)
+        if overlap is None:
+            raise RuntimeError("internal: this sync does not overlap the gradient all-reduce")
+        return overlap.start()
+
+    def _overlap_for(self, params: list[torch.nn.Parameter]) -> _OverlappedReduce | None:
+        if self._fsdp is not None:
+            return None  # FSDP2 keeps today's protocol: its reduce-scatter runs inside FSDP2
+        overlap = self._overlap
+        if overlap is None or [id(p) for p in overlap.params] != [id(p) for p in params]:
+            # backward makes the last layers' gradients first: buckets in reverse order, as DDP's
+            buckets = list(_buckets(list(reversed(params)), self.bucket_bytes, FIRST_BUCKET_BYTES))
+            overlap = self._overlap = _OverlappedReduce(list(params), buckets, self.group)
+        return None if overlap.disabled is not None else overlap
 
     # -- DDP and plain modules ------------------------------------------------------------------------
     def _all_reduce_grads(self, params: list[torch.nn.Parameter]) -> None:

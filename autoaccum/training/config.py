@@ -18,7 +18,7 @@ from typing import Any, get_args
 import torch
 
 from autoaccum.data import LastBatch
-from autoaccum.guard import GrowMode
+from autoaccum.guard import GrowMode, OverlapMode
 from autoaccum.lr import LR_RULES, LrRule
 from autoaccum.optim_step import NONFINITE_POLICIES, NonFinite
 from autoaccum.precision import Precision, check_precision
@@ -138,6 +138,9 @@ class MemoryConfig:
             memory can be read -- on CUDA, and under ``budget=`` elsewhere; otherwise no growth
             unless ``grow_after`` is given (then blind doubling). ``model``, ``double``, ``off``.
         grow_after: calm steps before the guard grows back (default 2).
+        overlap: under torch.distributed, whether the gradient all-reduce runs during the last
+            micro-batch's backward (``OOMGuard(overlap=...)``): ``auto`` (default) where the memory
+            measured predicts room for it, ``on``, ``off``.
         probe_cache: reuse a cached probe result with the same fingerprint.
     """
 
@@ -150,6 +153,7 @@ class MemoryConfig:
     nonfinite: NonFinite = _option(default="stop")
     grow: GrowMode = _option(default="auto")
     grow_after: int | None = _option(default=None)
+    overlap: OverlapMode = _option(default="auto")
     probe_cache: bool = _option(default=False)
 
     @property
@@ -166,6 +170,7 @@ class MemoryConfig:
             lambda: check_choice(self.nonfinite, "nonfinite", NONFINITE_POLICIES),
             lambda: check_choice(self.grow, "grow", get_args(GrowMode)),
             lambda: self.grow_after is None or check_positive_int(self.grow_after, "grow_after"),
+            lambda: check_choice(self.overlap, "overlap", get_args(OverlapMode)),
         )
 
 

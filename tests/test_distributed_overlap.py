@@ -1,0 +1,422 @@
+"""The gradient all-reduce overlapped with the last micro-batch's backward, on two gloo ranks (CPU).
+
+- exact: the overlapped steps equal one process's full-batch steps in fp64 (DDP and a plain module),
+  and so do the steps of today's protocol (overlap='off'); negative control: buckets sent before the
+  gradients are final (armed at the first micro-batch, the double-accumulation check switched off)
+  are caught by the same comparison; with the check on, the same mistake falls back to the old
+  reduction, exactly, with a warning, and switches overlap off;
+- the protocol: the collectives each rank issues, in order, when memory is tight (today's, unchanged)
+  and when it is ample (buckets during the backward, then the flag with the presence bits);
+- a randomized OOM injection: many steps, OOMs in the forward, loss or backward of the last
+  micro-batch (and the first backward) of overlapped attempts, on either rank or both: no hang
+  (every run bounded by a timeout), no collective mismatch, final parameters equal to the fault-free
+  full-batch run, every sample in exactly one step (ids audited).
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import autoaccum
+from _audit import IdAudit
+from _spawn import results, spawn
+from autoaccum.data import GlobalBatches
+from autoaccum.distributed import DistributedSync, unwrap_model, wrap_model
+from test_distributed import Injector
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="needs torch.distributed with gloo")
+
+TARGET, MICRO, SEED = 16, 4, 11
+BUCKET_BYTES = 200  # a few buckets for this small net (fp64): some leave during the backward, some after
+FP64 = {"rtol": 1e-10, "atol": 1e-12}
+
+
+class OverlapNet(torch.nn.Module):
+    """A small MLP in fp64. ``extra`` is used only for samples flagged in column 0 (so not in every last
+    micro-batch, nor on every rank), ``never`` is never used; both are registered first, so that the
+    buckets (in reverse parameter order) holding the layers' gradients leave during the backward.
+    ``fail_forward`` raises an OOM in the middle of the next forward (once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.never = torch.nn.Parameter(torch.ones(2))
+        self.extra = torch.nn.Parameter(torch.full((3,), 0.5))
+        self.inp = torch.nn.Linear(6, 16)
+        self.inject = Injector()
+        self.out = torch.nn.Linear(16, 3)
+        self.fail_forward = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        if self.fail_forward:
+            self.fail_forward = False
+            raise torch.OutOfMemoryError("injected: out of memory in forward")
+        y = self.out(torch.tanh(self.inject(h)))
+        flagged = x[:, 0] > 1.5
+        if bool(flagged.any()):
+            y = y + flagged[:, None].to(y.dtype) * self.extra
+        return y
+
+
+def make_net() -> OverlapNet:
+    torch.manual_seed(SEED)
+    return OverlapNet().double()
+
+
+def make_data(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(SEED + 1)
+    x = torch.randn(n, 6, generator=g, dtype=torch.float64)
+    x[:, 0] = torch.where(torch.rand(n, generator=g) < 0.15, 2.0, 0.0)
+    return x, torch.randint(0, 3, (n,), generator=g), torch.arange(n)
+
+
+def mean_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    x, y, _ = batch
+    return F.cross_entropy(model(x), y)
+
+
+def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in unwrap_model(model).named_parameters()}
+
+
+def reference(steps: int, n: int) -> dict[str, torch.Tensor]:
+    """One process, one full-batch SGD step per global batch, fp64: the ground truth."""
+    model = make_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    for _, rb in zip(range(steps), GlobalBatches(make_data(n), TARGET, seed=SEED).epoch(0)):
+        opt.zero_grad(set_to_none=True)
+        mean_loss(model, rb.batch).backward()
+        opt.step()
+    return _params(model)
+
+
+def _guard(kind: str, **options: Any) -> tuple[OverlapNet, torch.nn.Module, autoaccum.OOMGuard, DistributedSync]:
+    net = make_net()
+    model = wrap_model(net) if kind == "ddp" else net
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    sync = DistributedSync(model, bucket_bytes=BUCKET_BYTES)
+    return net, model, autoaccum.OOMGuard(model, opt, sync=sync, **options), sync
+
+
+# -- exact ----------------------------------------------------------------------------------------------
+EXACT_STEPS = 5
+
+
+def _run(kind: str, overlap: str, rank: int, world_size: int, arm_first: bool = False) -> dict[str, Any]:
+    net, model, guard, sync = _guard(kind, target_batch=TARGET, micro_batch=MICRO, overlap=overlap)
+    if arm_first:  # the mistake: send each bucket as soon as its gradients appear in the FIRST micro-batch
+        def arming(micro_batches: Any, steps: int, arm: Any) -> Any:
+            arm()
+            yield from micro_batches
+        guard._arming = arming  # type: ignore[method-assign]
+    overlapped, early = [], []
+    batches = GlobalBatches(make_data(TARGET * EXACT_STEPS), TARGET, seed=SEED, rank=rank, world_size=world_size)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for rb in batches.epoch(0):
+            overlapped.append(guard.step(rb.batch, mean_loss).overlapped)
+            early.append(sync._overlap.early if sync._overlap is not None else 0)
+    return {"params": _params(model), "overlapped": overlapped, "early": early,
+            "never_grad": net.never.grad, "warnings": [str(w.message) for w in caught]}
+
+
+def exact_runs(rank: int, world_size: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for kind in ("ddp", "plain"):
+        for overlap in ("auto", "off"):
+            out[f"{kind}/{overlap}"] = _run(kind, overlap, rank, world_size)
+    out["arm_first/checked"] = _run("ddp", "on", rank, world_size, arm_first=True)
+    # negative control: the same mistake with the check for a gradient accumulated twice switched off
+    from autoaccum.distributed import overlap as overlap_module
+
+    cls = overlap_module._OverlappedReduce
+    checked = cls._on_grad
+
+    def unchecked(self: Any, p: torch.Tensor) -> None:
+        if id(p) in self._fired:
+            return  # a second accumulation, after its bucket may have left: ignored (the mistake goes unseen)
+        checked(self, p)
+
+    cls._on_grad = unchecked  # type: ignore[method-assign]
+    try:
+        out["arm_first/unchecked"] = _run("ddp", "on", rank, world_size, arm_first=True)
+    finally:
+        cls._on_grad = checked  # type: ignore[method-assign]
+    return out
+
+
+@pytest.fixture(scope="module")
+def exact(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    tmp_path = tmp_path_factory.mktemp("overlap_exact")
+    codes, _ = spawn(exact_runs, tmp_path)
+    return results(tmp_path, codes)
+
+
+@pytest.mark.parametrize("kind", ["ddp", "plain"])
+def test_overlapped_steps_equal_full_batch_steps_fp64(kind: str, exact: list[dict[str, Any]]) -> None:
+    """overlap='auto' on CPU without a budget overlaps every step; buckets leave during the backward;
+    the parameters equal one process's full-batch steps (fp64, 1e-10), as today's protocol's do, and
+    are identical on both ranks; a parameter no rank used has no gradient (as in one process)."""
+    want = reference(EXACT_STEPS, TARGET * EXACT_STEPS)
+    for rank, r in enumerate(exact):
+        on, off = r[f"{kind}/auto"], r[f"{kind}/off"]
+        assert on["overlapped"] == [True] * EXACT_STEPS and off["overlapped"] == [False] * EXACT_STEPS
+        assert all(e > 0 for e in on["early"]), on["early"]  # really overlapped: buckets sent inside the backward
+        assert on["never_grad"] is None and not [w for w in on["warnings"] if "overlapped" in w]
+        for name, p in want.items():
+            torch.testing.assert_close(on["params"][name], p, **FP64, msg=f"overlapped rank {rank} {name}")
+            torch.testing.assert_close(off["params"][name], p, **FP64, msg=f"off rank {rank} {name}")
+    for name in want:
+        assert torch.equal(exact[0][f"{kind}/auto"]["params"][name], exact[1][f"{kind}/auto"]["params"][name])
+    assert not torch.equal(want["inp.weight"], make_net().inp.weight)  # the steps moved the weights
+
+
+def test_buckets_sent_before_the_gradients_are_final_are_caught(exact: list[dict[str, Any]]) -> None:
+    """Negative control: buckets sent in the first micro-batch's backward, the check off, miss the
+    later micro-batches: the comparison above fails for them. With the check on (the real code), the
+    second accumulation is seen on every rank: that step is reduced the old way (exact), a warning says
+    so, and the later steps are not overlapped."""
+    want = reference(EXACT_STEPS, TARGET * EXACT_STEPS)
+    for r in exact:
+        wrong = r["arm_first/unchecked"]
+        assert wrong["overlapped"] == [True] * EXACT_STEPS
+        assert not torch.allclose(wrong["params"]["out.weight"], want["out.weight"], rtol=1e-3, atol=1e-6)
+        checked = r["arm_first/checked"]
+        assert checked["overlapped"] == [True] + [False] * (EXACT_STEPS - 1)
+        assert any("no longer overlapped" in w for w in checked["warnings"]), checked["warnings"]
+        for name, p in want.items():
+            torch.testing.assert_close(checked["params"][name], p, **FP64, msg=name)
+
+
+# -- the protocol: tight memory keeps today's, ample memory overlaps -------------------------------------
+def protocol_run(rank: int, world_size: int) -> dict[str, Any]:
+    """One guard under an emulated budget (a TrackedMemory meter) that starts ample, is made tight after
+    step 2 (room for the step, not for the step plus the overlap's buffers), then ample again. Every
+    all-reduce this rank issues is recorded: (elements, dtype, asynchronous)."""
+    calls: list[tuple[int, str, bool]] = []
+    original = dist.all_reduce
+
+    def recording(tensor: torch.Tensor, *args: Any, async_op: bool = False, **kwargs: Any) -> Any:
+        calls.append((tensor.numel(), str(tensor.dtype), async_op))
+        return original(tensor, *args, async_op=async_op, **kwargs)
+
+    meter = autoaccum.TrackedMemory(budget_bytes=2**30)
+    _, model, guard, sync = _guard("ddp", target_batch=TARGET, micro_batch=MICRO, meter=meter)
+    optimizer = guard.optimizer
+    meter.track(model, optimizer)
+    grad_bytes = sum(p.numel() * p.element_size() for p in guard.params)
+    per_step, overlapped, logs = [], [], []
+    import logging
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            logs.append(record.getMessage())
+
+    handler = Keep(level=logging.DEBUG)
+    logger = logging.getLogger("autoaccum.guard")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    dist.all_reduce = recording  # type: ignore[assignment]
+    try:
+        batches = GlobalBatches(make_data(TARGET * 6), TARGET, seed=SEED, rank=rank, world_size=world_size)
+        for step, rb in enumerate(batches.epoch(0), start=1):
+            if step == 3:  # tight: the step fits with its headroom, the step plus the buffers does not
+                sync.release_overlap()
+                rise = guard._rises[guard.plan.micro_batch].step_bytes
+                live = meter.read().current_bytes
+                meter.budget_bytes = int((live + rise + grad_bytes // 2) / (1 - guard.headroom)) + 1
+            if step == 5:
+                meter.budget_bytes = 2**30
+            calls.clear()
+            with meter:
+                overlapped.append(guard.step(rb.batch, mean_loss).overlapped)
+            per_step.append(list(calls))
+    finally:
+        dist.all_reduce = original  # type: ignore[assignment]
+        logger.removeHandler(handler)
+    buckets = [sum(p.numel() for p in b) for b in sync._overlap.buckets]  # type: ignore[union-attr]
+    return {"calls": per_step, "overlapped": overlapped, "logs": logs, "buckets": buckets, "ooms": guard.ooms,
+            "num_params": len(guard.params), "params": _params(model)}
+
+
+def test_tight_memory_keeps_todays_protocol_ample_memory_overlaps(tmp_path: Path) -> None:
+    codes, _ = spawn(protocol_run, tmp_path)
+    out = results(tmp_path, codes)
+    for r in out:
+        # step 1: nothing measured yet; 2: ample; 3-4: tight; 5-6: ample again
+        assert r["overlapped"] == [False, True, False, False, True, True], r["overlapped"]
+        assert r["ooms"] == 0
+        p = r["num_params"]
+        items, gather, loss = (2, "torch.int64", False), (6, "torch.int64", False), (4, "torch.float64", False)
+        # the step's item count, the cut (with the votes), the flag, which gradients exist
+        todays_head = [items, gather, (1, "torch.int64", False), (p, "torch.int32", False)]
+        overlapped = [items, gather] + [(n, "torch.float64", True) for n in r["buckets"]] + [(2 + p, "torch.int32", False),
+                                                                                       loss]
+        for step, calls in enumerate(r["calls"], start=1):
+            if r["overlapped"][step - 1]:
+                assert calls == overlapped, (step, calls)
+            else:  # today's protocol, exactly: then the gradients in synchronous buckets, then the loss
+                assert calls[:4] == todays_head and calls[-1] == loss, (step, calls)
+                assert all(c[1] == "torch.float64" and not c[2] for c in calls[4:-1]), (step, calls)
+                # the gradients of the parameters some rank used: all but `never` (2), and `extra` (3) where unused
+                assert sum(r["buckets"]) - 5 <= sum(c[0] for c in calls[4:-1]) <= sum(r["buckets"]) - 2, (step, calls)
+        decisions = [m for m in r["logs"] if m.startswith("gradient all-reduce")]
+        assert len(decisions) == 4, decisions  # logged when the decision changes: off, on, off, on
+        assert "no step measured yet" in decisions[0] and "usable" in decisions[1]
+        assert "after the backward" in decisions[2] and "predicted peak" in decisions[2]
+    want = reference(6, TARGET * 6)
+    for name, p in want.items():
+        torch.testing.assert_close(out[0]["params"][name], p, **FP64, msg=name)
+
+
+# -- randomized OOM injection ---------------------------------------------------------------------------
+PHASES = ("forward", "loss", "backward", "first backward")
+INJECT_STEPS = 28
+
+
+def injection_schedule(seed: int = 2026) -> list[tuple[str | None, str | None]]:
+    """Per step: what fails on rank 0 and on rank 1 (None: nothing) in the first, overlapped attempt."""
+    rng = random.Random(seed)
+    combos: list[tuple[str | None, str | None]] = [(p, None) for p in PHASES] + [(None, p) for p in PHASES]
+    combos += [(rng.choice(PHASES), rng.choice(PHASES)) for _ in range(6)]  # both ranks at once
+    combos += [(None, None)] * (INJECT_STEPS - len(combos))
+    rng.shuffle(combos)
+    return combos
+
+
+def injected_run(rank: int, world_size: int, schedule: list[tuple[str | None, str | None]]) -> dict[str, Any]:
+    net, model, guard, sync = _guard("ddp", target_batch=TARGET, micro_batch=MICRO, overlap="on")
+    audit = IdAudit(torch.nn.ModuleList([net.inp, net.out]))  # the layers every sample reaches (not extra, never)
+    audit.watch(guard.optimizer)
+    step_fn = guard.optimizer.step
+
+    def audited_step(*args: Any, **kwargs: Any) -> Any:
+        audit.step()
+        return step_fn(*args, **kwargs)
+
+    guard.optimizer.step = audited_step  # type: ignore[method-assign]
+    plan: dict[str, Any] = {"fail": None, "at": 0, "calls": 0}
+
+    def loss_fn(m: torch.nn.Module, batch: Any) -> torch.Tensor:
+        x, y, ids = batch
+        audit.forward(ids.tolist())
+        plan["calls"] += 1
+        fail = plan["fail"] if plan["calls"] == plan["at"] else None
+        if fail == "forward":
+            net.fail_forward = True
+        elif fail in ("backward", "first backward"):
+            net.inject.armed = 1  # this micro-batch's backward raises, mid-model
+        logits = m(x)
+        if fail == "loss":
+            raise torch.OutOfMemoryError("injected: out of memory in the loss")
+        return F.cross_entropy(logits, y)
+
+    steps = []
+    batches = GlobalBatches(make_data(TARGET * INJECT_STEPS), TARGET, seed=SEED, rank=rank, world_size=world_size)
+    for rb, fails in zip(batches.epoch(0), schedule):
+        # every step starts at micro 4 (2 micro-steps), so that every injection strikes an overlapped attempt
+        guard.plan = autoaccum.Plan.for_target(TARGET, MICRO, world_size)
+        fail = fails[rank]
+        accum = guard.plan.accum_steps
+        plan.update(fail=fail, calls=0, at=1 if fail == "first backward" else accum)
+        stats = guard.step(rb.batch, loss_fn)
+        steps.append({"attempts": stats.attempts, "overlapped": stats.overlapped, "early": sync._overlap.early,
+                      "micro_steps": stats.micro_steps,
+                      "changes": [(c.reason, c.where, c.old.micro_batch, c.new.micro_batch) for c in stats.changes],
+                      "ids": sorted(rb.batch[2].tolist())})
+    return {"params": _params(model), "steps": steps, "audit": audit.check(), "audited": audit.steps,
+            "ooms": guard.ooms}
+
+
+def test_randomized_oom_injection_in_overlapped_steps(tmp_path: Path) -> None:
+    """28 steps with overlap='on'; in 14 of them an OOM strikes the first (overlapped) attempt on one
+    rank or both, in the forward, the loss or the backward of the last micro-batch, or the first
+    micro-batch's backward -- where the other rank's buckets (and, in a last backward, its own) are
+    already in flight. Every rank issues the remaining buckets in order, then the flag; every rank
+    replays (not overlapped) at half the micro-batch, with the same samples."""
+    schedule = injection_schedule()
+    codes, seconds = spawn(injected_run, tmp_path, schedule=schedule)  # bounded by the timeout: a hang fails
+    out = results(tmp_path, codes)
+    want = reference(INJECT_STEPS, TARGET * INJECT_STEPS)
+    struck = 0
+    for rank, r in enumerate(out):
+        assert r["audit"] == {"steps": INJECT_STEPS, "repeated": 0, "inconsistent": 0}, r["audit"]
+        for step, (s, audited) in enumerate(zip(r["steps"], r["audited"])):
+            assert audited == s["ids"], (rank, step)  # exactly this rank's share of the global batch, once
+            fails = schedule[step]
+            injected = any(f is not None for f in fails)
+            assert s["attempts"] == (2 if injected else 1), (rank, step, s)
+            assert s["overlapped"] == (not injected), (rank, step, s)  # a replay is not overlapped
+            assert s["micro_steps"] == (4 if injected else 2), (rank, step, s)  # the replay at micro 2
+            if injected:
+                struck += 1
+                mine = fails[rank]
+                where = {"forward": "forward/loss", "loss": "forward/loss", "backward": "backward",
+                         "first backward": "backward", None: "another rank"}[mine]
+                assert s["changes"][0][:2] == ("oom", where), (rank, step, s["changes"])
+                if mine == "backward":  # the OOM struck with this rank's own first buckets in flight
+                    assert s["early"] > 0, (rank, step, s)
+        for name, p in want.items():
+            torch.testing.assert_close(r["params"][name], p, **FP64, msg=f"rank {rank} {name}")
+    assert struck == 2 * 14, struck  # every injection struck an overlapped attempt, on both ranks' records
+    for name in want:
+        assert torch.equal(out[0]["params"][name], out[1]["params"][name]), name
+
+
+def unaligned_run(rank: int, world_size: int) -> None:
+    """The mistake the order rule prevents: after an OOM in its overlapped last backward, rank 1 goes
+    straight to the flag exchange without sending the buckets it has not sent yet."""
+    from autoaccum.distributed import overlap as overlap_module
+
+    cls = overlap_module._OverlappedReduce
+    launch = cls._launch
+
+    def launch_only_from_the_backward(self: Any, index: int, *, copy: bool) -> None:
+        if copy or rank == 0:
+            launch(self, index, copy=copy)
+        else:
+            self._next = len(self.buckets)  # skipped: the failing rank's remaining buckets are never sent
+
+    cls._launch = launch_only_from_the_backward  # type: ignore[method-assign]
+    net, _, guard, _ = _guard("ddp", target_batch=TARGET, micro_batch=MICRO, overlap="on")
+    batches = GlobalBatches(make_data(TARGET * 2), TARGET, seed=SEED, rank=rank, world_size=world_size)
+    for step, rb in enumerate(batches.epoch(0)):
+        calls = 0
+
+        def loss_fn(m: torch.nn.Module, batch: Any) -> torch.Tensor:
+            nonlocal calls
+            calls += 1
+            if rank == 1 and step == 1 and calls == 2:
+                net.inject.armed = 1  # the last micro-batch's backward of step 2
+            return mean_loss(m, batch)
+
+        guard.step(rb.batch, loss_fn)
+
+
+def test_negative_control_unaligned_buckets_break_the_ranks(tmp_path: Path) -> None:
+    """Without the remaining buckets before the flag, rank 1's flag exchange meets rank 0's next
+    bucket all-reduce: the run does not end well (an error or a hang, bounded here)."""
+    codes, _ = spawn(unaligned_run, tmp_path, timeout_s=40, allow_hang=True)
+    assert codes != [0, 0], "the unaligned protocol survived: the injection is not where the hazard is"
+
+
+# -- in one process -----------------------------------------------------------------------------------
+def test_bad_overlap_value_is_refused_and_one_process_never_overlaps() -> None:
+    net = make_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="overlap.*sometimes.*auto.*on.*off"):
+        autoaccum.OOMGuard(net, opt, target_batch=TARGET, micro_batch=MICRO, overlap="sometimes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="overlap"):
+        autoaccum.fit(net, make_data(TARGET), target_batch=TARGET, optimizer=opt, overlap="yes", progress=False)
+    guard = autoaccum.OOMGuard(net, opt, target_batch=TARGET, micro_batch=MICRO, overlap="on")
+    stats = guard.step(make_data(TARGET), mean_loss)
+    assert not stats.overlapped and guard.overlapped_steps == 0  # one process: nothing to all-reduce
