@@ -11,12 +11,14 @@ meets the k-th of every other rank. The guard's protocol keeps that order in bot
   is final (post-accumulate-grad hooks), buckets strictly in their fixed order on every rank. After
   the micro-batches, whatever happened -- every backward done, or an OOM or error in any forward,
   loss or backward -- each rank issues the buckets it has not issued yet, in the same order (its
-  local sums, or zeros after a failure), and only then the flag exchange. So every rank issues
-  exactly ``buckets + 1`` collectives between the start of the step and the flag, in the same order;
-  the flag can never meet a gradient all-reduce. The flag exchange also carries which parameters
+  local sums, or zeros after a failure), waits until every one of them is done, and only then
+  exchanges the flag. So every rank issues exactly ``buckets + 1`` collectives between the start of
+  the step and the flag, in the same order, and none of the gradient collectives is still in flight
+  when the flag is exchanged (the rule of DESIGN.md's Scale section holds in both forms): the flag
+  can never meet a gradient all-reduce. The flag exchange also carries which parameters
   have a gradient on each rank (one all-reduce MAX instead of two) and whether a gradient was
-  accumulated twice in the last backward (below). Then every work handle is waited on and gloo's
-  worker has let go of every buffer (``settle``): if any rank said OOM (or ERROR), every rank drops
+  accumulated twice in the last backward (below). Then gloo's worker has let go of every buffer
+  (``settle``): if any rank said OOM (or ERROR), every rank drops
   the reduced sums -- its own gradients were never touched, the buffers are separate -- and the
   guard replays the step as today (same samples, same result; the replay is not overlapped).
 
@@ -142,8 +144,10 @@ class _OverlappedReduce:
 
     def finish(self, status: int) -> int:
         """After the micro-batches, on every rank, whatever they did: the buckets not sent yet (in
-        order), then the flag exchange (with which gradients exist, and whether one was late), then
-        every work waited on and settled. Returns the agreed status (the worst over the ranks)."""
+        order), every bucket's work waited on, then the flag exchange (with which gradients exist,
+        and whether one was late), so that no gradient collective is in flight when the flag is
+        exchanged (DESIGN.md, Scale); then the buffers settled. Returns the agreed status (the worst
+        over the ranks)."""
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
@@ -151,11 +155,11 @@ class _OverlappedReduce:
             ok = status == 0
             while self._next < len(self.buckets):
                 self._launch(self._next, copy=ok)  # after a failure: zeros, only to keep the order
+            for index in range(len(self._works)):
+                self._works[index].wait()
             present = [p.grad is not None for p in self.params]
             flags = _all_reduce(torch.tensor([status, int(self._late)] + present, dtype=torch.int32),
                                 dist.ReduceOp.MAX, self.group).tolist()
-            for index in range(len(self._works)):
-                self._works[index].wait()
         finally:
             self._works = []  # a work handle holds its tensor: dropped before the settle below
             self._stack.close()  # returns once gloo's worker let go of every buffer (settle.py)
