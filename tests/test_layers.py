@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     # cut -> accumulate -> guard
     ("data", "sync", "cut", "distributed.settle", "distributed.process_group", "distributed.models",
      "distributed.fsdp2", "distributed.overlap", "distributed.ddp", "distributed"),
-    ("accumulate", "regrow", "policy", "optim_step", "losses"),
+    ("accumulate", "regrow", "policy", "growth", "overlap_vote", "step_input", "optim_step", "losses"),
     ("guard",),
     # the trainer and its components
     ("lr", "checkpoint", "training.config", "training.evaluate", "training.progress", "training.resume",
