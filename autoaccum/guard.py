@@ -23,82 +23,35 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, get_args
+from typing import Any
 
 import torch
 
 from autoaccum.accumulate import Accumulated, StepTotals, accumulate, reduce_gradients
 from autoaccum.batch import Batch, SplitFn
-from autoaccum.batchnorm import batchnorm_layers, smallest_micro_batch, warn_batchnorm
+from autoaccum.batchnorm import batchnorm_layers, warn_batchnorm
 from autoaccum.cut import Cutter, SampleCut
 from autoaccum.errors import AutoAccumError, DoesNotFitError, NonFiniteError
-from autoaccum.growth import GrowMode, Growth, check_growth_meter, check_growth_options, prior_of
+from autoaccum.growth import GrowMode, Growth, check_growth_meter
+from autoaccum.guard_args import checked_options, guard_plan, trained_params
 from autoaccum.log import rank_level
 from autoaccum.memory import Meter, MemoryReading, TrackedMemory, active_budget, default_meter
 from autoaccum.memory_model import MemoryModel
-from autoaccum.optim_step import NONFINITE_POLICIES, NonFinite, step_oom_error, step_optimizer
+from autoaccum.optim_step import NonFinite, step_oom_error, step_optimizer
 from autoaccum.overlap_vote import OverlapMode, overlap_vote
-from autoaccum.plan import Plan, resolve_plan
+from autoaccum.plan import Plan
 from autoaccum.policy import PlanChange, Reason, grown_plan, shrunk_plan
 from autoaccum.recovery import catch_oom, release_memory
 from autoaccum.regrow import Rise
 from autoaccum.state import capture_buffers, capture_rng, restore_buffers, restore_rng, state_buffers
 from autoaccum.step_input import check_step_args, count_items, local_size
+from autoaccum.step_result import AccumulateResult, StepResult
 from autoaccum.sync import ERROR, OK, OOM, GradSync, LocalSync, OverlapSync
-from autoaccum.task import LossFn, check_optimizer_covers, explain_error, trainable_parameters
-from autoaccum.validate import check_choice, check_positive_float, check_positive_int
+from autoaccum.task import LossFn, explain_error
 
 __all__ = ["AccumulateResult", "GrowMode", "OOMGuard", "OverlapMode", "PlanChange", "StepResult", "batchnorm_layers"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class AccumulateResult:
-    """What one :meth:`OOMGuard.accumulate` did; the parameters' ``.grad`` hold the global batch's gradient.
-
-    Attributes:
-        loss: the step's loss, weighted by samples (or items) exactly as a full-batch step's.
-        num_samples: samples in the step over all ranks.
-        num_items: items (e.g. tokens) over all ranks for token-level losses, else None.
-        plan: the plan in force after the step.
-        changes: plan changes during the step (OOM replays, thrash, growth).
-        attempts: forward/backward passes over the batch (1 + OOM replays).
-        step_time_s: wall time of the whole step, replays included.
-        peak_bytes: peak memory of the step (the meter's), else None.
-        micro_steps: micro-steps of the attempt that succeeded (on every rank; with a token budget
-            it depends on the step's lengths).
-        overlapped: the attempt that succeeded all-reduced its gradients during the last
-            micro-batch's backward (``OOMGuard(overlap=...)``).
-    """
-
-    loss: float
-    num_samples: int
-    num_items: int | None
-    plan: Plan
-    changes: tuple[PlanChange, ...]
-    attempts: int
-    step_time_s: float
-    peak_bytes: int | None
-    micro_steps: int = 0
-    overlapped: bool = False
-
-
-@dataclass(frozen=True)
-class StepResult(AccumulateResult):
-    """What one ``OOMGuard.step`` did: :class:`AccumulateResult`, and the optimizer step.
-
-    Attributes:
-        grad_norm: total gradient norm before clipping (when clipping), else None.
-        skipped: the optimizer step was skipped for inf/NaN gradients: by the GradScaler (fp16), or
-            under ``nonfinite="skip"`` (the weights, optimizer state and scheduler are unchanged).
-        lr: learning rate of the first parameter group used by the step.
-    """
-
-    grad_norm: float | None = None
-    skipped: bool = False
-    lr: float = 0.0
 
 
 class OOMGuard:
@@ -189,11 +142,11 @@ class OOMGuard:
         nonfinite: NonFinite | None = "stop",
         overlap: OverlapMode = "auto",
     ) -> None:
-        self.params, self._outside_optimizer = _trained_params(model, optimizer)
+        self.params, self._outside_optimizer = trained_params(model, optimizer)
         self.sync: GradSync = sync if sync is not None else LocalSync()
-        self.plan = _guard_plan(model, plan, target_batch=target_batch, micro_batch=micro_batch,
+        self.plan = guard_plan(model, plan, target_batch=target_batch, micro_batch=micro_batch,
                                 world_size=self.sync.world_size)
-        memory_model, headroom = _checked_options(
+        memory_model, headroom = checked_options(
             model, optimizer, plan, max_grad_norm=max_grad_norm, grow=grow, grow_after=grow_after,
             memory_model=memory_model, headroom=headroom, thrash_steps=thrash_steps, nonfinite=nonfinite,
             overlap=overlap, split_fn=split_fn, cut=cut)
@@ -535,56 +488,3 @@ class OOMGuard:
     def _warn_batchnorm(self) -> None:
         if not self._warned_batchnorm:
             self._warned_batchnorm = warn_batchnorm(self.model, self.plan)
-
-
-# -- the constructor's arguments, checked --------------------------------------------------------------
-def _trained_params(model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
-    """The parameters whose gradient a step computes, and those of them the optimizer does not step.
-
-    The step's gradient is that of every trainable parameter of the model and of every parameter the
-    optimizer steps (e.g. a temperature owned by the loss): token-level normalisation, clipping and
-    clearing cover them all. Model parameters outside the optimizer are cleared too, or their
-    gradients would carry into the next step (and into its clipping norm)."""
-    model_params = trainable_parameters(model)
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    seen = {id(p) for p in model_params}
-    params = model_params + [p for group in optimizer.param_groups for p in group["params"]
-                             if p.requires_grad and id(p) not in seen]
-    return params, [p for p in model_params if id(p) not in in_optimizer]
-
-
-def _guard_plan(model: torch.nn.Module, plan: Any, *, target_batch: int | None, micro_batch: int | None,
-                world_size: int) -> Plan:
-    """The plan the guard starts from, with the smallest micro-batch the model's BatchNorm allows."""
-    resolved = resolve_plan(plan, target_batch=target_batch, micro_batch=micro_batch, world_size=world_size)
-    smallest = smallest_micro_batch(model)
-    if smallest <= resolved.min_micro_batch:
-        return resolved
-    try:
-        return resolved.with_min_micro_batch(smallest)
-    except ValueError:
-        raise ValueError(f"Invalid micro_batch: {resolved.micro_batch}. {type(model).__name__} has BatchNorm "
-                         f"layers in training mode, which need more than one sample per micro-batch. Allowed "
-                         f"range: {smallest} ~ any") from None
-
-
-def _checked_options(model: torch.nn.Module, optimizer: torch.optim.Optimizer, plan: Any, *,
-                     max_grad_norm: float | None, grow: GrowMode, grow_after: int | None,
-                     memory_model: MemoryModel | None, headroom: float | None, thrash_steps: int,
-                     nonfinite: NonFinite | None, overlap: OverlapMode, split_fn: SplitFn | None,
-                     cut: Cutter | None) -> tuple[MemoryModel | None, float]:
-    """Check the guard's options (in the order of the arguments); the memory model and headroom growth uses."""
-    if max_grad_norm is not None:
-        check_positive_float(max_grad_norm, "max_grad_norm", hint=", or None for no clipping")
-    check_growth_options(grow, grow_after, memory_model)
-    prior = prior_of(plan, memory_model, headroom)
-    check_positive_int(thrash_steps, "thrash_steps")
-    check_choice(nonfinite, "nonfinite", (*NONFINITE_POLICIES, None))
-    check_choice(overlap, "overlap", get_args(OverlapMode))
-    check_optimizer_covers(model, optimizer)
-    if split_fn is not None and cut is not None:
-        raise TypeError("give split_fn= or cut=, not both (a cutter splits batches itself)")
-    return prior
