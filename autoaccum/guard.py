@@ -16,6 +16,10 @@ the smaller micro-batch. After a successful step the guard may shrink on allocat
 knows the limit, straight to the largest micro-batch predicted to fit in what is free now, from
 the rises it measured and the probe's memory model (``autoaccum.regrow``); elsewhere, if asked,
 by doubling.
+
+Components apart: the growth record and its decisions (``autoaccum.growth``), the vote to overlap
+the all-reduce (``autoaccum.overlap_vote``), a step's input checks (``autoaccum.step_input``), its
+results (``autoaccum.step_result``) and the constructor's checks (``autoaccum.guard_args``).
 """
 
 from __future__ import annotations
@@ -145,7 +149,7 @@ class OOMGuard:
         self.params, self._outside_optimizer = trained_params(model, optimizer)
         self.sync: GradSync = sync if sync is not None else LocalSync()
         self.plan = guard_plan(model, plan, target_batch=target_batch, micro_batch=micro_batch,
-                                world_size=self.sync.world_size)
+                               world_size=self.sync.world_size)
         memory_model, headroom = checked_options(
             model, optimizer, plan, max_grad_norm=max_grad_norm, grow=grow, grow_after=grow_after,
             memory_model=memory_model, headroom=headroom, thrash_steps=thrash_steps, nonfinite=nonfinite,

@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("guard",),
     # the trainer and its components
     ("lr", "checkpoint", "training.config", "training.evaluate", "training.progress", "training.resume",
-     "training.plans", "training", "fit"),
+     "training.plans", "training.loop", "training", "fit"),
     # inside other trainers: HF Trainer, Lightning, Accelerate (each imports its framework itself)
     ("integrations.lazy_guard", "integrations.transformers", "integrations.lightning", "integrations.accelerate",
      "integrations"),
