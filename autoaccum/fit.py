@@ -5,7 +5,7 @@ The recipe, over components that live apart (the way torchtune separates recipes
     options -> FitConfig (training.config)      validated in one place, before any work
     plan    <- checkpoint | given | probe       (probe, plan)
     guard   =  OOMGuard(plan)                   exact accumulation, OOM replay (guard, accumulate)
-    loop    :  global batches (data) -> guard.step -> progress (training.progress)
+    loop    :  global batches (data) -> guard.step -> progress (training.loop, training.progress)
                -> evaluation (training.evaluate) -> checkpoint (training.resume)
 
     result = autoaccum.fit(model, (inputs, targets), target_batch=256)
@@ -16,11 +16,8 @@ last batch of an epoch is treated) and its gradient equals that of one full-batc
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,12 +27,11 @@ from autoaccum import distributed
 from autoaccum.batchnorm import smallest_micro_batch
 from autoaccum.cut import SampleCut, TokenCut
 from autoaccum.data import GlobalBatches
-from autoaccum.errors import AutoAccumError, NonFiniteError
-from autoaccum.guard import OOMGuard, PlanChange, StepResult
-from autoaccum.log import ensure_visible, rank_level
+from autoaccum.guard import OOMGuard, PlanChange
+from autoaccum.log import ensure_visible
 from autoaccum.losses import default_loss
 from autoaccum.lr import apply_lr_rule, warmup_lambda
-from autoaccum.memory import Meter, TrackedMemory, refuse_compiled
+from autoaccum.memory import TrackedMemory, refuse_compiled
 from autoaccum.memory_model import MemoryModel
 from autoaccum.plan import Plan, rank_share
 from autoaccum.precision import autocast_dtype, make_scaler
@@ -49,25 +45,18 @@ from autoaccum.task import (
     trainable_parameters,
 )
 from autoaccum.training.config import FitConfig
-from autoaccum.training.evaluate import evaluate
 from autoaccum.training.plans import choose_plan
+from autoaccum.training.loop import Run, train
 from autoaccum.training.progress import Progress
 from autoaccum.training.resume import (
     RunPosition,
     check_resumable,
     restore_run,
-    save_run,
 )
 from autoaccum.units import format_bytes
 from autoaccum.validate import check_positive_int, resolve_device
 
 __all__ = ["FitConfig", "FitResult", "default_loss", "fit"]  # default_loss: from autoaccum.losses
-
-logger = logging.getLogger(__name__)
-
-#: consecutive steps skipped for inf/NaN gradients before fit stops (the fp16 GradScaler skips a few at the
-#: start while it finds its scale; under nonfinite="skip" a long streak means every step is broken)
-MAX_SKIPPED_STEPS = 25
 
 
 @dataclass(frozen=True)
@@ -148,25 +137,6 @@ def _optimizer(model: torch.nn.Module, optimizer: Any, lr: float | None) -> torc
     return optimizer
 
 
-@dataclass
-class _Run:
-    """The objects one run trains with (built once by ``fit``, used by the loop)."""
-
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    scaler: Any
-    guard: OOMGuard
-    sync: GradSync
-    loss_fn: LossFn
-    device: torch.device
-    config: FitConfig
-    target_batch: int
-    lr: float
-    ckpt_dir: Path | None
-    position: RunPosition
-
-
 def fit(model: torch.nn.Module, data: Any, target_batch: int = 256, *, loss_fn: LossFn | None = None,
         optimizer: torch.optim.Optimizer | None = None, eval_data: Any = None, config: FitConfig | None = None,
         **options: Any) -> FitResult:
@@ -242,7 +212,7 @@ def fit(model: torch.nn.Module, data: Any, target_batch: int = 256, *, loss_fn: 
     position = RunPosition() if state is None else restore_run(
         state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, guard=guard, rank=sync.rank,
         world_size=sync.world_size)
-    run = _Run(model, optimizer, scheduler, scaler, guard, sync, loss_fn, dev, cfg, target_batch, run_lr, ckpt_dir,
+    run = Run(model, optimizer, scheduler, scaler, guard, sync, loss_fn, dev, cfg, target_batch, run_lr, ckpt_dir,
                position)
     if cfg.output.verbose:
         ensure_visible()
@@ -250,9 +220,9 @@ def fit(model: torch.nn.Module, data: Any, target_batch: int = 256, *, loss_fn: 
                         cfg.output.verbose, resumed_at=None if state is None else position.steps)
     progress.say(_banner(run, start_plan, plan_source, emulated=meter is not None, resumed=state is not None))
     try:
-        if meter is not None:  # the emulated device: weights and state count; steps run inside it (_train)
+        if meter is not None:  # the emulated device: weights and state count; steps run inside it (train)
             meter.track(model, optimizer)
-        summary = _train(run, batches, eval_batches, progress, meter)
+        summary = train(run, batches, eval_batches, progress, meter)
     finally:
         if meter is not None:
             meter.close()
@@ -342,120 +312,10 @@ def _total_steps(cfg: FitConfig, batches: GlobalBatches) -> int | None:
     return min(max_steps or epochs * per_epoch, epochs * per_epoch)
 
 
-def _banner(run: _Run, plan: Plan, source: str, *, emulated: bool, resumed: bool) -> str:
+def _banner(run: Run, plan: Plan, source: str, *, emulated: bool, resumed: bool) -> str:
     """The one line a run starts with: device, budget, plan and where it came from, learning rate."""
     cfg, budget_bytes, base_batch = run.config, run.config.memory.budget_bytes, run.config.lr.base_batch
     budget = "" if budget_bytes is None else f" · budget {format_bytes(budget_bytes)}{' (emulated)' if emulated else ''}"
     rule = "" if base_batch in (None, run.target_batch) else f" ({cfg.lr.rule} rule from base batch {base_batch})"
     return (f"autoaccum fit · {run.device}{budget} · {plan.describe()} (plan from {source}) · lr {run.lr:.4g}{rule}"
             + (f" · resuming at step {run.position.steps}" if resumed else ""))
-
-
-def _train(run: _Run, batches: GlobalBatches, eval_batches: GlobalBatches | None, progress: Progress,
-           meter: Meter | None) -> dict[str, Any]:
-    """The loop: epochs of global batches, each one guarded optimizer step; evaluation and checkpoints."""
-    pos, cfg, guard = run.position, run.config, run.guard
-    first_samples, train_time, peak, skipped_streak = pos.samples, 0.0, None, 0
-    micro_steps: list[int] = []
-    eval_micro = 2 * guard.plan.micro_batch  # no activations are kept for backward: usually fits twice as many
-    eval_loss, eval_ooms, evaluated_at = None, 0, None
-    epochs, max_steps = cfg.stop.epochs, cfg.stop.max_steps
-    # Under an emulated budget the meter is entered around each step and evaluation only: a real
-    # device holds the micro-batches it is sent (the guard copies them in), not the host's batches.
-    device_region = meter if meter is not None else contextlib.nullcontext()
-
-    def run_eval() -> None:
-        nonlocal eval_loss, eval_micro, eval_ooms, evaluated_at
-        with device_region:
-            result = evaluate(run.model, eval_batches, run.loss_fn, eval_micro, sync=run.sync,  # type: ignore[arg-type]
-                              device=run.device, autocast_dtype=guard.autocast_dtype, cut=guard.cut)
-        eval_loss, eval_micro, eval_ooms, evaluated_at = result.loss, result.micro_batch, eval_ooms + result.ooms, \
-            pos.steps
-        progress.say(f"step {pos.steps}: eval loss {eval_loss:.4g}")
-
-    def save() -> None:
-        save_run(run.ckpt_dir, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler, scaler=run.scaler,
-                 guard=guard, position=pos, seed=cfg.data.seed, target_batch=run.target_batch, lr=run.lr,
-                 rank=run.sync.rank)
-
-    done = max_steps is not None and pos.steps >= max_steps
-    while not done and (epochs is None or pos.epoch < epochs):
-        fresh_epoch, drawn = pos.index == 0, False
-        for rb in batches.epoch(pos.epoch, pos.index):
-            drawn = True
-            try:
-                with device_region:  # the emulated device counts the step, not the host's drawing of the batch
-                    result = guard.step(rb.batch, run.loss_fn, partial=rb.partial or rb.global_size < run.target_batch)
-            except NonFiniteError as exc:
-                raise _stopped(exc, run, pos, rb.index) from None
-            pos.steps += 1
-            pos.skipped += result.skipped
-            pos.samples += result.num_samples
-            pos.index = rb.index + 1
-            train_time += result.step_time_s
-            skipped_streak = _check_step(result, run, pos, skipped_streak)
-            pos.losses.append(result.loss)
-            pos.last_loss = result.loss
-            micro_steps.append(result.micro_steps)
-            if result.peak_bytes is not None:
-                peak = max(peak or 0, result.peak_bytes)
-            progress.step(_record(result, pos))
-            if eval_batches is not None and cfg.output.eval_every is not None and pos.steps % cfg.output.eval_every == 0:
-                run_eval()
-            if cfg.checkpoint.every is not None and pos.steps % cfg.checkpoint.every == 0:
-                save()
-            if max_steps is not None and pos.steps >= max_steps:
-                done = True
-                break
-        else:
-            if fresh_epoch and not drawn:  # an exhausted iterator (a generator): another pass yields nothing
-                if pos.steps:
-                    logger.log(rank_level(logging.WARNING, run.sync.rank), "the data yielded no batch in epoch %d; "
-                               "stopping after %d steps", pos.epoch, pos.steps)
-                break
-            pos.epoch, pos.index = pos.epoch + 1, 0
-    if eval_batches is not None and evaluated_at != pos.steps:  # the end, unless just evaluated
-        run_eval()
-    save()
-    if pos.last_loss is None:
-        raise AutoAccumError("no optimizer step ran: the data yielded no batch")
-    rate = (pos.samples - first_samples) / train_time if train_time > 0 else 0.0
-    progress.say(f"autoaccum fit done · {pos.steps} steps, {pos.samples:,} samples · final loss {pos.last_loss:.4g}"
-                 + ("" if eval_loss is None else f" · eval loss {eval_loss:.4g}")
-                 + f" · {rate:,.0f} samples/s · {guard.ooms} OOMs · {guard.plan.describe()}"
-                 + ("" if peak is None else f" · peak {format_bytes(peak)}"))
-    return {"eval_loss": eval_loss, "eval_ooms": eval_ooms, "samples_per_s": rate, "peak_bytes": peak,
-            "micro_steps": micro_steps}
-
-
-def _stopped(exc: NonFiniteError, run: _Run, pos: RunPosition, batch_index: int) -> NonFiniteError:
-    """The guard's inf/NaN stop, with where the run stands (nothing of the step reached the weights)."""
-    last = "" if run.ckpt_dir is None else f" The last checkpoint in {run.ckpt_dir} is intact."
-    step = f"optimizer step {exc.step}"
-    return NonFiniteError(str(exc).replace(step, f"{step} (epoch {pos.epoch}, batch {batch_index})", 1) + last,
-                          exc.step)
-
-
-def _check_step(result: StepResult, run: _Run, pos: RunPosition, skipped_streak: int) -> int:
-    """Stop where every step is skipped for inf/NaN gradients (the guard checked each step before
-    ``optimizer.step()``); returns the skip streak."""
-    skipped_streak = skipped_streak + 1 if result.skipped else 0
-    if skipped_streak >= MAX_SKIPPED_STEPS:
-        who = "the fp16 GradScaler" if run.scaler is not None else "nonfinite='skip'"
-        fix = "Try precision='bf16' or a lower lr." if run.scaler is not None else \
-            "Check the data and the loss for inf/NaN, lower the lr or clip gradients (max_grad_norm=1.0)."
-        raise AutoAccumError(f"{skipped_streak} optimizer steps in a row were skipped for inf/NaN gradients (by "
-                             f"{who}), the last at step {pos.steps}; stopping. {fix}")
-    return skipped_streak
-
-
-def _record(result: StepResult, pos: RunPosition) -> dict[str, Any]:
-    """One line of the metrics file."""
-    return {
-        "step": pos.steps, "epoch": pos.epoch, "loss": result.loss, "lr": result.lr, "samples": pos.samples,
-        "micro_batch": result.plan.micro_batch, "accum_steps": result.plan.accum_steps,
-        "micro_steps": result.micro_steps,
-        "peak_bytes": result.peak_bytes, "step_time_s": result.step_time_s,
-        "samples_per_s": result.num_samples / result.step_time_s if result.step_time_s else 0.0,
-        "ooms": len([c for c in result.changes if c.reason == "oom"]), "skipped": result.skipped,
-    }

@@ -16,6 +16,10 @@ the smaller micro-batch. After a successful step the guard may shrink on allocat
 knows the limit, straight to the largest micro-batch predicted to fit in what is free now, from
 the rises it measured and the probe's memory model (``autoaccum.regrow``); elsewhere, if asked,
 by doubling.
+
+Components apart: the growth record and its decisions (``autoaccum.growth``), the vote to overlap
+the all-reduce (``autoaccum.overlap_vote``), a step's input checks (``autoaccum.step_input``), its
+results (``autoaccum.step_result``) and the constructor's checks (``autoaccum.guard_args``).
 """
 
 from __future__ import annotations
@@ -23,89 +27,35 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 
 from autoaccum.accumulate import Accumulated, StepTotals, accumulate, reduce_gradients
-from autoaccum.batch import Batch, SplitFn, batch_size
-from autoaccum.batchnorm import batchnorm_layers, smallest_micro_batch, warn_batchnorm
+from autoaccum.batch import Batch, SplitFn
+from autoaccum.batchnorm import batchnorm_layers, warn_batchnorm
 from autoaccum.cut import Cutter, SampleCut
-from autoaccum.errors import AutoAccumError, DoesNotFitError, NonFiniteError, TaskError
+from autoaccum.errors import AutoAccumError, DoesNotFitError, NonFiniteError
+from autoaccum.growth import GrowMode, Growth, check_growth_meter
+from autoaccum.guard_args import checked_options, guard_plan, trained_params
 from autoaccum.log import rank_level
-from autoaccum.memory import Meter, MemoryReading, TrackedMemory, active_budget, default_meter, usable_bytes
+from autoaccum.memory import Meter, MemoryReading, TrackedMemory, active_budget, default_meter
 from autoaccum.memory_model import MemoryModel
-from autoaccum.optim_step import NONFINITE_POLICIES, NonFinite, step_oom_error, step_optimizer
-from autoaccum.plan import Plan, resolve_plan
-from autoaccum.policy import PlanChange, Reason, fitting_plan, grown_plan, shrunk_plan
+from autoaccum.optim_step import NonFinite, step_oom_error, step_optimizer
+from autoaccum.overlap_vote import OverlapMode, overlap_vote
+from autoaccum.plan import Plan
+from autoaccum.policy import PlanChange, Reason, grown_plan, shrunk_plan
 from autoaccum.recovery import catch_oom, release_memory
-from autoaccum.regrow import FailedGrowth, Rise, fits, memory_limit, predicted_rise
+from autoaccum.regrow import Rise
 from autoaccum.state import capture_buffers, capture_rng, restore_buffers, restore_rng, state_buffers
+from autoaccum.step_input import check_step_args, count_items, local_size
+from autoaccum.step_result import AccumulateResult, StepResult
 from autoaccum.sync import ERROR, OK, OOM, GradSync, LocalSync, OverlapSync
-from autoaccum.units import format_bytes
-from autoaccum.task import LossFn, check_loss_fn, check_optimizer_covers, explain_error, trainable_parameters
-from autoaccum.validate import check_choice, check_headroom, check_positive_float, check_positive_int
+from autoaccum.task import LossFn, explain_error
 
 __all__ = ["AccumulateResult", "GrowMode", "OOMGuard", "OverlapMode", "PlanChange", "StepResult", "batchnorm_layers"]
 
 logger = logging.getLogger(__name__)
-
-#: how the guard grows the micro-batch back after calm steps (see ``OOMGuard``)
-GrowMode = Literal["auto", "model", "double", "off"]
-#: whether the gradient all-reduce may run during the last micro-batch's backward (see ``OOMGuard``)
-OverlapMode = Literal["auto", "on", "off"]
-#: calm steps before growing, where ``grow_after`` is not given
-DEFAULT_GROW_AFTER = 2
-#: the fraction of the limit a predicted size keeps free, where neither ``headroom`` nor a probe report gives one
-DEFAULT_HEADROOM = 0.1
-
-
-@dataclass(frozen=True)
-class AccumulateResult:
-    """What one :meth:`OOMGuard.accumulate` did; the parameters' ``.grad`` hold the global batch's gradient.
-
-    Attributes:
-        loss: the step's loss, weighted by samples (or items) exactly as a full-batch step's.
-        num_samples: samples in the step over all ranks.
-        num_items: items (e.g. tokens) over all ranks for token-level losses, else None.
-        plan: the plan in force after the step.
-        changes: plan changes during the step (OOM replays, thrash, growth).
-        attempts: forward/backward passes over the batch (1 + OOM replays).
-        step_time_s: wall time of the whole step, replays included.
-        peak_bytes: peak memory of the step (the meter's), else None.
-        micro_steps: micro-steps of the attempt that succeeded (on every rank; with a token budget
-            it depends on the step's lengths).
-        overlapped: the attempt that succeeded all-reduced its gradients during the last
-            micro-batch's backward (``OOMGuard(overlap=...)``).
-    """
-
-    loss: float
-    num_samples: int
-    num_items: int | None
-    plan: Plan
-    changes: tuple[PlanChange, ...]
-    attempts: int
-    step_time_s: float
-    peak_bytes: int | None
-    micro_steps: int = 0
-    overlapped: bool = False
-
-
-@dataclass(frozen=True)
-class StepResult(AccumulateResult):
-    """What one ``OOMGuard.step`` did: :class:`AccumulateResult`, and the optimizer step.
-
-    Attributes:
-        grad_norm: total gradient norm before clipping (when clipping), else None.
-        skipped: the optimizer step was skipped for inf/NaN gradients: by the GradScaler (fp16), or
-            under ``nonfinite="skip"`` (the weights, optimizer state and scheduler are unchanged).
-        lr: learning rate of the first parameter group used by the step.
-    """
-
-    grad_norm: float | None = None
-    skipped: bool = False
-    lr: float = 0.0
 
 
 class OOMGuard:
@@ -196,61 +146,24 @@ class OOMGuard:
         nonfinite: NonFinite | None = "stop",
         overlap: OverlapMode = "auto",
     ) -> None:
-        model_params = trainable_parameters(model)
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        # The step's gradient is that of every trainable parameter of the model and of every parameter
-        # the optimizer steps (e.g. a temperature owned by the loss): token-level normalisation,
-        # clipping and clearing cover them all. Model parameters outside the optimizer are cleared
-        # too, or their gradients would carry into the next step (and into its clipping norm).
-        in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        self._outside_optimizer = [p for p in model_params if id(p) not in in_optimizer]
-        seen = {id(p) for p in model_params}
-        self.params = model_params + [p for group in optimizer.param_groups for p in group["params"]
-                                      if p.requires_grad and id(p) not in seen]
+        self.params, self._outside_optimizer = trained_params(model, optimizer)
         self.sync: GradSync = sync if sync is not None else LocalSync()
-        self.plan = resolve_plan(plan, target_batch=target_batch, micro_batch=micro_batch,
-                                 world_size=self.sync.world_size)
-        smallest = smallest_micro_batch(model)
-        if smallest > self.plan.min_micro_batch:
-            try:
-                self.plan = self.plan.with_min_micro_batch(smallest)
-            except ValueError:
-                raise ValueError(f"Invalid micro_batch: {self.plan.micro_batch}. {type(model).__name__} has BatchNorm "
-                                 f"layers in training mode, which need more than one sample per micro-batch. Allowed "
-                                 f"range: {smallest} ~ any") from None
-        if max_grad_norm is not None:
-            check_positive_float(max_grad_norm, "max_grad_norm", hint=", or None for no clipping")
-        if grow_after is not None:
-            check_positive_int(grow_after, "grow_after")
-        check_choice(grow, "grow", get_args(GrowMode))
-        if memory_model is not None and not isinstance(memory_model, MemoryModel):
-            raise TypeError(f"memory_model must be an autoaccum.MemoryModel (a probe report's .model), got "
-                            f"{type(memory_model).__name__}")
-        report_model = getattr(plan, "model", None)
-        self.memory_model = memory_model if memory_model is not None else (
-            report_model if isinstance(report_model, MemoryModel) else None)
-        report_headroom = getattr(plan, "headroom", None) if isinstance(report_model, MemoryModel) else None
-        self.headroom = check_headroom(headroom if headroom is not None else
-                                       report_headroom if report_headroom is not None else DEFAULT_HEADROOM)
-        check_positive_int(thrash_steps, "thrash_steps")
-        check_choice(nonfinite, "nonfinite", (*NONFINITE_POLICIES, None))
-        self.nonfinite = nonfinite
-        check_choice(overlap, "overlap", get_args(OverlapMode))
-        self.overlap = overlap
-        check_optimizer_covers(model, optimizer)
-        if split_fn is not None and cut is not None:
-            raise TypeError("give split_fn= or cut=, not both (a cutter splits batches itself)")
+        self.plan = guard_plan(model, plan, target_batch=target_batch, micro_batch=micro_batch,
+                               world_size=self.sync.world_size)
+        memory_model, headroom = checked_options(
+            model, optimizer, plan, max_grad_norm=max_grad_norm, grow=grow, grow_after=grow_after,
+            memory_model=memory_model, headroom=headroom, thrash_steps=thrash_steps, nonfinite=nonfinite,
+            overlap=overlap, split_fn=split_fn, cut=cut)
+        self.nonfinite, self.overlap = nonfinite, overlap
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.max_grad_norm, self.autocast_dtype, self.size_fn = max_grad_norm, autocast_dtype, size_fn
         self.cut: Cutter = cut if cut is not None else SampleCut(split_fn)
-        self.grow, self.grow_after, self.thrash_steps, self.log_changes = grow, grow_after, thrash_steps, log_changes
+        self.thrash_steps, self.log_changes = thrash_steps, log_changes
         self.device = self.params[0].device
         self.meter: Meter = meter if meter is not None else default_meter(self.device)
-        if grow == "model" and (self.meter.read() is None or memory_limit(self.meter) is None):
-            raise ValueError(f"grow='model' needs a meter that reads memory and knows its limit: CUDA, or an emulated "
-                             f"budget (meter=autoaccum.TrackedMemory(budget_bytes=...)); this guard's meter is "
-                             f"{type(self.meter).__name__} ({self.meter.kind}). Use grow='double' or 'off' here.")
+        check_growth_meter(grow, self.meter)
+        # memory-guided growth: what clean steps took per size, what failed, this step's room, calm steps
+        self._growth = Growth(grow, grow_after, memory_model, headroom)
         # an emulated device (a counter with a budget): micro-batches are copied in, as a GPU's would be
         self._emulated = isinstance(self.meter, TrackedMemory) and self.meter.budget_bytes is not None
         self.initial_micro_batch = self.plan.micro_batch
@@ -261,16 +174,6 @@ class OOMGuard:
         self.ooms = 0  # OOMs recovered
         self.failed_growths = 0  # growths that ran out of memory in their first step (each also counts in ooms)
         self.changes: list[PlanChange] = []
-        # memory-guided growth: what clean steps took per size, what failed, and this step's room
-        self._rises: dict[int, Rise] = {}
-        self._failures: list[FailedGrowth] = []
-        self._grown = False  # the plan in force was grown and has not run a clean step yet
-        self._limit: int | None = None  # the meter's limit at this step's start (memory-guided growth on)
-        self._start: MemoryReading | None = None  # the meter at this step's start
-        self._start_ooms = 0  # the emulated budget's OOM count at this step's start
-        self._fwd_bwd: MemoryReading | None = None  # the meter after this step's forward/backward passes
-        self._full_step = False
-        self._ok_streak = 0
         self._thrash_streak = 0
         self._last_retries: int | None = None
         self._warned_batchnorm = False
@@ -282,6 +185,27 @@ class OOMGuard:
         self._overlapped = False  # the attempt in progress is overlapped
         self._fresh_buffers = False  # the overlap's buffers were allocated in this attempt's vote
         self._warn_batchnorm()
+
+    # -- the growth's settings and record (autoaccum.growth), as attributes of the guard ------------------
+    @property
+    def grow(self) -> GrowMode:
+        return self._growth.grow
+
+    @property
+    def grow_after(self) -> int | None:
+        return self._growth.grow_after
+
+    @property
+    def memory_model(self) -> MemoryModel | None:
+        return self._growth.memory_model
+
+    @property
+    def headroom(self) -> float:
+        return self._growth.headroom
+
+    @property
+    def _rises(self) -> dict[int, Rise]:  # read by tests and benchmarks/squeeze_bench.py
+        return self._growth.rises
 
     # -- public ---------------------------------------------------------------------------------
     def step(self, batch: Batch, loss_fn: LossFn, *, partial: bool = False) -> StepResult:
@@ -369,45 +293,9 @@ class OOMGuard:
 
     # -- one global batch, replayed until it fits ------------------------------------------------------
     def _check_loss_fn(self, batch: Batch, loss_fn: LossFn) -> None:
-        if loss_fn is self._checked_loss_fn:
-            return
-        if callable(batch) and not callable(loss_fn):
-            raise TypeError(f"OOMGuard.step(batch, loss_fn) got a {type(batch).__name__} as batch and a "
-                            f"{type(loss_fn).__name__} as loss_fn: the arguments look swapped")
-        check_loss_fn(loss_fn)
-        self._checked_loss_fn = loss_fn
-
-    def _count_items(self, loss_fn: LossFn, batch: Batch) -> int | None:
-        """The step's items over all ranks, for a loss that counts them up front (``loss_fn.count_items``,
-        e.g. the default loss on per-token labels); None for other losses."""
-        counter = getattr(loss_fn, "count_items", None)
-        count = counter(self.model, batch) if callable(counter) else None
-        if self.sync.world_size > 1:
-            total, counted = self.sync.sum_items(torch.tensor([count or 0, count is not None])).tolist()
-            if 0 < counted < self.sync.world_size:
-                raise TaskError("loss_fn.count_items counted items on some ranks and not on others; give every "
-                                "rank batches of the same kind")
-            count = int(total) if counted else None
-        if count == 0:
-            raise TaskError("the step's batch holds no item its loss averages over (every label is -100); "
-                            "nothing to train on")
-        return count
-
-    def _local_size(self, batch: Batch, partial: bool) -> int:
-        """This rank's samples of the step, checked against the plan."""
-        n = self.size_fn(batch) if self.size_fn is not None else batch_size(batch)
-        expected = self.plan.rank_batch(self.sync.rank)
-        # partial: the epoch's last batch; under torch.distributed a rank's share of it may be empty
-        if n != expected and not (partial and 0 <= n < expected and (n > 0 or self.sync.world_size > 1)):
-            hint = " (pass partial=True for the smaller last batch of an epoch)" if 0 < n < expected else ""
-            raise ValueError(f"batch holds {n} samples; this rank's share of target_batch {self.plan.target_batch} "
-                             f"is {expected}{hint}. The global batch is never changed silently.")
-        if 0 < n < self.plan.min_micro_batch:
-            raise ValueError(f"batch holds {n} sample(s), fewer than the smallest micro-batch this model trains at "
-                             f"({self.plan.min_micro_batch}: BatchNorm needs more than one value per channel). Drop "
-                             f"the epoch's smaller last batch (DataLoader(drop_last=True), or fit(..., "
-                             f"last_batch='drop')) or make it hold at least {self.plan.min_micro_batch} per rank.")
-        return n
+        if loss_fn is not self._checked_loss_fn:
+            check_step_args(batch, loss_fn)
+            self._checked_loss_fn = loss_fn
 
     def _agree_cut(self, batch: Batch, n: int, attempt: int) -> tuple[int, int, bool]:
         """The step's samples over all ranks, the micro-steps every rank runs (the most any rank's
@@ -416,7 +304,9 @@ class OOMGuard:
         steps = self.cut.steps(batch, n, self.plan)
         if self.sync.world_size == 1:
             return n, steps, False
-        vote, reason = self._overlap_vote(attempt)
+        vote, reason, self._fresh_buffers = overlap_vote(
+            self.sync, self.params, self.overlap, attempt, self._growth, micro_batch=self.plan.micro_batch,
+            wait=self._overlap_wait, device=self.device, meter=self.meter)
         gathered = self.sync.gather((n, steps, int(vote)))
         overlap = all(g[2] for g in gathered)
         if attempt == 1 and overlap != self._overlap_decision:
@@ -425,47 +315,6 @@ class OOMGuard:
             logger.log(rank_level(logging.INFO, self.sync.rank), "gradient all-reduce %s: %s",
                        "overlapped with the last backward" if overlap else "after the backward (not overlapped)", why)
         return sum(g[0] for g in gathered), max(g[1] for g in gathered), overlap
-
-    # -- the overlapped all-reduce (autoaccum.distributed.overlap) ------------------------------------------
-    def _overlap_vote(self, attempt: int) -> tuple[bool, str]:
-        """This rank's vote to overlap this attempt's gradient all-reduce, and why; with a yes, the
-        sync holds its buffers already (so that no rank can fail to allocate them after the vote)."""
-        sync = self.sync
-        if self.overlap == "off" or not isinstance(sync, OverlapSync):
-            return False, "overlap='off'" if self.overlap == "off" else "this sync does not overlap"
-        extra = sync.overlap_bytes(self.params)
-        if extra is None:
-            return False, "this model's sync does not overlap (FSDP2: its reduce-scatter stays after the backward)"
-        if attempt > 1:
-            vote, reason = False, "a replay after an OOM"
-        elif self.overlap == "on":
-            vote, reason = True, "overlap='on'"
-        else:
-            vote, reason = self._overlap_room(extra)
-        if not vote:
-            sync.release_overlap()
-            return False, reason
-        if not sync.prepare_overlap(self.params):
-            return False, f"its buffers ({format_bytes(extra)}) do not fit now"
-        self._fresh_buffers = extra > 0
-        return True, reason
-
-    def _overlap_room(self, extra_bytes: int) -> tuple[bool, str]:
-        """overlap='auto': room for the step's predicted peak plus ``extra_bytes`` of buffers."""
-        if self._overlap_wait > 0:
-            return False, f"an OOM struck an overlapped step; {self._overlap_wait} more clean step(s) first"
-        start, limit = self._start, self._limit
-        if start is None or limit is None:
-            if self.device.type == "cpu" and memory_limit(self.meter) is None and active_budget() is None:
-                return True, "no memory limit to run into (CPU without an emulated budget)"
-            return False, "no memory model for this micro-batch yet (a meter that reads memory and its limit)"
-        rise = predicted_rise(self.plan.micro_batch, self._rises, self.memory_model, self._failures)
-        if rise is None:
-            return False, f"no step measured yet at or below micro-batch {self.plan.micro_batch}"
-        predicted, usable = start.current_bytes + rise + extra_bytes, usable_bytes(limit, self.headroom)
-        room = f"predicted peak {format_bytes(predicted)} (buffers {format_bytes(extra_bytes)} included), usable " \
-               f"{format_bytes(usable)} (headroom {self.headroom:.0%})"
-        return predicted <= usable, room
 
     def _arming(self, micro_batches: Any, steps: int, arm: Callable[[], None]) -> Any:
         """The micro-batches, arming the overlapped all-reduce before the last micro-step runs."""
@@ -478,27 +327,22 @@ class OOMGuard:
                     partial: bool) -> tuple[StepTotals, int, list[PlanChange], MemoryReading | None]:
         """Accumulate the global batch, replaying smaller on OOM; gradients reduced and normalised."""
         self._check_loss_fn(batch, loss_fn)
-        n = self._local_size(batch, partial)
-        num_items = self._count_items(loss_fn, batch)
-        self.meter.reset_peak()
-        start = self._start = self.meter.read()
-        self._start_ooms = getattr(self.meter, "oom_count", 0)
-        self._full_step = n == self.plan.rank_batch(self.sync.rank)
+        n = local_size(batch, self.plan, self.sync, self.size_fn, partial)
+        num_items = count_items(loss_fn, self.model, batch, self.sync)
+        growth = self._growth
         # memory-guided growth and the overlap's room read the limit once per step (CUDA: two allocator
         # queries), only where one of them is on
         overlap_auto = self.overlap == "auto" and self.sync.world_size > 1 and isinstance(self.sync, OverlapSync)
-        self._limit = memory_limit(self.meter) if (start is not None and self.plan.tokens is None and (
-            self.grow in ("auto", "model") or overlap_auto)) else None
+        start = growth.begin(self.meter, full_step=n == self.plan.rank_batch(self.sync.rank),
+                             read_limit=self.plan.tokens is None and (growth.guided or overlap_auto))
         changes: list[PlanChange] = []
-        if self._limit is not None and start is not None and self.grow in ("auto", "model"):
-            if self._may_grow() and isinstance(self.sync, OverlapSync):
+        if growth.limit is not None and start is not None and growth.guided:
+            if growth.may_grow(self.plan, self.initial_micro_batch) and isinstance(self.sync, OverlapSync):
                 # growth first: the overlap's buffers are memory a larger micro-batch may take (the
                 # overlap then runs only where room is left after it)
                 self.sync.release_overlap()
-                self.meter.reset_peak()
-                start = self._start = self.meter.read()
-            assert start is not None
-            changes.extend(self._grow_to_fit(start.current_bytes, self._limit))
+                start = growth.restart(self.meter)
+            changes.extend(self._grow_to_fit())
         rng = capture_rng()
         buffers = capture_buffers(self._buffer_slots)
         attempts = 0
@@ -510,8 +354,7 @@ class OOMGuard:
             if self._fresh_buffers and start is not None:
                 # the overlap's buffers were allocated just now: from here on they are live at a
                 # step's start, so they count there, not in this step's measured rise
-                self.meter.reset_peak()
-                start = self._start = self.meter.read()
+                start = growth.restart(self.meter)
             self._last_steps = steps
             micro_batches = self.cut(batch, n, self.plan, steps)
             if self._overlapped:
@@ -533,9 +376,10 @@ class OOMGuard:
             where = "another rank" if isinstance(result, Accumulated) else result.where
             result = None  # type: ignore[assignment]  # OOM here or elsewhere: replay smaller, from the same start
             if self._overlapped:  # the room was not there after all: today's protocol for a while
-                self._overlap_wait = self.grow_after or DEFAULT_GROW_AFTER
-            if self._grown:  # the growth did not fit after all: counted, and remembered against the room it had
-                self._failed_growth(start, local=where != "another rank")
+                self._overlap_wait = self._growth.calm_needed
+            if growth.grown:  # the growth did not fit after all: counted, and remembered against the room it had
+                self.failed_growths += 1
+                growth.failed(self.meter, self.plan.micro_batch, local=where != "another rank")
             self._zero_grad()
             # a second OOM in one step: a full collection where no meter says whether memory came back
             release_memory(self.device, self.meter, None if start is None else start.current_bytes,
@@ -544,7 +388,7 @@ class OOMGuard:
             restore_buffers(buffers)
             changes.append(self._shrink("oom", where))
         buffers = None  # type: ignore[assignment]
-        self._fwd_bwd = self.meter.read() if self._limit is not None else None
+        growth.passes_done(self.meter)
         totals, failed = catch_oom(reduce_gradients, self.params, result, num_samples=num_samples, sync=self.sync,
                                    num_items_in_batch=num_items)
         if failed:
@@ -562,8 +406,7 @@ class OOMGuard:
         reading = self.meter.read()
         self.overlapped_steps += self._overlapped
         if attempts == 1:
-            self._grown = False
-            self._measured(start, reading)
+            self._growth.measured(self.plan.micro_batch, reading)
             self._overlap_wait = max(0, self._overlap_wait - 1)
         changes.extend(self._adapt(attempts, reading))
         return {"loss": loss, "num_samples": totals.num_samples, "num_items": totals.num_items, "plan": self.plan,
@@ -584,74 +427,31 @@ class OOMGuard:
             raise self._does_not_fit()
         self.ceiling = old.micro_batch if self.ceiling is None else min(self.ceiling, old.micro_batch)
         self.plan = self.sync.agree_plan(shrunk_plan(old, self.floor))
-        self._grown = False
+        self._growth.grown = False
         return self._record(reason, where, old)
 
-    # -- growth guided by memory (autoaccum.regrow) -------------------------------------------------------
-    def _grow_to_fit(self, live_bytes: int, limit_bytes: int) -> list[PlanChange]:
+    def _grow_to_fit(self) -> list[PlanChange]:
         """At a step's start, after calm steps: the plan with the fewest micro-steps predicted to fit
-        in what is free now, up to the initial micro-batch; the smallest any rank proposes wins.
+        in what is free now (``autoaccum.growth``); the smallest any rank proposes wins.
 
         Whether to ask depends only on what every rank shares (the agreed plan, the calm steps), so
         every rank joins the exchange; what each proposes depends on its own memory."""
-        if not self._may_grow():
+        if not self._growth.may_grow(self.plan, self.initial_micro_batch):
             return []
         old = self.plan
-        proposal = fitting_plan(old, self.initial_micro_batch, lambda b: fits(
-            b, live_bytes=live_bytes, limit_bytes=limit_bytes, headroom=self.headroom, rises=self._rises,
-            prior=self.memory_model, failures=self._failures))
+        proposal = self._growth.fitting(old, self.initial_micro_batch)
         self.plan = self.sync.agree_plan(proposal if proposal is not None else old)
         if self.plan.micro_batch == old.micro_batch:
             return []  # nothing fits yet: the calm steps go on counting, and the next step asks again
-        self._grown = True
+        self._growth.grown = True
         return [self._record("grow", "predicted to fit in the free memory", old)]
-
-    def _may_grow(self) -> bool:
-        """Calm steps enough, and below the initial micro-batch: memory-guided growth asks this step."""
-        calm = self.grow_after if self.grow_after is not None else DEFAULT_GROW_AFTER
-        return self._ok_streak >= calm and self.plan.micro_batch < self.initial_micro_batch
-
-    def _measured(self, start: MemoryReading | None, end: MemoryReading | None) -> None:
-        """After a clean step with memory-guided growth on: what a step at this size took, and the room it had."""
-        fwd_bwd, self._fwd_bwd = self._fwd_bwd, None
-        if self._limit is None or not self._full_step or start is None or end is None or fwd_bwd is None:
-            return
-        size = self.plan.micro_batch
-        fwd_bwd_rise = fwd_bwd.peak_bytes - start.current_bytes
-        # what the step left live (the optimizer state its first step creates) is in the next step's
-        # start, not in its rise
-        kept = max(0, end.current_bytes - start.current_bytes)
-        rise = Rise(size, fwd_bwd_rise, max(fwd_bwd_rise, end.peak_bytes - start.current_bytes - kept),
-                    self._limit - start.current_bytes)
-        old = self._rises.get(size)
-        self._rises[size] = rise if old is None else old.merged(rise)
-        # a size at least this large failed earlier, with no more room than this: that record is stale
-        self._failures = [f for f in self._failures if f.micro_batch > size or f.free_bytes > rise.free_bytes]
-
-    def _failed_growth(self, start: MemoryReading | None, *, local: bool) -> None:
-        """The first step of a grown plan ran out of memory: count it; where it struck on this rank,
-        remember the size against the room it had (and how far it got), so it is not retried until
-        more is free."""
-        self.failed_growths += 1
-        self._grown = False
-        if not local or self._limit is None or start is None:
-            return
-        self._failures.append(self._failure(start, self._limit, self.meter.read()))
-
-    def _failure(self, start: MemoryReading, limit_bytes: int, now: MemoryReading | None) -> FailedGrowth:
-        reached = 0 if now is None else now.peak_bytes - start.current_bytes
-        needed = self.meter.last_oom_needed_bytes
-        short = 0
-        if needed is not None and getattr(self.meter, "oom_count", 0) > self._start_ooms:  # the budget's own OOM
-            short, reached = max(needed - limit_bytes, 0), max(reached, needed - start.current_bytes)
-        return FailedGrowth(self.plan.micro_batch, limit_bytes - start.current_bytes, short, max(reached, 0))
 
     def _record(self, reason: Reason, where: str, old: Plan) -> PlanChange:
         change = PlanChange(self.steps + 1, reason, where, old, self.plan)
         self.changes.append(change)
         if self.log_changes:
             logger.log(rank_level(logging.WARNING, self.sync.rank), change.describe())  # agreed: rank 0 says it
-        self._ok_streak = 0
+        self._growth.calm = 0
         self._warn_batchnorm()
         return change
 
@@ -665,23 +465,19 @@ class OOMGuard:
             self._thrash_streak = self._thrash_streak + 1 if rising else 0
             if self._thrash_streak >= self.thrash_steps and self.plan.can_shrink:
                 self._thrash_streak = 0
-                if self._limit is not None and self._start is not None:  # memory-guided growth: not back to it soon
-                    self._failures.append(FailedGrowth(self.plan.micro_batch, self._limit - self._start.current_bytes))
+                self._growth.thrashed(self.plan.micro_batch)  # memory-guided growth: not back to it soon
                 return [self._shrink("thrash", "allocator retries")]
-        self._ok_streak = self._ok_streak + 1 if attempts == 1 else 0
-        if not self._doubles() or self._ok_streak < (self.grow_after or DEFAULT_GROW_AFTER):
+        growth = self._growth
+        growth.count_calm(attempts)
+        if not growth.doubles or growth.calm < growth.calm_needed:
             return []
-        self._ok_streak = 0
+        growth.calm = 0
         old = self.plan
         bigger = grown_plan(old, self.initial_micro_batch, self.ceiling)
         if bigger is None:
             return []
         self.plan = self.sync.agree_plan(bigger)
         return [self._record("grow", "", old)] if self.plan.micro_batch != old.micro_batch else []
-
-    def _doubles(self) -> bool:
-        """Blind growth: asked for, or asked for with ``grow_after`` where memory cannot guide it."""
-        return self.grow == "double" or (self.grow == "auto" and self.grow_after is not None and self._limit is None)
 
     def _does_not_fit(self) -> DoesNotFitError:
         meter = self.meter if self.meter.budget_bytes is not None else (active_budget() or self.meter)

@@ -27,11 +27,12 @@ LAYERS: list[tuple[str, ...]] = [
     # cut -> accumulate -> guard
     ("data", "sync", "cut", "distributed.settle", "distributed.process_group", "distributed.models",
      "distributed.fsdp2", "distributed.overlap", "distributed.ddp", "distributed"),
-    ("accumulate", "regrow", "policy", "optim_step", "losses"),
+    ("accumulate", "regrow", "policy", "growth", "overlap_vote", "step_input", "step_result", "optim_step",
+     "losses", "guard_args"),
     ("guard",),
     # the trainer and its components
     ("lr", "checkpoint", "training.config", "training.evaluate", "training.progress", "training.resume",
-     "training.plans", "training", "fit"),
+     "training.plans", "training.loop", "training", "fit"),
     # inside other trainers: HF Trainer, Lightning, Accelerate (each imports its framework itself)
     ("integrations.lazy_guard", "integrations.transformers", "integrations.lightning", "integrations.accelerate",
      "integrations"),

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import autoaccum.guard as guard_module
+import autoaccum.growth as growth_module
 import autoaccum.recovery as recovery_module
 from _guard_models import Net, data, full_step, mse, pair, params_of
 from _spawn import results, spawn
@@ -187,7 +187,7 @@ def test_negative_control_blind_doubling_never_returns_and_growth_off_stays_smal
 def test_negative_control_growing_without_asking_memory_runs_out_of_it(monkeypatch):
     """The squeeze test can fail: a guard whose fitting rule says yes to everything grows into the
     squeeze after two calm steps and runs out of memory again; the failed growth is counted."""
-    monkeypatch.setattr(guard_module, "fits", lambda b, **kwargs: True)
+    monkeypatch.setattr(growth_module, "fits", lambda b, **kwargs: True)
     guard, micros, diff = squeezed_run("auto", squeeze=0.6)
     assert guard.failed_growths == 1 and guard.ooms == 2 and diff <= REL  # the real rule: 0 and 1
 
