@@ -45,7 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,8 +67,11 @@ class Config:
     checkpoint_every: int = 10
     eval_every: int = 50
     eval_samples: int = 512
-    p_oom: float = 0.1  # per micro-batch forward and rank
-    p_multi: float = 0.05  # per micro-batch forward: several ranks at once
+    # OOM rates per rank and *attempt* at a step, whatever its micro-batch: a micro-batch of b samples
+    # draws with p * b / share (share: a rank's part of the global batch). A rate per micro-batch would
+    # make every OOM a cascade: halving doubles the forwards of the replay, and so its chance to fail.
+    p_oom: float = 0.1
+    p_multi: float = 0.05  # several ranks at once (the same draw on every rank)
     p_eval_oom: float = 0.05  # per evaluation forward and rank
     p_drop: float = 0.03  # per step and rank: the budget falls
     budget: int = 2 ** 24  # the emulated device: 16 MiB, far above what a step needs
@@ -165,11 +168,11 @@ class Injector:
             k = count
         if phase is not None:
             self.log(type="oom", phase=phase, step=self.step, forward=k, size=n)
-            self.injected += 1
-        if phase in ("forward", "eval"):
-            self.inject.forward_oom = True
-        elif phase == "backward":
-            self.inject.backward_oom = True
+            self.injected += phase != "eval"  # the training OOMs of this step (an evaluation is timed apart)
+        # set (or cleared) at every call: a flag left by an attempt that an emulated OOM ended earlier
+        # must not fire in a later forward (perhaps at a micro-batch of 1)
+        self.inject.forward_oom = phase in ("forward", "eval")
+        self.inject.backward_oom = phase == "backward"
         out = F.cross_entropy(model(x), y)
         if phase == "loss":
             raise self.torch.OutOfMemoryError("injected by the soak: out of memory in the loss")
@@ -181,8 +184,10 @@ class Injector:
         mine = self._rng("oom", self.step, k, self.rank)
         shared = self._rng("multi", self.step, k)
         world = self.spec["world"]
-        several = shared.random() < self.cfg.p_multi and self.rank in shared.sample(range(world), shared.randint(2, world))
-        if several or mine.random() < self.cfg.p_oom:
+        part = min(1.0, n * world / self.cfg.target_batch)  # this micro-batch's part of a rank's share
+        several = (shared.random() < self.cfg.p_multi * part
+                   and self.rank in shared.sample(range(world), shared.randint(2, world)))
+        if mine.random() < self.cfg.p_oom * part or several:
             return mine.choice(("forward", "loss", "backward"))
         return None
 
@@ -212,7 +217,11 @@ class Injector:
         peak, base, micro = self.last_peak
         params = sum(p.numel() * p.element_size() for p in self.inject_params)
         per_sample = max(1, (peak - base - params) // max(1, micro))
-        floor = meter.current_bytes + 6 * params + 2 * per_sample  # a micro-batch of 1 and the optimizer step fit
+        # what a micro-batch of 1 surely fits in: the gradients, one more copy of the weights for the optimizer
+        # step's temporaries (SGD with momentum allocates none once its buffers exist: measured with
+        # TrackedMemory) and 4 samples' activations. Not more: this model's weights (14 KB) outweigh a
+        # sample (~1 KB), and a floor of several weights' worth would keep most drops from biting at all.
+        floor = meter.current_bytes + 2 * params + 4 * per_sample
         low = max(floor, meter.current_bytes + params + int(rng.uniform(0.3, 0.85) * micro * per_sample))
         meter.budget_bytes, self.low_until = low, self.step + rng.randint(1, 6)
         self.log(type="budget_drop", step=self.step, budget=low, until=self.low_until)
@@ -222,7 +231,9 @@ class Injector:
 
         # the micro-batch of the attempt that succeeded: the micro-batches whose gradients are held
         micro = max((len(self.audit.micro[m]) for m in set().union(*self.audit.pending.values())), default=0)
+        inconsistent = self.audit.inconsistent
         self.audit.step()
+        inconsistent = self.audit.inconsistent - inconsistent  # parameters whose gradients came from other samples
         meter = active_budget()
         emulated = 0
         if meter is not None:
@@ -230,9 +241,31 @@ class Injector:
             params = sum(p.numel() * p.element_size() for p in self.inject_params)
             self.last_peak = (meter.peak_bytes, meter.current_bytes - params, max(1, micro))
         now = time.perf_counter()
-        self.log(type="step", step=self.step, ids=self.audit.steps[-1], duration_s=now - self.step_started,
-                 forwards=self.forward, injected=self.injected, emulated_ooms=emulated, micro=micro)
+        self.log(type="step", step=self.step, ids=self.audit.steps[-1], inconsistent=inconsistent,
+                 duration_s=now - self.step_started, forwards=self.forward, injected=self.injected,
+                 emulated_ooms=emulated, micro=micro)
         self.step, self.forward, self.injected, self.step_started = self.step + 1, 0, 0, now
+
+
+def _leak_failed_gradients(injector: Injector, log: Any) -> None:
+    """The soak's negative control (``--sabotage``): a guard that, once per rank, skips clearing the
+    gradients of an attempt an injected OOM ended, so that they leak into the replayed step. The sample
+    audit (ids of the failed attempt counted twice) and the parameter comparison must both catch it."""
+    from autoaccum.guard import OOMGuard
+
+    clear = OOMGuard._zero_grad
+    leaked = False
+
+    def leaky(guard: OOMGuard) -> None:
+        nonlocal leaked
+        held = any(p.grad is not None for g in guard.optimizer.param_groups for p in g["params"])
+        if injector.injected and held and not leaked:
+            leaked = True
+            log(type="sabotage", step=injector.step)
+            return
+        clear(guard)
+
+    OOMGuard._zero_grad = leaky  # type: ignore[method-assign]
 
 
 def run_rank(spec_path: str) -> None:
@@ -267,7 +300,9 @@ def run_rank(spec_path: str) -> None:
     injector = Injector(spec, rank, first_step, model[2], log)
     injector.audit, injector.inject_params = audit, list(model.parameters())
     if not spec["faults"]:  # the fault-free reference
-        injector.cfg = Config(p_oom=0.0, p_multi=0.0, p_eval_oom=0.0, p_drop=0.0)
+        injector.cfg = replace(cfg, p_oom=0.0, p_multi=0.0, p_eval_oom=0.0, p_drop=0.0)
+    if spec.get("sabotage"):
+        _leak_failed_gradients(injector, log)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     audit.watch(opt)
     opt.register_step_pre_hook(injector.before_optimizer_step)
@@ -355,7 +390,8 @@ def _one_shots(cfg: Config, world: int, rng: random.Random) -> list[dict[str, An
     return shots + [None]
 
 
-def run_episode(cfg: Config, world: int, episode: int, work: Path, faults: bool = True) -> dict[str, Any]:
+def run_episode(cfg: Config, world: int, episode: int, work: Path, faults: bool = True,
+                sabotage: bool = False) -> dict[str, Any]:
     """Every incarnation of one episode; its events and final parameters are left in ``work``."""
     work.mkdir(parents=True)
     rng = random.Random(f"{cfg.seed}/{world}/{episode}")
@@ -364,7 +400,7 @@ def run_episode(cfg: Config, world: int, episode: int, work: Path, faults: bool 
     runs = []
     for incarnation, shot in enumerate(shots):
         spec = {"config": asdict(cfg), "world": world, "seed": seed, "incarnation": incarnation, "one_shot": shot,
-                "out": str(work), "faults": faults, "budget": cfg.budget,
+                "out": str(work), "faults": faults, "budget": cfg.budget, "sabotage": sabotage,
                 "checkpoint_dir": str(work / "ckpt") if faults else None}
         runs.append(_launch(spec, work / "spec.json", cfg.timeout_s))
         last = runs[-1]
@@ -410,8 +446,8 @@ def audit(events: list[dict[str, Any]], expected: list[list[list[int]]], world: 
         if e["type"] == "step":
             key = (e["step"], e["rank"])
             if key not in final or e["incarnation"] >= final[key][0]:
-                final[key] = [e["incarnation"], e["ids"]]
-    lost = repeated = wrong = missing = 0
+                final[key] = [e["incarnation"], e["ids"], e.get("inconsistent", 0)]
+    lost = repeated = wrong = missing = inconsistent = 0
     for step, shares in enumerate(expected, start=1):
         union: list[int] = []
         for rank in range(world):
@@ -419,6 +455,7 @@ def audit(events: list[dict[str, Any]], expected: list[list[list[int]]], world: 
                 missing += 1
                 continue
             got = final[(step, rank)][1]
+            inconsistent += final[(step, rank)][2]
             union += got
             repeated += len(got) - len(set(got))
             wrong += sorted(set(got)) != shares[rank]
@@ -426,7 +463,7 @@ def audit(events: list[dict[str, Any]], expected: list[list[list[int]]], world: 
         lost += len(want - set(union))
         repeated += len(union) - len(set(union))
     return {"steps_audited": len(expected), "lost": lost, "repeated": repeated, "wrong_share": wrong,
-            "missing_steps": missing}
+            "missing_steps": missing, "inconsistent": inconsistent}
 
 
 def compare_params(work: Path, reference: dict[str, Any], world: int) -> float | None:
@@ -474,9 +511,9 @@ def summarize(cfg: Config, episodes: list[dict[str, Any]], works: list[Path],
         mine = [(e, w) for e, w in zip(episodes, works) if e["world"] == world]
         expected = expected_batches(cfg, world)
         counts = {k: 0 for k in ("oom_forward", "oom_loss", "oom_backward", "oom_eval", "emulated_ooms",
-                                 "budget_drop", "budget_rise", "error", "kill", "multi_rank_steps")}
+                                 "budget_drop", "budget_rise", "error", "kill", "multi_rank_steps", "sabotage")}
         row = {"episodes": len(mine), "incarnations": 0, "hangs": 0, "aborts": 0, "unexpected_failures": 0,
-               "not_ended_alone": 0, "lost": 0, "repeated": 0, "wrong_share": 0, "missing_steps": 0,
+               "not_ended_alone": 0, "lost": 0, "repeated": 0, "wrong_share": 0, "missing_steps": 0, "inconsistent": 0,
                "steps_audited": 0, "params_max_rel_diff": 0.0, "params_missing": 0, "lost_s": 0.0, "ooms_timed": 0,
                "wall_s": 0.0}
         for episode, work in mine:
@@ -515,7 +552,8 @@ def summarize(cfg: Config, episodes: list[dict[str, Any]], works: list[Path],
             row["lost_s"] += lost["lost_s"]
             row["ooms_timed"] += lost["ooms_timed"]
         row.update(counts)
-        row["injected_faults"] = sum(counts[k] for k in counts if k not in ("emulated_ooms", "multi_rank_steps"))
+        row["injected_faults"] = sum(counts[k] for k in counts
+                                     if k not in ("emulated_ooms", "multi_rank_steps", "sabotage"))
         row["lost_per_oom_s"] = row["lost_s"] / row["ooms_timed"] if row["ooms_timed"] else 0.0
         rows[world] = row
     return rows
@@ -527,6 +565,7 @@ def table(rows: dict[int, dict[str, Any]]) -> str:
             ("budget drops/rises", None), ("errors", "error"), ("kills", "kill"), ("multi-rank OOM steps",
             "multi_rank_steps"), ("hangs", "hangs"), ("aborts", "aborts"), ("not ended alone", "not_ended_alone"),
             ("unexpected failures", "unexpected_failures"), ("lost", "lost"), ("repeated", "repeated"),
+            ("inconsistent", "inconsistent"),
             ("params max rel diff", None), ("s lost per OOM", None)]
     lines = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
     for world, r in rows.items():
@@ -549,7 +588,7 @@ def table(rows: dict[int, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def soak(cfg: Config, work: Path, say: Any = print) -> dict[str, Any]:
+def soak(cfg: Config, work: Path, say: Any = print, sabotage: bool = False) -> dict[str, Any]:
     """Run the whole soak under ``work``; the figures (and every incarnation's exit codes) as a dict."""
     import torch
 
@@ -562,7 +601,7 @@ def soak(cfg: Config, work: Path, say: Any = print) -> dict[str, Any]:
         references[world] = torch.load(work / f"reference{world}" / "final0.pt", weights_only=True)
         for episode in range(cfg.episodes):
             path = work / f"w{world}e{episode}"
-            episodes.append(run_episode(cfg, world, episode, path))
+            episodes.append(run_episode(cfg, world, episode, path, sabotage=sabotage))
             works.append(path)
             codes = [i.codes for i in episodes[-1]["incarnations"]]
             say(f"  {world} ranks, episode {episode}: exit codes per incarnation {codes} "
@@ -586,6 +625,10 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=Config.timeout_s, help="seconds per incarnation")
     parser.add_argument("--keep", help="keep the episodes' files in this directory")
     parser.add_argument("--json-only", action="store_true")
+    parser.add_argument("--out", help="also write the JSON result to this file")
+    parser.add_argument("--sabotage", action="store_true",
+                        help="negative control: a guard that leaks a failed attempt's gradients once per rank "
+                             "(the audit and the parameter check must report it)")
     args = parser.parse_args()
     if args.rank_of:
         run_rank(args.rank_of)
@@ -597,7 +640,7 @@ def main() -> None:
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="autoaccum-soak-"))
     say = (lambda *_: None) if args.json_only else print
     try:
-        result = soak(cfg, work, say)
+        result = soak(cfg, work, say, sabotage=args.sabotage)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -609,6 +652,8 @@ def main() -> None:
         print(table({int(k): v for k, v in result["rows"].items()}))
         print(f"injected faults in total: {result['injected_faults']} · wall time {result['wall_time_s']:.0f} s\n")
     print(json.dumps(result, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":
