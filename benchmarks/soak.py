@@ -6,18 +6,22 @@ and ``resume=True`` in every process. Faults, drawn from ``--seed`` and logged a
 
 - **OOMs** (a real ``torch.OutOfMemoryError``) in the forward (mid-model), the loss, the backward
   (mid-model) or an evaluation forward, on random ranks: each micro-batch forward of each rank draws
-  its own, and some micro-batches draw one on several ranks at once. Only where the micro-batch holds
-  2 samples or more (an OOM at a micro-batch of 1 ends a run with ``DoesNotFitError`` by design);
-- **budget drops and rises**: the emulated device's budget (``fit(budget=...)``) falls to between 30%
-  and 85% of what the last step used above the weights, so that real emulated OOMs follow, and comes
-  back a few steps later;
+  its own, at a rate scaled by its part of the rank's share (about ``p_oom`` per rank and attempt at a
+  step, whatever the micro-batch), and some draw one on several ranks at once. Only where the
+  micro-batch holds 2 samples or more (an OOM at a micro-batch of 1 ends a run with ``DoesNotFitError``
+  by design). The guard cannot tell these from real OOMs: an OOM right after it grew counts against
+  that size, so over a long episode it settles on small micro-batches (slower steps, more of them);
+- **budget drops and rises**: the emulated device's budget (``fit(budget=...)``) falls so that only
+  30% to 85% of the current micro-batch's activations fit, so that real emulated OOMs follow, and comes
+  back a few steps later; only where that leaves a micro-batch of 1 room (not at the smallest sizes);
 - **a non-OOM exception** (ValueError in the loss) on one rank: every rank must exit with an error;
 - **SIGKILL** of one rank in mid-step.
 After an exception or a kill, the driver does what torchrun's agent does: it ends what is left of that
 attempt and restarts every rank, which resume from the last checkpoint. Each episode is a kill, then an
 exception, then a clean run to the end (3 incarnations).
 
-Measured: hangs (an incarnation still running at ``--timeout``; 0 expected), aborts (exit -6/134 or
+Measured: hangs (an incarnation in which no rank logged anything for ``--stall`` seconds, or still
+running at ``--timeout``; 0 expected; the stacks of every live rank go to its stderr file), aborts (exit -6/134 or
 "terminate called"; 0 expected), whether every rank of a failed incarnation ended on its own (an
 exception: all of them; a kill: the survivors), the sample audit (per rank and step, the ids whose
 gradients reached the optimizer step, by post-accumulate-grad hooks: the steps that made the final
@@ -25,7 +29,8 @@ weights must hold exactly the documented global batches, nothing lost, nothing r
 parameters against a fault-free run of the same world size (relative difference <= 1e-10; no step is
 deliberately skipped here), the time lost per injected OOM, and the number of faults.
 
-    python benchmarks/soak.py [--worlds 2 4] [--episodes 10] [--steps 300] [--seed 0] [--json-only]
+    python benchmarks/soak.py [--worlds 2 4] [--episodes 10] [--steps 300] [--seed 0] [--json-only] [--out FILE]
+    python benchmarks/soak.py --sabotage ...   # the negative control: must report repeated ids and a param diff
 """
 
 from __future__ import annotations
@@ -75,7 +80,8 @@ class Config:
     p_eval_oom: float = 0.05  # per evaluation forward and rank
     p_drop: float = 0.03  # per step and rank: the budget falls
     budget: int = 2 ** 24  # the emulated device: 16 MiB, far above what a step needs
-    timeout_s: float = 300.0  # per incarnation
+    timeout_s: float = 3600.0  # per incarnation, whatever its progress
+    stall_s: float = 120.0  # a hang: no rank logged an event (each step logs one) for this long
     kill: bool = True
     error: bool = True
 
@@ -157,7 +163,7 @@ class Injector:
             k, self.forward = self.forward, self.forward + 1
             if k == 0:
                 self.step_started = time.perf_counter()  # the step's time: its forwards, backwards, replays
-                self._budget()
+                self._budget(n)
             self._one_shot(k)
             phase = self._oom_phase(k, n)
         else:
@@ -200,8 +206,9 @@ class Injector:
             os.kill(os.getpid(), signal.SIGKILL)
         raise ValueError(f"injected by the soak: a bad sample on rank {self.rank} at step {self.step}")
 
-    def _budget(self) -> None:
-        """At a step's first forward: the budget may fall (to where the step no longer fits) or come back."""
+    def _budget(self, micro: int) -> None:
+        """At a step's first forward (of ``micro`` samples): the budget may fall to where this micro-batch no
+        longer fits, or come back."""
         from autoaccum.memory import active_budget
 
         meter = active_budget()
@@ -214,15 +221,17 @@ class Injector:
         rng = self._rng("budget", self.step, self.rank)
         if self.low_until is not None or self.last_peak is None or rng.random() >= self.cfg.p_drop:
             return
-        peak, base, micro = self.last_peak
+        peak, base, last_micro = self.last_peak
         params = sum(p.numel() * p.element_size() for p in self.inject_params)
-        per_sample = max(1, (peak - base - params) // max(1, micro))
+        per_sample = max(1, (peak - base - params) // last_micro)  # activations and input copy, per sample
         # what a micro-batch of 1 surely fits in: the gradients, one more copy of the weights for the optimizer
         # step's temporaries (SGD with momentum allocates none once its buffers exist: measured with
         # TrackedMemory) and 4 samples' activations. Not more: this model's weights (14 KB) outweigh a
         # sample (~1 KB), and a floor of several weights' worth would keep most drops from biting at all.
         floor = meter.current_bytes + 2 * params + 4 * per_sample
-        low = max(floor, meter.current_bytes + params + int(rng.uniform(0.3, 0.85) * micro * per_sample))
+        low = meter.current_bytes + params + int(rng.uniform(0.3, 0.85) * micro * per_sample)  # micro no longer fits
+        if low < floor:
+            return  # this micro-batch is too small for a drop that bites and still leaves room for 1 sample
         meter.budget_bytes, self.low_until = low, self.step + rng.randint(1, 6)
         self.log(type="budget_drop", step=self.step, budget=low, until=self.low_until)
 
@@ -343,7 +352,7 @@ class Incarnation:
     stderr_tails: list[str] = field(default_factory=list)
 
 
-def _launch(spec: dict[str, Any], spec_path: Path, timeout_s: float) -> Incarnation:
+def _launch(spec: dict[str, Any], spec_path: Path, timeout_s: float, stall_s: float) -> Incarnation:
     spec_path.write_text(json.dumps(spec))
     port = _free_port()
     procs = []
@@ -355,13 +364,18 @@ def _launch(spec: dict[str, Any], spec_path: Path, timeout_s: float) -> Incarnat
         procs.append((subprocess.Popen([sys.executable, __file__, "--rank-of", str(spec_path)], env=env, cwd=ROOT,
                                        stdout=subprocess.DEVNULL, stderr=err), err))
     started = time.monotonic()
-    deadline = started + timeout_s
+    deadline, progress, logged = started + timeout_s, started, -1
     hang = False
     while any(p.poll() is None for p, _ in procs):
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        size = sum(f.stat().st_size for f in spec_path.parent.glob("events*.jsonl"))
+        if size != logged:
+            progress, logged = now, size
+        if now > deadline or now - progress > stall_s:
             hang = True
             break
-        time.sleep(0.05)
+        time.sleep(0.1)
+    alive = [p.poll() is None for p, _ in procs]
     if hang:  # where each live rank is stuck, into its stderr file, before it is killed
         for p, _ in procs:
             if p.poll() is None:
@@ -372,7 +386,7 @@ def _launch(spec: dict[str, Any], spec_path: Path, timeout_s: float) -> Incarnat
             p.kill()
         p.wait()
         err.close()
-    codes = [None if hang else p.returncode for p, _ in procs]
+    codes = [None if still else p.returncode for (p, _), still in zip(procs, alive)]
     tails = [(spec_path.parent / f"stderr{r}.{spec['incarnation']}.txt").read_text()[-2000:] for r in range(len(procs))]
     aborts = sum(c in (-6, 134) or "terminate called" in t for c, t in zip(codes, tails))
     return Incarnation(spec.get("one_shot"), codes, time.monotonic() - started, hang, aborts, tails)
@@ -402,7 +416,7 @@ def run_episode(cfg: Config, world: int, episode: int, work: Path, faults: bool 
         spec = {"config": asdict(cfg), "world": world, "seed": seed, "incarnation": incarnation, "one_shot": shot,
                 "out": str(work), "faults": faults, "budget": cfg.budget, "sabotage": sabotage,
                 "checkpoint_dir": str(work / "ckpt") if faults else None}
-        runs.append(_launch(spec, work / "spec.json", cfg.timeout_s))
+        runs.append(_launch(spec, work / "spec.json", cfg.timeout_s, cfg.stall_s))
         last = runs[-1]
         if last.hang or (shot is None and last.codes != [0] * world):
             break  # a hang, or a failure nobody injected: the episode ends here, reported
@@ -456,7 +470,7 @@ def audit(events: list[dict[str, Any]], expected: list[list[list[int]]], world: 
                 continue
             got = final[(step, rank)][1]
             inconsistent += final[(step, rank)][2]
-            union += got
+            union += set(got)  # a sample twice within a rank is counted here, twice across ranks below
             repeated += len(got) - len(set(got))
             wrong += sorted(set(got)) != shares[rank]
         want = {i for share in shares for i in share}
@@ -623,6 +637,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=Config.steps, help="optimizer steps per episode")
     parser.add_argument("--seed", type=int, default=Config.seed)
     parser.add_argument("--timeout", type=float, default=Config.timeout_s, help="seconds per incarnation")
+    parser.add_argument("--stall", type=float, default=Config.stall_s,
+                        help="seconds without an event from any rank that count as a hang")
     parser.add_argument("--keep", help="keep the episodes' files in this directory")
     parser.add_argument("--json-only", action="store_true")
     parser.add_argument("--out", help="also write the JSON result to this file")
@@ -636,7 +652,7 @@ def main() -> None:
     import torch
 
     cfg = Config(worlds=tuple(args.worlds), episodes=args.episodes, steps=args.steps, seed=args.seed,
-                 timeout_s=args.timeout)
+                 timeout_s=args.timeout, stall_s=args.stall)
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="autoaccum-soak-"))
     say = (lambda *_: None) if args.json_only else print
     try:
