@@ -11,9 +11,9 @@ and ``resume=True`` in every process. Faults, drawn from ``--seed`` and logged a
   micro-batch holds 2 samples or more (an OOM at a micro-batch of 1 ends a run with ``DoesNotFitError``
   by design). The guard cannot tell these from real OOMs: an OOM right after it grew counts against
   that size, so over a long episode it settles on small micro-batches (slower steps, more of them);
-- **budget drops and rises**: the emulated device's budget (``fit(budget=...)``) falls so that only
-  30% to 85% of the current micro-batch's activations fit, so that real emulated OOMs follow, and comes
-  back a few steps later; only where that leaves a micro-batch of 1 room (not at the smallest sizes);
+- **budget drops and rises**: the emulated device's budget (``fit(budget=...)``) falls to what a
+  micro-batch of 1 surely needs plus 10% to 60% of the current micro-batch's activations, so that
+  real emulated OOMs follow where the micro-batch is large enough, and comes back a few steps later;
 - **a non-OOM exception** (ValueError in the loss) on one rank: every rank must exit with an error;
 - **SIGKILL** of one rank in mid-step.
 After an exception or a kill, the driver does what torchrun's agent does: it ends what is left of that
@@ -66,7 +66,7 @@ class Config:
     episodes: int = 10  # per world size
     steps: int = 300  # optimizer steps per episode
     seed: int = 0
-    samples: int = 1000  # per epoch: 3 full global batches of 256 and one of 232
+    samples: int = 1000  # per epoch: 3 full global batches of 256 and one of 232 (at target_batch 256)
     target_batch: int = 256
     micro_batch: int = 0  # 0: the whole share of a rank (the most room to shrink)
     checkpoint_every: int = 10
@@ -224,14 +224,16 @@ class Injector:
         peak, base, last_micro = self.last_peak
         params = sum(p.numel() * p.element_size() for p in self.inject_params)
         per_sample = max(1, (peak - base - params) // last_micro)  # activations and input copy, per sample
-        # what a micro-batch of 1 surely fits in: the gradients, one more copy of the weights for the optimizer
-        # step's temporaries (SGD with momentum allocates none once its buffers exist: measured with
-        # TrackedMemory) and 4 samples' activations. Not more: this model's weights (14 KB) outweigh a
-        # sample (~1 KB), and a floor of several weights' worth would keep most drops from biting at all.
-        floor = meter.current_bytes + 2 * params + 4 * per_sample
-        low = meter.current_bytes + params + int(rng.uniform(0.3, 0.85) * micro * per_sample)  # micro no longer fits
+        # What a micro-batch of 1 surely fits in: another copy of the weights (the gradients, and the
+        # transient new gradient a backward adds into an existing one: 9 KB of this model's 14 KB,
+        # measured with TrackedMemory in a step of 64 micro-batches of 1; SGD with momentum allocates
+        # nothing in its step once its buffers exist, and a drop comes after a step) and 2 samples. On
+        # top of that the drop leaves 10% to 60% of the current micro-batch's activations (none where
+        # that is less than the floor: at small micro-batches a drop could not bite).
+        floor = meter.current_bytes + 2 * params + 2 * per_sample
+        low = meter.current_bytes + 2 * params + int(rng.uniform(0.1, 0.6) * micro * per_sample)
         if low < floor:
-            return  # this micro-batch is too small for a drop that bites and still leaves room for 1 sample
+            return
         meter.budget_bytes, self.low_until = low, self.step + rng.randint(1, 6)
         self.log(type="budget_drop", step=self.step, budget=low, until=self.low_until)
 
@@ -636,6 +638,11 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=Config.episodes, help="episodes per world size")
     parser.add_argument("--steps", type=int, default=Config.steps, help="optimizer steps per episode")
     parser.add_argument("--seed", type=int, default=Config.seed)
+    parser.add_argument("--target-batch", type=int, default=Config.target_batch,
+                        help="global batch (smaller: cheaper steps once the guard backs off to small micro-batches)")
+    for name in ("p_oom", "p_multi", "p_eval_oom", "p_drop"):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(Config, name),
+                            help=f"fault rate (default {getattr(Config, name)}; see Config)")
     parser.add_argument("--timeout", type=float, default=Config.timeout_s, help="seconds per incarnation")
     parser.add_argument("--stall", type=float, default=Config.stall_s,
                         help="seconds without an event from any rank that count as a hang")
@@ -652,7 +659,8 @@ def main() -> None:
     import torch
 
     cfg = Config(worlds=tuple(args.worlds), episodes=args.episodes, steps=args.steps, seed=args.seed,
-                 timeout_s=args.timeout, stall_s=args.stall)
+                 timeout_s=args.timeout, stall_s=args.stall, target_batch=args.target_batch, p_oom=args.p_oom,
+                 p_multi=args.p_multi, p_eval_oom=args.p_eval_oom, p_drop=args.p_drop)
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="autoaccum-soak-"))
     say = (lambda *_: None) if args.json_only else print
     try:
