@@ -106,4 +106,15 @@ def resolve_device(device: object, name: str = "device") -> Any:
             raise ValueError(f"Invalid {name}: {device!r}. Allowed range: cuda:0 ~ cuda:{torch.cuda.device_count() - 1}")
     if dev.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError(f"Invalid {name}: {device!r}: MPS is not available here. Use {name}='cpu'")
+    if dev.type == "meta":  # accepted by torch, but moving a model there throws its weights away
+        raise ValueError(f"Invalid {name}: {device!r}: meta tensors hold no data, so nothing can be trained or "
+                         f"measured on them. Use {name}='cpu' (budget=... emulates a smaller device)")
+    if dev.type not in ("cpu", "cuda", "mps"):
+        # any other backend (xpu, hpu, a privateuse one): it must be able to hold a tensor here; on a
+        # build without it torch raises whatever its lazy init raises (xpu: an AssertionError)
+        try:
+            torch.empty(0, device=dev)
+        except Exception as exc:  # noqa: BLE001 - the backend's own error, reworded
+            raise ValueError(f"Invalid {name}: {device!r}: {dev.type} is not available here (torch "
+                             f"{torch.__version__}: {exc}). Use {name}='cpu'") from None
     return dev

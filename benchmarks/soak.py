@@ -6,18 +6,22 @@ and ``resume=True`` in every process. Faults, drawn from ``--seed`` and logged a
 
 - **OOMs** (a real ``torch.OutOfMemoryError``) in the forward (mid-model), the loss, the backward
   (mid-model) or an evaluation forward, on random ranks: each micro-batch forward of each rank draws
-  its own, and some micro-batches draw one on several ranks at once. Only where the micro-batch holds
-  2 samples or more (an OOM at a micro-batch of 1 ends a run with ``DoesNotFitError`` by design);
-- **budget drops and rises**: the emulated device's budget (``fit(budget=...)``) falls to between 30%
-  and 85% of what the last step used above the weights, so that real emulated OOMs follow, and comes
-  back a few steps later;
+  its own, at a rate scaled by its part of the rank's share (about ``p_oom`` per rank and attempt at a
+  step, whatever the micro-batch), and some draw one on several ranks at once. Only where the
+  micro-batch holds 2 samples or more (an OOM at a micro-batch of 1 ends a run with ``DoesNotFitError``
+  by design). The guard cannot tell these from real OOMs: an OOM right after it grew counts against
+  that size, so over a long episode it settles on small micro-batches (slower steps, more of them);
+- **budget drops and rises**: the emulated device's budget (``fit(budget=...)``) falls to what a
+  micro-batch of 1 surely needs plus 10% to 60% of the current micro-batch's activations, so that
+  real emulated OOMs follow where the micro-batch is large enough, and comes back a few steps later;
 - **a non-OOM exception** (ValueError in the loss) on one rank: every rank must exit with an error;
 - **SIGKILL** of one rank in mid-step.
 After an exception or a kill, the driver does what torchrun's agent does: it ends what is left of that
 attempt and restarts every rank, which resume from the last checkpoint. Each episode is a kill, then an
 exception, then a clean run to the end (3 incarnations).
 
-Measured: hangs (an incarnation still running at ``--timeout``; 0 expected), aborts (exit -6/134 or
+Measured: hangs (an incarnation in which no rank logged anything for ``--stall`` seconds, or still
+running at ``--timeout``; 0 expected; the stacks of every live rank go to its stderr file), aborts (exit -6/134 or
 "terminate called"; 0 expected), whether every rank of a failed incarnation ended on its own (an
 exception: all of them; a kill: the survivors), the sample audit (per rank and step, the ids whose
 gradients reached the optimizer step, by post-accumulate-grad hooks: the steps that made the final
@@ -25,7 +29,8 @@ weights must hold exactly the documented global batches, nothing lost, nothing r
 parameters against a fault-free run of the same world size (relative difference <= 1e-10; no step is
 deliberately skipped here), the time lost per injected OOM, and the number of faults.
 
-    python benchmarks/soak.py [--worlds 2 4] [--episodes 10] [--steps 300] [--seed 0] [--json-only]
+    python benchmarks/soak.py [--worlds 2 4] [--episodes 10] [--steps 300] [--seed 0] [--json-only] [--out FILE]
+    python benchmarks/soak.py --sabotage ...   # the negative control: must report repeated ids and a param diff
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -61,18 +66,22 @@ class Config:
     episodes: int = 10  # per world size
     steps: int = 300  # optimizer steps per episode
     seed: int = 0
-    samples: int = 1000  # per epoch: 3 full global batches of 256 and one of 232
+    samples: int = 1000  # per epoch: 3 full global batches of 256 and one of 232 (at target_batch 256)
     target_batch: int = 256
     micro_batch: int = 0  # 0: the whole share of a rank (the most room to shrink)
     checkpoint_every: int = 10
     eval_every: int = 50
     eval_samples: int = 512
-    p_oom: float = 0.1  # per micro-batch forward and rank
-    p_multi: float = 0.05  # per micro-batch forward: several ranks at once
+    # OOM rates per rank and *attempt* at a step, whatever its micro-batch: a micro-batch of b samples
+    # draws with p * b / share (share: a rank's part of the global batch). A rate per micro-batch would
+    # make every OOM a cascade: halving doubles the forwards of the replay, and so its chance to fail.
+    p_oom: float = 0.1
+    p_multi: float = 0.05  # several ranks at once (the same draw on every rank)
     p_eval_oom: float = 0.05  # per evaluation forward and rank
     p_drop: float = 0.03  # per step and rank: the budget falls
     budget: int = 2 ** 24  # the emulated device: 16 MiB, far above what a step needs
-    timeout_s: float = 300.0  # per incarnation
+    timeout_s: float = 3600.0  # per incarnation, whatever its progress
+    stall_s: float = 120.0  # a hang: no rank logged an event (each step logs one) for this long
     kill: bool = True
     error: bool = True
 
@@ -154,7 +163,7 @@ class Injector:
             k, self.forward = self.forward, self.forward + 1
             if k == 0:
                 self.step_started = time.perf_counter()  # the step's time: its forwards, backwards, replays
-                self._budget()
+                self._budget(n)
             self._one_shot(k)
             phase = self._oom_phase(k, n)
         else:
@@ -165,11 +174,11 @@ class Injector:
             k = count
         if phase is not None:
             self.log(type="oom", phase=phase, step=self.step, forward=k, size=n)
-            self.injected += 1
-        if phase in ("forward", "eval"):
-            self.inject.forward_oom = True
-        elif phase == "backward":
-            self.inject.backward_oom = True
+            self.injected += phase != "eval"  # the training OOMs of this step (an evaluation is timed apart)
+        # set (or cleared) at every call: a flag left by an attempt that an emulated OOM ended earlier
+        # must not fire in a later forward (perhaps at a micro-batch of 1)
+        self.inject.forward_oom = phase in ("forward", "eval")
+        self.inject.backward_oom = phase == "backward"
         out = F.cross_entropy(model(x), y)
         if phase == "loss":
             raise self.torch.OutOfMemoryError("injected by the soak: out of memory in the loss")
@@ -181,8 +190,10 @@ class Injector:
         mine = self._rng("oom", self.step, k, self.rank)
         shared = self._rng("multi", self.step, k)
         world = self.spec["world"]
-        several = shared.random() < self.cfg.p_multi and self.rank in shared.sample(range(world), shared.randint(2, world))
-        if several or mine.random() < self.cfg.p_oom:
+        part = min(1.0, n * world / self.cfg.target_batch)  # this micro-batch's part of a rank's share
+        several = (shared.random() < self.cfg.p_multi * part
+                   and self.rank in shared.sample(range(world), shared.randint(2, world)))
+        if mine.random() < self.cfg.p_oom * part or several:
             return mine.choice(("forward", "loss", "backward"))
         return None
 
@@ -195,8 +206,9 @@ class Injector:
             os.kill(os.getpid(), signal.SIGKILL)
         raise ValueError(f"injected by the soak: a bad sample on rank {self.rank} at step {self.step}")
 
-    def _budget(self) -> None:
-        """At a step's first forward: the budget may fall (to where the step no longer fits) or come back."""
+    def _budget(self, micro: int) -> None:
+        """At a step's first forward (of ``micro`` samples): the budget may fall to where this micro-batch no
+        longer fits, or come back."""
         from autoaccum.memory import active_budget
 
         meter = active_budget()
@@ -209,11 +221,19 @@ class Injector:
         rng = self._rng("budget", self.step, self.rank)
         if self.low_until is not None or self.last_peak is None or rng.random() >= self.cfg.p_drop:
             return
-        peak, base, micro = self.last_peak
+        peak, base, last_micro = self.last_peak
         params = sum(p.numel() * p.element_size() for p in self.inject_params)
-        per_sample = max(1, (peak - base - params) // max(1, micro))
-        floor = meter.current_bytes + 6 * params + 2 * per_sample  # a micro-batch of 1 and the optimizer step fit
-        low = max(floor, meter.current_bytes + params + int(rng.uniform(0.3, 0.85) * micro * per_sample))
+        per_sample = max(1, (peak - base - params) // last_micro)  # activations and input copy, per sample
+        # What a micro-batch of 1 surely fits in: another copy of the weights (the gradients, and the
+        # transient new gradient a backward adds into an existing one: 9 KB of this model's 14 KB,
+        # measured with TrackedMemory in a step of 64 micro-batches of 1; SGD with momentum allocates
+        # nothing in its step once its buffers exist, and a drop comes after a step) and 2 samples. On
+        # top of that the drop leaves 10% to 60% of the current micro-batch's activations (none where
+        # that is less than the floor: at small micro-batches a drop could not bite).
+        floor = meter.current_bytes + 2 * params + 2 * per_sample
+        low = meter.current_bytes + 2 * params + int(rng.uniform(0.1, 0.6) * micro * per_sample)
+        if low < floor:
+            return
         meter.budget_bytes, self.low_until = low, self.step + rng.randint(1, 6)
         self.log(type="budget_drop", step=self.step, budget=low, until=self.low_until)
 
@@ -222,7 +242,9 @@ class Injector:
 
         # the micro-batch of the attempt that succeeded: the micro-batches whose gradients are held
         micro = max((len(self.audit.micro[m]) for m in set().union(*self.audit.pending.values())), default=0)
+        inconsistent = self.audit.inconsistent
         self.audit.step()
+        inconsistent = self.audit.inconsistent - inconsistent  # parameters whose gradients came from other samples
         meter = active_budget()
         emulated = 0
         if meter is not None:
@@ -230,9 +252,31 @@ class Injector:
             params = sum(p.numel() * p.element_size() for p in self.inject_params)
             self.last_peak = (meter.peak_bytes, meter.current_bytes - params, max(1, micro))
         now = time.perf_counter()
-        self.log(type="step", step=self.step, ids=self.audit.steps[-1], duration_s=now - self.step_started,
-                 forwards=self.forward, injected=self.injected, emulated_ooms=emulated, micro=micro)
+        self.log(type="step", step=self.step, ids=self.audit.steps[-1], inconsistent=inconsistent,
+                 duration_s=now - self.step_started, forwards=self.forward, injected=self.injected,
+                 emulated_ooms=emulated, micro=micro)
         self.step, self.forward, self.injected, self.step_started = self.step + 1, 0, 0, now
+
+
+def _leak_failed_gradients(injector: Injector, log: Any) -> None:
+    """The soak's negative control (``--sabotage``): a guard that, once per rank, skips clearing the
+    gradients of an attempt an injected OOM ended, so that they leak into the replayed step. The sample
+    audit (ids of the failed attempt counted twice) and the parameter comparison must both catch it."""
+    from autoaccum.guard import OOMGuard
+
+    clear = OOMGuard._zero_grad
+    leaked = False
+
+    def leaky(guard: OOMGuard) -> None:
+        nonlocal leaked
+        held = any(p.grad is not None for g in guard.optimizer.param_groups for p in g["params"])
+        if injector.injected and held and not leaked:
+            leaked = True
+            log(type="sabotage", step=injector.step)
+            return
+        clear(guard)
+
+    OOMGuard._zero_grad = leaky  # type: ignore[method-assign]
 
 
 def run_rank(spec_path: str) -> None:
@@ -267,7 +311,9 @@ def run_rank(spec_path: str) -> None:
     injector = Injector(spec, rank, first_step, model[2], log)
     injector.audit, injector.inject_params = audit, list(model.parameters())
     if not spec["faults"]:  # the fault-free reference
-        injector.cfg = Config(p_oom=0.0, p_multi=0.0, p_eval_oom=0.0, p_drop=0.0)
+        injector.cfg = replace(cfg, p_oom=0.0, p_multi=0.0, p_eval_oom=0.0, p_drop=0.0)
+    if spec.get("sabotage"):
+        _leak_failed_gradients(injector, log)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     audit.watch(opt)
     opt.register_step_pre_hook(injector.before_optimizer_step)
@@ -308,7 +354,7 @@ class Incarnation:
     stderr_tails: list[str] = field(default_factory=list)
 
 
-def _launch(spec: dict[str, Any], spec_path: Path, timeout_s: float) -> Incarnation:
+def _launch(spec: dict[str, Any], spec_path: Path, timeout_s: float, stall_s: float) -> Incarnation:
     spec_path.write_text(json.dumps(spec))
     port = _free_port()
     procs = []
@@ -320,13 +366,18 @@ def _launch(spec: dict[str, Any], spec_path: Path, timeout_s: float) -> Incarnat
         procs.append((subprocess.Popen([sys.executable, __file__, "--rank-of", str(spec_path)], env=env, cwd=ROOT,
                                        stdout=subprocess.DEVNULL, stderr=err), err))
     started = time.monotonic()
-    deadline = started + timeout_s
+    deadline, progress, logged = started + timeout_s, started, -1
     hang = False
     while any(p.poll() is None for p, _ in procs):
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        size = sum(f.stat().st_size for f in spec_path.parent.glob("events*.jsonl"))
+        if size != logged:
+            progress, logged = now, size
+        if now > deadline or now - progress > stall_s:
             hang = True
             break
-        time.sleep(0.05)
+        time.sleep(0.1)
+    alive = [p.poll() is None for p, _ in procs]
     if hang:  # where each live rank is stuck, into its stderr file, before it is killed
         for p, _ in procs:
             if p.poll() is None:
@@ -337,7 +388,7 @@ def _launch(spec: dict[str, Any], spec_path: Path, timeout_s: float) -> Incarnat
             p.kill()
         p.wait()
         err.close()
-    codes = [None if hang else p.returncode for p, _ in procs]
+    codes = [None if still else p.returncode for (p, _), still in zip(procs, alive)]
     tails = [(spec_path.parent / f"stderr{r}.{spec['incarnation']}.txt").read_text()[-2000:] for r in range(len(procs))]
     aborts = sum(c in (-6, 134) or "terminate called" in t for c, t in zip(codes, tails))
     return Incarnation(spec.get("one_shot"), codes, time.monotonic() - started, hang, aborts, tails)
@@ -355,7 +406,8 @@ def _one_shots(cfg: Config, world: int, rng: random.Random) -> list[dict[str, An
     return shots + [None]
 
 
-def run_episode(cfg: Config, world: int, episode: int, work: Path, faults: bool = True) -> dict[str, Any]:
+def run_episode(cfg: Config, world: int, episode: int, work: Path, faults: bool = True,
+                sabotage: bool = False) -> dict[str, Any]:
     """Every incarnation of one episode; its events and final parameters are left in ``work``."""
     work.mkdir(parents=True)
     rng = random.Random(f"{cfg.seed}/{world}/{episode}")
@@ -364,9 +416,9 @@ def run_episode(cfg: Config, world: int, episode: int, work: Path, faults: bool 
     runs = []
     for incarnation, shot in enumerate(shots):
         spec = {"config": asdict(cfg), "world": world, "seed": seed, "incarnation": incarnation, "one_shot": shot,
-                "out": str(work), "faults": faults, "budget": cfg.budget,
+                "out": str(work), "faults": faults, "budget": cfg.budget, "sabotage": sabotage,
                 "checkpoint_dir": str(work / "ckpt") if faults else None}
-        runs.append(_launch(spec, work / "spec.json", cfg.timeout_s))
+        runs.append(_launch(spec, work / "spec.json", cfg.timeout_s, cfg.stall_s))
         last = runs[-1]
         if last.hang or (shot is None and last.codes != [0] * world):
             break  # a hang, or a failure nobody injected: the episode ends here, reported
@@ -410,8 +462,8 @@ def audit(events: list[dict[str, Any]], expected: list[list[list[int]]], world: 
         if e["type"] == "step":
             key = (e["step"], e["rank"])
             if key not in final or e["incarnation"] >= final[key][0]:
-                final[key] = [e["incarnation"], e["ids"]]
-    lost = repeated = wrong = missing = 0
+                final[key] = [e["incarnation"], e["ids"], e.get("inconsistent", 0)]
+    lost = repeated = wrong = missing = inconsistent = 0
     for step, shares in enumerate(expected, start=1):
         union: list[int] = []
         for rank in range(world):
@@ -419,14 +471,15 @@ def audit(events: list[dict[str, Any]], expected: list[list[list[int]]], world: 
                 missing += 1
                 continue
             got = final[(step, rank)][1]
-            union += got
+            inconsistent += final[(step, rank)][2]
+            union += set(got)  # a sample twice within a rank is counted here, twice across ranks below
             repeated += len(got) - len(set(got))
             wrong += sorted(set(got)) != shares[rank]
         want = {i for share in shares for i in share}
         lost += len(want - set(union))
         repeated += len(union) - len(set(union))
     return {"steps_audited": len(expected), "lost": lost, "repeated": repeated, "wrong_share": wrong,
-            "missing_steps": missing}
+            "missing_steps": missing, "inconsistent": inconsistent}
 
 
 def compare_params(work: Path, reference: dict[str, Any], world: int) -> float | None:
@@ -474,9 +527,9 @@ def summarize(cfg: Config, episodes: list[dict[str, Any]], works: list[Path],
         mine = [(e, w) for e, w in zip(episodes, works) if e["world"] == world]
         expected = expected_batches(cfg, world)
         counts = {k: 0 for k in ("oom_forward", "oom_loss", "oom_backward", "oom_eval", "emulated_ooms",
-                                 "budget_drop", "budget_rise", "error", "kill", "multi_rank_steps")}
+                                 "budget_drop", "budget_rise", "error", "kill", "multi_rank_steps", "sabotage")}
         row = {"episodes": len(mine), "incarnations": 0, "hangs": 0, "aborts": 0, "unexpected_failures": 0,
-               "not_ended_alone": 0, "lost": 0, "repeated": 0, "wrong_share": 0, "missing_steps": 0,
+               "not_ended_alone": 0, "lost": 0, "repeated": 0, "wrong_share": 0, "missing_steps": 0, "inconsistent": 0,
                "steps_audited": 0, "params_max_rel_diff": 0.0, "params_missing": 0, "lost_s": 0.0, "ooms_timed": 0,
                "wall_s": 0.0}
         for episode, work in mine:
@@ -515,7 +568,8 @@ def summarize(cfg: Config, episodes: list[dict[str, Any]], works: list[Path],
             row["lost_s"] += lost["lost_s"]
             row["ooms_timed"] += lost["ooms_timed"]
         row.update(counts)
-        row["injected_faults"] = sum(counts[k] for k in counts if k not in ("emulated_ooms", "multi_rank_steps"))
+        row["injected_faults"] = sum(counts[k] for k in counts
+                                     if k not in ("emulated_ooms", "multi_rank_steps", "sabotage"))
         row["lost_per_oom_s"] = row["lost_s"] / row["ooms_timed"] if row["ooms_timed"] else 0.0
         rows[world] = row
     return rows
@@ -527,6 +581,7 @@ def table(rows: dict[int, dict[str, Any]]) -> str:
             ("budget drops/rises", None), ("errors", "error"), ("kills", "kill"), ("multi-rank OOM steps",
             "multi_rank_steps"), ("hangs", "hangs"), ("aborts", "aborts"), ("not ended alone", "not_ended_alone"),
             ("unexpected failures", "unexpected_failures"), ("lost", "lost"), ("repeated", "repeated"),
+            ("inconsistent", "inconsistent"),
             ("params max rel diff", None), ("s lost per OOM", None)]
     lines = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
     for world, r in rows.items():
@@ -549,7 +604,7 @@ def table(rows: dict[int, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def soak(cfg: Config, work: Path, say: Any = print) -> dict[str, Any]:
+def soak(cfg: Config, work: Path, say: Any = print, sabotage: bool = False) -> dict[str, Any]:
     """Run the whole soak under ``work``; the figures (and every incarnation's exit codes) as a dict."""
     import torch
 
@@ -562,7 +617,7 @@ def soak(cfg: Config, work: Path, say: Any = print) -> dict[str, Any]:
         references[world] = torch.load(work / f"reference{world}" / "final0.pt", weights_only=True)
         for episode in range(cfg.episodes):
             path = work / f"w{world}e{episode}"
-            episodes.append(run_episode(cfg, world, episode, path))
+            episodes.append(run_episode(cfg, world, episode, path, sabotage=sabotage))
             works.append(path)
             codes = [i.codes for i in episodes[-1]["incarnations"]]
             say(f"  {world} ranks, episode {episode}: exit codes per incarnation {codes} "
@@ -583,9 +638,20 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=Config.episodes, help="episodes per world size")
     parser.add_argument("--steps", type=int, default=Config.steps, help="optimizer steps per episode")
     parser.add_argument("--seed", type=int, default=Config.seed)
+    parser.add_argument("--target-batch", type=int, default=Config.target_batch,
+                        help="global batch (smaller: cheaper steps once the guard backs off to small micro-batches)")
+    for name in ("p_oom", "p_multi", "p_eval_oom", "p_drop"):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(Config, name),
+                            help=f"fault rate (default {getattr(Config, name)}; see Config)")
     parser.add_argument("--timeout", type=float, default=Config.timeout_s, help="seconds per incarnation")
+    parser.add_argument("--stall", type=float, default=Config.stall_s,
+                        help="seconds without an event from any rank that count as a hang")
     parser.add_argument("--keep", help="keep the episodes' files in this directory")
     parser.add_argument("--json-only", action="store_true")
+    parser.add_argument("--out", help="also write the JSON result to this file")
+    parser.add_argument("--sabotage", action="store_true",
+                        help="negative control: a guard that leaks a failed attempt's gradients once per rank "
+                             "(the audit and the parameter check must report it)")
     args = parser.parse_args()
     if args.rank_of:
         run_rank(args.rank_of)
@@ -593,11 +659,12 @@ def main() -> None:
     import torch
 
     cfg = Config(worlds=tuple(args.worlds), episodes=args.episodes, steps=args.steps, seed=args.seed,
-                 timeout_s=args.timeout)
+                 timeout_s=args.timeout, stall_s=args.stall, target_batch=args.target_batch, p_oom=args.p_oom,
+                 p_multi=args.p_multi, p_eval_oom=args.p_eval_oom, p_drop=args.p_drop)
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="autoaccum-soak-"))
     say = (lambda *_: None) if args.json_only else print
     try:
-        result = soak(cfg, work, say)
+        result = soak(cfg, work, say, sabotage=args.sabotage)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -609,6 +676,8 @@ def main() -> None:
         print(table({int(k): v for k, v in result["rows"].items()}))
         print(f"injected faults in total: {result['injected_faults']} · wall time {result['wall_time_s']:.0f} s\n")
     print(json.dumps(result, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

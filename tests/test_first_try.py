@@ -199,12 +199,18 @@ def test_does_not_fit_states_an_emulated_budget_it_runs_under():
 
 
 @pytest.mark.parametrize("device, says", [("banana", r"Invalid device: 'banana'"),
-                                          ("cuda", r"Invalid device: 'cuda': CUDA is not available here")])
+                                          ("cuda", r"Invalid device: 'cuda': CUDA is not available here"),
+                                          ("xpu", r"Invalid device: 'xpu': xpu is not available here"),
+                                          ("meta", r"Invalid device: 'meta': meta tensors hold no data")])
 def test_a_device_that_does_not_exist_here_is_a_clear_error(device, says):
-    if device == "cuda" and torch.cuda.is_available():
-        pytest.skip("needs a machine without CUDA")
-    with pytest.raises(ValueError, match=says):
-        autoaccum.fit(mlp(), data(64), 32, device=device, progress=False)
+    if device == "cuda" and torch.cuda.is_available() or device == "xpu" and torch.xpu.is_available():
+        pytest.skip(f"needs a machine without {device}")
+    model = mlp()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=says):  # before: xpu leaked an AssertionError, meta NotImplementedError
+        autoaccum.fit(model, data(64), 32, device=device, progress=False)
+    after = model.state_dict()  # refused before any work: the model was not moved (meta would erase it)
+    assert all(after[k].device.type == "cpu" and torch.equal(after[k], v) for k, v in before.items())
 
 
 def test_unknown_fit_options_suggest_the_known_one():

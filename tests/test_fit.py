@@ -460,6 +460,28 @@ def test_eval_oom_shrinks_only_the_eval_batch():
     assert result.eval_loss == pytest.approx(expected, rel=1e-12)
 
 
+@pytest.mark.parametrize("budget, eval_ooms", [("64KiB", 0), ("18KiB", 1)])
+def test_evaluation_under_an_emulated_budget_counts_what_the_device_is_sent(budget, eval_ooms):
+    """An eval global batch is drawn on the host, like a training batch: 256 rows x 64 fp64 = 128 KiB,
+    far above the budget, must not count (it did: an OOM in evaluation's data gathering, where no
+    retry catches it, ended fit at any budget below 128 KiB). The micro-batches the device is sent do
+    count: at 18 KiB an eval micro-batch of 32 rows (16 KiB) does not fit and halves once, while
+    training's 16 rows fit; at 64 KiB nothing is retried."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 2).double()
+    g = torch.Generator().manual_seed(1)
+    x, ex = torch.randn(256, 64, generator=g, dtype=torch.float64), torch.randn(256, 64, generator=g,
+                                                                                  dtype=torch.float64)
+    y, ey = (x[:, 0] > 0).long(), (ex[:, 1] > 0).long()
+    result = autoaccum.fit(model, (x, y), 256, plan=Plan.for_target(256, 16), eval_data=(ex, ey), budget=budget,
+                           epochs=None, max_steps=2, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                           progress=False)
+    with torch.no_grad():
+        expected = F.cross_entropy(model(ex), ey).item()
+    assert result.eval_ooms == eval_ooms and result.oom_events == 0
+    assert result.eval_loss == pytest.approx(expected, rel=1e-12)
+
+
 # -- metrics file and quiet output -----------------------------------------------------------------
 
 def test_metrics_file(tmp_path):

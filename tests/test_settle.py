@@ -50,9 +50,9 @@ def _model() -> torch.nn.Module:
 class LateWorker:
     """A gloo worker thread that lets go of each finished collective late.
 
-    Every ``dist.all_reduce``/``dist.broadcast`` still runs on the real backend and is waited on; its
-    work handle (which holds the tensors) is then dropped by this thread ``LATE_S`` later, as by a
-    worker thread the OS did not schedule for that long. ``held()`` counts the tensors handed to a
+    Every ``dist.all_reduce``/``dist.broadcast``/``dist.gather`` still runs on the real backend and is
+    waited on; its work handle (which holds the tensors) is then dropped by this thread ``LATE_S`` later,
+    as by a worker thread the OS did not schedule for that long. ``held()`` counts the tensors handed to a
     collective that are still held beyond the reference count they had before it."""
 
     LATE_S = 0.05
@@ -61,7 +61,7 @@ class LateWorker:
         self.handles: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.records: list[tuple[torch.Tensor, int]] = []
         threading.Thread(target=self._drop, daemon=True).start()
-        for name in ("all_reduce", "broadcast"):
+        for name in ("all_reduce", "broadcast", "gather"):
             setattr(dist, name, self._late(getattr(dist, name)))
 
     def _drop(self) -> None:
@@ -72,7 +72,8 @@ class LateWorker:
 
     def _late(self, real: Any) -> Any:
         def collective(tensor: torch.Tensor, *args: Any, async_op: bool = False, **kwargs: Any) -> Any:
-            self.records.append((tensor, tensor._use_count()))
+            for t in [tensor, *(kwargs.get("gather_list") or [])]:  # gather: its outputs too, on the root
+                self.records.append((t, t._use_count()))
             work = real(tensor, *args, async_op=True, **kwargs)
             if async_op:  # the overlapped all-reduce's buckets: the caller holds the handle and waits on it
                 self.handles.put((work, time.monotonic() + self.LATE_S))  # and this thread lets go of it late
@@ -86,7 +87,7 @@ class LateWorker:
         return sum(t._use_count() > before for t, before in self.records)
 
 
-def fit_with_a_late_worker(rank: int, world_size: int, settle: bool) -> dict[str, Any]:
+def fit_with_a_late_worker(rank: int, world_size: int, settle: bool, checkpoint_dir: str) -> dict[str, Any]:
     if not settle:  # negative control: autoaccum's collectives without the wait
         import autoaccum.distributed.settle as settle_module
         settle_module._wait = lambda noted, timeout_s: None
@@ -101,19 +102,43 @@ def fit_with_a_late_worker(rank: int, world_size: int, settle: bool) -> dict[str
     x, y = _data()
     autoaccum.fit(_model(), (x, y), target_batch=32, loss_fn=loss_fn, eval_data=(x[:40], y[:40]), epochs=1,
                   plan=autoaccum.Plan.for_target(32, 8, world_size), progress=False, verbose=False,
-                  optimizer=None, lr=0.05, seed=1)
+                  optimizer=None, lr=0.05, seed=1, checkpoint_dir=checkpoint_dir, checkpoint_every=1)
     return {"held_after_fit": late.held(), "held_at_loss": held_at_loss, "collectives": len(late.records)}
 
 
 @pytest.mark.parametrize("settle", [True, False], ids=["settled", "negative-control"])
 def test_no_collective_tensor_is_held_when_fit_returns(tmp_path: Path, settle: bool) -> None:
-    out = results(tmp_path, spawn(fit_with_a_late_worker, tmp_path, settle=settle)[0])
+    out = results(tmp_path, spawn(fit_with_a_late_worker, tmp_path, settle=settle,
+                                  checkpoint_dir=str(tmp_path / "ckpt"))[0])
     for r in out:
         assert r["collectives"] > 20  # every step: gather, agree, gradients, buffers, loss; evaluation
         if settle:
             assert r["held_after_fit"] == 0 and set(r["held_at_loss"]) == {0}, r
         else:  # the late worker still holds the step's first collectives when the loss runs: the test sees it
             assert max(r["held_at_loss"]) > 0, r
+
+
+def gather_with_a_late_worker(rank: int, world_size: int, settle: bool) -> dict[str, Any]:
+    if not settle:
+        import autoaccum.distributed.settle as settle_module
+        settle_module._wait = lambda noted, timeout_s: None
+    late = LateWorker()
+    gathered = autoaccum.distributed.gather_to_rank_zero({"rank": rank, "state": torch.arange(7 + 100 * rank)})
+    return {"held": late.held(), "collectives": len(late.records), "gathered": gathered}
+
+
+@pytest.mark.parametrize("settle", [True, False], ids=["settled", "negative-control"])
+def test_gather_to_rank_zero_returns_once_no_tensor_is_held(tmp_path: Path, settle: bool) -> None:
+    """The object gather (every rank's RNG state in a checkpoint) runs on tensors it holds, of different
+    sizes per rank, and returns only once the worker let go of them; rank 0 gets every rank's object."""
+    out = results(tmp_path, spawn(gather_with_a_late_worker, tmp_path, world_size=3, settle=settle)[0])
+    for rank, r in enumerate(out):
+        assert r["collectives"] == (2 + 3 if rank == 0 else 2)  # the sizes' all-reduce; the gather (+ 3 outputs)
+        assert (r["held"] == 0) == settle, r
+    assert out[1]["gathered"] is None and out[2]["gathered"] is None
+    assert [g["rank"] for g in out[0]["gathered"]] == [0, 1, 2]
+    for rank, g in enumerate(out[0]["gathered"]):
+        assert torch.equal(g["state"], torch.arange(7 + 100 * rank))
 
 
 def _gloo_threads() -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import pickle
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,14 +113,35 @@ def _all_reduce(values: torch.Tensor, op: Any, group: Any = None) -> torch.Tenso
 
 def gather_to_rank_zero(obj: Any, group: Any = None) -> list[Any] | None:
     """Every rank's ``obj`` (picklable), in rank order, on rank 0; None on the other ranks. A collective:
-    every rank of the group calls it. Without a process group: ``[obj]``."""
+    every rank of the group calls it. Without a process group: ``[obj]``.
+
+    Not ``dist.gather_object``: it runs its all-gather and gather on tensors it makes and drops inside
+    the call, so gloo's worker thread may be the last to hold them and free them later, during
+    interpreter shutdown (the exit-time abort, see settle.py). A trailing settled collective would not
+    prove them gone either: gloo runs collectives on a pool of worker threads, and one thread finishing
+    a later collective says nothing of another still letting go of an earlier one. So the same two
+    steps run here on tensors this function holds until the worker let go of them: the pickled sizes
+    (one settled all-reduce, each rank's size in its own slot), then one gather of the payloads padded
+    to the largest size.
+    """
     if not is_distributed() or dist.get_world_size(group) == 1:
         return [obj]
-    rank = dist.get_rank(group)
-    out: list[Any] | None = [None] * dist.get_world_size(group) if rank == 0 else None
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    device = _comm_device(group)
+    data = pickle.dumps(obj)  # unpickled below only on rank 0, from the group's own ranks
+    slots = torch.zeros(world_size, dtype=torch.int64)
+    slots[rank] = len(data)
+    sizes = [int(n) for n in _all_reduce(slots, dist.ReduceOp.SUM, group).tolist()]
+    payload = torch.zeros(max(sizes), dtype=torch.uint8)
+    payload[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    payload = payload.to(device)
+    outs = [torch.empty_like(payload) for _ in range(world_size)] if rank == 0 else None
     dst = dist.get_global_rank(group, 0) if group is not None else 0
-    dist.gather_object(obj, out, dst=dst, group=group)  # nccl: through the current device (init_from_env sets it)
-    return out
+    with settled(payload, *(outs or [])):  # returns once gloo's worker thread has let go of every one of them
+        dist.gather(payload, gather_list=outs, dst=dst, group=group)
+    if outs is None:
+        return None
+    return [pickle.loads(out[:size].cpu().numpy().tobytes()) for out, size in zip(outs, sizes)]
 
 
 def broadcast_plan(plan: Plan | None, group: Any = None) -> Plan:

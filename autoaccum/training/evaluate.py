@@ -22,7 +22,7 @@ from autoaccum.cut import Cutter, SampleCut
 from autoaccum.data import GlobalBatches
 from autoaccum.errors import DoesNotFitError, TaskError
 from autoaccum.log import rank_level
-from autoaccum.memory import active_budget
+from autoaccum.memory import TrackedMemory, active_budget
 from autoaccum.plan import Plan
 from autoaccum.recovery import release_memory
 from autoaccum.sync import ERROR, OK, OOM, GradSync
@@ -44,8 +44,13 @@ class EvalResult:
 
 def evaluate(model: torch.nn.Module, batches: GlobalBatches, loss_fn: LossFn, micro_batch: int, *, sync: GradSync,
              device: torch.device, autocast_dtype: torch.dtype | None = None,
-             cut: Cutter | None = None) -> EvalResult:
+             cut: Cutter | None = None, budget: TrackedMemory | None = None) -> EvalResult:
     """Loss over ``batches`` (epoch 0) without gradients, starting at ``micro_batch`` per forward.
+
+    ``budget`` is the emulated device (fit's ``budget=``): entered around each attempt's forwards only,
+    as around a training step. What the device holds is the micro-batches it is sent (copied in, so that
+    they count), not the host's drawing of a global batch: an allocation there would be an OOM no
+    retry can catch.
 
     Raises:
         DoesNotFitError: a micro-batch of 1 ran out of memory.
@@ -57,6 +62,7 @@ def evaluate(model: torch.nn.Module, batches: GlobalBatches, loss_fn: LossFn, mi
     divisor = torch.zeros((), dtype=sum_dtype(device), device=device)
     ooms = 0
     window = getattr(sync, "evaluation", contextlib.nullcontext)  # a sync of one's own may not have it
+    region = budget if budget is not None else contextlib.nullcontext()
     try:
         for rb in batches.epoch(0):
             n = batch_size(rb.batch)
@@ -65,10 +71,11 @@ def evaluate(model: torch.nn.Module, batches: GlobalBatches, loss_fn: LossFn, mi
                 steps = cut.steps(rb.batch, n, plan)
                 gathered = sync.gather((n, steps)) if sync.world_size > 1 else ((n, steps),)
                 steps = max(g[1] for g in gathered)
-                with window():
+                with region, window():
                     result = accumulate(model, cut(rb.batch, n, plan, steps), loss_fn,
                                         num_samples=sum(g[0] for g in gathered), device=device, sync=sync,
-                                        autocast_dtype=autocast_dtype, backward=False)
+                                        autocast_dtype=autocast_dtype, backward=False,
+                                        copy_inputs=budget is not None and budget.budget_bytes is not None)
                 agreed = sync.agree(OK if isinstance(result, Accumulated) else ERROR if result.error else OOM)
                 if agreed == OK:
                     break
@@ -80,9 +87,9 @@ def evaluate(model: torch.nn.Module, batches: GlobalBatches, loss_fn: LossFn, mi
                 ooms += 1
                 release_memory(device)
                 if micro_batch == 1:
-                    budget = active_budget()  # the emulated device fit runs under, if any
-                    raise DoesNotFitError(None if budget is None else budget.last_oom_needed_bytes,
-                                          None if budget is None else budget.budget_bytes, at_least=True, suggestions=(
+                    emulated = budget if budget is not None else active_budget()  # the emulated device, if any
+                    raise DoesNotFitError(None if emulated is None else emulated.last_oom_needed_bytes,
+                                          None if emulated is None else emulated.budget_bytes, at_least=True, suggestions=(
                         "evaluate on shorter sequences or a smaller model",
                         "evaluate under bf16 autocast (precision='bf16')",
                         "pass eval_data=None and evaluate separately on a larger device"))

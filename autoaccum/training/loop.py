@@ -15,7 +15,7 @@ from autoaccum.data import GlobalBatches
 from autoaccum.errors import AutoAccumError, NonFiniteError
 from autoaccum.guard import OOMGuard, StepResult
 from autoaccum.log import rank_level
-from autoaccum.memory import Meter
+from autoaccum.memory import Meter, TrackedMemory
 from autoaccum.sync import GradSync
 from autoaccum.task import LossFn
 from autoaccum.training.config import FitConfig
@@ -61,15 +61,16 @@ def train(run: Run, batches: GlobalBatches, eval_batches: GlobalBatches | None, 
     eval_micro = 2 * guard.plan.micro_batch  # no activations are kept for backward: usually fits twice as many
     eval_loss, eval_ooms, evaluated_at = None, 0, None
     epochs, max_steps = cfg.stop.epochs, cfg.stop.max_steps
-    # Under an emulated budget the meter is entered around each step and evaluation only: a real
+    # Under an emulated budget the meter is entered around each step and evaluation attempt only: a real
     # device holds the micro-batches it is sent (the guard copies them in), not the host's batches.
     device_region = meter if meter is not None else contextlib.nullcontext()
 
     def run_eval() -> None:
         nonlocal eval_loss, eval_micro, eval_ooms, evaluated_at
-        with device_region:
-            result = evaluate(run.model, eval_batches, run.loss_fn, eval_micro, sync=run.sync,  # type: ignore[arg-type]
-                              device=run.device, autocast_dtype=guard.autocast_dtype, cut=guard.cut)
+        # the emulated device counts each attempt's forwards, not the host's drawing of the eval batches
+        result = evaluate(run.model, eval_batches, run.loss_fn, eval_micro, sync=run.sync,  # type: ignore[arg-type]
+                          device=run.device, autocast_dtype=guard.autocast_dtype, cut=guard.cut,
+                          budget=meter if isinstance(meter, TrackedMemory) else None)
         eval_loss, eval_micro, eval_ooms, evaluated_at = result.loss, result.micro_batch, eval_ooms + result.ooms, \
             pos.steps
         progress.say(f"step {pos.steps}: eval loss {eval_loss:.4g}")
