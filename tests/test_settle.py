@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import threading
 import time
 from pathlib import Path
@@ -108,8 +109,13 @@ def fit_with_a_late_worker(rank: int, world_size: int, settle: bool, checkpoint_
 
 @pytest.mark.parametrize("settle", [True, False], ids=["settled", "negative-control"])
 def test_no_collective_tensor_is_held_when_fit_returns(tmp_path: Path, settle: bool) -> None:
-    out = results(tmp_path, spawn(fit_with_a_late_worker, tmp_path, settle=settle,
-                                  checkpoint_dir=str(tmp_path / "ckpt"))[0])
+    codes = spawn(fit_with_a_late_worker, tmp_path, settle=settle, checkpoint_dir=str(tmp_path / "ckpt"))[0]
+    if not settle and -signal.SIGABRT in codes:
+        # the negative control may also show the defect itself: a rank that saved its result, then aborted
+        # at exit because the late worker freed a collective's tensor during shutdown
+        assert all(c in (0, -signal.SIGABRT) for c in codes), codes
+        codes = [0] * len(codes)
+    out = results(tmp_path, codes)
     for r in out:
         assert r["collectives"] > 20  # every step: gather, agree, gradients, buffers, loss; evaluation
         if settle:
