@@ -68,8 +68,19 @@ class LateWorker:
     def _drop(self) -> None:
         while True:
             work, due = self.handles.get()
+            if isinstance(work, threading.Event):  # drain(): everything before it is dropped
+                work.set()
+                continue
             time.sleep(max(0.0, due - time.monotonic()))
             del work  # the last reference to the handle: dropped here, on this thread
+
+    def drain(self) -> None:
+        """Wait until this thread dropped every handle: a handle it still held at exit would be freed
+        by a daemon thread during interpreter shutdown, the very abort under test (seen in the negative
+        control, where nothing waits for it)."""
+        done = threading.Event()
+        self.handles.put((done, 0.0))
+        done.wait(10)
 
     def _late(self, real: Any) -> Any:
         def collective(tensor: torch.Tensor, *args: Any, async_op: bool = False, **kwargs: Any) -> Any:
@@ -104,7 +115,9 @@ def fit_with_a_late_worker(rank: int, world_size: int, settle: bool, checkpoint_
     autoaccum.fit(_model(), (x, y), target_batch=32, loss_fn=loss_fn, eval_data=(x[:40], y[:40]), epochs=1,
                   plan=autoaccum.Plan.for_target(32, 8, world_size), progress=False, verbose=False,
                   optimizer=None, lr=0.05, seed=1, checkpoint_dir=checkpoint_dir, checkpoint_every=1)
-    return {"held_after_fit": late.held(), "held_at_loss": held_at_loss, "collectives": len(late.records)}
+    held_after_fit = late.held()
+    late.drain()
+    return {"held_after_fit": held_after_fit, "held_at_loss": held_at_loss, "collectives": len(late.records)}
 
 
 @pytest.mark.parametrize("settle", [True, False], ids=["settled", "negative-control"])
@@ -130,7 +143,9 @@ def gather_with_a_late_worker(rank: int, world_size: int, settle: bool) -> dict[
         settle_module._wait = lambda noted, timeout_s: None
     late = LateWorker()
     gathered = autoaccum.distributed.gather_to_rank_zero({"rank": rank, "state": torch.arange(7 + 100 * rank)})
-    return {"held": late.held(), "collectives": len(late.records), "gathered": gathered}
+    held = late.held()
+    late.drain()
+    return {"held": held, "collectives": len(late.records), "gathered": gathered}
 
 
 @pytest.mark.parametrize("settle", [True, False], ids=["settled", "negative-control"])
