@@ -79,6 +79,8 @@ class FitResult:
             every step's loss, each step once across resumes.
         micro_steps: each step's micro-steps, for the steps in ``losses`` (with a token budget they
             follow the step's lengths).
+        overlapped_steps: steps of this call whose gradient all-reduce ran during the last backward
+            (``overlap=``; 0 in one process).
         eval_loss: the last evaluation's loss, None without eval_data.
         lr: the learning rate the rule set (before warmup).
         samples_per_s: samples per second of training steps in this call (probe excluded).
@@ -106,6 +108,7 @@ class FitResult:
     probe: ProbeReport | None = field(default=None, repr=False)
     micro_steps: tuple[int, ...] = ()
     skipped_steps: int = 0
+    overlapped_steps: int = 0
 
 
 def _placed(model: torch.nn.Module, device: Any) -> tuple[torch.nn.Module, GradSync, torch.device]:
@@ -235,6 +238,7 @@ def fit(model: torch.nn.Module, data: Any, target_batch: int = 256, *, loss_fn: 
         peak_bytes=summary["peak_bytes"], wall_time_s=time.perf_counter() - started,
         probe_time_s=0.0 if report is None else report.wall_time_s, probe=report,
         micro_steps=tuple(summary["micro_steps"]), skipped_steps=position.skipped,
+        overlapped_steps=summary["overlapped_steps"],
     )
 
 

@@ -491,7 +491,7 @@ def fit_two_ranks(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, 
     model = make_net()
     whole = _fit(model, epochs=1)
     out = {"params": _params(model), "plan": whole.plan.to_dict(), "steps": whole.optimizer_steps,
-           "samples": whole.samples_seen, "losses": list(whole.losses)}
+           "samples": whole.samples_seen, "losses": list(whole.losses), "overlapped": whole.overlapped_steps}
     first = make_net()
     _fit(first, max_steps=3, checkpoint_dir=checkpoint_dir, plan=autoaccum.Plan.for_target(TARGET, 2, world_size))
     dist.barrier()  # rank 0 wrote the checkpoint; every rank reads it
@@ -512,8 +512,8 @@ def fit_two_ranks(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, 
     _fit(sharded(), max_steps=4, plan=plan, checkpoint_dir=fsdp_dir)
     dist.barrier()
     model = sharded()
-    _fit(model, epochs=1, plan=plan, checkpoint_dir=fsdp_dir, resume=True)
-    out["fsdp2_resumed"] = _params(model)
+    fsdp = _fit(model, epochs=1, plan=plan, checkpoint_dir=fsdp_dir, resume=True)
+    out["fsdp2_resumed"], out["fsdp2_overlapped"] = _params(model), fsdp.overlapped_steps
     return out
 
 
@@ -537,6 +537,8 @@ def test_fit_on_two_ranks_equals_fit_in_one_process(tmp_path: Path) -> None:
         assert r["steps"] == one.optimizer_steps == 6 and r["samples"] == one.samples_seen == N_SAMPLES
         assert r["losses"] == pytest.approx(list(one.losses), rel=1e-5)
         assert r["resumed_source"] == "checkpoint" and r["resumed_steps"] == 6
+        # overlap="auto" on the CPU without a budget: every step after the first (unmeasured) one overlaps
+        assert 0 < r["overlapped"] <= r["steps"] and one.overlapped_steps == 0  # one process: nothing to reduce
         for name, p in want.items():
             torch.testing.assert_close(r["params"][name], p, rtol=RTOL, atol=ATOL, msg=name)
             torch.testing.assert_close(r["resumed"][name], p, rtol=RTOL, atol=ATOL, msg=f"resumed {name}")
@@ -544,6 +546,7 @@ def test_fit_on_two_ranks_equals_fit_in_one_process(tmp_path: Path) -> None:
                 torch.testing.assert_close(r["fsdp2_resumed"][name], p, rtol=RTOL, atol=ATOL, msg=f"FSDP2 {name}")
         if fsdp2_supported():
             assert "cannot probe an FSDP2" in r["fsdp2_probe_error"]
+            assert r["fsdp2_overlapped"] == 0  # FSDP2 keeps today's protocol
 
 
 def test_example_under_torchrun() -> None:
