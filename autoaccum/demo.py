@@ -10,7 +10,7 @@ from torch import nn
 
 from autoaccum.task import Task
 
-__all__ = ["TinyGPT", "demo_task", "synthetic_tokens", "token_loss"]
+__all__ = ["TinyGPT", "demo_task", "pad_rows", "padded_token_loss", "synthetic_tokens", "token_loss"]
 
 
 class _Block(nn.Module):
@@ -60,6 +60,27 @@ def token_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy, mean over all tokens of the batch."""
     logits = model(batch[:, :-1])
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+
+def pad_rows(rows: list[dict[str, torch.Tensor]], pad: int = 0) -> dict[str, torch.Tensor]:
+    """Rows ``{"input_ids": 1-D tensor}`` right-padded to the longest, as a tokenizer's padding
+    collator does: ``input_ids``, ``attention_mask`` and ``labels`` (the ids, -100 on padding)."""
+    longest = max(len(r["input_ids"]) for r in rows)
+    ids = torch.full((len(rows), longest), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), longest), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r["input_ids"])], mask[i, :len(r["input_ids"])] = r["input_ids"], 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def padded_token_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token cross-entropy of a :func:`pad_rows` batch, summed over its real tokens, and their
+    count: the ``(loss_sum, num_items)`` form, normalised once per optimizer step."""
+    logits = model(batch["input_ids"][:, :-1])
+    targets = batch["labels"][:, 1:]
+    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100,
+                            reduction="sum")
+    return total, (targets != -100).sum()
 
 
 def demo_task(device: torch.device | str = "cpu", seed: int = 0) -> Task:

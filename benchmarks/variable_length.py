@@ -38,7 +38,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -46,11 +45,11 @@ import autoaccum  # noqa: E402
 from autoaccum import OOMGuard, Plan, TrackedMemory  # noqa: E402
 from autoaccum.batch import Samples  # noqa: E402
 from autoaccum.cut import SampleCut, TokenCut  # noqa: E402
-from autoaccum.demo import TinyGPT  # noqa: E402
+from autoaccum.demo import TinyGPT, pad_rows as collate, padded_token_loss as token_loss  # noqa: E402
 from results_md import bench_main, markdown_table, replace_section  # noqa: E402
 
 SECTION = "## Variable-length data (issue 12)"
-VOCAB, LONGEST, MEDIAN, PAD = 128, 256, 32, 0
+VOCAB, LONGEST, MEDIAN = 128, 256, 32
 TARGET, STEPS, BUDGET, HEADROOM = 64, 24, "40MiB", 0.1
 VARIANTS = ("fixed-longest", "first-batch", "grouped", "token-budget")
 
@@ -65,22 +64,6 @@ def make_rows(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
         start, stride = rng.randrange(1, VOCAB), rng.randrange(1, 5)
         rows.append({"input_ids": torch.tensor([1 + (start + stride * k) % (VOCAB - 1) for k in range(length)])})
     return rows
-
-
-def collate(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    longest = max(len(r["input_ids"]) for r in rows)
-    ids = torch.full((len(rows), longest), PAD)
-    mask = torch.zeros((len(rows), longest), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, :len(r["input_ids"])], mask[i, :len(r["input_ids"])] = r["input_ids"], 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
-
-
-def token_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = model(batch["input_ids"][:, :-1])
-    targets = batch["labels"][:, 1:]
-    total = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), ignore_index=-100, reduction="sum")
-    return total, (targets != -100).sum()
 
 
 def length_of(row: dict[str, torch.Tensor]) -> int:

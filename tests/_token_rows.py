@@ -14,6 +14,8 @@ from transformers import (
     GPT2LMHeadModel,
 )
 
+from autoaccum.demo import pad_rows
+
 VOCAB, SEQ, PAD, N = 64, 16, 0, 32
 
 
@@ -52,13 +54,10 @@ class Rows(torch.utils.data.Dataset):
 
 def collate(rows: list[dict], per_sample: bool = False) -> dict[str, torch.Tensor]:
     """Right padding to the longest row, as a tokenizer's padding collator does."""
-    longest = max(len(r["input_ids"]) for r in rows)
-    ids = torch.full((len(rows), longest), PAD)
-    mask = torch.zeros((len(rows), longest), dtype=torch.long)
-    for k, r in enumerate(rows):
-        ids[k, :len(r["input_ids"])], mask[k, :len(r["input_ids"])] = r["input_ids"], 1
-    labels = torch.tensor([r["label"] for r in rows]) if per_sample else ids.masked_fill(mask == 0, -100)
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    batch = pad_rows(rows, PAD)
+    if per_sample:
+        batch["labels"] = torch.tensor([r["label"] for r in rows])
+    return batch
 
 
 def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:

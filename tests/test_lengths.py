@@ -14,17 +14,17 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import autoaccum
 from autoaccum import OOMGuard, Plan
 from autoaccum.batch import Samples
 from autoaccum.cut import TokenCut
-from autoaccum.demo import TinyGPT
+from autoaccum.demo import TinyGPT, padded_token_loss as token_loss
+from autoaccum.demo import pad_rows as pad
 from autoaccum.memory import TrackedMemory
 from autoaccum.plan import TokenBudget
 
-VOCAB, LONGEST, PAD = 64, 48, 0
+VOCAB, LONGEST = 64, 48
 RTOL = 1e-10
 
 
@@ -39,24 +39,6 @@ def rows(n: int, seed: int, longest: int = LONGEST) -> list[dict[str, torch.Tens
     lengths = [min(longest, max(3, int(rng.lognormvariate(math.log(8), 0.7)))) for _ in range(n)]
     g = torch.Generator().manual_seed(seed)
     return [{"input_ids": torch.randint(1, VOCAB, (length,), generator=g)} for length in lengths]
-
-
-def pad(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """A padding collator: right-padded ids, labels -100 at the pads, an attention mask."""
-    longest = max(len(item["input_ids"]) for item in items)
-    ids = torch.full((len(items), longest), PAD, dtype=torch.long)
-    mask = torch.zeros((len(items), longest), dtype=torch.long)
-    for i, item in enumerate(items):
-        ids[i, :len(item["input_ids"])] = item["input_ids"]
-        mask[i, :len(item["input_ids"])] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
-
-
-def token_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = model(batch["input_ids"][:, :-1])
-    targets = batch["labels"][:, 1:]
-    loss_sum = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), ignore_index=-100, reduction="sum")
-    return loss_sum, (targets != -100).sum()
 
 
 def samples(items: list[dict[str, torch.Tensor]]) -> Samples:
