@@ -42,7 +42,7 @@ from autoaccum.recovery import drop_frames
 from autoaccum.sync import GradSync, LocalSync
 from autoaccum.task import LossFn, check_loss
 
-__all__ = ["Accumulated", "Failed", "LossKind", "StepTotals", "accumulate", "reduce_gradients", "sum_dtype"]
+__all__ = ["Accumulated", "Failed", "LossKind", "StepTotals", "accumulate", "reduce_gradients", "step_scalars", "sum_dtype"]
 
 LossKind = Literal["mean", "sum", "normalized"]
 
@@ -187,12 +187,29 @@ def accumulate(model: torch.nn.Module, micro_batches: Iterable[MicroBatch], loss
     return Accumulated(loss_sum, items, kind)
 
 
+def step_scalars(result: Accumulated | None, device: torch.device) -> torch.Tensor:
+    """This rank's scalars of the step, summed over ranks in one exchange: loss sum, item count, and
+    which kind of loss it saw (a rank with an empty share of the last batch saw none). Zeros for a
+    failed attempt (they are exchanged with its flag and dropped)."""
+    if result is None:
+        return torch.zeros(4, dtype=sum_dtype(device), device=device)
+    loss_sum = result.loss_sum
+    count = torch.as_tensor(result.num_items, dtype=loss_sum.dtype, device=loss_sum.device).reshape(())
+    return torch.stack([loss_sum, count, loss_sum.new_tensor(float(result.kind == "mean")),
+                        loss_sum.new_tensor(float(result.kind == "sum"))])
+
+
 def reduce_gradients(params: Sequence[torch.nn.Parameter], result: Accumulated, *, num_samples: int,
-                     sync: GradSync | None = None, num_items_in_batch: int | None = None) -> StepTotals:
+                     sync: GradSync | None = None, num_items_in_batch: int | None = None,
+                     summed: torch.Tensor | None = None) -> StepTotals:
     """Sum gradients over ranks once, add up the step's scalars, normalise token-level gradients.
 
     Returns the step's totals; afterwards each parameter's ``.grad`` is the gradient of the
     global batch (for an optimizer step, clipping or a trainer's own step).
+
+    Args:
+        summed: the step's :func:`step_scalars` summed over ranks already (an overlapped step's flag
+            exchange carries them); None: summed here, after the gradients.
 
     Raises:
         TaskError: ranks returned different kinds of loss, or a token-level step counted 0 items.
@@ -201,7 +218,10 @@ def reduce_gradients(params: Sequence[torch.nn.Parameter], result: Accumulated, 
     sync.reduce_gradients(list(params))
     loss_total: torch.Tensor | float
     if num_items_in_batch is not None:  # normalised up front: the summed gradient is the step's already
-        loss_total = result.loss_sum if sync.world_size == 1 else float(sync.sum_items(result.loss_sum))
+        if sync.world_size == 1:
+            loss_total = result.loss_sum
+        else:
+            loss_total = float(summed[0]) if summed is not None else float(sync.sum_items(result.loss_sum))
         return StepTotals(loss_total, 1, num_samples, num_items_in_batch)
     if sync.world_size == 1:
         # One process: the kind of loss is known here, and no number on the device is needed
@@ -210,13 +230,10 @@ def reduce_gradients(params: Sequence[torch.nn.Parameter], result: Accumulated, 
         loss_total, item_total = result.loss_sum, result.num_items
         means, sums = result.kind == "mean", result.kind == "sum"
     else:
-        # One exchange for every scalar of the step: loss sum, item count, and which kind of loss
-        # each rank saw (a rank with an empty share of the last batch saw none).
-        loss_sum = result.loss_sum
-        count = torch.as_tensor(result.num_items, dtype=loss_sum.dtype, device=loss_sum.device).reshape(())
-        local = torch.stack([loss_sum, count, loss_sum.new_tensor(float(result.kind == "mean")),
-                             loss_sum.new_tensor(float(result.kind == "sum"))])
-        loss_total, item_total, means, sums = sync.sum_items(local).tolist()
+        # One exchange for every scalar of the step (or none here: the flag exchange carried them)
+        if summed is None:
+            summed = sync.sum_items(step_scalars(result, result.loss_sum.device))
+        loss_total, item_total, means, sums = summed.tolist()
     if means and sums:
         raise TaskError("loss_fn returned mean losses on some ranks and (loss_sum, num_items) on others")
     if not sums:

@@ -31,10 +31,11 @@ from typing import Any
 
 import torch
 
-from autoaccum.accumulate import Accumulated, StepTotals, accumulate, reduce_gradients
+from autoaccum.accumulate import Accumulated, Failed, StepTotals, accumulate, reduce_gradients, step_scalars
 from autoaccum.batch import Batch, SplitFn
 from autoaccum.batchnorm import batchnorm_layers, warn_batchnorm
 from autoaccum.cut import Cutter, SampleCut
+from autoaccum.cut_agreement import Agreed, CutAgreement, agree_cut
 from autoaccum.errors import AutoAccumError, DoesNotFitError, NonFiniteError
 from autoaccum.growth import GrowMode, Growth, check_growth_meter
 from autoaccum.guard_args import checked_options, guard_plan, trained_params
@@ -184,6 +185,8 @@ class OOMGuard:
         self._overlap_decision: bool | None = None  # the last agreed decision (logged when it changes)
         self._overlapped = False  # the attempt in progress is overlapped
         self._fresh_buffers = False  # the overlap's buffers were allocated in this attempt's vote
+        self._last_vote, self._vote_reason = False, ""  # this rank's last overlap vote, and why
+        self._arm: Callable[[], None] = lambda: None  # arms the overlapped attempt in progress
         self._warn_batchnorm()
 
     # -- the growth's settings and record (autoaccum.growth), as attributes of the guard ------------------
@@ -297,38 +300,59 @@ class OOMGuard:
             check_step_args(batch, loss_fn)
             self._checked_loss_fn = loss_fn
 
-    def _agree_cut(self, batch: Batch, n: int, attempt: int) -> tuple[int, int, bool]:
-        """The step's samples over all ranks, the micro-steps every rank runs (the most any rank's
-        cut needs), and whether every rank votes to overlap the all-reduce: one exchange, where no
-        gradient collective can be in flight."""
+    def _agree_cut(self, batch: Batch, n: int, attempt: int, items: int | None, may_guess: bool) -> CutAgreement:
+        """Start the attempt's exchange (``autoaccum.cut_agreement``): the step's samples over all ranks,
+        the micro-steps every rank runs, the overlap votes and the items; one all-reduce, where no
+        gradient collective can be in flight. This rank waits for it now unless it may guess."""
         steps = self.cut.steps(batch, n, self.plan)
-        if self.sync.world_size == 1:
-            return n, steps, False
-        vote, reason, self._fresh_buffers = overlap_vote(
-            self.sync, self.params, self.overlap, attempt, self._growth, micro_batch=self.plan.micro_batch,
-            wait=self._overlap_wait, device=self.device, meter=self.meter)
-        gathered = self.sync.gather((n, steps, int(vote)))
-        overlap = all(g[2] for g in gathered)
-        if attempt == 1 and overlap != self._overlap_decision:
-            self._overlap_decision = overlap
-            why = reason if vote or not overlap else "another rank has no room for it"
-            logger.log(rank_level(logging.INFO, self.sync.rank), "gradient all-reduce %s: %s",
-                       "overlapped with the last backward" if overlap else "after the backward (not overlapped)", why)
-        return sum(g[0] for g in gathered), max(g[1] for g in gathered), overlap
+        vote = False
+        if self.sync.world_size > 1:
+            vote, reason, self._fresh_buffers = overlap_vote(
+                self.sync, self.params, self.overlap, attempt, self._growth, micro_batch=self.plan.micro_batch,
+                wait=self._overlap_wait, device=self.device, meter=self.meter)
+            self._last_vote, self._vote_reason = vote, reason
+        may_guess = may_guess and bool(getattr(self.sync, "quiet_window", False))
+        return agree_cut(self.sync, self.cut, self.plan, num_samples=n, steps=steps, vote=vote, items=items,
+                         may_guess=may_guess)
 
-    def _arming(self, micro_batches: Any, steps: int, arm: Callable[[], None]) -> Any:
-        """The micro-batches, arming the overlapped all-reduce before the last micro-step runs."""
+    def _settle_cut(self, agreement: CutAgreement, attempt: int) -> Agreed:
+        """The exchange's answer; where every rank voted to overlap, the overlapped attempt started
+        (idempotent: before the last micro-step, or after the micro-batches where they stopped early)."""
+        agreed = agreement.agreed()
+        if agreed.overlap and not self._overlapped:
+            self._overlapped = True
+            self._arm = self.sync.overlapped(self.params)  # type: ignore[attr-defined]
+        if attempt == 1 and not agreed.void and agreed.overlap != self._overlap_decision and self.sync.world_size > 1:
+            self._overlap_decision = agreed.overlap
+            why = self._vote_reason if self._last_vote or not agreed.overlap else "another rank has no room for it"
+            logger.log(rank_level(logging.INFO, self.sync.rank), "gradient all-reduce %s: %s",
+                       "overlapped with the last backward" if agreed.overlap else "after the backward (not overlapped)",
+                       why)
+        return agreed
+
+    def _arming(self, micro_batches: Any, steps: int, agreement: CutAgreement, attempt: int) -> Any:
+        """The micro-batches, the last one after :meth:`_arm_last` (they stop there where it says so)."""
         for index, micro in enumerate(micro_batches):
-            if index == steps - 1:
-                arm()
+            if index == steps - 1 and not self._arm_last(agreement, attempt):
+                return
             yield micro
+
+    def _arm_last(self, agreement: CutAgreement, attempt: int) -> bool:
+        """Before the last micro-step: the exchange's answer read, the overlapped all-reduce armed where
+        every rank voted for it. False where the answer voids the attempt or is an error."""
+        agreed = self._settle_cut(agreement, attempt)
+        if agreed.void or agreed.error is not None:
+            return False
+        if self._overlapped:
+            self._arm()
+        return True
 
     def _accumulate(self, batch: Batch, loss_fn: LossFn,
                     partial: bool) -> tuple[StepTotals, int, list[PlanChange], MemoryReading | None]:
         """Accumulate the global batch, replaying smaller on OOM; gradients reduced and normalised."""
         self._check_loss_fn(batch, loss_fn)
         n = local_size(batch, self.plan, self.sync, self.size_fn, partial)
-        num_items = count_items(loss_fn, self.model, batch, self.sync)
+        items = count_items(loss_fn, self.model, batch)
         growth = self._growth
         # memory-guided growth and the overlap's room read the limit once per step (CUDA: two allocator
         # queries), only where one of them is on
@@ -346,24 +370,48 @@ class OOMGuard:
         rng = capture_rng()
         buffers = capture_buffers(self._buffer_slots)
         attempts = 0
+        may_guess = not partial
         self._zero_grad()
         while True:
             attempts += 1
-            self._fresh_buffers = False
-            num_samples, steps, self._overlapped = self._agree_cut(batch, n, attempts)
+            self._fresh_buffers, self._overlapped = False, False
+            agreement = self._agree_cut(batch, n, attempts, items, may_guess)
             if self._fresh_buffers and start is not None:
                 # the overlap's buffers were allocated just now: from here on they are live at a
                 # step's start, so they count there, not in this step's measured rise
                 start = growth.restart(self.meter)
-            self._last_steps = steps
-            micro_batches = self.cut(batch, n, self.plan, steps)
-            if self._overlapped:
-                micro_batches = self._arming(micro_batches, steps, self.sync.overlapped(self.params))  # type: ignore[attr-defined]
-            result = accumulate(self.model, micro_batches, loss_fn, num_samples=num_samples, device=self.device,
-                                sync=self.sync, scaler=self.scaler, autocast_dtype=self.autocast_dtype,
-                                num_items_in_batch=num_items, copy_inputs=self._emulated)
-            micro_batches = None  # type: ignore[assignment]
-            agreed = self.sync.agree(OK if isinstance(result, Accumulated) else ERROR if result.error else OOM)
+            terms = agreement.terms  # guessed, or the answer
+            self._last_steps = terms.steps
+            result: Accumulated | Failed | None = None
+            # a rank that waited for the answer runs nothing where it voids the attempt or is an error
+            if agreement.guessed or not (agreement.agreed().void or agreement.agreed().error is not None):
+                micro_batches = self._arming(self.cut(batch, n, self.plan, terms.steps), terms.steps, agreement,
+                                             attempts)
+                result = accumulate(self.model, micro_batches, loss_fn, num_samples=terms.num_samples,
+                                    device=self.device, sync=self.sync, scaler=self.scaler,
+                                    autocast_dtype=self.autocast_dtype, num_items_in_batch=terms.num_items,
+                                    copy_inputs=self._emulated)
+                micro_batches = None  # type: ignore[assignment]
+            agreed_cut = self._settle_cut(agreement, attempts)  # every rank, whatever its micro-batches did
+            if agreed_cut.error is not None:
+                self._zero_grad()
+                raise agreed_cut.error
+            if agreed_cut.void:  # a rank guessed the step's terms wrong: every rank runs it again, waiting first
+                result = None  # type: ignore[assignment]
+                may_guess = False
+                self._zero_grad()
+                restore_rng(rng)
+                restore_buffers(buffers)
+                continue
+            num_samples, num_items = terms.num_samples, terms.num_items
+            assert result is not None
+            status = OK if isinstance(result, Accumulated) else ERROR if result.error else OOM
+            summed = None
+            if self._overlapped:  # the flag exchange carries the step's scalars too (one round trip, not two)
+                scalars = step_scalars(result if isinstance(result, Accumulated) else None, self.device)
+                agreed, summed = self.sync.agree_step(status, scalars)  # type: ignore[attr-defined]
+            else:
+                agreed = self.sync.agree(status)
             if agreed == OK:
                 break
             if agreed == ERROR:
@@ -390,7 +438,7 @@ class OOMGuard:
         buffers = None  # type: ignore[assignment]
         growth.passes_done(self.meter)
         totals, failed = catch_oom(reduce_gradients, self.params, result, num_samples=num_samples, sync=self.sync,
-                                   num_items_in_batch=num_items)
+                                   num_items_in_batch=num_items, summed=summed)
         if failed:
             self._zero_grad()
             release_memory(self.device)

@@ -8,7 +8,6 @@ from collections.abc import Callable
 import torch
 
 from autoaccum.batch import Batch, batch_size
-from autoaccum.errors import TaskError
 from autoaccum.plan import Plan
 from autoaccum.sync import GradSync
 from autoaccum.task import LossFn, check_loss_fn
@@ -24,21 +23,13 @@ def check_step_args(batch: Batch, loss_fn: LossFn) -> None:
     check_loss_fn(loss_fn)
 
 
-def count_items(loss_fn: LossFn, model: torch.nn.Module, batch: Batch, sync: GradSync) -> int | None:
-    """The step's items over all ranks, for a loss that counts them up front (``loss_fn.count_items``,
-    e.g. the default loss on per-token labels); None for other losses."""
+def count_items(loss_fn: LossFn, model: torch.nn.Module, batch: Batch) -> int | None:
+    """This rank's items of the step, for a loss that counts them up front (``loss_fn.count_items``,
+    e.g. the default loss on per-token labels); None for other losses. The ranks' counts are summed
+    in the cut's exchange (``autoaccum.cut_agreement``), which also checks them."""
     counter = getattr(loss_fn, "count_items", None)
     count = counter(model, batch) if callable(counter) else None
-    if sync.world_size > 1:
-        total, counted = sync.sum_items(torch.tensor([count or 0, count is not None])).tolist()
-        if 0 < counted < sync.world_size:
-            raise TaskError("loss_fn.count_items counted items on some ranks and not on others; give every "
-                            "rank batches of the same kind")
-        count = int(total) if counted else None
-    if count == 0:
-        raise TaskError("the step's batch holds no item its loss averages over (every label is -100); "
-                        "nothing to train on")
-    return count
+    return None if count is None else int(count)
 
 
 def local_size(batch: Batch, plan: Plan, sync: GradSync, size_fn: Callable[[Batch], int] | None, partial: bool) -> int:

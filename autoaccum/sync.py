@@ -2,9 +2,11 @@
 ``autoaccum.distributed`` and has the same methods.
 
 The guard asks these things of a sync, in this order, once per optimizer step:
-1. ``gather((n, steps, vote))``: every rank's sample count of the step, the micro-steps its cut
-   needs (the counts' sum is the global batch; the largest step count is what every rank runs)
-   and its vote to overlap the all-reduce (below);
+1. ``gather((n, steps, vote, items, counted, guessed))``: every rank's sample count of the step, the
+   micro-steps its cut needs (the counts' sum is the global batch; the largest step count is what
+   every rank runs), its vote to overlap the all-reduce (below) and the items of a loss that counts
+   them up front. A rank that can tell the answer alone sends it with ``gather_async`` and reads it
+   before the last micro-batch (``autoaccum.cut_agreement``);
 2. ``no_sync()`` around every micro-batch's forward and backward: no gradient collective runs
    while a rank may still hit an OOM (except an overlapped attempt's own buckets, below);
 3. ``agree(status)``: the worst status over all ranks (OK < OOM < ERROR), exchanged where no
@@ -17,8 +19,9 @@ A sync that can overlap the gradient all-reduce with the last micro-batch's back
 (:class:`OverlapSync`: ``DistributedSync`` for DDP and plain modules) is asked, in step 1, whether
 it has room (``overlap_bytes``, ``prepare_overlap``); the ranks vote in the same ``gather``; where
 every rank voted for it, ``overlapped()`` starts the attempt, the guard arms it before the last
-micro-step, and ``agree(status)`` first sends what was not sent yet, in order, then exchanges the
-flag (``autoaccum.distributed.overlap``).
+micro-step, and ``agree_step(status, scalars)`` first sends what was not sent yet, in order, waits
+for all of it, then exchanges the flag with the step's scalars (loss sum, item count) in one
+all-reduce (``autoaccum.distributed.overlap``).
 """
 
 from __future__ import annotations

@@ -114,18 +114,20 @@ EXACT_STEPS = 5
 def _run(kind: str, overlap: str, rank: int, world_size: int, arm_first: bool = False) -> dict[str, Any]:
     net, model, guard, sync = _guard(kind, target_batch=TARGET, micro_batch=MICRO, overlap=overlap)
     if arm_first:  # the mistake: send each bucket as soon as its gradients appear in the FIRST micro-batch
-        def arming(micro_batches: Any, steps: int, arm: Any) -> Any:
-            arm()
+        def arming(micro_batches: Any, steps: int, agreement: Any, attempt: int) -> Any:
+            guard._arm_last(agreement, attempt)
             yield from micro_batches
         guard._arming = arming  # type: ignore[method-assign]
-    overlapped, early = [], []
+    overlapped, early, losses = [], [], []
     batches = GlobalBatches(make_data(TARGET * EXACT_STEPS), TARGET, seed=SEED, rank=rank, world_size=world_size)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for rb in batches.epoch(0):
-            overlapped.append(guard.step(rb.batch, mean_loss).overlapped)
+            stats = guard.step(rb.batch, mean_loss)
+            overlapped.append(stats.overlapped)
+            losses.append(stats.loss)
             early.append(sync._overlap.early if sync._overlap is not None else 0)
-    return {"params": _params(model), "overlapped": overlapped, "early": early,
+    return {"params": _params(model), "overlapped": overlapped, "early": early, "losses": losses,
             "never_grad": net.never.grad, "warnings": [str(w.message) for w in caught]}
 
 
@@ -177,6 +179,11 @@ def test_overlapped_steps_equal_full_batch_steps_fp64(kind: str, exact: list[dic
             torch.testing.assert_close(off["params"][name], p, **FP64, msg=f"off rank {rank} {name}")
     for name in want:
         assert torch.equal(exact[0][f"{kind}/auto"]["params"][name], exact[1][f"{kind}/auto"]["params"][name])
+    # the step's loss, summed over ranks in the overlapped step's flag exchange, equals today's (summed
+    # after the gradients) and is the same on both ranks
+    on_losses = [r[f"{kind}/auto"]["losses"] for r in exact]
+    assert on_losses[0] == on_losses[1]
+    torch.testing.assert_close(torch.tensor(on_losses[0]), torch.tensor(exact[0][f"{kind}/off"]["losses"]), **FP64)
     assert not torch.equal(want["inp.weight"], make_net().inp.weight)  # the steps moved the weights
 
 
@@ -256,19 +263,22 @@ def test_tight_memory_keeps_todays_protocol_ample_memory_overlaps(tmp_path: Path
         assert r["overlapped"] == [False, True, False, False, True, True], r["overlapped"]
         assert r["ooms"] == 0
         p = r["num_params"]
-        items, gather, loss = (2, "torch.int64", False), (6, "torch.int64", False), (4, "torch.float64", False)
-        # the step's item count, the cut (with the votes), the flag, which gradients exist
-        todays_head = [items, gather, (1, "torch.int64", False), (p, "torch.int32", False)]
-        overlapped = [items, gather] + [(n, "torch.float64", True) for n in r["buckets"]] + [(2 + p, "torch.int32", False),
-                                                                                       loss]
+        # the cut's exchange: a row of 6 per rank (samples, micro-steps, vote, items, counted, guessed),
+        # sent asynchronously (every step here is full: each rank guesses its terms and reads the answer
+        # before the last micro-batch, autoaccum.cut_agreement)
+        gather, loss = (2 * 6, "torch.int64", True), (4, "torch.float64", False)
+        # today's protocol: the cut, then the flag, which gradients exist, the gradients, the loss
+        todays_head = [gather, (1, "torch.int64", False), (p, "torch.int32", False)]
+        # overlapped: the cut, the buckets, then one exchange: status (2), late, presence (p), the loss's 4 scalars
+        overlapped = [gather] + [(n, "torch.float64", True) for n in r["buckets"]] + [(3 + p + 4, "torch.float64", False)]
         for step, calls in enumerate(r["calls"], start=1):
             if r["overlapped"][step - 1]:
                 assert calls == overlapped, (step, calls)
             else:  # today's protocol, exactly: then the gradients in synchronous buckets, then the loss
-                assert calls[:4] == todays_head and calls[-1] == loss, (step, calls)
-                assert all(c[1] == "torch.float64" and not c[2] for c in calls[4:-1]), (step, calls)
+                assert calls[:3] == todays_head and calls[-1] == loss, (step, calls)
+                assert all(c[1] == "torch.float64" and not c[2] for c in calls[3:-1]), (step, calls)
                 # the gradients of the parameters some rank used: all but `never` (2), and `extra` (3) where unused
-                assert sum(r["buckets"]) - 5 <= sum(c[0] for c in calls[4:-1]) <= sum(r["buckets"]) - 2, (step, calls)
+                assert sum(r["buckets"]) - 5 <= sum(c[0] for c in calls[3:-1]) <= sum(r["buckets"]) - 2, (step, calls)
         decisions = [m for m in r["logs"] if m.startswith("gradient all-reduce")]
         assert len(decisions) == 4, decisions  # logged when the decision changes: off, on, off, on
         assert "no step measured yet" in decisions[0] and "usable" in decisions[1]

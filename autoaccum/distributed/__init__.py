@@ -2,9 +2,10 @@
 
 Where the ranks talk, per optimizer step, in the guard's order::
 
-    step start    sum_items(n)          samples in the global batch              all_reduce SUM
-                  gather((n, steps,     samples, micro-steps, and each rank's    all_reduce SUM
-                          vote))        vote to overlap (every rank must)
+    step start    gather((n, steps,     samples, micro-steps, each rank's vote to   all_reduce SUM
+                          vote, items)) overlap, items of a loss that counts them   (waited on before the
+                                        up front (``autoaccum.cut_agreement``)      last micro-batch where
+                                                                                    a rank can guess it)
     window        no_sync():            every micro-batch's forward + backward   no collective at all
     after it      agree(status)         OK < OOM < ERROR, the worst wins         all_reduce MAX
                   reduce_gradients()    gradients summed once                    all_reduce SUM (FSDP2:
@@ -23,10 +24,10 @@ the last micro-batch's backward is the exception to "no collective in the window
 
     last backward  bucket k final        all_reduce SUM, async, buckets strictly in order
     after it       the buckets not sent  all_reduce SUM, async, in the same order (zeros after a failure)
-                   agree(status)         status, presence bits, "late" flag       all_reduce MAX
-                                         then every bucket waited on and settled
+                   every bucket waited on and settled
+                   agree_step(status,    status, presence bits, "late" flag, and  all_reduce SUM (float64)
+                              scalars)   the loss sum and item count: one exchange
                    reduce_gradients()    the sums copied into ``.grad`` (no collective)
-                   sum_items(scalars)    loss sum, item (token) count             all_reduce SUM
 
 Every rank issues the same collectives in the same order whatever its micro-batches did, so the
 flag exchange can only meet the flag exchange; an OOM anywhere drops the sums on every rank and the

@@ -18,6 +18,7 @@ from autoaccum.distributed.models import ModelKind, model_kind
 from autoaccum.distributed.overlap import _OverlappedReduce
 from autoaccum.distributed.process_group import (
     _all_reduce,
+    _PendingAllReduce,
     broadcast_plan,
     is_distributed,
 )
@@ -35,22 +36,52 @@ BUCKET_BYTES = 25 * 2**20
 FIRST_BUCKET_BYTES = 2**20
 
 
-def _buckets(params: list[torch.nn.Parameter], bucket_bytes: int,
-             first_bytes: int | None = None) -> Iterator[list[torch.nn.Parameter]]:
+def _buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> Iterator[list[torch.nn.Parameter]]:
     """Consecutive runs of parameters of one dtype and device, each up to ``bucket_bytes`` (or one
-    parameter); the first one up to ``first_bytes`` where given."""
+    parameter): the flat buffer after the backward is never larger than that."""
     bucket: list[torch.nn.Parameter] = []
     size = 0
-    cap = bucket_bytes if first_bytes is None else min(first_bytes, bucket_bytes)
     for p in params:
         nbytes = p.numel() * p.element_size()
-        if bucket and (p.dtype != bucket[0].dtype or p.device != bucket[0].device or size + nbytes > cap):
+        if bucket and (p.dtype != bucket[0].dtype or p.device != bucket[0].device or size + nbytes > bucket_bytes):
             yield bucket
-            bucket, size, cap = [], 0, bucket_bytes
+            bucket, size = [], 0
         bucket.append(p)
         size += nbytes
     if bucket:
         yield bucket
+
+
+def _ddp_buckets(params: list[torch.nn.Parameter], bucket_bytes: int,
+                 first_bytes: int) -> Iterator[list[torch.nn.Parameter]]:
+    """Buckets as DDP assigns them (``dist._compute_bucket_assignment_by_size``): consecutive runs of
+    one dtype and device, each closed once it holds ``bucket_bytes`` or more (the first one once it
+    holds ``first_bytes``). A bucket so leaves as soon as enough of the backward is done, whatever
+    the size of the parameter that completes it (all buckets are held at once while overlapping)."""
+    bucket: list[torch.nn.Parameter] = []
+    size, cap = 0, min(first_bytes, bucket_bytes)
+    for p in params:
+        if bucket and (p.dtype != bucket[0].dtype or p.device != bucket[0].device):
+            yield bucket
+            bucket, size, cap = [], 0, bucket_bytes
+        bucket.append(p)
+        size += p.numel() * p.element_size()
+        if size >= cap:
+            yield bucket
+            bucket, size, cap = [], 0, bucket_bytes
+    if bucket:
+        yield bucket
+
+
+class PendingGather:
+    """A :meth:`DistributedSync.gather` in flight."""
+
+    def __init__(self, pending: _PendingAllReduce) -> None:
+        self._pending = pending
+
+    def result(self) -> tuple[tuple[int, ...], ...]:
+        """Every rank's values, in rank order (waits for them the first time)."""
+        return tuple(tuple(int(v) for v in row) for row in self._pending.result().tolist())
 
 
 class DistributedSync:
@@ -124,7 +155,7 @@ class DistributedSync:
         """The worst status over all ranks (OK=0 < OOM=1 < ERROR=2). After an overlapped attempt, every
         bucket this rank has not sent yet goes first, in order (``autoaccum.distributed.overlap``)."""
         if self._overlap is not None and self._overlap.active:
-            return self._overlap.finish(status)
+            return self._overlap.finish(status)[0]
         agreed = int(_all_reduce(torch.tensor([status], dtype=torch.int64), dist.ReduceOp.MAX, self.group).item())
         if agreed != 0 and self._fsdp is not None:
             # every rank replays from the same FSDP2 state, whether its own attempt failed or not,
@@ -142,6 +173,28 @@ class DistributedSync:
         rows[self.rank] = torch.tensor(values, dtype=torch.int64)
         summed = _all_reduce(rows, dist.ReduceOp.SUM, self.group).tolist()
         return tuple(tuple(int(v) for v in row) for row in summed)
+
+    def gather_async(self, values: tuple[int, ...]) -> PendingGather:
+        """:meth:`gather`, launched now and waited on by ``result()``: the guard runs the first
+        micro-batches meanwhile where it can tell their weights without the answer (see
+        ``autoaccum.cut_agreement``); it waits before the next collective it issues."""
+        rows = torch.zeros(self.world_size, len(values), dtype=torch.int64)
+        rows[self.rank] = torch.tensor(values, dtype=torch.int64)
+        return PendingGather(_PendingAllReduce(rows, dist.ReduceOp.SUM, self.group))
+
+    @property
+    def quiet_window(self) -> bool:
+        """No collective runs inside the accumulation window (DDP under ``no_sync``, a plain module;
+        FSDP2 all-gathers at its start): an exchange may stay in flight across the micro-batches."""
+        return self._fsdp is None
+
+    def agree_step(self, status: int, scalars: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """:meth:`agree`, and where the same exchange can carry them (an overlapped attempt), the
+        step's scalars (loss sum, item count, kinds of loss) summed over ranks; else None (they are
+        summed after the gradients, as ever)."""
+        if self._overlap is not None and self._overlap.active:
+            return self._overlap.finish(status, scalars)
+        return self.agree(status), None
 
     def sum_items(self, count: torch.Tensor) -> torch.Tensor:
         """``count`` summed over ranks (same device and dtype as given)."""
@@ -199,7 +252,7 @@ class DistributedSync:
         overlap = self._overlap
         if overlap is None or [id(p) for p in overlap.params] != [id(p) for p in params]:
             # backward makes the last layers' gradients first: buckets in reverse order, as DDP's
-            buckets = list(_buckets(list(reversed(params)), self.bucket_bytes, FIRST_BUCKET_BYTES))
+            buckets = list(_ddp_buckets(list(reversed(params)), self.bucket_bytes, FIRST_BUCKET_BYTES))
             overlap = self._overlap = _OverlappedReduce(list(params), buckets, self.group)
         return None if overlap.disabled is not None else overlap
 

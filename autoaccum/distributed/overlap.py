@@ -12,12 +12,13 @@ meets the k-th of every other rank. The guard's protocol keeps that order in bot
   the micro-batches, whatever happened -- every backward done, or an OOM or error in any forward,
   loss or backward -- each rank issues the buckets it has not issued yet, in the same order (its
   local sums, or zeros after a failure), waits until every one of them is done, and only then
-  exchanges the flag. So every rank issues exactly ``buckets + 1`` collectives between the start of
-  the step and the flag, in the same order, and none of the gradient collectives is still in flight
+  exchanges the flag. So every rank issues exactly ``buckets + 1`` collectives between the cut's
+  exchange (``autoaccum.cut_agreement``) and the end of the flag, in the same order, and none of the gradient collectives is still in flight
   when the flag is exchanged (the rule of DESIGN.md's Scale section holds in both forms): the flag
   can never meet a gradient all-reduce. The flag exchange also carries which parameters
-  have a gradient on each rank (one all-reduce MAX instead of two) and whether a gradient was
-  accumulated twice in the last backward (below). Then gloo's worker has let go of every buffer
+  have a gradient on each rank, whether a gradient was accumulated twice in the last backward
+  (below) and the step's loss sum and item count: one all-reduce (SUM, float64) where today's
+  protocol has three (flag, presence, scalars). Then gloo's worker has let go of every buffer
   (``settle``): if any rank said OOM (or ERROR), every rank drops
   the reduced sums -- its own gradients were never touched, the buffers are separate -- and the
   guard replays the step as today (same samples, same result; the replay is not overlapped).
@@ -142,12 +143,14 @@ class _OverlappedReduce:
         self._works.append(dist.all_reduce(self._keep(flat), group=self.group, async_op=True))
         self._next = index + 1  # counted once issued: a failure before it leaves it to finish()
 
-    def finish(self, status: int) -> int:
+    def finish(self, status: int, scalars: torch.Tensor | None = None) -> tuple[int, torch.Tensor | None]:
         """After the micro-batches, on every rank, whatever they did: the buckets not sent yet (in
         order), every bucket's work waited on, then the flag exchange (with which gradients exist,
-        and whether one was late), so that no gradient collective is in flight when the flag is
-        exchanged (DESIGN.md, Scale); then the buffers settled. Returns the agreed status (the worst
-        over the ranks)."""
+        whether one was late, and the step's ``scalars`` where given: one exchange instead of a
+        second one after the gradients), so that no gradient collective is in flight when the flag
+        is exchanged (DESIGN.md, Scale); then the buffers settled. Returns the agreed status (the
+        worst over the ranks: OK=0 < OOM=1 < ERROR=2) and the scalars summed over the ranks (None
+        where none were given). Every rank gives scalars of the same length, or none."""
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
@@ -157,24 +160,32 @@ class _OverlappedReduce:
                 self._launch(self._next, copy=ok)  # after a failure: zeros, only to keep the order
             for index in range(len(self._works)):
                 self._works[index].wait()
-            present = [p.grad is not None for p in self.params]
-            flags = _all_reduce(torch.tensor([status, int(self._late)] + present, dtype=torch.int32),
-                                dist.ReduceOp.MAX, self.group).tolist()
+            # one SUM in float64 (exact for the counts and the flags; the scalars are summed in float64
+            # as sum_items does): status as two counts, then the late flag, the presence bits, the scalars
+            flags = [status == 1, status == 2, self._late] + [p.grad is not None for p in self.params]
+            device = scalars.device if scalars is not None else torch.device("cpu")
+            local = torch.tensor(flags, dtype=torch.float64, device=device)
+            if scalars is not None:
+                local = torch.cat([local, scalars.detach().reshape(-1).to(torch.float64)])
+            summed = _all_reduce(local, dist.ReduceOp.SUM, self.group)
         finally:
             self._works = []  # a work handle holds its tensor: dropped before the settle below
             self._stack.close()  # returns once gloo's worker let go of every buffer (settle.py)
             self._keep, self.active = None, False
-        agreed = int(flags[0])
+        count = 3 + len(self.params)
+        flags = summed[:count].tolist()
+        sums = summed[count:] if scalars is not None else None
+        agreed = 2 if flags[1] > 0 else 1 if flags[0] > 0 else 0
         if agreed == 0:
-            self.late = bool(flags[1])
-            self.reduced = [bool(f) for f in flags[2:]]
+            self.late = flags[2] > 0
+            self.reduced = [f > 0 for f in flags[3:]]
             if self.late:
                 self.disabled = ("a parameter's gradient was accumulated twice in one backward (e.g. a weight shared "
                                  "by two reentrant checkpointed regions)")
                 warnings.warn(f"autoaccum: the gradient all-reduce is no longer overlapped with the last backward: "
                               f"{self.disabled}; this step's gradients were reduced after the backward instead",
                               stacklevel=user_stacklevel())
-        return agreed
+        return agreed, sums
 
     def copy_back(self) -> None:
         """The agreed sums into ``.grad``: a parameter some rank used gets the sum (a rank that did

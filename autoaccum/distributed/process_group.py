@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -109,6 +110,31 @@ def _all_reduce(values: torch.Tensor, op: Any, group: Any = None) -> torch.Tenso
     with settled(work):  # returns once gloo's worker thread has let go of `work` (see settle.py)
         dist.all_reduce(work, op=op, group=group)
     return work.to(values.device)
+
+
+class _PendingAllReduce:
+    """An all-reduce of a few numbers, launched and not yet waited on: :meth:`result` waits for it
+    (and, as :func:`_all_reduce`, for gloo's worker thread to let go of its tensor). Every caller
+    waits on it before its next collective can matter to it, and before returning to user code."""
+
+    def __init__(self, values: torch.Tensor, op: Any, group: Any = None) -> None:
+        self._origin = values.device
+        self._tensor = values.detach().to(_comm_device(group), copy=True)
+        self._stack = contextlib.ExitStack()
+        keep = self._stack.enter_context(settled())
+        self._work: Any = dist.all_reduce(keep(self._tensor), op=op, group=group, async_op=True)
+        self._result: torch.Tensor | None = None
+
+    def result(self) -> torch.Tensor:
+        """The reduced values (waits the first time; then the same tensor)."""
+        if self._result is None:
+            try:
+                self._work.wait()
+            finally:
+                self._work = None  # a work handle holds the tensor: dropped before the settle
+                self._stack.close()
+            self._result = self._tensor.to(self._origin)
+        return self._result
 
 
 def gather_to_rank_zero(obj: Any, group: Any = None) -> list[Any] | None:

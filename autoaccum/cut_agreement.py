@@ -1,0 +1,113 @@
+"""What the ranks agree on before an attempt's micro-batches, in one exchange: the step's samples (the
+weights' denominator), the micro-steps every rank runs, whether the gradient all-reduce overlaps the
+last backward (every rank must vote for it), and the item count of a loss that counts items up front.
+
+The exchange is a round trip that waits for every rank; on a 2-core CPU box with gloo it costs about
+a millisecond, a few percent of a small step. Most steps do not need its answer to start: a full
+step cut by sample count, with no item count up front, weighs each micro-batch by the plan's global
+batch and runs the plan's micro-steps, which every rank can tell alone (a *guess*). Such a rank
+starts its micro-batches at once and reads the answer only before the last one, where the overlap
+vote is needed. That is allowed only where no collective runs inside the accumulation window (DDP
+under ``no_sync``, a plain module: ``DistributedSync.quiet_window``): every rank issues the same
+collectives in the same order whether it guessed or waited. Otherwise, and for the last batch of an
+epoch (``partial``), a token cut, or a loss that counts items, the rank waits for the answer first.
+
+The answer is the same on every rank, and so is everything decided from it:
+
+- a guess that was wrong (a rank guessed while another rank's share was partial) *voids* the
+  attempt on every rank: its gradients are dropped and it is run again, waiting for the answer
+  first (same samples, same result: nothing is changed silently);
+- a loss that counts items on some ranks and not on others, or a step with no item to average,
+  is an error on every rank, raised before any gradient is reduced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from autoaccum.cut import Cutter, SampleCut
+from autoaccum.errors import TaskError
+from autoaccum.plan import Plan
+from autoaccum.sync import GradSync
+
+__all__ = ["Agreed", "CutAgreement", "CutTerms", "agree_cut", "full_step_terms"]
+
+
+@dataclass(frozen=True)
+class CutTerms:
+    """What an attempt's micro-batches run with."""
+
+    num_samples: int  # samples of the global batch over all ranks
+    steps: int  # micro-steps every rank runs
+    num_items: int | None  # items of a loss that counts them up front, over all ranks
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """The exchange's answer, the same on every rank."""
+
+    terms: CutTerms
+    overlap: bool  # every rank voted to overlap (and the attempt is not void)
+    void: bool  # some rank guessed wrong: every rank runs the attempt again
+    error: TaskError | None  # raised on every rank
+
+
+class CutAgreement:
+    """One attempt's exchange: what this rank runs with now (``terms``), and the answer (``agreed()``)."""
+
+    def __init__(self, terms: CutTerms | None, guessed: bool, answer: Any, plan: Plan, guess: CutTerms | None) -> None:
+        self._answer, self._plan, self._guess = answer, plan, guess
+        self.guessed = guessed
+        self._agreed: Agreed | None = None
+        self.terms = terms if terms is not None else self.agreed().terms
+
+    def agreed(self) -> Agreed:
+        """The answer (waits for the exchange the first time; never raises for what it holds)."""
+        if self._agreed is None:
+            rows = self._answer() if callable(self._answer) else self._answer
+            self._agreed = _decide(rows, self._guess)
+        return self._agreed
+
+
+def full_step_terms(cut: Cutter, plan: Plan, world_size: int) -> CutTerms | None:
+    """What a full step runs with where every rank can tell it alone (a sample cut), else None."""
+    if not isinstance(cut, SampleCut):
+        return None
+    shares = [plan.rank_batch(r) for r in range(world_size)]
+    return CutTerms(sum(shares), max(cut.steps(None, share, plan) for share in shares), None)
+
+
+def agree_cut(sync: GradSync, cut: Cutter, plan: Plan, *, num_samples: int, steps: int, vote: bool,
+              items: int | None, may_guess: bool) -> CutAgreement:
+    """Start this attempt's exchange (one all-reduce); wait for it unless this rank may guess.
+
+    Args:
+        num_samples, steps, vote, items: this rank's samples, the micro-steps its cut needs, its
+            overlap vote, and its item count up front (None: its loss counts none).
+        may_guess: the step is full on this rank (not ``partial``) and the window runs no collective.
+    """
+    guess = full_step_terms(cut, plan, sync.world_size)
+    guessed = may_guess and items is None and guess is not None
+    row = (num_samples, steps, int(vote), items or 0, int(items is not None), int(guessed))
+    if sync.world_size == 1:
+        return CutAgreement(None, False, (row,), plan, guess)
+    if guessed:
+        pending = sync.gather_async(row)  # type: ignore[attr-defined]
+        return CutAgreement(guess, True, pending.result, plan, guess)
+    return CutAgreement(None, False, sync.gather(row), plan, guess)
+
+
+def _decide(rows: tuple[tuple[int, ...], ...], guess: CutTerms | None) -> Agreed:
+    counted = sum(r[4] for r in rows)
+    num_items = sum(r[3] for r in rows) if counted else None
+    terms = CutTerms(sum(r[0] for r in rows), max(r[1] for r in rows), num_items)
+    error = None
+    if 0 < counted < len(rows):
+        error = TaskError("loss_fn.count_items counted items on some ranks and not on others; give every "
+                          "rank batches of the same kind")
+    elif num_items == 0:
+        error = TaskError("the step's batch holds no item its loss averages over (every label is -100); "
+                          "nothing to train on")
+    void = any(r[5] for r in rows) and terms != guess
+    return Agreed(terms, overlap=all(r[2] for r in rows) and not void and error is None, void=void, error=error)

@@ -1,0 +1,224 @@
+"""The cut's exchange (``autoaccum.cut_agreement``): one all-reduce per attempt, waited on before the
+last micro-batch where a rank can tell its answer alone (a *guess*).
+
+- the decision, as a pure function: a wrong guess voids the attempt on every rank; items counted on
+  some ranks only, or no item at all, is an error; a void attempt never overlaps;
+- on two gloo ranks: full steps are guessed (the exchange is sent asynchronously) and exact; a rank
+  that guesses while the other rank's share is partial (``partial`` passed differently on the two
+  ranks) voids the attempt, and the replay is exact, equal to one process's full-batch steps in
+  fp64. Negative control: with the check for a wrong guess switched off, the same run trains on wrong
+  weights (the comparison fails); a loss that counts items on one rank only raises the same
+  ``TaskError`` on both ranks, with no hang.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import autoaccum
+from _spawn import errors, results, spawn
+from autoaccum import cut_agreement
+from autoaccum.cut import SampleCut, TokenCut
+from autoaccum.cut_agreement import CutTerms, _decide, full_step_terms
+from autoaccum.distributed import DistributedSync, unwrap_model, wrap_model
+from autoaccum.plan import Plan
+
+FP64 = {"rtol": 1e-10, "atol": 1e-12}
+TARGET, MICRO, SEED = 12, 2, 5
+
+
+# -- the decision ---------------------------------------------------------------------------------------
+def _row(n: int, steps: int, vote: int = 1, items: int | None = None, guessed: int = 0) -> tuple[int, ...]:
+    return (n, steps, vote, items or 0, int(items is not None), guessed)
+
+
+def test_full_step_terms_are_what_every_rank_runs() -> None:
+    plan = Plan.for_target(13, 2, world_size=2)  # shares 7 and 6: 4 micro-steps on both
+    assert full_step_terms(SampleCut(), plan, 2) == CutTerms(13, 4, None)
+    assert full_step_terms(TokenCut(), plan, 2) is None  # a token cut depends on the data
+
+
+def test_a_right_guess_stands_and_overlaps_where_every_rank_voted() -> None:
+    guess = CutTerms(12, 3, None)
+    agreed = _decide((_row(6, 3, guessed=1), _row(6, 3, guessed=1)), guess)
+    assert agreed == cut_agreement.Agreed(guess, overlap=True, void=False, error=None)
+    assert not _decide((_row(6, 3, guessed=1), _row(6, 3, vote=0, guessed=1)), guess).overlap
+
+
+def test_a_wrong_guess_voids_the_attempt_on_every_rank_and_never_overlaps() -> None:
+    guess = CutTerms(12, 3, None)
+    agreed = _decide((_row(6, 3, guessed=1), _row(4, 2, guessed=0)), guess)  # rank 1: a partial share
+    assert agreed.void and not agreed.overlap and agreed.error is None
+    assert agreed.terms == CutTerms(10, 3, None)
+    # nobody guessed: the same answer stands (the ranks waited for it)
+    assert not _decide((_row(6, 3), _row(4, 2)), guess).void
+
+
+def test_items_counted_on_some_ranks_only_or_none_at_all_is_an_error() -> None:
+    mixed = _decide((_row(6, 3, items=40), _row(6, 3)), None)
+    assert isinstance(mixed.error, autoaccum.TaskError) and "some ranks" in str(mixed.error)
+    assert not mixed.overlap
+    empty = _decide((_row(6, 3, items=0), _row(6, 3, items=0)), None)
+    assert isinstance(empty.error, autoaccum.TaskError) and "no item" in str(empty.error)
+    assert _decide((_row(6, 3, items=40), _row(6, 3, items=2)), None).terms.num_items == 42
+
+
+# -- two ranks --------------------------------------------------------------------------------------------
+def make_net() -> torch.nn.Module:
+    torch.manual_seed(SEED)
+    return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
+
+
+def make_data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(SEED)
+    return torch.randn(n, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)
+
+
+def mean_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    return F.cross_entropy(model(batch[0]), batch[1])
+
+
+def _shares(n: int, world_size: int) -> list[slice]:
+    """Rank shares of a global batch of ``n``, as GlobalBatches cuts them (the first ranks one more)."""
+    base, extra = divmod(n, world_size)
+    bounds = [0]
+    for r in range(world_size):
+        bounds.append(bounds[-1] + base + (r < extra))
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+# global batches: 2 full, then a last one of 8
+SIZES = (TARGET, TARGET, 8)
+
+
+def reference() -> dict[str, torch.Tensor]:
+    """One process, one full-batch SGD step per global batch, fp64."""
+    model = make_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
+    x, y = make_data(sum(SIZES))
+    start = 0
+    for size in SIZES:
+        opt.zero_grad(set_to_none=True)
+        mean_loss(model, (x[start:start + size], y[start:start + size])).backward()
+        opt.step()
+        start += size
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def mixed_partial_run(rank: int, world_size: int, kind: str, check: bool) -> dict[str, Any]:
+    """The last batch is partial; rank 0's share of it is full and it passes partial=False (so it
+    guesses), rank 1 passes partial=True. ``check=False``: the check for a wrong guess switched off."""
+    net = make_net()
+    model = wrap_model(net) if kind == "ddp" else net
+    opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
+    sync = DistributedSync(model)
+    guard = autoaccum.OOMGuard(model, opt, target_batch=TARGET, micro_batch=MICRO, sync=sync)
+    calls: list[bool] = []
+    original, decide = dist.all_reduce, cut_agreement._decide
+
+    def recording(tensor: torch.Tensor, *args: Any, async_op: bool = False, **kwargs: Any) -> Any:
+        if tensor.dtype == torch.int64 and tensor.numel() == 6 * world_size:
+            calls.append(async_op)  # the cut's exchange: sent asynchronously where this rank guessed
+        return original(tensor, *args, async_op=async_op, **kwargs)
+
+    def unchecked(rows: Any, guess: Any) -> Any:
+        agreed = decide(rows, guess)
+        return cut_agreement.Agreed(guess if any(r[5] for r in rows) and guess is not None else agreed.terms,
+                                    agreed.overlap, False, agreed.error)
+
+    x, y = make_data(sum(SIZES))
+    dist.all_reduce = recording  # type: ignore[assignment]
+    if not check:
+        cut_agreement._decide = unchecked  # type: ignore[assignment]
+    attempts, exchanges, losses = [], [], []
+    try:
+        start = 0
+        for size in SIZES:
+            # the last batch of 8: rank 0 holds its full share (6), rank 1 the rest (2)
+            mine = _shares(size, world_size)[rank] if size == TARGET else [slice(0, 6), slice(6, 8)][rank]
+            part = (x[start:start + size][mine], y[start:start + size][mine])
+            partial = size < TARGET and rank == 1
+            calls.clear()
+            stats = guard.step(part, mean_loss, partial=partial)
+            attempts.append(stats.attempts)
+            exchanges.append(list(calls))
+            losses.append(stats.loss)
+            start += size
+    finally:
+        dist.all_reduce = original  # type: ignore[assignment]
+        cut_agreement._decide = decide  # type: ignore[assignment]
+    return {"params": {n: p.detach().clone() for n, p in unwrap_model(model).named_parameters()},
+            "attempts": attempts, "exchanges": exchanges, "losses": losses}
+
+
+pytestmark_dist = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                     reason="needs torch.distributed with gloo")
+
+
+@pytestmark_dist
+@pytest.mark.parametrize("kind", ["ddp", "plain"])
+def test_a_wrong_guess_is_replayed_exactly_on_every_rank(kind: str, tmp_path: Path) -> None:
+    out = results(tmp_path, spawn(mixed_partial_run, tmp_path, kind=kind, check=True)[0])
+    want = reference()
+    for rank, r in enumerate(out):
+        # full steps: guessed by both ranks (asynchronous exchange), one attempt each
+        assert r["exchanges"][:2] == [[True], [True]], r["exchanges"]
+        # the partial step: rank 0 guessed, rank 1 waited; the answer voided the attempt on both ranks,
+        # and the replay waited for its answer first
+        assert r["exchanges"][2] == ([True, False] if rank == 0 else [False, False]), r["exchanges"]
+        assert r["attempts"] == [1, 1, 2], r["attempts"]
+        for name, p in want.items():
+            torch.testing.assert_close(r["params"][name], p, **FP64, msg=f"rank {rank} {name}")
+    assert out[0]["losses"] == out[1]["losses"]
+
+
+@pytestmark_dist
+def test_negative_control_an_unchecked_wrong_guess_trains_on_wrong_weights(tmp_path: Path) -> None:
+    out = results(tmp_path, spawn(mixed_partial_run, tmp_path, kind="ddp", check=False)[0])
+    want = reference()
+    for r in out:
+        assert r["attempts"] == [1, 1, 1]
+        assert not torch.allclose(r["params"]["2.weight"], want["2.weight"], rtol=1e-6, atol=1e-9)
+
+
+class CountsOnRankZero:
+    """A loss whose ``count_items`` counts on rank 0 only (the mistake the exchange catches)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def count_items(self, model: torch.nn.Module, batch: Any) -> int | None:
+        return len(batch[1]) if self.rank == 0 else None
+
+    def __call__(self, model: torch.nn.Module, batch: Any, num_items_in_batch: int | None = None) -> torch.Tensor:
+        loss = F.cross_entropy(model(batch[0]), batch[1], reduction="sum")
+        return loss / num_items_in_batch if num_items_in_batch is not None else loss / len(batch[1])
+
+
+def items_on_one_rank_run(rank: int, world_size: int) -> None:
+    model = wrap_model(make_net())
+    guard = autoaccum.OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), target_batch=TARGET,
+                               micro_batch=MICRO, sync=DistributedSync(model))
+    x, y = make_data(TARGET)
+    mine = _shares(TARGET, world_size)[rank]
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        guard.step((x[mine], y[mine]), CountsOnRankZero(rank))
+    except autoaccum.TaskError:
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # nothing was stepped
+        assert all(p.grad is None for p in model.parameters())
+        raise
+
+
+@pytestmark_dist
+def test_items_counted_on_one_rank_only_is_the_same_error_on_both_ranks(tmp_path: Path) -> None:
+    codes, _ = spawn(items_on_one_rank_run, tmp_path)
+    errs = errors(tmp_path)
+    assert all(e is not None and e.startswith("TaskError") and "some ranks" in e for e in errs), errs
+    assert codes == [1, 1], codes  # both ranks raised; neither hung
