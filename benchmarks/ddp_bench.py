@@ -1,7 +1,7 @@
 """Distributed benchmark (issues 5 and 15): what skipping gradient sync on the micro-batches saves,
 and what overlapping the one all-reduce with the last backward gains.
 
-Two ranks (gloo, CPU), one model, ``accum`` micro-batches per optimizer step, four ways:
+Two ranks (gloo, CPU), one model, ``accum`` micro-batches per optimizer step, five ways:
 
 - ``autoaccum``: ``OOMGuard(overlap="off")`` + ``DistributedSync`` on a DDP model (today's protocol,
   as where memory is tight): every micro-batch under ``no_sync``, the OOM flag exchanged after them,
@@ -10,6 +10,8 @@ Two ranks (gloo, CPU), one model, ``accum`` micro-batches per optimizer step, fo
 - ``autoaccum_overlap``: ``OOMGuard(overlap="auto")`` (the default; on a CPU without an emulated
   budget it overlaps every step): the buckets all-reduced asynchronously during the last
   micro-batch's backward as their gradients become final, the flag (with the presence bits) after;
+- ``autoaccum_overlap_nocheck``: the same with ``nonfinite=None``: without the inf/NaN check the
+  guard runs before ``optimizer.step()`` by default (the hand loop has none), to show its share;
 - ``ddp_sync_every_micro``: plain DDP, no ``no_sync``: DDP all-reduces every micro-batch's
   gradients in its backward (``accum`` gradient all-reduces per step);
 - ``ddp_no_sync_last``: the usual hand-written loop, ``no_sync`` on all but the last micro-batch,
@@ -19,7 +21,14 @@ Two ranks (gloo, CPU), one model, ``accum`` micro-batches per optimizer step, fo
 Each rank runs with one intra-op thread. Prints a table, then one JSON document. Not part of the
 test run.
 
-    python benchmarks/ddp_bench.py [--accum 8] [--micro 8] [--steps 20] [--hidden 1024] [--repeats 3] [--json-only]
+    python benchmarks/ddp_bench.py [--accum 8] [--micro 8] [--steps 20] [--hidden 1024] [--repeats 3]
+                                   [--interleaved 150] [--json-only]
+
+Two measurements: rounds (``--steps`` steps of one mode back to back, ``--repeats`` rounds over the
+modes; the best round and the median of the per-round ratios are reported), then per step
+(``--interleaved`` turns of one step per mode in a shuffled order, each step started by a barrier
+and timed alone; the median per-turn ratio with its bootstrap interval). On a shared 2-core machine
+the per-step measurement is the steadier one: a slow moment hits neighbouring steps of every mode.
 """
 
 from __future__ import annotations
@@ -31,6 +40,8 @@ import json
 import multiprocessing
 import os
 import platform
+import random
+import statistics
 import socket
 import sys
 import tempfile
@@ -42,7 +53,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-MODES = ("autoaccum", "autoaccum_overlap", "ddp_sync_every_micro", "ddp_no_sync_last")
+MODES = ("autoaccum", "autoaccum_overlap", "autoaccum_overlap_nocheck", "ddp_sync_every_micro", "ddp_no_sync_last")
 
 
 def _model(hidden: int) -> torch.nn.Module:
@@ -51,7 +62,9 @@ def _model(hidden: int) -> torch.nn.Module:
                                torch.nn.GELU(), torch.nn.Linear(hidden, 10))
 
 
-def _run_mode(mode: str, rank: int, args: argparse.Namespace) -> dict[str, Any]:
+def _setup(mode: str, rank: int, args: argparse.Namespace) -> tuple[Any, list[bool]]:
+    """One mode's model, optimizer (and guard): returns ``step()`` and the list its guard steps' overlap
+    flags go to."""
     import autoaccum
     from autoaccum.distributed import DistributedSync
 
@@ -63,8 +76,9 @@ def _run_mode(mode: str, rank: int, args: argparse.Namespace) -> dict[str, Any]:
     guard = None
     if mode.startswith("autoaccum"):
         guard = autoaccum.OOMGuard(model, opt, target_batch=share * 2, micro_batch=args.micro,
-                                   sync=DistributedSync(model), overlap="auto" if mode == "autoaccum_overlap" else "off")
-    overlapped = []
+                                   sync=DistributedSync(model), overlap="off" if mode == "autoaccum" else "auto",
+                                   nonfinite=None if mode.endswith("_nocheck") else "stop")
+    overlapped: list[bool] = []
 
     def loss_fn(m: torch.nn.Module, batch: Any) -> torch.Tensor:
         return F.cross_entropy(m(batch[0]), batch[1])
@@ -83,6 +97,12 @@ def _run_mode(mode: str, rank: int, args: argparse.Namespace) -> dict[str, Any]:
                 (loss_fn(model, (x[part], y[part])) / args.accum).backward()
         opt.step()
 
+    return step, overlapped
+
+
+def _run_mode(mode: str, rank: int, args: argparse.Namespace) -> dict[str, Any]:
+    """A round: ``args.steps`` steps of one mode back to back (throughput, as a training run sees it)."""
+    step, overlapped = _setup(mode, rank, args)
     for _ in range(args.warmup):
         step()
     dist.barrier()
@@ -92,7 +112,28 @@ def _run_mode(mode: str, rank: int, args: argparse.Namespace) -> dict[str, Any]:
     dist.barrier()
     seconds = time.perf_counter() - started
     return {"mode": mode, "steps_per_s": args.steps / seconds, "step_time_s": seconds / args.steps,
-            "overlapped_steps": sum(overlapped[args.warmup:]) if guard is not None else None}
+            "overlapped_steps": sum(overlapped[args.warmup:]) if overlapped else None}
+
+
+def _interleaved(rank: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Every mode set up at once, then one step of each in turn (a shuffled order per turn, the same on
+    both ranks), each step started by a barrier and timed alone: a slow moment of the machine lands
+    on neighbouring steps of every mode, not on one mode's round."""
+    steps = {mode: _setup(mode, rank, args) for mode in MODES}
+    for step, _ in steps.values():
+        for _ in range(args.warmup):
+            step()
+    order = list(MODES)
+    shuffle = random.Random(0)
+    times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    for _ in range(args.interleaved):
+        shuffle.shuffle(order)
+        for mode in order:
+            dist.barrier()
+            started = time.perf_counter()
+            steps[mode][0]()
+            times[mode].append(time.perf_counter() - started)
+    return {"times": times, "overlapped": {m: sum(o[args.warmup:]) for m, (_, o) in steps.items() if o}}
 
 
 def _worker(rank: int, port: int, out: str, args: argparse.Namespace) -> None:
@@ -103,8 +144,9 @@ def _worker(rank: int, port: int, out: str, args: argparse.Namespace) -> None:
     for _ in range(args.repeats):  # interleaved, so that a slow moment of the machine hits every mode
         for mode in MODES:
             rows.append(_run_mode(mode, rank, args))
+    per_step = _interleaved(rank, args) if args.interleaved else None
     if rank == 0:
-        Path(out).write_text(json.dumps(rows))
+        Path(out).write_text(json.dumps({"rows": rows, "per_step": per_step}))
     dist.destroy_process_group()
 
 
@@ -118,6 +160,16 @@ def _median_ratio(rows: list[dict[str, Any]], mode: str, base: str) -> float:
     return ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
 
 
+def _per_step_ratio(times: dict[str, list[float]], mode: str, base: str) -> dict[str, float]:
+    """The median over turns of ``base``'s step time over ``mode``'s in the same turn (above 1: faster
+    than ``base``), with a 95% bootstrap interval of that median, and the mode's median step time."""
+    ratios = sorted(b / m for m, b in zip(times[mode], times[base]))
+    draw = random.Random(1)
+    medians = sorted(statistics.median(draw.choices(ratios, k=len(ratios))) for _ in range(1000))
+    return {"median_ms": statistics.median(times[mode]) * 1e3, "ratio": statistics.median(ratios),
+            "low": medians[25], "high": medians[974]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--accum", type=int, default=8, help="micro-batches per optimizer step")
@@ -126,6 +178,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per mode and repeat")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3, help="rounds over the modes; the best is reported")
+    parser.add_argument("--interleaved", type=int, default=150,
+                        help="then this many turns of one step per mode, each timed alone (0: none)")
     parser.add_argument("--json-only", action="store_true")
     args = parser.parse_args()
 
@@ -141,10 +195,12 @@ def main() -> None:
         p.join(900)
     if any(p.exitcode != 0 for p in procs):
         sys.exit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
-    rows = json.loads(out.read_text())
+    measured = json.loads(out.read_text())
+    rows, per_step = measured["rows"], measured["per_step"]
     best = {mode: max(r["steps_per_s"] for r in rows if r["mode"] == mode) for mode in MODES}
     params = sum(p.numel() for p in _model(args.hidden).parameters())
-    grad_allreduces = {"autoaccum": 1, "autoaccum_overlap": 1, "ddp_sync_every_micro": args.accum,
+    grad_allreduces = {"autoaccum": 1, "autoaccum_overlap": 1, "autoaccum_overlap_nocheck": 1,
+                       "ddp_sync_every_micro": args.accum,
                        "ddp_no_sync_last": 1}
     overlapped = {m: min((r["overlapped_steps"] for r in rows if r["mode"] == m and r["overlapped_steps"] is not None),
                          default=None) for m in MODES}
@@ -159,15 +215,29 @@ def main() -> None:
                      "median_vs_hand_loop": _median_ratio(rows, m, "ddp_no_sync_last"),
                      "overlapped_steps_min": overlapped[m]} for m in MODES],
     }
+    if per_step is not None:
+        report["interleaved_turns"] = args.interleaved
+        for r in report["results"]:
+            r["per_step"] = _per_step_ratio(per_step["times"], r["mode"], "ddp_no_sync_last")
+            r["per_step"]["overlapped_steps"] = per_step["overlapped"].get(r["mode"])
     if not args.json_only:
         print(f"2 ranks (gloo, CPU), {params:,} parameters ({params * 4 / 2**20:.1f} MiB of fp32 gradients), "
               f"{args.accum} micro-batches of {args.micro} per rank per step; best of {args.repeats}")
-        print(f"{'mode':<24}{'steps/s':>10}{'grad all-reduces/step':>24}{'vs sync every micro':>22}"
+        print(f"{'mode':<27}{'steps/s':>10}{'grad all-reduces/step':>24}{'vs sync every micro':>22}"
               f"{'vs hand loop':>14}{'median paired':>15}")
         for r in report["results"]:
-            print(f"{r['mode']:<24}{r['steps_per_s']:>10.2f}{r['grad_allreduces_per_step']:>24}"
+            print(f"{r['mode']:<27}{r['steps_per_s']:>10.2f}{r['grad_allreduces_per_step']:>24}"
                   f"{r['vs_sync_every_micro']:>21.2f}x{r['vs_hand_loop']:>13.3f}x{r['median_vs_hand_loop']:>14.3f}x")
         print()
+        if per_step is not None:
+            print(f"one step per mode in turn, {args.interleaved} turns, each step timed alone after a barrier "
+                  f"(median over the turns of the hand loop's step time / the mode's, 95% bootstrap interval)")
+            print(f"{'mode':<27}{'median step ms':>16}{'vs hand loop':>14}{'95% interval':>18}")
+            for r in report["results"]:
+                ps = r["per_step"]
+                print(f"{r['mode']:<27}{ps['median_ms']:>16.2f}{ps['ratio']:>13.3f}x"
+                      f"{ps['low']:>10.3f}-{ps['high']:.3f}")
+            print()
     print(json.dumps(report, indent=2))
 
 
