@@ -56,17 +56,17 @@ class Agreed:
 class CutAgreement:
     """One attempt's exchange: what this rank runs with now (``terms``), and the answer (``agreed()``)."""
 
-    def __init__(self, terms: CutTerms | None, guessed: bool, answer: Any, plan: Plan, guess: CutTerms | None) -> None:
-        self._answer, self._plan, self._guess = answer, plan, guess
-        self.guessed = guessed
+    def __init__(self, guess: CutTerms | None, answer: Any) -> None:
+        self._answer = answer
+        self.guessed = guess is not None
         self._agreed: Agreed | None = None
-        self.terms = terms if terms is not None else self.agreed().terms
+        self.terms = guess if guess is not None else self.agreed().terms
 
     def agreed(self) -> Agreed:
         """The answer (waits for the exchange the first time; never raises for what it holds)."""
         if self._agreed is None:
             rows = self._answer() if callable(self._answer) else self._answer
-            self._agreed = _decide(rows, self._guess)
+            self._agreed = _decide(rows)
         return self._agreed
 
 
@@ -87,18 +87,22 @@ def agree_cut(sync: GradSync, cut: Cutter, plan: Plan, *, num_samples: int, step
             overlap vote, and its item count up front (None: its loss counts none).
         may_guess: the step is full on this rank (not ``partial``) and the window runs no collective.
     """
-    guess = full_step_terms(cut, plan, sync.world_size)
-    guessed = may_guess and items is None and guess is not None
-    row = (num_samples, steps, int(vote), items or 0, int(items is not None), int(guessed))
+    may_guess = may_guess and items is None and sync.world_size > 1
+    guess = full_step_terms(cut, plan, sync.world_size) if may_guess else None
+    # the row carries the guess itself, so that whether it was right is decided from the rows alone
+    # (the same on every rank, even where the ranks' plans differ)
+    row = (num_samples, steps, int(vote), items or 0, int(items is not None),
+           guess.num_samples if guess is not None else 0, guess.steps if guess is not None else 0)
     if sync.world_size == 1:
-        return CutAgreement(None, False, (row,), plan, guess)
-    if guessed:
-        pending = sync.gather_async(row)  # type: ignore[attr-defined]
-        return CutAgreement(guess, True, pending.result, plan, guess)
-    return CutAgreement(None, False, sync.gather(row), plan, guess)
+        return CutAgreement(None, (row,))
+    if guess is not None:
+        return CutAgreement(guess, sync.gather_async(row).result)  # type: ignore[attr-defined]
+    return CutAgreement(None, sync.gather(row))
 
 
-def _decide(rows: tuple[tuple[int, ...], ...], guess: CutTerms | None) -> Agreed:
+def _decide(rows: tuple[tuple[int, ...], ...]) -> Agreed:
+    """What every rank concludes from the rows (samples, micro-steps, vote, items, counted, and the
+    guessed samples and micro-steps, 0 where the rank waited)."""
     counted = sum(r[4] for r in rows)
     num_items = sum(r[3] for r in rows) if counted else None
     terms = CutTerms(sum(r[0] for r in rows), max(r[1] for r in rows), num_items)
@@ -109,5 +113,5 @@ def _decide(rows: tuple[tuple[int, ...], ...], guess: CutTerms | None) -> Agreed
     elif num_items == 0:
         error = TaskError("the step's batch holds no item its loss averages over (every label is -100); "
                           "nothing to train on")
-    void = any(r[5] for r in rows) and terms != guess
+    void = any(r[5] and CutTerms(r[5], r[6], None) != terms for r in rows)
     return Agreed(terms, overlap=all(r[2] for r in rows) and not void and error is None, void=void, error=error)

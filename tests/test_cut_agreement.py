@@ -34,8 +34,10 @@ TARGET, MICRO, SEED = 12, 2, 5
 
 
 # -- the decision ---------------------------------------------------------------------------------------
-def _row(n: int, steps: int, vote: int = 1, items: int | None = None, guessed: int = 0) -> tuple[int, ...]:
-    return (n, steps, vote, items or 0, int(items is not None), guessed)
+def _row(n: int, steps: int, vote: int = 1, items: int | None = None,
+         guess: CutTerms | None = None) -> tuple[int, ...]:
+    return (n, steps, vote, items or 0, int(items is not None), guess.num_samples if guess else 0,
+            guess.steps if guess else 0)
 
 
 def test_full_step_terms_are_what_every_rank_runs() -> None:
@@ -46,27 +48,30 @@ def test_full_step_terms_are_what_every_rank_runs() -> None:
 
 def test_a_right_guess_stands_and_overlaps_where_every_rank_voted() -> None:
     guess = CutTerms(12, 3, None)
-    agreed = _decide((_row(6, 3, guessed=1), _row(6, 3, guessed=1)), guess)
+    agreed = _decide((_row(6, 3, guess=guess), _row(6, 3, guess=guess)))
     assert agreed == cut_agreement.Agreed(guess, overlap=True, void=False, error=None)
-    assert not _decide((_row(6, 3, guessed=1), _row(6, 3, vote=0, guessed=1)), guess).overlap
+    assert not _decide((_row(6, 3, guess=guess), _row(6, 3, vote=0, guess=guess))).overlap
 
 
 def test_a_wrong_guess_voids_the_attempt_on_every_rank_and_never_overlaps() -> None:
     guess = CutTerms(12, 3, None)
-    agreed = _decide((_row(6, 3, guessed=1), _row(4, 2, guessed=0)), guess)  # rank 1: a partial share
+    agreed = _decide((_row(6, 3, guess=guess), _row(4, 2)))  # rank 1: a partial share
     assert agreed.void and not agreed.overlap and agreed.error is None
     assert agreed.terms == CutTerms(10, 3, None)
     # nobody guessed: the same answer stands (the ranks waited for it)
-    assert not _decide((_row(6, 3), _row(4, 2)), guess).void
+    assert not _decide((_row(6, 3), _row(4, 2))).void
+    # ranks whose plans differ (a sync that does not agree on plans) guess differently: the rows
+    # say which guess was wrong, the same on every rank
+    assert _decide((_row(6, 3, guess=guess), _row(6, 2, guess=CutTerms(12, 2, None)))).void
 
 
 def test_items_counted_on_some_ranks_only_or_none_at_all_is_an_error() -> None:
-    mixed = _decide((_row(6, 3, items=40), _row(6, 3)), None)
+    mixed = _decide((_row(6, 3, items=40), _row(6, 3)))
     assert isinstance(mixed.error, autoaccum.TaskError) and "some ranks" in str(mixed.error)
     assert not mixed.overlap
-    empty = _decide((_row(6, 3, items=0), _row(6, 3, items=0)), None)
+    empty = _decide((_row(6, 3, items=0), _row(6, 3, items=0)))
     assert isinstance(empty.error, autoaccum.TaskError) and "no item" in str(empty.error)
-    assert _decide((_row(6, 3, items=40), _row(6, 3, items=2)), None).terms.num_items == 42
+    assert _decide((_row(6, 3, items=40), _row(6, 3, items=2))).terms.num_items == 42
 
 
 # -- two ranks --------------------------------------------------------------------------------------------
@@ -123,14 +128,15 @@ def mixed_partial_run(rank: int, world_size: int, kind: str, check: bool) -> dic
     original, decide = dist.all_reduce, cut_agreement._decide
 
     def recording(tensor: torch.Tensor, *args: Any, async_op: bool = False, **kwargs: Any) -> Any:
-        if tensor.dtype == torch.int64 and tensor.numel() == 6 * world_size:
+        if tensor.dtype == torch.int64 and tensor.numel() == 7 * world_size:
             calls.append(async_op)  # the cut's exchange: sent asynchronously where this rank guessed
         return original(tensor, *args, async_op=async_op, **kwargs)
 
-    def unchecked(rows: Any, guess: Any) -> Any:
-        agreed = decide(rows, guess)
-        return cut_agreement.Agreed(guess if any(r[5] for r in rows) and guess is not None else agreed.terms,
-                                    agreed.overlap, False, agreed.error)
+    def unchecked(rows: Any) -> Any:  # a guess is taken at its word: never void
+        agreed = decide(rows)
+        guessed = [r for r in rows if r[5]]
+        terms = CutTerms(guessed[0][5], guessed[0][6], None) if guessed else agreed.terms
+        return cut_agreement.Agreed(terms, agreed.overlap, False, agreed.error)
 
     x, y = make_data(sum(SIZES))
     dist.all_reduce = recording  # type: ignore[assignment]

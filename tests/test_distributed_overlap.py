@@ -263,10 +263,10 @@ def test_tight_memory_keeps_todays_protocol_ample_memory_overlaps(tmp_path: Path
         assert r["overlapped"] == [False, True, False, False, True, True], r["overlapped"]
         assert r["ooms"] == 0
         p = r["num_params"]
-        # the cut's exchange: a row of 6 per rank (samples, micro-steps, vote, items, counted, guessed),
+        # the cut's exchange: a row of 7 per rank (samples, micro-steps, vote, items, counted, the guess),
         # sent asynchronously (every step here is full: each rank guesses its terms and reads the answer
         # before the last micro-batch, autoaccum.cut_agreement)
-        gather, loss = (2 * 6, "torch.int64", True), (4, "torch.float64", False)
+        gather, loss = (2 * 7, "torch.int64", True), (4, "torch.float64", False)
         # today's protocol: the cut, then the flag, which gradients exist, the gradients, the loss
         todays_head = [gather, (1, "torch.int64", False), (p, "torch.int32", False)]
         # overlapped: the cut, the buckets, then one exchange: status (2), late, presence (p), the loss's 4 scalars

@@ -60,7 +60,7 @@ class LateWorker:
 
     def __init__(self) -> None:
         self.handles: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.records: list[tuple[torch.Tensor, int]] = []
+        self.records: list[tuple[torch.Tensor, int, bool]] = []
         threading.Thread(target=self._drop, daemon=True).start()
         for name in ("all_reduce", "broadcast", "gather"):
             setattr(dist, name, self._late(getattr(dist, name)))
@@ -85,9 +85,10 @@ class LateWorker:
     def _late(self, real: Any) -> Any:
         def collective(tensor: torch.Tensor, *args: Any, async_op: bool = False, **kwargs: Any) -> Any:
             for t in [tensor, *(kwargs.get("gather_list") or [])]:  # gather: its outputs too, on the root
-                self.records.append((t, t._use_count()))
+                self.records.append((t, t._use_count(), async_op))
             work = real(tensor, *args, async_op=True, **kwargs)
-            if async_op:  # the overlapped all-reduce's buckets: the caller holds the handle and waits on it
+            if async_op:  # the overlapped all-reduce's buckets, the cut's exchange sent ahead: the caller
+                # holds the handle and waits on it
                 self.handles.put((work, time.monotonic() + self.LATE_S))  # and this thread lets go of it late
                 return work
             work.wait()
@@ -95,8 +96,11 @@ class LateWorker:
             return None
         return collective
 
-    def held(self) -> int:
-        return sum(t._use_count() > before for t, before in self.records)
+    def held(self, *, returned_only: bool = False) -> int:
+        """``returned_only``: only the collectives whose call returned done (not those sent ahead
+        asynchronously, which their caller holds and waits on later)."""
+        return sum(t._use_count() > before for t, before, sent_ahead in self.records
+                   if not (returned_only and sent_ahead))
 
 
 def fit_with_a_late_worker(rank: int, world_size: int, settle: bool, checkpoint_dir: str) -> dict[str, Any]:
@@ -107,7 +111,10 @@ def fit_with_a_late_worker(rank: int, world_size: int, settle: bool, checkpoint_
     held_at_loss: list[int] = []
 
     def loss_fn(model: torch.nn.Module, batch: Any) -> torch.Tensor:
-        held_at_loss.append(late.held())  # inside guard.step: after its gather and agreement
+        # inside guard.step, after its agreements: every collective whose call returned is settled (the
+        # cut's exchange of this attempt may still be in flight, sent ahead: autoaccum holds it and
+        # waits on it before the last micro-batch; after fit nothing at all is held, below)
+        held_at_loss.append(late.held(returned_only=True))
         x, y = batch
         return F.cross_entropy(model(x), y)
 
