@@ -14,6 +14,10 @@ Two ranks (gloo, CPU), one model, ``accum`` micro-batches per optimizer step, fi
   guard runs before ``optimizer.step()`` by default (the hand loop has none), to show its share;
 - ``ddp_sync_every_micro``: plain DDP, no ``no_sync``: DDP all-reduces every micro-batch's
   gradients in its backward (``accum`` gradient all-reduces per step);
+- ``autoaccum_overlap_noflag`` (diagnostic, per-step measurement only, with ``--flag-cost``): the
+  nocheck mode with the overlapped step's flag exchange skipped on both ranks (each takes twice its
+  own row as the sum). Unsafe (an OOM would not be agreed on), never a product setting: it only
+  shows what that one small all-reduce costs per step;
 - ``ddp_no_sync_last``: the usual hand-written loop, ``no_sync`` on all but the last micro-batch,
   DDP's reducer syncing in the last backward (1 gradient all-reduce per step, overlapped with
   that backward, and the hazard the guard avoids: an OOM there cannot be agreed on safely).
@@ -22,7 +26,7 @@ Each rank runs with one intra-op thread. Prints a table, then one JSON document.
 test run.
 
     python benchmarks/ddp_bench.py [--accum 8] [--micro 8] [--steps 20] [--hidden 1024] [--repeats 3]
-                                   [--interleaved 150] [--json-only]
+                                   [--interleaved 150] [--flag-cost] [--json-only]
 
 Two measurements: rounds (``--steps`` steps of one mode back to back, ``--repeats`` rounds over the
 modes; the best round and the median of the per-round ratios are reported), then per step
@@ -54,6 +58,22 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 MODES = ("autoaccum", "autoaccum_overlap", "autoaccum_overlap_nocheck", "ddp_sync_every_micro", "ddp_no_sync_last")
+DIAGNOSTIC = "autoaccum_overlap_noflag"
+_SKIP_FLAG = [False]  # set by the diagnostic mode's steps only
+
+
+def _skip_flag_exchange() -> None:
+    """For ``autoaccum_overlap_noflag``: the overlapped step's flag all-reduce (the only caller of
+    ``overlap._all_reduce``) answers locally while ``_SKIP_FLAG[0]``: every rank's row times the world
+    size, right for the flags when no rank fails (the loss sums are then wrong, unread here)."""
+    from autoaccum.distributed import overlap
+
+    real = overlap._all_reduce
+
+    def maybe_skipped(tensor: torch.Tensor, op: Any, group: Any) -> torch.Tensor:
+        return tensor * dist.get_world_size(group) if _SKIP_FLAG[0] else real(tensor, op, group)
+
+    overlap._all_reduce = maybe_skipped
 
 
 def _model(hidden: int) -> torch.nn.Module:
@@ -77,7 +97,7 @@ def _setup(mode: str, rank: int, args: argparse.Namespace) -> tuple[Any, list[bo
     if mode.startswith("autoaccum"):
         guard = autoaccum.OOMGuard(model, opt, target_batch=share * 2, micro_batch=args.micro,
                                    sync=DistributedSync(model), overlap="off" if mode == "autoaccum" else "auto",
-                                   nonfinite=None if mode.endswith("_nocheck") else "stop")
+                                   nonfinite="stop" if mode in ("autoaccum", "autoaccum_overlap") else None)
     overlapped: list[bool] = []
 
     def loss_fn(m: torch.nn.Module, batch: Any) -> torch.Tensor:
@@ -85,7 +105,11 @@ def _setup(mode: str, rank: int, args: argparse.Namespace) -> tuple[Any, list[bo
 
     def step() -> None:
         if guard is not None:
-            overlapped.append(guard.step((x, y), loss_fn).overlapped)
+            _SKIP_FLAG[0] = mode == DIAGNOSTIC
+            try:
+                overlapped.append(guard.step((x, y), loss_fn).overlapped)
+            finally:
+                _SKIP_FLAG[0] = False
             return
         opt.zero_grad(set_to_none=True)
         for i in range(args.accum):
@@ -119,13 +143,14 @@ def _interleaved(rank: int, args: argparse.Namespace) -> dict[str, Any]:
     """Every mode set up at once, then one step of each in turn (a shuffled order per turn, the same on
     both ranks), each step started by a barrier and timed alone: a slow moment of the machine lands
     on neighbouring steps of every mode, not on one mode's round."""
-    steps = {mode: _setup(mode, rank, args) for mode in MODES}
+    modes = MODES + ((DIAGNOSTIC,) if args.flag_cost else ())
+    steps = {mode: _setup(mode, rank, args) for mode in modes}
     for step, _ in steps.values():
         for _ in range(args.warmup):
             step()
-    order = list(MODES)
+    order = list(modes)
     shuffle = random.Random(0)
-    times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
     for _ in range(args.interleaved):
         shuffle.shuffle(order)
         for mode in order:
@@ -138,6 +163,8 @@ def _interleaved(rank: int, args: argparse.Namespace) -> dict[str, Any]:
 
 def _worker(rank: int, port: int, out: str, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
+    if args.flag_cost:
+        _skip_flag_exchange()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=120))
     rows = []
@@ -180,8 +207,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="rounds over the modes; the best is reported")
     parser.add_argument("--interleaved", type=int, default=150,
                         help="then this many turns of one step per mode, each timed alone (0: none)")
+    parser.add_argument("--flag-cost", action="store_true",
+                        help="add the diagnostic autoaccum_overlap_noflag to the per-step measurement")
     parser.add_argument("--json-only", action="store_true")
     args = parser.parse_args()
+    if args.flag_cost and not args.interleaved:
+        parser.error("--flag-cost adds a mode to the per-step measurement: give --interleaved N (N >= 1), not 0")
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -220,6 +251,10 @@ def main() -> None:
         for r in report["results"]:
             r["per_step"] = _per_step_ratio(per_step["times"], r["mode"], "ddp_no_sync_last")
             r["per_step"]["overlapped_steps"] = per_step["overlapped"].get(r["mode"])
+        if args.flag_cost:
+            diagnostic = _per_step_ratio(per_step["times"], DIAGNOSTIC, "ddp_no_sync_last")
+            diagnostic["overlapped_steps"] = per_step["overlapped"].get(DIAGNOSTIC)
+            report["diagnostic"] = {"mode": DIAGNOSTIC, "per_step": diagnostic}
     if not args.json_only:
         print(f"2 ranks (gloo, CPU), {params:,} parameters ({params * 4 / 2**20:.1f} MiB of fp32 gradients), "
               f"{args.accum} micro-batches of {args.micro} per rank per step; best of {args.repeats}")
@@ -233,7 +268,7 @@ def main() -> None:
             print(f"one step per mode in turn, {args.interleaved} turns, each step timed alone after a barrier "
                   f"(median over the turns of the hand loop's step time / the mode's, 95% bootstrap interval)")
             print(f"{'mode':<27}{'median step ms':>16}{'vs hand loop':>14}{'95% interval':>18}")
-            for r in report["results"]:
+            for r in report["results"] + ([report["diagnostic"]] if "diagnostic" in report else []):
                 ps = r["per_step"]
                 print(f"{r['mode']:<27}{ps['median_ms']:>16.2f}{ps['ratio']:>13.3f}x"
                       f"{ps['low']:>10.3f}-{ps['high']:.3f}")
