@@ -26,13 +26,15 @@ Each rank runs with one intra-op thread. Prints a table, then one JSON document.
 test run.
 
     python benchmarks/ddp_bench.py [--accum 8] [--micro 8] [--steps 20] [--hidden 1024] [--repeats 3]
-                                   [--interleaved 150] [--flag-cost] [--json-only]
+                                   [--interleaved 150] [--flag-cost] [--single-process] [--json-only]
 
 Two measurements: rounds (``--steps`` steps of one mode back to back, ``--repeats`` rounds over the
 modes; the best round and the median of the per-round ratios are reported), then per step
 (``--interleaved`` turns of one step per mode in a shuffled order, each step started by a barrier
 and timed alone; the median per-turn ratio with its bootstrap interval). On a shared 2-core machine
 the per-step measurement is the steadier one: a slow moment hits neighbouring steps of every mode.
+``--single-process`` first times the guard against the hand loop in this process alone (no DDP, no
+ranks), per step as above: the guard's own share of the ranks' ratio.
 """
 
 from __future__ import annotations
@@ -161,6 +163,49 @@ def _interleaved(rank: int, args: argparse.Namespace) -> dict[str, Any]:
     return {"times": times, "overlapped": {m: sum(o[args.warmup:]) for m, (_, o) in steps.items() if o}}
 
 
+def _single_process(args: argparse.Namespace) -> dict[str, Any]:
+    """Diagnostic (``--single-process``): the same model and plan in one process, no DDP, no ranks:
+    ``OOMGuard(nonfinite=None)`` against the hand loop, one step of each in turn (``--interleaved``
+    turns): the guard's own per-step cost on this model, which the ranks' ratio contains."""
+    import autoaccum
+
+    torch.set_num_threads(1)
+    share = args.micro * args.accum
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(share, 64, generator=g), torch.randint(0, 10, (share,), generator=g)
+
+    def loss_fn(m: torch.nn.Module, batch: Any) -> torch.Tensor:
+        return F.cross_entropy(m(batch[0]), batch[1])
+
+    hand_model, guard_model = _model(args.hidden), _model(args.hidden)
+    hand_opt = torch.optim.SGD(hand_model.parameters(), lr=0.01)
+    guard = autoaccum.OOMGuard(guard_model, torch.optim.SGD(guard_model.parameters(), lr=0.01),
+                               target_batch=share, micro_batch=args.micro, nonfinite=None)
+
+    def hand() -> None:
+        hand_opt.zero_grad(set_to_none=True)
+        for i in range(args.accum):
+            part = slice(i * args.micro, (i + 1) * args.micro)
+            (loss_fn(hand_model, (x[part], y[part])) / args.accum).backward()
+        hand_opt.step()
+
+    steps = {"guard_single_process": lambda: guard.step((x, y), loss_fn), "hand_loop_single_process": hand}
+    for step in steps.values():
+        for _ in range(args.warmup):
+            step()
+    order, shuffle = list(steps), random.Random(0)
+    times: dict[str, list[float]] = {mode: [] for mode in steps}
+    for _ in range(args.interleaved):
+        shuffle.shuffle(order)
+        for mode in order:
+            started = time.perf_counter()
+            steps[mode]()
+            times[mode].append(time.perf_counter() - started)
+    return {"mode": "guard_single_process",
+            "per_step": _per_step_ratio(times, "guard_single_process", "hand_loop_single_process"),
+            "hand_loop_median_ms": statistics.median(times["hand_loop_single_process"]) * 1e3}
+
+
 def _worker(rank: int, port: int, out: str, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     if args.flag_cost:
@@ -209,10 +254,14 @@ def main() -> None:
                         help="then this many turns of one step per mode, each timed alone (0: none)")
     parser.add_argument("--flag-cost", action="store_true",
                         help="add the diagnostic autoaccum_overlap_noflag to the per-step measurement")
+    parser.add_argument("--single-process", action="store_true",
+                        help="first measure the guard against the hand loop in one process (no ranks), per step")
     parser.add_argument("--json-only", action="store_true")
     args = parser.parse_args()
-    if args.flag_cost and not args.interleaved:
-        parser.error("--flag-cost adds a mode to the per-step measurement: give --interleaved N (N >= 1), not 0")
+    if (args.flag_cost or args.single_process) and not args.interleaved:
+        parser.error("--flag-cost and --single-process are per-step measurements: give --interleaved N (N >= 1), "
+                     "not 0")
+    single = _single_process(args) if args.single_process else None
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -255,6 +304,8 @@ def main() -> None:
             diagnostic = _per_step_ratio(per_step["times"], DIAGNOSTIC, "ddp_no_sync_last")
             diagnostic["overlapped_steps"] = per_step["overlapped"].get(DIAGNOSTIC)
             report["diagnostic"] = {"mode": DIAGNOSTIC, "per_step": diagnostic}
+    if single is not None:
+        report["single_process"] = single
     if not args.json_only:
         print(f"2 ranks (gloo, CPU), {params:,} parameters ({params * 4 / 2**20:.1f} MiB of fp32 gradients), "
               f"{args.accum} micro-batches of {args.micro} per rank per step; best of {args.repeats}")
@@ -272,6 +323,11 @@ def main() -> None:
                 ps = r["per_step"]
                 print(f"{r['mode']:<27}{ps['median_ms']:>16.2f}{ps['ratio']:>13.3f}x"
                       f"{ps['low']:>10.3f}-{ps['high']:.3f}")
+            print()
+        if single is not None:
+            ps = single["per_step"]
+            print(f"one process, no ranks: the guard {ps['median_ms']:.2f} ms per step, the hand loop "
+                  f"{single['hand_loop_median_ms']:.2f} ms: {ps['ratio']:.3f}x ({ps['low']:.3f}-{ps['high']:.3f})")
             print()
     print(json.dumps(report, indent=2))
 
