@@ -8,7 +8,8 @@ step cut by sample count, with no item count up front, weighs each micro-batch b
 batch and runs the plan's micro-steps, which every rank can tell alone (a *guess*). Such a rank
 starts its micro-batches at once and reads the answer only before the last one, where the overlap
 vote is needed. That is allowed only where no collective runs inside the accumulation window (DDP
-under ``no_sync``, a plain module: ``DistributedSync.quiet_window``): every rank issues the same
+under ``no_sync``, a plain module, neither synchronising in forward: ``DistributedSync.quiet_window``;
+a wrong guess makes a rank run forwards that another rank skips): every rank issues the same
 collectives in the same order whether it guessed or waited. Otherwise, and for the last batch of an
 epoch (``partial``), a token cut, or a loss that counts items, the rank waits for the answer first.
 

@@ -174,6 +174,7 @@ class OOMGuard:
         self.steps = 0  # optimizer steps (or accumulations) completed
         self.ooms = 0  # OOMs recovered
         self.failed_growths = 0  # growths that ran out of memory in their first step (each also counts in ooms)
+        self.voided_attempts = 0  # attempts run again because a rank guessed the cut wrong (autoaccum.cut_agreement)
         self.changes: list[PlanChange] = []
         self._thrash_streak = 0
         self._last_retries: int | None = None
@@ -320,8 +321,8 @@ class OOMGuard:
         (idempotent: before the last micro-step, or after the micro-batches where they stopped early)."""
         agreed = agreement.agreed()
         if agreed.overlap and not self._overlapped:
-            self._overlapped = True
             self._arm = self.sync.overlapped(self.params)  # type: ignore[attr-defined]
+            self._overlapped = True  # only once the attempt has started: the flag exchange follows it
         if attempt == 1 and not agreed.void and agreed.overlap != self._overlap_decision and self.sync.world_size > 1:
             self._overlap_decision = agreed.overlap
             why = self._vote_reason if self._last_vote or not agreed.overlap else "another rank has no room for it"
@@ -399,6 +400,8 @@ class OOMGuard:
             if agreed_cut.void:  # a rank guessed the step's terms wrong: every rank runs it again, waiting first
                 result = None  # type: ignore[assignment]
                 may_guess = False
+                attempts -= 1  # the same attempt, not an OOM replay: its vote, calm streak and count unchanged
+                self.voided_attempts += 1
                 self._zero_grad()
                 restore_rng(rng)
                 restore_buffers(buffers)

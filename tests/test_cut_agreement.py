@@ -6,13 +6,19 @@ last micro-batch where a rank can tell its answer alone (a *guess*).
 - on two gloo ranks: full steps are guessed (the exchange is sent asynchronously) and exact; a rank
   that guesses while the other rank's share is partial (``partial`` passed differently on the two
   ranks) voids the attempt, and the replay is exact, equal to one process's full-batch steps in
-  fp64. Negative control: with the check for a wrong guess switched off, the same run trains on wrong
-  weights (the comparison fails); a loss that counts items on one rank only raises the same
-  ``TaskError`` on both ranks, with no hang.
+  fp64 (a voided attempt is counted apart, not as an OOM replay). Negative control: with the check for
+  a wrong guess switched off, the same run trains on wrong weights (the comparison fails); a loss
+  that counts items on one rank only raises the same ``TaskError`` on both ranks, with no hang;
+- a model that synchronises in forward (``forward_collectives=True``; ``SyncBatchNorm`` and DDP's
+  first buffer broadcast are detected) never guesses: the same mixed-partial run waits for every
+  answer first and stays exact, where guessing would run forwards (and their collectives) that the
+  other rank skips;
+- a failed wait of the exchange sent ahead raises that error again when read again.
 """
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -102,13 +108,13 @@ def _shares(n: int, world_size: int) -> list[slice]:
 SIZES = (TARGET, TARGET, 8)
 
 
-def reference() -> dict[str, torch.Tensor]:
+def reference(sizes: tuple[int, ...] = SIZES) -> dict[str, torch.Tensor]:
     """One process, one full-batch SGD step per global batch, fp64."""
     model = make_net()
     opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
-    x, y = make_data(sum(SIZES))
+    x, y = make_data(sum(sizes))
     start = 0
-    for size in SIZES:
+    for size in sizes:
         opt.zero_grad(set_to_none=True)
         mean_loss(model, (x[start:start + size], y[start:start + size])).backward()
         opt.step()
@@ -116,13 +122,36 @@ def reference() -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def mixed_partial_run(rank: int, world_size: int, kind: str, check: bool) -> dict[str, Any]:
+class ForwardCollective(torch.nn.Module):
+    """The identity, with an all-reduce of the batch's mean in every training forward (as a
+    synchronised norm of one's own would run): a collective inside the accumulation window."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and torch.is_grad_enabled():
+            mean = x.detach().mean(0)
+            dist.all_reduce(mean)
+            self.seen += 1
+        return x
+
+
+def mixed_partial_run(rank: int, world_size: int, kind: str, check: bool,
+                      forward_collective: bool = False) -> dict[str, Any]:
     """The last batch is partial; rank 0's share of it is full and it passes partial=False (so it
-    guesses), rank 1 passes partial=True. ``check=False``: the check for a wrong guess switched off."""
+    guesses), rank 1 passes partial=True. ``check=False``: the check for a wrong guess switched off.
+    ``forward_collective``: an all-reduce in every forward, declared to ``DistributedSync``; the last
+    batch is then 11 (shares 6 and 5: three micro-steps with a forward on both ranks, as a forward
+    collective needs -- an empty micro-step runs no forward)."""
+    sizes = (TARGET, TARGET, 11) if forward_collective else SIZES
     net = make_net()
+    if forward_collective:
+        net.append(ForwardCollective())  # last: no parameter, the names stay the reference's
     model = wrap_model(net) if kind == "ddp" else net
     opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
-    sync = DistributedSync(model)
+    sync = DistributedSync(model, forward_collectives=forward_collective)
     guard = autoaccum.OOMGuard(model, opt, target_batch=TARGET, micro_batch=MICRO, sync=sync)
     calls: list[bool] = []
     original, decide = dist.all_reduce, cut_agreement._decide
@@ -138,21 +167,22 @@ def mixed_partial_run(rank: int, world_size: int, kind: str, check: bool) -> dic
         terms = CutTerms(guessed[0][5], guessed[0][6], None) if guessed else agreed.terms
         return cut_agreement.Agreed(terms, agreed.overlap, False, agreed.error)
 
-    x, y = make_data(sum(SIZES))
+    x, y = make_data(sum(sizes))
     dist.all_reduce = recording  # type: ignore[assignment]
     if not check:
         cut_agreement._decide = unchecked  # type: ignore[assignment]
-    attempts, exchanges, losses = [], [], []
+    attempts, exchanges, losses, voided = [], [], [], []
     try:
         start = 0
-        for size in SIZES:
-            # the last batch of 8: rank 0 holds its full share (6), rank 1 the rest (2)
-            mine = _shares(size, world_size)[rank] if size == TARGET else [slice(0, 6), slice(6, 8)][rank]
+        for size in sizes:
+            # the last batch: rank 0 holds its full share (6), rank 1 the rest
+            mine = _shares(size, world_size)[rank] if size == TARGET else [slice(0, 6), slice(6, size)][rank]
             part = (x[start:start + size][mine], y[start:start + size][mine])
             partial = size < TARGET and rank == 1
             calls.clear()
             stats = guard.step(part, mean_loss, partial=partial)
             attempts.append(stats.attempts)
+            voided.append(guard.voided_attempts)
             exchanges.append(list(calls))
             losses.append(stats.loss)
             start += size
@@ -160,7 +190,8 @@ def mixed_partial_run(rank: int, world_size: int, kind: str, check: bool) -> dic
         dist.all_reduce = original  # type: ignore[assignment]
         cut_agreement._decide = decide  # type: ignore[assignment]
     return {"params": {n: p.detach().clone() for n, p in unwrap_model(model).named_parameters()},
-            "attempts": attempts, "exchanges": exchanges, "losses": losses}
+            "attempts": attempts, "exchanges": exchanges, "losses": losses, "voided": voided,
+            "quiet": sync.quiet_window}
 
 
 pytestmark_dist = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -178,7 +209,8 @@ def test_a_wrong_guess_is_replayed_exactly_on_every_rank(kind: str, tmp_path: Pa
         # the partial step: rank 0 guessed, rank 1 waited; the answer voided the attempt on both ranks,
         # and the replay waited for its answer first
         assert r["exchanges"][2] == ([True, False] if rank == 0 else [False, False]), r["exchanges"]
-        assert r["attempts"] == [1, 1, 2], r["attempts"]
+        # the void is counted apart: not an OOM replay (attempts), which would hold the overlap back
+        assert r["attempts"] == [1, 1, 1] and r["voided"] == [0, 0, 1], (r["attempts"], r["voided"])
         for name, p in want.items():
             torch.testing.assert_close(r["params"][name], p, **FP64, msg=f"rank {rank} {name}")
     assert out[0]["losses"] == out[1]["losses"]
@@ -189,8 +221,69 @@ def test_negative_control_an_unchecked_wrong_guess_trains_on_wrong_weights(tmp_p
     out = results(tmp_path, spawn(mixed_partial_run, tmp_path, kind="ddp", check=False)[0])
     want = reference()
     for r in out:
-        assert r["attempts"] == [1, 1, 1]
+        assert r["attempts"] == [1, 1, 1] and r["voided"] == [0, 0, 0]
         assert not torch.allclose(r["params"]["2.weight"], want["2.weight"], rtol=1e-6, atol=1e-9)
+
+
+@pytestmark_dist
+def test_a_model_that_synchronises_in_forward_never_guesses(tmp_path: Path) -> None:
+    # Without the declaration the same run breaks: rank 0 guesses, runs two forwards (two all-reduces)
+    # that rank 1, waiting, does not, and gloo fails with a mismatched collective (checked by hand on
+    # 2026-11-25; not a test here, as a broken collective costs a process group's timeout)
+    out = results(tmp_path, spawn(mixed_partial_run, tmp_path, kind="ddp", check=True, forward_collective=True)[0])
+    want = reference((TARGET, TARGET, 11))
+    for rank, r in enumerate(out):
+        assert not r["quiet"]
+        # every exchange waited for (never sent ahead), so no rank runs a forward the other skips
+        assert r["exchanges"] == [[False], [False], [False]], r["exchanges"]
+        assert r["attempts"] == [1, 1, 1] and r["voided"] == [0, 0, 0], (r["attempts"], r["voided"])
+        for name, p in want.items():
+            torch.testing.assert_close(r["params"][name], p, **FP64, msg=f"rank {rank} {name}")
+
+
+def quiet_window_run(rank: int, world_size: int) -> dict[str, bool]:
+    """``quiet_window`` for DDP models with buffers (broadcast before the first synchronised forward)."""
+    torch.manual_seed(0)
+    bn = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3)).double()
+    model = wrap_model(bn)  # broadcast_buffers=True, DDP's default
+    sync = DistributedSync(model)
+    fresh = sync.quiet_window
+    guard = autoaccum.OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), target_batch=TARGET,
+                               micro_batch=MICRO, sync=sync)
+    x, y = make_data(TARGET)
+    guard.step((x[_shares(TARGET, world_size)[rank]], y[_shares(TARGET, world_size)[rank]]), mean_loss)
+    after = sync.quiet_window
+    plain = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.BatchNorm1d(8))
+    unbroadcast = DistributedSync(wrap_model(plain, broadcast_buffers=False)).quiet_window
+    with pytest.warns(UserWarning, match="SyncBatchNorm"):
+        sync_bn = DistributedSync(torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.SyncBatchNorm(8)))
+    return {"fresh": fresh, "after": after, "unbroadcast": unbroadcast, "sync_bn": sync_bn.quiet_window,
+            "declared": DistributedSync(make_net(), forward_collectives=True).quiet_window,
+            "plain": DistributedSync(make_net()).quiet_window}
+
+
+@pytestmark_dist
+def test_quiet_window_sees_collectives_in_forward(tmp_path: Path) -> None:
+    for r in results(tmp_path, spawn(quiet_window_run, tmp_path)[0]):
+        # DDP broadcasts buffers in the forward after a synchronised one (and the first ever); the guard's
+        # forwards run under no_sync, so from its first step on the window is quiet
+        assert r == {"fresh": False, "after": True, "unbroadcast": True, "sync_bn": False, "declared": False,
+                     "plain": True}, r
+
+
+def test_a_failed_wait_is_raised_again_when_read_again() -> None:
+    from autoaccum.distributed.process_group import _PendingAllReduce
+
+    class Broken:
+        def wait(self) -> None:
+            raise RuntimeError("gloo: connection closed by peer")
+
+    pending = object.__new__(_PendingAllReduce)  # the state __init__ leaves, with a work whose wait fails
+    pending._origin, pending._tensor = torch.device("cpu"), torch.zeros(2)
+    pending._stack, pending._work, pending._result, pending._error = contextlib.ExitStack(), Broken(), None, None
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="connection closed by peer"):
+            pending.result()
 
 
 class CountsOnRankZero:

@@ -101,13 +101,19 @@ class DistributedSync:
             and buffers are broadcast from rank 0 here).
         group: the data-parallel process group (default: the whole world).
         bucket_bytes: size of the flat buffers gradients are all-reduced in (DDP and plain models).
+        forward_collectives: the model's forward runs collectives of its own (a synchronised norm
+            of your own, a model-parallel layer): every rank then waits for the cut's exchange
+            before its micro-batches (``autoaccum.cut_agreement``) instead of sending it ahead, so
+            that no rank runs forwards another rank skips. ``SyncBatchNorm`` and DDP's buffer
+            broadcast are detected without it.
 
     Raises:
         RuntimeError: no process group is initialised.
         TypeError: an FSDP1 model, or sparse embeddings.
     """
 
-    def __init__(self, model: torch.nn.Module, *, group: Any = None, bucket_bytes: int = BUCKET_BYTES) -> None:
+    def __init__(self, model: torch.nn.Module, *, group: Any = None, bucket_bytes: int = BUCKET_BYTES,
+                 forward_collectives: bool = False) -> None:
         if not is_distributed():
             raise RuntimeError("DistributedSync needs an initialised process group (torchrun + "
                                "autoaccum.distributed.init_from_env(), or torch.distributed.init_process_group)")
@@ -125,6 +131,7 @@ class DistributedSync:
             raise TypeError(f"sparse gradients ({', '.join(sparse[:3])}: sparse=True) are not supported by "
                             f"DistributedSync; use dense embeddings (sparse=False)")
         sync_bn = [name for name, m in model.named_modules() if isinstance(m, torch.nn.SyncBatchNorm)]
+        self._forward_collectives = bool(forward_collectives or sync_bn)
         if sync_bn:
             warnings.warn(
                 f"SyncBatchNorm ({', '.join(sync_bn[:3])}{'...' if len(sync_bn) > 3 else ''}) exchanges statistics "
@@ -184,9 +191,15 @@ class DistributedSync:
 
     @property
     def quiet_window(self) -> bool:
-        """No collective runs inside the accumulation window (DDP under ``no_sync``, a plain module;
-        FSDP2 all-gathers at its start): an exchange may stay in flight across the micro-batches."""
-        return self._fsdp is None
+        """No collective runs inside the accumulation window, so an exchange may stay in flight across
+        the micro-batches: DDP under ``no_sync`` or a plain module, unless the model synchronises in
+        forward (``SyncBatchNorm``, ``forward_collectives=True``) or DDP will broadcast its buffers in
+        the next forward (``broadcast_buffers`` before the first synchronised forward). FSDP2
+        all-gathers at the window's start: never quiet."""
+        if self._fsdp is not None or self._forward_collectives:
+            return False
+        will_broadcast = getattr(self.model, "will_sync_module_buffers", None)  # DDP's own test, read per attempt
+        return not (self.kind == "ddp" and callable(will_broadcast) and will_broadcast())
 
     def agree_step(self, status: int, scalars: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         """:meth:`agree`, and where the same exchange can carry them (an overlapped attempt), the

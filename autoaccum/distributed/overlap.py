@@ -163,7 +163,8 @@ class _OverlappedReduce:
             # one SUM in float64 (exact for the counts and the flags; the scalars are summed in float64
             # as sum_items does): status as two counts, then the late flag, the presence bits, the scalars
             flags = [status == 1, status == 2, self._late] + [p.grad is not None for p in self.params]
-            device = scalars.device if scalars is not None else torch.device("cpu")
+            # float64 where the scalars live, or on the CPU (MPS has no float64; gloo exchanges from the CPU)
+            device = scalars.device if scalars is not None and scalars.device.type != "mps" else torch.device("cpu")
             local = torch.tensor(flags, dtype=torch.float64, device=device)
             if scalars is not None:
                 local = torch.cat([local, scalars.detach().reshape(-1).to(torch.float64)])

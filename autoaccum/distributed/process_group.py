@@ -124,12 +124,19 @@ class _PendingAllReduce:
         keep = self._stack.enter_context(settled())
         self._work: Any = dist.all_reduce(keep(self._tensor), op=op, group=group, async_op=True)
         self._result: torch.Tensor | None = None
+        self._error: BaseException | None = None
 
     def result(self) -> torch.Tensor:
-        """The reduced values (waits the first time; then the same tensor)."""
+        """The reduced values (waits the first time; then the same tensor). Where the wait failed (a
+        timeout, a peer gone), every later call raises that same error again."""
+        if self._error is not None:
+            raise self._error
         if self._result is None:
             try:
                 self._work.wait()
+            except BaseException as exc:
+                self._error = exc
+                raise
             finally:
                 self._work = None  # a work handle holds the tensor: dropped before the settle
                 self._stack.close()
