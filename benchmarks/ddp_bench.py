@@ -84,6 +84,40 @@ def _model(hidden: int) -> torch.nn.Module:
                                torch.nn.GELU(), torch.nn.Linear(hidden, 10))
 
 
+def _loss(m: torch.nn.Module, batch: Any) -> torch.Tensor:
+    return F.cross_entropy(m(batch[0]), batch[1])
+
+
+def _hand_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+               args: argparse.Namespace, quiet_but_last: bool) -> None:
+    """The hand-written loop: ``accum`` micro-batches, each loss weighted by its share of the step;
+    ``quiet_but_last``: all but the last under DDP's ``no_sync``."""
+    opt.zero_grad(set_to_none=True)
+    for i in range(args.accum):
+        part = slice(i * args.micro, (i + 1) * args.micro)
+        quiet = model.no_sync() if quiet_but_last and i < args.accum - 1 else contextlib.nullcontext()
+        with quiet:
+            # DDP averages over ranks: weight by the rank's share, as the guard does by the global one
+            (_loss(model, (x[part], y[part])) / args.accum).backward()
+    opt.step()
+
+
+def _turns(steps: dict[str, Any], turns: int, before: Any = None) -> dict[str, list[float]]:
+    """``turns`` turns of one step of each in ``steps``, in a shuffled order per turn (the same on
+    every rank: a fixed seed), each timed alone (after ``before()``, a barrier across ranks)."""
+    order, shuffle = list(steps), random.Random(0)
+    times: dict[str, list[float]] = {mode: [] for mode in steps}
+    for _ in range(turns):
+        shuffle.shuffle(order)
+        for mode in order:
+            if before is not None:
+                before()
+            started = time.perf_counter()
+            steps[mode]()
+            times[mode].append(time.perf_counter() - started)
+    return times
+
+
 def _setup(mode: str, rank: int, args: argparse.Namespace) -> tuple[Any, list[bool]]:
     """One mode's model, optimizer (and guard): returns ``step()`` and the list its guard steps' overlap
     flags go to."""
@@ -102,26 +136,15 @@ def _setup(mode: str, rank: int, args: argparse.Namespace) -> tuple[Any, list[bo
                                    nonfinite="stop" if mode in ("autoaccum", "autoaccum_overlap") else None)
     overlapped: list[bool] = []
 
-    def loss_fn(m: torch.nn.Module, batch: Any) -> torch.Tensor:
-        return F.cross_entropy(m(batch[0]), batch[1])
-
     def step() -> None:
-        if guard is not None:
-            _SKIP_FLAG[0] = mode == DIAGNOSTIC
-            try:
-                overlapped.append(guard.step((x, y), loss_fn).overlapped)
-            finally:
-                _SKIP_FLAG[0] = False
+        if guard is None:
+            _hand_step(model, opt, x, y, args, quiet_but_last=mode == "ddp_no_sync_last")
             return
-        opt.zero_grad(set_to_none=True)
-        for i in range(args.accum):
-            part = slice(i * args.micro, (i + 1) * args.micro)
-            last = i == args.accum - 1
-            quiet = model.no_sync() if mode == "ddp_no_sync_last" and not last else contextlib.nullcontext()
-            with quiet:
-                # DDP averages over ranks: weight by the rank's share, as the guard does by the global one
-                (loss_fn(model, (x[part], y[part])) / args.accum).backward()
-        opt.step()
+        _SKIP_FLAG[0] = mode == DIAGNOSTIC
+        try:
+            overlapped.append(guard.step((x, y), _loss).overlapped)
+        finally:
+            _SKIP_FLAG[0] = False
 
     return step, overlapped
 
@@ -150,16 +173,7 @@ def _interleaved(rank: int, args: argparse.Namespace) -> dict[str, Any]:
     for step, _ in steps.values():
         for _ in range(args.warmup):
             step()
-    order = list(modes)
-    shuffle = random.Random(0)
-    times: dict[str, list[float]] = {mode: [] for mode in modes}
-    for _ in range(args.interleaved):
-        shuffle.shuffle(order)
-        for mode in order:
-            dist.barrier()
-            started = time.perf_counter()
-            steps[mode][0]()
-            times[mode].append(time.perf_counter() - started)
+    times = _turns({mode: step for mode, (step, _) in steps.items()}, args.interleaved, before=dist.barrier)
     return {"times": times, "overlapped": {m: sum(o[args.warmup:]) for m, (_, o) in steps.items() if o}}
 
 
@@ -174,33 +188,16 @@ def _single_process(args: argparse.Namespace) -> dict[str, Any]:
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(share, 64, generator=g), torch.randint(0, 10, (share,), generator=g)
 
-    def loss_fn(m: torch.nn.Module, batch: Any) -> torch.Tensor:
-        return F.cross_entropy(m(batch[0]), batch[1])
-
     hand_model, guard_model = _model(args.hidden), _model(args.hidden)
     hand_opt = torch.optim.SGD(hand_model.parameters(), lr=0.01)
     guard = autoaccum.OOMGuard(guard_model, torch.optim.SGD(guard_model.parameters(), lr=0.01),
                                target_batch=share, micro_batch=args.micro, nonfinite=None)
-
-    def hand() -> None:
-        hand_opt.zero_grad(set_to_none=True)
-        for i in range(args.accum):
-            part = slice(i * args.micro, (i + 1) * args.micro)
-            (loss_fn(hand_model, (x[part], y[part])) / args.accum).backward()
-        hand_opt.step()
-
-    steps = {"guard_single_process": lambda: guard.step((x, y), loss_fn), "hand_loop_single_process": hand}
+    steps = {"guard_single_process": lambda: guard.step((x, y), _loss),
+             "hand_loop_single_process": lambda: _hand_step(hand_model, hand_opt, x, y, args, quiet_but_last=False)}
     for step in steps.values():
         for _ in range(args.warmup):
             step()
-    order, shuffle = list(steps), random.Random(0)
-    times: dict[str, list[float]] = {mode: [] for mode in steps}
-    for _ in range(args.interleaved):
-        shuffle.shuffle(order)
-        for mode in order:
-            started = time.perf_counter()
-            steps[mode]()
-            times[mode].append(time.perf_counter() - started)
+    times = _turns(steps, args.interleaved)
     return {"mode": "guard_single_process",
             "per_step": _per_step_ratio(times, "guard_single_process", "hand_loop_single_process"),
             "hand_loop_median_ms": statistics.median(times["hand_loop_single_process"]) * 1e3}

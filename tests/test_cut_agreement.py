@@ -126,15 +126,10 @@ class ForwardCollective(torch.nn.Module):
     """The identity, with an all-reduce of the batch's mean in every training forward (as a
     synchronised norm of one's own would run): a collective inside the accumulation window."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen = 0
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training and torch.is_grad_enabled():
             mean = x.detach().mean(0)
             dist.all_reduce(mean)
-            self.seen += 1
         return x
 
 

@@ -52,8 +52,8 @@ depend on the micro-batch), a collective the model runs in its own forward (Sync
 about; such a model also needs the same number of forwards on every rank, so a last batch whose
 share leaves one rank an empty micro-step does not suit it; declare one of your own with
 ``DistributedSync(model, forward_collectives=True)``, so that no rank sends the cut's exchange
-ahead and runs forwards the others skip), an OOM in clipping or ``optimizer.step()`` (the guard raises ``OptimizerStepOOMError`` on
-that rank), and an error in your code between steps. There one rank stops while the others wait in
+ahead and runs forwards the others skip), an OOM in clipping or ``optimizer.step()`` (the guard
+raises ``OptimizerStepOOMError`` on that rank), and an error in your code between steps. There one rank stops while the others wait in
 their next collective: under torchrun, the agent ends them when the first process exits; under a
 launcher of your own, the process group's timeout does.
 

@@ -198,8 +198,7 @@ class DistributedSync:
         all-gathers at the window's start: never quiet."""
         if self._fsdp is not None or self._forward_collectives:
             return False
-        will_broadcast = getattr(self.model, "will_sync_module_buffers", None)  # DDP's own test, read per attempt
-        return not (self.kind == "ddp" and callable(will_broadcast) and will_broadcast())
+        return not (self.kind == "ddp" and self.model.will_sync_module_buffers())  # DDP's own test, per attempt
 
     def agree_step(self, status: int, scalars: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         """:meth:`agree`, and where the same exchange can carry them (an overlapped attempt), the

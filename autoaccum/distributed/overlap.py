@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autoaccum.distributed.process_group import _all_reduce
+from autoaccum.distributed.process_group import _all_reduce, _comm_device
 from autoaccum.distributed.settle import settled
 from autoaccum.log import user_stacklevel
 from autoaccum.oom import is_oom
@@ -163,11 +163,11 @@ class _OverlappedReduce:
             # one SUM in float64 (exact for the counts and the flags; the scalars are summed in float64
             # as sum_items does): status as two counts, then the late flag, the presence bits, the scalars
             flags = [status == 1, status == 2, self._late] + [p.grad is not None for p in self.params]
-            # float64 where the scalars live, or on the CPU (MPS has no float64; gloo exchanges from the CPU)
-            device = scalars.device if scalars is not None and scalars.device.type != "mps" else torch.device("cpu")
+            # built where the exchange runs (gloo: the CPU, so MPS, which has no float64, is no case of its own)
+            device = _comm_device(self.group)
             local = torch.tensor(flags, dtype=torch.float64, device=device)
             if scalars is not None:
-                local = torch.cat([local, scalars.detach().reshape(-1).to(torch.float64)])
+                local = torch.cat([local, scalars.detach().reshape(-1).to(device, torch.float64)])
             summed = _all_reduce(local, dist.ReduceOp.SUM, self.group)
         finally:
             self._works = []  # a work handle holds its tensor: dropped before the settle below
