@@ -230,7 +230,7 @@ def reduce_gradients(params: Sequence[torch.nn.Parameter], result: Accumulated, 
         loss_total, item_total = result.loss_sum, result.num_items
         means, sums = result.kind == "mean", result.kind == "sum"
     else:
-        # One exchange for every scalar of the step (or none here: the flag exchange carried them)
+        # One exchange for every scalar of the step (or none here: an overlapped step's flag carried them)
         if summed is None:
             summed = sync.sum_items(step_scalars(result, result.loss_sum.device))
         loss_total, item_total, means, sums = summed.tolist()

@@ -410,7 +410,7 @@ class OOMGuard:
             assert result is not None
             status = OK if isinstance(result, Accumulated) else ERROR if result.error else OOM
             summed = None
-            if self._overlapped:  # the flag exchange carries the step's scalars too (one round trip, not two)
+            if self._overlapped:  # the flag carries the step's scalars too (in the last bucket: no round trip of its own)
                 scalars = step_scalars(result if isinstance(result, Accumulated) else None, self.device)
                 agreed, summed = self.sync.agree_step(status, scalars)  # type: ignore[attr-defined]
             else:

@@ -19,9 +19,9 @@ A sync that can overlap the gradient all-reduce with the last micro-batch's back
 (:class:`OverlapSync`: ``DistributedSync`` for DDP and plain modules) is asked, in step 1, whether
 it has room (``overlap_bytes``, ``prepare_overlap``); the ranks vote in the same ``gather``; where
 every rank voted for it, ``overlapped()`` starts the attempt, the guard arms it before the last
-micro-step, and ``agree_step(status, scalars)`` first sends what was not sent yet, in order, waits
-for all of it, then exchanges the flag with the step's scalars (loss sum, item count) in one
-all-reduce (``autoaccum.distributed.overlap``).
+micro-step, and ``agree_step(status, scalars)`` sends what was not sent yet, in order, the flag and
+the step's scalars (loss sum, item count) in the last bucket (or, for bf16/fp16 buckets, in one
+all-reduce after them), and waits for all of it (``autoaccum.distributed.overlap``).
 """
 
 from __future__ import annotations

@@ -204,6 +204,162 @@ def test_buckets_sent_before_the_gradients_are_final_are_caught(exact: list[dict
             torch.testing.assert_close(checked["params"][name], p, **FP64, msg=name)
 
 
+# -- the flag in the last bucket: its dtype ----------------------------------------------------------------
+def _recorded(calls: list[tuple[int, str, bool]]) -> Any:
+    original = dist.all_reduce
+
+    def recording(tensor: torch.Tensor, *args: Any, async_op: bool = False, **kwargs: Any) -> Any:
+        calls.append((tensor.numel(), str(tensor.dtype), async_op))
+        return original(tensor, *args, async_op=async_op, **kwargs)
+
+    return original, recording
+
+
+def _dtype_run(dtype: torch.dtype, overlap: str, rank: int, world_size: int) -> dict[str, Any]:
+    """A DDP guard on the net in ``dtype``: the parameters, each step's loss, and the all-reduces of the
+    last step (elements, dtype, asynchronous)."""
+    torch.manual_seed(SEED)
+    net = OverlapNet().to(dtype)
+    model = wrap_model(net)
+    sync = DistributedSync(model, bucket_bytes=BUCKET_BYTES)
+    guard = autoaccum.OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9), sync=sync,
+                               target_batch=TARGET, micro_batch=MICRO, overlap=overlap)
+    x, y, ids = make_data(TARGET * EXACT_STEPS)
+    batches = GlobalBatches((x.to(dtype), y, ids), TARGET, seed=SEED, rank=rank, world_size=world_size)
+    losses, overlapped, calls = [], [], []
+    original, recording = _recorded(calls)
+    for rb in batches.epoch(0):
+        calls.clear()
+        dist.all_reduce = recording  # type: ignore[assignment]
+        try:
+            stats = guard.step(rb.batch, mean_loss)
+        finally:
+            dist.all_reduce = original  # type: ignore[assignment]
+        losses.append(stats.loss)
+        overlapped.append(stats.overlapped)
+    buckets = [sum(p.numel() for p in b) for b in sync._overlap.buckets] if sync._overlap is not None else []
+    return {"params": _params(model), "losses": losses, "overlapped": overlapped, "calls": list(calls),
+            "buckets": buckets, "num_params": len(guard.params)}
+
+
+def dtype_runs(rank: int, world_size: int) -> dict[str, Any]:
+    from autoaccum.distributed import overlap as overlap_module
+
+    out = {f"{dtype}/{overlap}": _dtype_run(dtype, overlap, rank, world_size)
+           for dtype in (torch.float32, torch.bfloat16) for overlap in ("auto", "off")}
+    # negative control: the float64 scalars written into the float32 row as one rounded piece
+    overlap_module._PIECES[torch.float32] = 1
+    try:
+        out["torch.float32/one piece"] = _dtype_run(torch.float32, "auto", rank, world_size)
+    finally:
+        overlap_module._PIECES[torch.float32] = 3
+    return out
+
+
+@pytest.fixture(scope="module")
+def dtypes(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    tmp_path = tmp_path_factory.mktemp("overlap_dtypes")
+    codes, _ = spawn(dtype_runs, tmp_path)
+    return results(tmp_path, codes)
+
+
+def test_the_flag_rides_in_a_float32_last_bucket_and_the_loss_stays_float64(dtypes: list[dict[str, Any]]) -> None:
+    """fp32: the overlapped step's flag, presence bits and float64 loss sums ride in the last bucket
+    (3 float32 pieces per float64): no exchange after the buckets. The step's loss equals today's
+    protocol's (a float64 all-reduce) exactly, on both ranks, and the weights equal today's (fp32:
+    rtol 1e-5). Negative control: the scalars written as one rounded float32 give other losses."""
+    for r in dtypes:
+        on, off = r["torch.float32/auto"], r["torch.float32/off"]
+        assert on["overlapped"] == [True] * EXACT_STEPS and off["overlapped"] == [False] * EXACT_STEPS
+        p, buckets = on["num_params"], on["buckets"]
+        gather = (2 * 7, "torch.int64", True)
+        row = 3 + p + 2 * 4 * 3  # status (2), late, presence (p), then per rank 4 scalars x 3 pieces
+        assert on["calls"] == [gather] + [(n, "torch.float32", True) for n in buckets[:-1]] + \
+            [(buckets[-1] + row, "torch.float32", True)], on["calls"]
+        assert on["losses"] == off["losses"], (on["losses"], off["losses"])  # bit for bit
+        for name, value in off["params"].items():
+            torch.testing.assert_close(on["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+        rounded = r["torch.float32/one piece"]["losses"]
+        assert rounded != off["losses"], "one float32 piece kept the float64 sums: the check cannot tell"
+        torch.testing.assert_close(torch.tensor(rounded), torch.tensor(off["losses"]), rtol=1e-6, atol=0.0)
+    assert dtypes[0]["torch.float32/auto"]["losses"] == dtypes[1]["torch.float32/auto"]["losses"]
+
+
+def test_a_bf16_last_bucket_sends_the_flag_in_an_exchange_of_its_own(dtypes: list[dict[str, Any]]) -> None:
+    """bf16 cannot hold the counts and float64 sums exactly: the buckets go as they are, then the flag
+    in one float64 exchange once every bucket is done; the loss is today's, exactly."""
+    for r in dtypes:
+        on, off = r["torch.bfloat16/auto"], r["torch.bfloat16/off"]
+        assert on["overlapped"] == [True] * EXACT_STEPS
+        p = on["num_params"]
+        assert on["calls"] == [(2 * 7, "torch.int64", True)] + [(n, "torch.bfloat16", True) for n in on["buckets"]] + \
+            [(3 + p + 4, "torch.float64", False)], on["calls"]
+        assert on["losses"] == off["losses"], (on["losses"], off["losses"])
+        for name, value in off["params"].items():
+            torch.testing.assert_close(on["params"][name], value, rtol=1e-2, atol=1e-3, msg=name)
+
+
+def layout_run(rank: int, world_size: int) -> dict[str, Any]:
+    """A plain module with one transposed (non-contiguous) weight: the gradients ``guard.accumulate``
+    leaves after an overlapped step."""
+    net = make_net()
+    net.inp.weight = torch.nn.Parameter(net.inp.weight.detach().t().contiguous().t())  # strides (1, 16)
+    sync = DistributedSync(net, bucket_bytes=BUCKET_BYTES)
+    guard = autoaccum.OOMGuard(net, torch.optim.SGD(net.parameters(), lr=0.2), sync=sync, target_batch=TARGET,
+                               micro_batch=MICRO, overlap="on")
+    rb = next(iter(GlobalBatches(make_data(TARGET), TARGET, seed=SEED, rank=rank, world_size=world_size).epoch(0)))
+    result = guard.accumulate(rb.batch, mean_loss)
+    flats = sync._overlap.flats  # type: ignore[union-attr]
+
+    def in_a_flat(g: torch.Tensor) -> bool:
+        return any(f.data_ptr() <= g.data_ptr() < f.data_ptr() + f.numel() * f.element_size() for f in flats)
+
+    return {"overlapped": result.overlapped,
+            "grads": {n: None if q.grad is None else q.grad.clone() for n, q in net.named_parameters()},
+            "strides": {n: (q.stride(), None if q.grad is None else q.grad.stride()) for n, q in net.named_parameters()},
+            "views": {n: q.grad is not None and in_a_flat(q.grad) for n, q in net.named_parameters()}}
+
+
+def test_overlapped_sums_are_views_of_the_buckets_and_keep_a_gradient_layout(tmp_path: Path) -> None:
+    """After an overlapped step the summed gradients are handed over as views of the flat buffers (no
+    copy, as DDP's gradient_as_bucket_view); a gradient whose strides differ from a flat view's (a
+    transposed weight) keeps its own layout and gets the sum copied. Both equal the full-batch
+    gradient of one process (fp64)."""
+    codes, _ = spawn(layout_run, tmp_path)
+    out = results(tmp_path, codes)
+    net = make_net()
+    net.inp.weight = torch.nn.Parameter(net.inp.weight.detach().t().contiguous().t())
+    mean_loss(net, make_data(TARGET)).backward()
+    for r in out:
+        assert r["overlapped"]
+        param_strides, grad_strides = r["strides"]["inp.weight"]
+        assert param_strides == (1, 16) and grad_strides == (1, 16), r["strides"]["inp.weight"]
+        assert not r["views"]["inp.weight"] and r["views"]["out.weight"] and r["views"]["inp.bias"], r["views"]
+        assert r["grads"]["never"] is None
+        for name, q in net.named_parameters():
+            if q.grad is not None:
+                torch.testing.assert_close(r["grads"][name], q.grad, **FP64, msg=name)
+
+
+def test_float64_values_split_into_float32_pieces_add_up_exactly() -> None:
+    """The split the float32 row uses: three float32 pieces whose float64 sum (largest first) is the
+    value, bit for bit, across magnitudes; inf and NaN stay non-finite; one piece would round."""
+    from autoaccum.distributed.overlap import _pieces
+
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(4000, generator=g, dtype=torch.float64) * torch.pow(10.0, torch.randint(
+        -20, 30, (4000,), generator=g).double())
+    values = torch.cat([values, torch.tensor([0.0, 1 / 3, 2.0**60 + 1, 123456789012.0], dtype=torch.float64)])
+    pieces = _pieces(values, 3)
+    assert pieces.dtype == torch.float32 and pieces.shape == (values.numel(), 3)
+    back = [(a + b) + c for a, b, c in pieces.tolist()]
+    assert back == values.tolist()
+    assert pieces[:, 0].double().tolist() != values.tolist()  # the first piece alone is not enough
+    odd = _pieces(torch.tensor([float("inf"), float("nan"), 1e39], dtype=torch.float64), 3).tolist()
+    assert [(a + b) + c for a, b, c in odd][0] == float("inf") and all(
+        not torch.isfinite(torch.tensor((a + b) + c)) for a, b, c in odd)
+
+
 # -- the protocol: tight memory keeps today's, ample memory overlaps -------------------------------------
 def protocol_run(rank: int, world_size: int) -> dict[str, Any]:
     """One guard under an emulated budget (a TrackedMemory meter) that starts ample, is made tight after
@@ -270,7 +426,7 @@ def test_tight_memory_keeps_todays_protocol_ample_memory_overlaps(tmp_path: Path
         # today's protocol: the cut, then the flag, which gradients exist, the gradients, the loss
         todays_head = [gather, (1, "torch.int64", False), (p, "torch.int32", False)]
         # overlapped: the cut, the buckets, then one exchange: status (2), late, presence (p), the loss's 4 scalars
-        overlapped = [gather] + [(n, "torch.float64", True) for n in r["buckets"]] + [(3 + p + 4, "torch.float64", False)]
+        overlapped = [gather] + [(n, "torch.float64", True) for n in r["buckets"][:-1]] + [(r["buckets"][-1] + 3 + p + 2 * 4, "torch.float64", True)]
         for step, calls in enumerate(r["calls"], start=1):
             if r["overlapped"][step - 1]:
                 assert calls == overlapped, (step, calls)

@@ -23,15 +23,18 @@ be waiting in ``agree``, where every other rank is headed too.
 the last micro-batch's backward is the exception to "no collective in the window"::
 
     last backward  bucket k final        all_reduce SUM, async, buckets strictly in order
-    after it       the buckets not sent  all_reduce SUM, async, in the same order (zeros after a failure)
+                   (all but the last)
+    after it       the buckets not sent  all_reduce SUM, async, in the same order (zeros after a failure);
+                   the last one carries  status, presence bits, "late" flag, and each rank's loss sum
+                   the flag              and item count (fp32/fp64 buckets; bf16/fp16: one float64
+                                         all_reduce of its own, once every bucket is done)
                    every bucket waited on and settled
-                   agree_step(status,    status, presence bits, "late" flag, and  all_reduce SUM (float64)
-                              scalars)   the loss sum and item count: one exchange
-                   reduce_gradients()    the sums copied into ``.grad`` (no collective)
+                   reduce_gradients()    the sums handed to ``.grad`` as views of the buckets (no collective)
 
-Every rank issues the same collectives in the same order whatever its micro-batches did, so the
-flag exchange can only meet the flag exchange; an OOM anywhere drops the sums on every rank and the
-step is replayed, not overlapped (``autoaccum.distributed.overlap``).
+Every rank issues the same collectives, of the same sizes, in the same order whatever its
+micro-batches did, so the flag can only meet the flag; an OOM anywhere drops the sums on every rank
+and the step is replayed, not overlapped (``autoaccum.distributed.overlap``, which also says why the
+flag may ride in a gradient collective).
 
 - **DDP**: the window is ``model.no_sync()`` (forward included, so DDP neither prepares its reducer
   nor broadcasts buffers), gradients hold local sums, and :meth:`DistributedSync.reduce_gradients`

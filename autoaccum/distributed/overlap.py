@@ -7,21 +7,41 @@ meets the k-th of every other rank. The guard's protocol keeps that order in bot
 - **today's** (``autoaccum.distributed``): no gradient collective inside the accumulation window;
   the OOM flag, then the gradients, once every rank has said OK;
 - **overlapped** (this module, where the guard found room for it): during the last micro-batch's
-  backward each bucket of gradients is all-reduced asynchronously as soon as every gradient in it
-  is final (post-accumulate-grad hooks), buckets strictly in their fixed order on every rank. After
-  the micro-batches, whatever happened -- every backward done, or an OOM or error in any forward,
-  loss or backward -- each rank issues the buckets it has not issued yet, in the same order (its
-  local sums, or zeros after a failure), waits until every one of them is done, and only then
-  exchanges the flag. So every rank issues exactly ``buckets + 1`` collectives between the cut's
-  exchange (``autoaccum.cut_agreement``) and the end of the flag, in the same order, and none of the gradient collectives is still in flight
-  when the flag is exchanged (the rule of DESIGN.md's Scale section holds in both forms): the flag
-  can never meet a gradient all-reduce. The flag exchange also carries which parameters
-  have a gradient on each rank, whether a gradient was accumulated twice in the last backward
-  (below) and the step's loss sum and item count: one all-reduce (SUM, float64) where today's
-  protocol has three (flag, presence, scalars). Then gloo's worker has let go of every buffer
-  (``settle``): if any rank said OOM (or ERROR), every rank drops
-  the reduced sums -- its own gradients were never touched, the buffers are separate -- and the
-  guard replays the step as today (same samples, same result; the replay is not overlapped).
+  backward each bucket of gradients but the last is all-reduced asynchronously as soon as every
+  gradient in it is final (post-accumulate-grad hooks), buckets strictly in their fixed order on
+  every rank. After the micro-batches, whatever happened -- every backward done, or an OOM or error
+  in any forward, loss or backward -- each rank issues the buckets it has not issued yet, in the
+  same order (its local sums, or zeros after a failure), the last of them carrying the flag, and
+  waits until every one is done. So every rank issues exactly ``buckets`` collectives after the
+  cut's exchange (``autoaccum.cut_agreement``), of the same sizes in the same order: the flag can
+  never meet a gradient all-reduce of another size, because it is part of the last one.
+
+  **The flag in the last bucket.** After the last bucket's gradients comes a row: whether this
+  rank ran out of memory (or failed), whether a gradient was accumulated twice in the last backward
+  (below), which parameters have a gradient, and the step's loss sum and item count, each rank's
+  in a slot of its own (zeros in the others', so the SUM gathers them; every float64 written as
+  three float32 pieces that add up to it exactly, :func:`_pieces`, and the scalars summed in
+  float64 after the exchange). The flag is then known when the last bucket is: no exchange after
+  the gradients (the hand-written loop has none either; a separate one cost 1.5-3 ms a step on 2
+  gloo ranks, mostly waiting for the slower rank to finish the last bucket). The last bucket is
+  the first layers' gradients, final only at the very end of the backward, so sending it after
+  the backward loses almost no overlap. Where the last bucket's dtype cannot hold the row exactly
+  (bf16, fp16), the flag goes as before: one float64 all-reduce once every bucket is done.
+
+  DESIGN.md's Scale section asks that the flag exchange happen only where no gradient collective
+  can be in flight. That rule is kept literally where the flag has an exchange of its own; where it
+  rides in the last bucket, earlier buckets may still be in flight while it goes. The hazard the
+  rule prevents -- one rank's flag all-reduce pairing with another rank's gradient all-reduce of
+  another size, and both processes dying -- cannot happen then: there is no flag collective apart
+  from the gradients, and every rank's k-th collective is the same bucket. The randomized OOM
+  injection (``tests/test_distributed_overlap.py``) runs this form (fp64 buckets), OOMs on one
+  rank or both with buckets in flight: no hang, no mismatch, exact weights.
+
+  Then gloo's worker has let go of every buffer (``settle``). If any rank said OOM (or ERROR),
+  every rank drops the reduced sums -- its own gradients were never touched, the buffers are
+  separate -- and the guard replays the step as today (same samples, same result; the replay is
+  not overlapped). If every rank said OK, the sums become the gradients as views of the flat
+  buffers (as DDP's ``gradient_as_bucket_view``: no copy back), until the next step clears them.
 
 A parameter whose gradient is accumulated twice in one backward (a weight shared across two
 reentrant checkpointed regions) would have been sent before it was final: the flag exchange tells
@@ -51,6 +71,14 @@ __all__: list[str] = []  # internal: DistributedSync drives it
 
 logger = logging.getLogger(__name__)
 
+#: the step's scalars the flag carries (``autoaccum.accumulate.step_scalars``: the loss sum, the item
+#: count, and which kind of loss each rank saw)
+STEP_SCALARS = 4
+#: how many pieces of the last bucket's dtype hold one float64 exactly (float32: three, whose sum in
+#: float64 is the value; float64: itself). Other dtypes (bf16, fp16) cannot hold the counts and sums
+#: exactly: the flag then goes in an exchange of its own after the buckets.
+_PIECES = {torch.float32: 3, torch.float64: 1}
+
 
 class _OverlappedReduce:
     """Flat buffers for every bucket (kept from step to step), the hooks of one overlapped attempt,
@@ -59,7 +87,12 @@ class _OverlappedReduce:
     def __init__(self, params: list[torch.nn.Parameter], buckets: list[list[torch.nn.Parameter]], group: Any) -> None:
         self.params, self.buckets, self.group = params, buckets, group
         self.where = {id(p): i for i, bucket in enumerate(buckets) for p in bucket}
-        self.nbytes = sum(p.numel() * p.element_size() for p in params)
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        #: the flag rides in the last bucket (its row after the gradients) where that bucket's dtype
+        #: holds it exactly; else None: an exchange of its own after the buckets
+        self.pieces = _PIECES.get(buckets[-1][0].dtype)
+        self.row = 0 if self.pieces is None else 3 + len(params) + self.world_size * STEP_SCALARS * self.pieces
+        self.nbytes = sum(p.numel() * p.element_size() for p in params) + self.row * buckets[-1][0].element_size()
         self.flats: list[torch.Tensor] | None = None
         self.disabled: str | None = None  # why overlap is off for good on this sync
         self.active = False  # between start() and finish()
@@ -82,8 +115,10 @@ class _OverlappedReduce:
         if self.flats is not None:
             return True
         try:
-            self.flats = [torch.empty(sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device)
-                          for b in self.buckets]
+            last = len(self.buckets) - 1
+            self.flats = [torch.empty(sum(p.numel() for p in b) + (self.row if i == last else 0),
+                                      dtype=b[0].dtype, device=b[0].device)
+                          for i, b in enumerate(self.buckets)]
         except Exception as exc:  # noqa: BLE001 - an OOM means "no room to overlap"; anything else is raised
             if not is_oom(exc):
                 raise
@@ -125,7 +160,9 @@ class _OverlappedReduce:
             return
         self._fired.add(key)
         self._waiting[self.where[key]] -= 1
-        while self._next < len(self.buckets) and self._waiting[self._next] == 0:  # strictly in order
+        # strictly in order; where the flag rides in the last bucket, that one waits for finish()
+        early = len(self.buckets) - (self.pieces is not None)
+        while self._next < early and self._waiting[self._next] == 0:
             self._launch(self._next, copy=True)
             self.early += 1
 
@@ -144,42 +181,47 @@ class _OverlappedReduce:
         self._next = index + 1  # counted once issued: a failure before it leaves it to finish()
 
     def finish(self, status: int, scalars: torch.Tensor | None = None) -> tuple[int, torch.Tensor | None]:
-        """After the micro-batches, on every rank, whatever they did: the buckets not sent yet (in
-        order), every bucket's work waited on, then the flag exchange (with which gradients exist,
-        whether one was late, and the step's ``scalars`` where given: one exchange instead of a
-        second one after the gradients), so that no gradient collective is in flight when the flag
-        is exchanged (DESIGN.md, Scale); then the buffers settled. Returns the agreed status (the
-        worst over the ranks: OK=0 < OOM=1 < ERROR=2) and the scalars summed over the ranks (None
-        where none were given). Every rank gives scalars of the same length, or none."""
+        """After the micro-batches, on every rank, whatever they did: the buckets not sent yet, in
+        order, the flag (whether this rank failed, which gradients exist, whether one was late, and
+        the step's ``scalars`` where given) in the last of them where its dtype holds it exactly, else
+        in an exchange of its own once every bucket is done; every bucket waited on; then the buffers
+        settled. Returns the agreed status (the worst over the ranks: OK=0 < OOM=1 < ERROR=2) and the
+        scalars summed over the ranks (float64; None where none were given). Every rank gives
+        scalars of the same length (:data:`STEP_SCALARS` where the flag rides in a bucket), or none."""
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        # status as two counts, the late flag, the presence bits: counts of ranks, exact in every
+        # dtype the flag is exchanged in (float64, or a bucket's float32 up to 2**24 ranks)
+        flags = [status == 1, status == 2, self._late] + [p.grad is not None for p in self.params]
         try:
             ok = status == 0
+            if self.pieces is not None:
+                self._write_row(flags, scalars)
             while self._next < len(self.buckets):
                 self._launch(self._next, copy=ok)  # after a failure: zeros, only to keep the order
-            for index in range(len(self._works)):
-                self._works[index].wait()
-            # one SUM in float64 (exact for the counts and the flags; the scalars are summed in float64
-            # as sum_items does): status as two counts, then the late flag, the presence bits, the scalars
-            flags = [status == 1, status == 2, self._late] + [p.grad is not None for p in self.params]
-            # built where the exchange runs (gloo: the CPU, so MPS, which has no float64, is no case of its own)
-            device = _comm_device(self.group)
-            local = torch.tensor(flags, dtype=torch.float64, device=device)
-            if scalars is not None:
-                local = torch.cat([local, scalars.detach().reshape(-1).to(device, torch.float64)])
-            summed = _all_reduce(local, dist.ReduceOp.SUM, self.group)
+            self._wait_all()
+            if self.pieces is not None:
+                agreed_row = self._read_row(scalars is not None)
+            else:
+                # no gradient collective is in flight now (DESIGN.md, Scale): one SUM in float64 (exact
+                # for the counts; the scalars summed in float64 as sum_items does), built where the
+                # exchange runs (gloo: the CPU, so MPS, which has no float64, is no case of its own)
+                device = _comm_device(self.group)
+                local = torch.tensor(flags, dtype=torch.float64, device=device)
+                if scalars is not None:
+                    local = torch.cat([local, scalars.detach().reshape(-1).to(device, torch.float64)])
+                summed = _all_reduce(local, dist.ReduceOp.SUM, self.group)
+                agreed_row = (summed[:len(flags)].tolist(), summed[len(flags):] if scalars is not None else None)
         finally:
             self._works = []  # a work handle holds its tensor: dropped before the settle below
             self._stack.close()  # returns once gloo's worker let go of every buffer (settle.py)
             self._keep, self.active = None, False
-        count = 3 + len(self.params)
-        flags = summed[:count].tolist()
-        sums = summed[count:] if scalars is not None else None
-        agreed = 2 if flags[1] > 0 else 1 if flags[0] > 0 else 0
+        counts, sums = agreed_row
+        agreed = 2 if counts[1] > 0 else 1 if counts[0] > 0 else 0
         if agreed == 0:
-            self.late = flags[2] > 0
-            self.reduced = [f > 0 for f in flags[3:]]
+            self.late = counts[2] > 0
+            self.reduced = [f > 0 for f in counts[3:]]
             if self.late:
                 self.disabled = ("a parameter's gradient was accumulated twice in one backward (e.g. a weight shared "
                                  "by two reentrant checkpointed regions)")
@@ -188,9 +230,62 @@ class _OverlappedReduce:
                               stacklevel=user_stacklevel())
         return agreed, sums
 
+    def _wait_all(self) -> None:
+        for index in range(len(self._works)):  # no loop variable: a work handle holds its tensor (settle)
+            self._works[index].wait()
+
+    # -- the flag in the last bucket -------------------------------------------------------------------
+    def _tail(self) -> torch.Tensor:
+        """The last bucket's room after its gradients: the flag's row."""
+        assert self.flats is not None
+        flat = self.flats[-1]
+        return flat[flat.numel() - self.row:]
+
+    def _write_row(self, flags: list[bool], scalars: torch.Tensor | None) -> None:
+        """This rank's row: the flags (summed over the ranks: counts), then one slot per rank for the
+        scalars, each float64 as :attr:`pieces` of the bucket's dtype that add up to it exactly. Every
+        other rank's slot holds zeros here, so the sum gathers every rank's scalars unchanged; they are
+        added up in float64 after the exchange (:meth:`_read_row`)."""
+        assert self.pieces is not None
+        tail = self._tail()
+        tail.zero_()
+        tail[:len(flags)].copy_(torch.tensor(flags, dtype=tail.dtype))
+        if scalars is None:
+            return
+        values = scalars.detach().reshape(-1)
+        if values.numel() != STEP_SCALARS:
+            raise RuntimeError(f"internal: the overlapped flag carries {STEP_SCALARS} scalars, not {values.numel()}")
+        slot = STEP_SCALARS * self.pieces
+        at = len(flags) + self.rank * slot
+        tail[at:at + slot].copy_(_pieces(values, self.pieces).reshape(-1))
+
+    def _read_row(self, with_scalars: bool) -> tuple[list[float], torch.Tensor | None]:
+        """The summed row: the flags' counts, and the scalars summed over the ranks (float64, in rank
+        order: the same on every rank). Read once to the host and added up there (a few numbers per
+        rank: cheaper than the device ops it would take)."""
+        assert self.pieces is not None
+        row = self._tail().tolist()
+        count = 3 + len(self.params)
+        if not with_scalars:
+            return row[:count], None
+        totals = [0.0] * STEP_SCALARS
+        at = count
+        for _ in range(self.world_size):
+            for i in range(STEP_SCALARS):
+                value = 0.0
+                for piece in row[at:at + self.pieces]:  # the largest first: every addition is exact
+                    value += piece
+                totals[i] += value
+                at += self.pieces
+        return row[:count], torch.tensor(totals, dtype=torch.float64)
+
     def copy_back(self) -> None:
         """The agreed sums into ``.grad``: a parameter some rank used gets the sum (a rank that did
-        not use it gets it too), one no rank used keeps ``None``."""
+        not use it gets it too), one no rank used keeps ``None``. The sum is handed over as a view of
+        the flat buffer, as DDP's ``gradient_as_bucket_view`` does (no copy; the step's own gradient
+        is freed here): it stays the parameter's ``.grad`` until the next step clears the gradients
+        (the guard sets them to None before accumulating). A gradient whose strides differ from a
+        flat view's (e.g. channels_last) gets the sum copied into it instead."""
         reduced, self.reduced = self.reduced, None
         assert reduced is not None and self.flats is not None
         used = dict(zip((id(p) for p in self.params), reduced))
@@ -202,7 +297,24 @@ class _OverlappedReduce:
                     start += p.numel()
                     if not used[id(p)]:
                         continue
-                    if p.grad is None:
-                        p.grad = summed.clone()
+                    if p.grad is not None and p.grad.stride() != summed.stride():
+                        p.grad.copy_(summed)  # copy_ keeps the gradient's own layout
                     else:
-                        p.grad.copy_(summed)  # copy_ keeps the gradient's own dtype and layout
+                        p.grad = summed
+
+
+def _pieces(values: torch.Tensor, pieces: int) -> torch.Tensor:
+    """``values`` (float64, or float32 where the device has no float64) as ``pieces`` numbers each of
+    the bucket's dtype whose sum, taken in float64 from the largest, is the value exactly: for
+    float32, the value rounded, then what rounding left out, rounded, then the rest (53 bits in three
+    pieces of 24). A value beyond float32's range, inf or NaN keeps its first piece only (inf or NaN
+    after the exchange: still not finite)."""
+    if pieces == 1:
+        return values.to(torch.float64).reshape(-1, 1)
+    if values.dtype != torch.float64:  # float32 already (MPS): itself, then zeros
+        return torch.cat([values.float().reshape(-1, 1), values.new_zeros(values.numel(), pieces - 1)], dim=1)
+    first = values.float()
+    rest = (values - first.double()).nan_to_num_(0.0, 0.0, 0.0)  # exact; 0 where the first piece is not finite
+    second = rest.float()
+    third = (rest - second.double()).float()
+    return torch.stack([first, second, third], dim=1)
