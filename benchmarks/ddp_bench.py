@@ -5,19 +5,16 @@ Two ranks (gloo, CPU), one model, ``accum`` micro-batches per optimizer step, fi
 
 - ``autoaccum``: ``OOMGuard(overlap="off")`` + ``DistributedSync`` on a DDP model (today's protocol,
   as where memory is tight): every micro-batch under ``no_sync``, the OOM flag exchanged after them,
-  gradients all-reduced once per step (in flat buckets), plus the guard's small exchanges (item
-  count, sample count, flag, presence, loss/items);
+  gradients all-reduced once per step (in flat buckets), plus the guard's small exchanges (the
+  cut's, with the item and sample counts; flag; presence; loss/items);
 - ``autoaccum_overlap``: ``OOMGuard(overlap="auto")`` (the default; on a CPU without an emulated
   budget it overlaps every step): the buckets all-reduced asynchronously during the last
-  micro-batch's backward as their gradients become final, the flag (with the presence bits) after;
+  micro-batch's backward as their gradients become final, the last one after it carrying the flag
+  (with the presence bits and the loss sums: no exchange of its own for these fp32 gradients);
 - ``autoaccum_overlap_nocheck``: the same with ``nonfinite=None``: without the inf/NaN check the
   guard runs before ``optimizer.step()`` by default (the hand loop has none), to show its share;
 - ``ddp_sync_every_micro``: plain DDP, no ``no_sync``: DDP all-reduces every micro-batch's
   gradients in its backward (``accum`` gradient all-reduces per step);
-- ``autoaccum_overlap_noflag`` (diagnostic, per-step measurement only, with ``--flag-cost``): the
-  nocheck mode with the overlapped step's flag exchange skipped on both ranks (each takes twice its
-  own row as the sum). Unsafe (an OOM would not be agreed on), never a product setting: it only
-  shows what that one small all-reduce costs per step;
 - ``ddp_no_sync_last``: the usual hand-written loop, ``no_sync`` on all but the last micro-batch,
   DDP's reducer syncing in the last backward (1 gradient all-reduce per step, overlapped with
   that backward, and the hazard the guard avoids: an OOM there cannot be agreed on safely).
@@ -26,7 +23,7 @@ Each rank runs with one intra-op thread. Prints a table, then one JSON document.
 test run.
 
     python benchmarks/ddp_bench.py [--accum 8] [--micro 8] [--steps 20] [--hidden 1024] [--repeats 3]
-                                   [--interleaved 150] [--flag-cost] [--single-process] [--json-only]
+                                   [--interleaved 150] [--single-process] [--json-only]
 
 Two measurements: rounds (``--steps`` steps of one mode back to back, ``--repeats`` rounds over the
 modes; the best round and the median of the per-round ratios are reported), then per step
@@ -60,24 +57,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 MODES = ("autoaccum", "autoaccum_overlap", "autoaccum_overlap_nocheck", "ddp_sync_every_micro", "ddp_no_sync_last")
-DIAGNOSTIC = "autoaccum_overlap_noflag"
-_SKIP_FLAG = [False]  # set by the diagnostic mode's steps only
-
-
-def _skip_flag_exchange() -> None:
-    """For ``autoaccum_overlap_noflag``: the overlapped step's flag all-reduce (the only caller of
-    ``overlap._all_reduce``) answers locally while ``_SKIP_FLAG[0]``: every rank's row times the world
-    size, right for the flags when no rank fails (the loss sums are then wrong, unread here)."""
-    from autoaccum.distributed import overlap
-
-    real = overlap._all_reduce
-
-    def maybe_skipped(tensor: torch.Tensor, op: Any, group: Any) -> torch.Tensor:
-        return tensor * dist.get_world_size(group) if _SKIP_FLAG[0] else real(tensor, op, group)
-
-    overlap._all_reduce = maybe_skipped
-
-
 def _model(hidden: int) -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, hidden),
@@ -140,11 +119,7 @@ def _setup(mode: str, rank: int, args: argparse.Namespace) -> tuple[Any, list[bo
         if guard is None:
             _hand_step(model, opt, x, y, args, quiet_but_last=mode == "ddp_no_sync_last")
             return
-        _SKIP_FLAG[0] = mode == DIAGNOSTIC
-        try:
-            overlapped.append(guard.step((x, y), _loss).overlapped)
-        finally:
-            _SKIP_FLAG[0] = False
+        overlapped.append(guard.step((x, y), _loss).overlapped)
 
     return step, overlapped
 
@@ -168,8 +143,7 @@ def _interleaved(rank: int, args: argparse.Namespace) -> dict[str, Any]:
     """Every mode set up at once, then one step of each in turn (a shuffled order per turn, the same on
     both ranks), each step started by a barrier and timed alone: a slow moment of the machine lands
     on neighbouring steps of every mode, not on one mode's round."""
-    modes = MODES + ((DIAGNOSTIC,) if args.flag_cost else ())
-    steps = {mode: _setup(mode, rank, args) for mode in modes}
+    steps = {mode: _setup(mode, rank, args) for mode in MODES}
     for step, _ in steps.values():
         for _ in range(args.warmup):
             step()
@@ -205,8 +179,6 @@ def _single_process(args: argparse.Namespace) -> dict[str, Any]:
 
 def _worker(rank: int, port: int, out: str, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
-    if args.flag_cost:
-        _skip_flag_exchange()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=120))
     rows = []
@@ -249,15 +221,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="rounds over the modes; the best is reported")
     parser.add_argument("--interleaved", type=int, default=150,
                         help="then this many turns of one step per mode, each timed alone (0: none)")
-    parser.add_argument("--flag-cost", action="store_true",
-                        help="add the diagnostic autoaccum_overlap_noflag to the per-step measurement")
     parser.add_argument("--single-process", action="store_true",
                         help="first measure the guard against the hand loop in one process (no ranks), per step")
     parser.add_argument("--json-only", action="store_true")
     args = parser.parse_args()
-    if (args.flag_cost or args.single_process) and not args.interleaved:
-        parser.error("--flag-cost and --single-process are per-step measurements: give --interleaved N (N >= 1), "
-                     "not 0")
+    if args.single_process and not args.interleaved:
+        parser.error("--single-process is a per-step measurement: give --interleaved N (N >= 1), not 0")
     single = _single_process(args) if args.single_process else None
 
     with socket.socket() as s:
@@ -297,10 +266,6 @@ def main() -> None:
         for r in report["results"]:
             r["per_step"] = _per_step_ratio(per_step["times"], r["mode"], "ddp_no_sync_last")
             r["per_step"]["overlapped_steps"] = per_step["overlapped"].get(r["mode"])
-        if args.flag_cost:
-            diagnostic = _per_step_ratio(per_step["times"], DIAGNOSTIC, "ddp_no_sync_last")
-            diagnostic["overlapped_steps"] = per_step["overlapped"].get(DIAGNOSTIC)
-            report["diagnostic"] = {"mode": DIAGNOSTIC, "per_step": diagnostic}
     if single is not None:
         report["single_process"] = single
     if not args.json_only:
@@ -316,7 +281,7 @@ def main() -> None:
             print(f"one step per mode in turn, {args.interleaved} turns, each step timed alone after a barrier "
                   f"(median over the turns of the hand loop's step time / the mode's, 95% bootstrap interval)")
             print(f"{'mode':<27}{'median step ms':>16}{'vs hand loop':>14}{'95% interval':>18}")
-            for r in report["results"] + ([report["diagnostic"]] if "diagnostic" in report else []):
+            for r in report["results"]:
                 ps = r["per_step"]
                 print(f"{r['mode']:<27}{ps['median_ms']:>16.2f}{ps['ratio']:>13.3f}x"
                       f"{ps['low']:>10.3f}-{ps['high']:.3f}")

@@ -342,22 +342,24 @@ def test_overlapped_sums_are_views_of_the_buckets_and_keep_a_gradient_layout(tmp
 
 
 def test_float64_values_split_into_float32_pieces_add_up_exactly() -> None:
-    """The split the float32 row uses: three float32 pieces whose float64 sum (largest first) is the
-    value, bit for bit, across magnitudes; inf and NaN stay non-finite; one piece would round."""
+    """The split the float32 row uses: each piece is a float32 (the cast's rounding), and the three add
+    up in float64 (largest first) to the value bit for bit, across magnitudes; inf and NaN stay
+    non-finite, a value beyond float32's range reads as inf; one piece alone would round."""
     from autoaccum.distributed.overlap import _pieces
 
     g = torch.Generator().manual_seed(0)
     values = torch.randn(4000, generator=g, dtype=torch.float64) * torch.pow(10.0, torch.randint(
-        -20, 30, (4000,), generator=g).double())
-    values = torch.cat([values, torch.tensor([0.0, 1 / 3, 2.0**60 + 1, 123456789012.0], dtype=torch.float64)])
-    pieces = _pieces(values, 3)
-    assert pieces.dtype == torch.float32 and pieces.shape == (values.numel(), 3)
-    back = [(a + b) + c for a, b, c in pieces.tolist()]
-    assert back == values.tolist()
-    assert pieces[:, 0].double().tolist() != values.tolist()  # the first piece alone is not enough
-    odd = _pieces(torch.tensor([float("inf"), float("nan"), 1e39], dtype=torch.float64), 3).tolist()
-    assert [(a + b) + c for a, b, c in odd][0] == float("inf") and all(
-        not torch.isfinite(torch.tensor((a + b) + c)) for a, b, c in odd)
+        -23, 38, (4000,), generator=g).double())
+    values = torch.cat([values, torch.tensor([0.0, 1 / 3, 2.0**60 + 1, 123456789012.0, 3.0e38],
+                                             dtype=torch.float64)])
+    split = [_pieces(v, 3) for v in values.tolist()]
+    pieces = torch.tensor(split, dtype=torch.float64)
+    assert torch.equal(pieces, pieces.float().double())  # every piece is a float32
+    assert [(a + b) + c for a, b, c in split] == values.tolist()
+    assert [a for a, _, _ in split] != values.tolist()  # the first piece alone is not enough
+    inf, nan, big = (sum(_pieces(v, 3)) for v in (float("inf"), float("nan"), 1e39))
+    assert inf == float("inf") and nan != nan and big == float("inf")
+    assert _pieces(0.1, 1) == [0.1]
 
 
 # -- the protocol: tight memory keeps today's, ample memory overlaps -------------------------------------

@@ -55,6 +55,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import struct
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -78,6 +80,7 @@ STEP_SCALARS = 4
 #: float64 is the value; float64: itself). Other dtypes (bf16, fp16) cannot hold the counts and sums
 #: exactly: the flag then goes in an exchange of its own after the buckets.
 _PIECES = {torch.float32: 3, torch.float64: 1}
+_FLOAT32 = struct.Struct("f")
 
 
 class _OverlappedReduce:
@@ -243,21 +246,21 @@ class _OverlappedReduce:
 
     def _write_row(self, flags: list[bool], scalars: torch.Tensor | None) -> None:
         """This rank's row: the flags (summed over the ranks: counts), then one slot per rank for the
-        scalars, each float64 as :attr:`pieces` of the bucket's dtype that add up to it exactly. Every
-        other rank's slot holds zeros here, so the sum gathers every rank's scalars unchanged; they are
-        added up in float64 after the exchange (:meth:`_read_row`)."""
+        scalars, each float64 as :attr:`pieces` numbers of the bucket's dtype that add up to it exactly
+        (:func:`_pieces`). Every other rank's slot holds zeros here, so the sum gathers every rank's
+        scalars unchanged; they are added up in float64 after the exchange (:meth:`_read_row`). Built
+        on the host (the scalars read once) and copied in one go: a handful of numbers."""
         assert self.pieces is not None
-        tail = self._tail()
-        tail.zero_()
-        tail[:len(flags)].copy_(torch.tensor(flags, dtype=tail.dtype))
-        if scalars is None:
-            return
-        values = scalars.detach().reshape(-1)
-        if values.numel() != STEP_SCALARS:
-            raise RuntimeError(f"internal: the overlapped flag carries {STEP_SCALARS} scalars, not {values.numel()}")
-        slot = STEP_SCALARS * self.pieces
-        at = len(flags) + self.rank * slot
-        tail[at:at + slot].copy_(_pieces(values, self.pieces).reshape(-1))
+        row = [float(f) for f in flags] + [0.0] * (self.row - len(flags))
+        if scalars is not None:
+            values = scalars.detach().reshape(-1).tolist()
+            if len(values) != STEP_SCALARS:
+                raise RuntimeError(f"internal: the overlapped flag carries {STEP_SCALARS} scalars, not {len(values)}")
+            at = len(flags) + self.rank * STEP_SCALARS * self.pieces
+            for value in values:
+                row[at:at + self.pieces] = _pieces(value, self.pieces)
+                at += self.pieces
+        self._tail().copy_(torch.tensor(row, dtype=self._tail().dtype))
 
     def _read_row(self, with_scalars: bool) -> tuple[list[float], torch.Tensor | None]:
         """The summed row: the flags' counts, and the scalars summed over the ranks (float64, in rank
@@ -303,18 +306,29 @@ class _OverlappedReduce:
                         p.grad = summed
 
 
-def _pieces(values: torch.Tensor, pieces: int) -> torch.Tensor:
-    """``values`` (float64, or float32 where the device has no float64) as ``pieces`` numbers each of
-    the bucket's dtype whose sum, taken in float64 from the largest, is the value exactly: for
-    float32, the value rounded, then what rounding left out, rounded, then the rest (53 bits in three
-    pieces of 24). A value beyond float32's range, inf or NaN keeps its first piece only (inf or NaN
-    after the exchange: still not finite)."""
+def _pieces(value: float, pieces: int) -> list[float]:
+    """``value`` (a float64) as ``pieces`` float32 numbers whose sum, taken in float64 from the
+    largest, is the value exactly (``pieces`` 1: the value itself, for a float64 row): the value
+    rounded to float32, then what rounding left out, rounded, then the rest (53 bits in three pieces
+    of 24; each difference is exact in float64). Exact from 2**-77 in magnitude up to float32's
+    largest (and for 0); closer to 0, within 2**-149 (float32's smallest step). A value beyond
+    float32's range, inf or NaN keeps its first piece only (inf or NaN after the exchange: still
+    not finite)."""
     if pieces == 1:
-        return values.to(torch.float64).reshape(-1, 1)
-    if values.dtype != torch.float64:  # float32 already (MPS): itself, then zeros
-        return torch.cat([values.float().reshape(-1, 1), values.new_zeros(values.numel(), pieces - 1)], dim=1)
-    first = values.float()
-    rest = (values - first.double()).nan_to_num_(0.0, 0.0, 0.0)  # exact; 0 where the first piece is not finite
-    second = rest.float()
-    third = (rest - second.double()).float()
-    return torch.stack([first, second, third], dim=1)
+        return [value]
+    out = []
+    for _ in range(pieces):
+        piece = _float32(value)
+        out.append(piece)
+        value = value - piece if math.isfinite(piece) else 0.0
+    return out
+
+
+def _float32(value: float) -> float:
+    """``value`` rounded to the nearest float32 (to nearest, ties to even, as a cast), as a Python float."""
+    if not math.isfinite(value):
+        return value
+    try:
+        return _FLOAT32.unpack(_FLOAT32.pack(value))[0]
+    except OverflowError:  # beyond float32's range: a cast gives inf
+        return math.copysign(math.inf, value)
