@@ -156,11 +156,16 @@ def exact_runs(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
+def _ranks_results(tmp_path_factory: pytest.TempPathFactory, name: str, fn: Any) -> list[dict[str, Any]]:
+    """``fn`` on two spawned ranks, once for the module's tests: what each rank returned."""
+    tmp_path = tmp_path_factory.mktemp(name)
+    codes, _ = spawn(fn, tmp_path)
+    return results(tmp_path, codes)
+
+
 @pytest.fixture(scope="module")
 def exact(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    tmp_path = tmp_path_factory.mktemp("overlap_exact")
-    codes, _ = spawn(exact_runs, tmp_path)
-    return results(tmp_path, codes)
+    return _ranks_results(tmp_path_factory, "overlap_exact", exact_runs)
 
 
 @pytest.mark.parametrize("kind", ["ddp", "plain"])
@@ -258,9 +263,7 @@ def dtype_runs(rank: int, world_size: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def dtypes(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    tmp_path = tmp_path_factory.mktemp("overlap_dtypes")
-    codes, _ = spawn(dtype_runs, tmp_path)
-    return results(tmp_path, codes)
+    return _ranks_results(tmp_path_factory, "overlap_dtypes", dtype_runs)
 
 
 def test_the_flag_rides_in_a_float32_last_bucket_and_the_loss_stays_float64(dtypes: list[dict[str, Any]]) -> None:
