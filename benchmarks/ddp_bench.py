@@ -191,6 +191,24 @@ def _worker(rank: int, port: int, out: str, args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def run_two_ranks(worker: Any, args: argparse.Namespace) -> Any:
+    """``worker(rank, port, out, args)`` in two spawned processes (a gloo group on a free local
+    port); returns the JSON that rank 0 wrote to ``out``. Exits naming the exit codes if a rank failed."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = Path(tempfile.mkdtemp()) / "rank0.json"
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=worker, args=(rank, port, str(out), args)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(900)
+    if any(p.exitcode != 0 for p in procs):
+        sys.exit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
+    return json.loads(out.read_text())
+
+
 def _median_ratio(rows: list[dict[str, Any]], mode: str, base: str) -> float:
     """The median over rounds of ``mode``'s steps/s over ``base``'s in the same round (paired: a slow
     moment of the shared machine hits both)."""
@@ -229,19 +247,7 @@ def main() -> None:
         parser.error("--single-process is a per-step measurement: give --interleaved N (N >= 1), not 0")
     single = _single_process(args) if args.single_process else None
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = Path(tempfile.mkdtemp()) / "rows.json"
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(rank, port, str(out), args)) for rank in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(900)
-    if any(p.exitcode != 0 for p in procs):
-        sys.exit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
-    measured = json.loads(out.read_text())
+    measured = run_two_ranks(_worker, args)
     rows, per_step = measured["rows"], measured["per_step"]
     best = {mode: max(r["steps_per_s"] for r in rows if r["mode"] == mode) for mode in MODES}
     params = sum(p.numel() for p in _model(args.hidden).parameters())

@@ -22,8 +22,8 @@ meets the k-th of every other rank. The guard's protocol keeps that order in bot
   in a slot of its own (zeros in the others', so the SUM gathers them; every float64 written as
   three float32 pieces that add up to it exactly, :func:`_pieces`, and the scalars summed in
   float64 after the exchange). The flag is then known when the last bucket is: no exchange after
-  the gradients (the hand-written loop has none either; a separate one cost 1.5-3 ms a step on 2
-  gloo ranks, mostly waiting for the slower rank to finish the last bucket). The last bucket is
+  the gradients (the hand-written loop has none either; on 2 gloo ranks a separate one waits for
+  the slower rank to finish the last bucket: ``benchmarks/gloo_cost.py``, RESULTS.md). The last bucket is
   the first layers' gradients, final only at the very end of the backward, so sending it after
   the backward loses almost no overlap. Where the last bucket's dtype cannot hold the row exactly
   (bf16, fp16), the flag goes as before: one float64 all-reduce once every bucket is done.
@@ -94,7 +94,10 @@ class _OverlappedReduce:
         #: the flag rides in the last bucket (its row after the gradients) where that bucket's dtype
         #: holds it exactly; else None: an exchange of its own after the buckets
         self.pieces = _PIECES.get(buckets[-1][0].dtype)
-        self.row = 0 if self.pieces is None else 3 + len(params) + self.world_size * STEP_SCALARS * self.pieces
+        self._flags = 3 + len(params)  # status (2), late, presence: the row's counts
+        self.row = 0 if self.pieces is None else self._flags + self.world_size * STEP_SCALARS * self.pieces
+        #: the buckets the backward's hooks may send (all, or all but the last where it carries the flag)
+        self._early_limit = len(buckets) - (self.pieces is not None)
         self.nbytes = sum(p.numel() * p.element_size() for p in params) + self.row * buckets[-1][0].element_size()
         self.flats: list[torch.Tensor] | None = None
         self.disabled: str | None = None  # why overlap is off for good on this sync
@@ -163,9 +166,7 @@ class _OverlappedReduce:
             return
         self._fired.add(key)
         self._waiting[self.where[key]] -= 1
-        # strictly in order; where the flag rides in the last bucket, that one waits for finish()
-        early = len(self.buckets) - (self.pieces is not None)
-        while self._next < early and self._waiting[self._next] == 0:
+        while self._next < self._early_limit and self._waiting[self._next] == 0:  # strictly in order
             self._launch(self._next, copy=True)
             self.early += 1
 
@@ -260,7 +261,8 @@ class _OverlappedReduce:
             for value in values:
                 row[at:at + self.pieces] = _pieces(value, self.pieces)
                 at += self.pieces
-        self._tail().copy_(torch.tensor(row, dtype=self._tail().dtype))
+        tail = self._tail()
+        tail.copy_(torch.tensor(row, dtype=tail.dtype))
 
     def _read_row(self, with_scalars: bool) -> tuple[list[float], torch.Tensor | None]:
         """The summed row: the flags' counts, and the scalars summed over the ranks (float64, in rank
@@ -268,7 +270,7 @@ class _OverlappedReduce:
         rank: cheaper than the device ops it would take)."""
         assert self.pieces is not None
         row = self._tail().tolist()
-        count = 3 + len(self.params)
+        count = self._flags
         if not with_scalars:
             return row[:count], None
         totals = [0.0] * STEP_SCALARS
