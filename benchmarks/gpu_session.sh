@@ -9,6 +9,9 @@
 #   pytest_gpu            python -m pytest -q -m gpu -rs                          (limit 240 s)
 #   probe_cuda            python -m autoaccum probe --device cuda --no-cache --json  (120 s)
 #   probe_cuda_estimate   the same with --budget 1GiB --target-batch 2048 --estimate (120 s)
+#   recovery_<model>      benchmarks/guard_bench.py --parts recovery (issue 15: an OOM at the first and at
+#                         the last micro-batch, in extra step-times), TinyGPT dim 512 x 6 layers
+#                         (recovery_gpt512) and dim 128 x 2 (recovery_gpt128) (120 s each)
 #   real_gpu_<model>      benchmarks/real_gpu.py --models <model> --out $OUT/real_gpu, for gpt2,
 #                         resnet50, vit_b16, mlp (540 s each; about 3-6 min each on an H100)
 #   real_gpu_report       benchmarks/real_gpu.py --report-only: the table and JSON of every model so
@@ -133,6 +136,9 @@ step pytest_gpu 240 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider
 step probe_cuda 120 "$PY" -m autoaccum probe "${PROBE[@]}" ${BUDGET[@]+"${BUDGET[@]}"} --no-cache --json
 step probe_cuda_estimate 120 "$PY" -m autoaccum probe "${PROBE[@]}" --budget 1GiB --target-batch 2048 --estimate \
   --no-cache --json
+step recovery_gpt512 120 "$PY" benchmarks/guard_bench.py --device "$DEVICE" --parts recovery --repeats 21 \
+  --dim 512 --layers 6 --heads 8 --seq-len 256 --target 64 --micro 16
+step recovery_gpt128 120 "$PY" benchmarks/guard_bench.py --device "$DEVICE" --parts recovery --repeats 21
 for model in gpt2 resnet50 vit_b16 mlp; do
   step "real_gpu_$model" 540 "$PY" benchmarks/real_gpu.py "${SIZE[@]}" --models "$model" --out "$OUT/real_gpu" \
     --no-write

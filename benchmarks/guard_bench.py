@@ -275,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="time the overhead blocks by wall clock or by this process's CPU time (CPU device)")
+    parser.add_argument("--parts", nargs="+", choices=("overhead", "recovery"), default=["overhead", "recovery"],
+                        help="what to measure (default both; recovery alone fits a short GPU call)")
     parser.add_argument("--json-only", action="store_true")
     args = parser.parse_args(argv)
     global _clock
@@ -286,8 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     logging.getLogger("autoaccum.guard").setLevel(logging.ERROR)  # the injected OOMs are expected
     device = torch.device(args.device)
-    ov = overhead(args, device)
-    rec = recovery(args, device)
+    ov = overhead(args, device) if "overhead" in args.parts else None
+    rec = recovery(args, device) if "recovery" in args.parts else None
     result = {
         "benchmark": "guard", "autoaccum": autoaccum.__version__, "torch": torch.__version__,
         "python": platform.python_version(), "device": str(device),
@@ -302,36 +304,38 @@ def main(argv: list[str] | None = None) -> int:
         ms = 1e3
         print(f"guard benchmark on {result['device_name']} ({device}, {result['threads']} threads), torch "
               f"{torch.__version__}, {args.clock} clock; TinyGPT dim {args.dim} x {args.layers} layers, seq {args.seq_len}; "
-              f"{ov['plan']}; AdamW; {args.repeats} repeats x {args.steps} steps")
-        print(f"{'':34}{'median ms/step':>16}{'min':>10}{'max':>10}")
-        for name, label in (("hand", "hand-written accumulation loop"), ("guard", "guard.step")):
-            t = ov[f"{name}_step_s"]
-            print(f"{label:34}{statistics.median(t) * ms:16.2f}{min(t) * ms:10.2f}{max(t) * ms:10.2f}")
-        print(f"{'guard / hand':34}{ov['ratio_of_medians']:16.4f}   paired median {ov['paired_ratio_median']:.4f}"
-              f" (range {min(ov['paired_ratios']):.4f} .. {max(ov['paired_ratios']):.4f})")
-        for name, label in (("guard_unchecked", "guard.step, inf/NaN check off"),
-                            ("guard_clip", "guard.step, clip 1.0"),
-                            ("guard_clip_unchecked", "guard.step, clip 1.0, check off")):
-            t = ov["step_s"][name]
-            print(f"{label:34}{statistics.median(t) * ms:16.2f}{min(t) * ms:10.2f}{max(t) * ms:10.2f}")
-        c = ov["check"]
-        for key, label in (("no_clip", "check on / off"), ("clip", "check on / off, clipping")):
-            r = c[key]
-            print(f"{label:34}{r['ratio_of_medians']:16.4f}   paired median {r['paired_ratio_median']:.4f}"
-                  f" (range {min(r['paired_ratios']):.4f} .. {max(r['paired_ratios']):.4f})")
-        print(f"the check alone: {c['check_s'] * 1e6:.1f} us ({c['check_share_of_step'] * 100:.3f}% of a step), with "
-              f"clipping's norm {c['check_clip_s'] * 1e6:.1f} us; {c['params']:,} parameters")
-        print(f"OOM recovery, micro {args.micro} -> {args.micro // 2}: the step with one injected OOM, in extra "
-              f"step-times over a normal step at micro {args.micro} (median wall time; CPU time in brackets)")
-        print(f"{'':38}{'normal ms':>10}{'half ms':>9}{'OOM at first':>16}{'OOM at last':>16}{'release ms':>12}"
-              f"  collected")
-        for name, v in rec["variants"].items():
-            m, c = v["medians_s"], v["cases"]
-            first, last = c["first micro-batch"], c["last micro-batch"]
-            print(f"{name:38}{m['normal_micro']['wall'] * ms:10.2f}{m['normal_half']['wall'] * ms:9.2f}"
-                  f"{first['extra_step_times']:+8.2f} ({first['extra_step_times_cpu']:+.2f})"
-                  f"{last['extra_step_times']:+8.2f} ({last['extra_step_times_cpu']:+.2f})"
-                  f"{v['release_median_s'] * ms:12.2f}  {', '.join(v['collected'])}")
+              f"{Plan.for_target(args.target, args.micro).describe()}; AdamW; {args.repeats} repeats x {args.steps} steps")
+        if ov is not None:
+            print(f"{'':34}{'median ms/step':>16}{'min':>10}{'max':>10}")
+            for name, label in (("hand", "hand-written accumulation loop"), ("guard", "guard.step")):
+                t = ov[f"{name}_step_s"]
+                print(f"{label:34}{statistics.median(t) * ms:16.2f}{min(t) * ms:10.2f}{max(t) * ms:10.2f}")
+            print(f"{'guard / hand':34}{ov['ratio_of_medians']:16.4f}   paired median {ov['paired_ratio_median']:.4f}"
+                  f" (range {min(ov['paired_ratios']):.4f} .. {max(ov['paired_ratios']):.4f})")
+            for name, label in (("guard_unchecked", "guard.step, inf/NaN check off"),
+                                ("guard_clip", "guard.step, clip 1.0"),
+                                ("guard_clip_unchecked", "guard.step, clip 1.0, check off")):
+                t = ov["step_s"][name]
+                print(f"{label:34}{statistics.median(t) * ms:16.2f}{min(t) * ms:10.2f}{max(t) * ms:10.2f}")
+            c = ov["check"]
+            for key, label in (("no_clip", "check on / off"), ("clip", "check on / off, clipping")):
+                r = c[key]
+                print(f"{label:34}{r['ratio_of_medians']:16.4f}   paired median {r['paired_ratio_median']:.4f}"
+                      f" (range {min(r['paired_ratios']):.4f} .. {max(r['paired_ratios']):.4f})")
+            print(f"the check alone: {c['check_s'] * 1e6:.1f} us ({c['check_share_of_step'] * 100:.3f}% of a step), with "
+                  f"clipping's norm {c['check_clip_s'] * 1e6:.1f} us; {c['params']:,} parameters")
+        if rec is not None:
+            print(f"OOM recovery, micro {args.micro} -> {args.micro // 2}: the step with one injected OOM, in extra "
+                  f"step-times over a normal step at micro {args.micro} (median wall time; CPU time in brackets)")
+            print(f"{'':38}{'normal ms':>10}{'half ms':>9}{'OOM at first':>16}{'OOM at last':>16}{'release ms':>12}"
+                  f"  collected")
+            for name, v in rec["variants"].items():
+                m, c = v["medians_s"], v["cases"]
+                first, last = c["first micro-batch"], c["last micro-batch"]
+                print(f"{name:38}{m['normal_micro']['wall'] * ms:10.2f}{m['normal_half']['wall'] * ms:9.2f}"
+                      f"{first['extra_step_times']:+8.2f} ({first['extra_step_times_cpu']:+.2f})"
+                      f"{last['extra_step_times']:+8.2f} ({last['extra_step_times_cpu']:+.2f})"
+                      f"{v['release_median_s'] * ms:12.2f}  {', '.join(v['collected'])}")
     print(json.dumps(result, indent=None if args.json_only else 1))
     return 0
 
