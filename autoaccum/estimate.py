@@ -67,8 +67,15 @@ def cuda_library_bytes(device: torch.device) -> int:
     cuDNN. Fake tensors never allocate them, so an estimate for a CUDA model adds them to every
     peak. Measured once per device: run a small matmul and a convolution, forward and backward,
     drop every tensor, and read what the allocator still holds beyond what it held before. (The
-    CUDA context itself lives outside the allocator: no budget read from it includes it either.)"""
+    CUDA context itself lives outside the allocator: no budget read from it includes it either.)
+    cuBLAS's workspaces are dropped first (they come back at the next matmul), so the reading is the
+    same whether or not this process has run a matmul already: measured after a probe's real steps
+    it would otherwise read nothing."""
     torch.cuda.synchronize(device)
+    clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # CUDA builds
+    if clear_workspaces is not None:
+        with torch.cuda.device(device):
+            clear_workspaces()
     before = torch.cuda.memory_allocated(device)
     x = torch.randn(64, 256, device=device, requires_grad=True)
     (x @ x.t()).sum().backward()

@@ -17,7 +17,7 @@ from autoaccum.memory_model import MemoryModel, MemoryPoint
 from autoaccum.report import Candidate
 from autoaccum.stepper import Stepper
 
-__all__ = ["LONG_JUMP_FRACTION", "MAX_JUMP", "fit_sizes", "search_sizes"]
+__all__ = ["LIMIT_TOLERANCE", "LONG_JUMP_FRACTION", "MAX_JUMP", "MIN_FIT_SPAN", "fit_sizes", "search_sizes"]
 
 logger = logging.getLogger("autoaccum.probe")
 
@@ -25,8 +25,20 @@ logger = logging.getLogger("autoaccum.probe")
 MAX_JUMP = 8
 #: how far towards a predicted limit more than 2x past the largest fitting size the probe jumps
 LONG_JUMP_FRACTION = 0.75
+#: the sizes a fit goes through span at least this share of the largest (more points are taken where
+#: the ``largest`` biggest are closer together): a CUDA allocator rounds blocks to 2 MiB, so peaks a few
+#: samples apart can differ by less than that rounding, or not at all, and a line through them alone
+#: has no slope to speak of
+MIN_FIT_SPAN = 0.10
+#: the search stops refining once the limit is known to within this share of the largest size that
+#: fits and the plan is the same at either end: near the limit each pass costs the most, and a closer
+#: bracket would change neither the plan nor (much) the size the guard may grow back to
+LIMIT_TOLERANCE = 0.02
+
+
 def fit_sizes(candidates: Iterable[Candidate], share: int, largest: int = 3) -> MemoryModel | None:
-    """The model fitted on the ``largest`` biggest sizes that ran.
+    """The model fitted on the ``largest`` biggest sizes that ran, and on smaller ones where those
+    span less than MIN_FIT_SPAN of the biggest.
 
     Sizes below ``share`` were measured as accumulation steps (gradients held while the next
     micro-batch runs); the whole share runs alone, a point on another line, used only when there
@@ -40,8 +52,18 @@ def fit_sizes(candidates: Iterable[Candidate], share: int, largest: int = 3) -> 
     ran = accumulating if len(accumulating) >= 2 else ran
     if len(ran) < 2:
         return None
+    top = ran[-1].micro_batch
+    take = min(largest, len(ran))
+    while take < len(ran) and top - ran[-take].micro_batch < MIN_FIT_SPAN * top:
+        take += 1
     return MemoryModel.fit([MemoryPoint(c.micro_batch, c.fwd_bwd_peak_bytes, c.opt_peak_bytes)  # type: ignore[arg-type]
-                            for c in ran[-largest:]])
+                            for c in ran[-take:]])
+
+
+def _plan_settled(lo: int, top: int, share: int) -> bool:
+    """Whether a limit anywhere in ``lo..top`` gives the same plan for ``share`` samples and is known
+    to within LIMIT_TOLERANCE."""
+    return top - lo <= LIMIT_TOLERANCE * lo and -(-share // lo) == -(-share // top)
 
 
 def _next_size(stepper: Stepper, upper: int, budget_bytes: int, headroom: float) -> tuple[int | None, str]:
@@ -51,9 +73,16 @@ def _next_size(stepper: Stepper, upper: int, budget_bytes: int, headroom: float)
     hi = min((c.micro_batch for c in measured if c.status != "ok"), default=upper + 1)
     if lo >= upper or hi - lo <= 1:
         return None, f"limit bracketed by measurement: {lo} fits" + (f", {hi} does not" if hi <= upper else "")
+    if hi <= upper and _plan_settled(lo, hi - 1, stepper.share):
+        return None, (f"limit bracketed by measurement to within {LIMIT_TOLERANCE:.0%}: {lo} fits, {hi} does not "
+                      f"(the plan is the same at either)")
     model = fit_sizes(measured, stepper.share)
     # a limit past ``upper`` means ``upper`` itself is the size to verify, not a reason to bisect
     predicted = min(model.max_batch(budget_bytes, headroom), upper) if model is not None else 0
+    if model is not None and model.is_good_fit and model.num_points >= 3 and lo < predicted < hi \
+            and _plan_settled(lo, predicted, stepper.share):
+        return None, (f"fit verified at {lo}: the model puts the limit at {predicted}, within {LIMIT_TOLERANCE:.0%} "
+                      f"(the plan is the same at either; residual {model.residual:.2%} on {model.num_points} sizes)")
     if model is not None and model.is_good_fit and predicted <= lo:
         if model.num_points >= 3:
             return None, f"fit verified at {lo}: residual {model.residual:.2%} on the {model.num_points} largest sizes"

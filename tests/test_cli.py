@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import autoaccum
 from autoaccum.cli import EXIT_DOES_NOT_FIT, EXIT_OK, EXIT_USAGE, main
 
 TESTS = Path(__file__).parent
@@ -192,7 +193,7 @@ def test_plot_writes_a_png(capsys, tmp_path):
 
 def _subprocess(args: list[str], cwd: Path, tmp_path: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}  # never the user's ~/.cache
-    env.pop("PYTHONPATH", None)
+    env["PYTHONPATH"] = str(Path(autoaccum.__file__).resolve().parent.parent)  # installed or not
     return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 

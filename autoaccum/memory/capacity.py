@@ -74,7 +74,9 @@ def _cuda_available(device: torch.device) -> tuple[int, int, float]:
     free, total = torch.cuda.mem_get_info(device)
     available = free + torch.cuda.memory_reserved(device)
     get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.6
-    fraction = float(get_fraction(device)) if get_fraction is not None else 1.0
+    # it takes an index: torch.device("cuda") has none (the current device is meant)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    fraction = float(get_fraction(index)) if get_fraction is not None else 1.0
     if fraction < 1.0 and fraction * total < available:
         return int(fraction * total), int(total), fraction
     return int(available), int(total), 1.0

@@ -156,6 +156,13 @@ class Built:
     workload: Workload
     base: nn.Module
     smallest: int  # the smallest micro-batch the model trains at (2 with BatchNorm)
+    _data: Batch | None = None
+
+    def data(self) -> Batch:
+        """The data ``fit`` trains on and the probe slices: twice the target batch, made once."""
+        if self._data is None:
+            self._data = self.workload.make_batch(2 * self.workload.target_batch, 1)
+        return self._data
 
     @property
     def params(self) -> int:
