@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Batch", "Samples", "SplitFn", "batch_size", "describe_batch", "like", "move_to", "split_batch", "tensors"]
+__all__ = ["Batch", "Samples", "SplitFn", "batch_size", "describe_batch", "like", "map_tensors", "move_to", "own_rows", "split_batch", "tensors"]
 
 Batch = Any  # a tensor, or a tuple/list/dict (nested) whose tensors share dim 0
 SplitFn = Callable[[Batch, Sequence[int]], Sequence[Batch]]
@@ -83,20 +83,35 @@ def batch_size(batch: Batch) -> int:
     return sizes.pop()
 
 
+def map_tensors(batch: Batch, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
+    """``batch`` with ``fn`` applied to each of its tensors, containers rebuilt as their own types."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, Mapping):
+        return like(batch, ((k, map_tensors(v, fn)) for k, v in batch.items()))
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(map_tensors(v, fn) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(map_tensors(v, fn) for v in batch)
+    return batch
+
+
 def move_to(batch: Batch, device: torch.device, *, copy: bool = False) -> Batch:
     """``batch`` with every tensor on ``device`` (non-blocking where the source is pinned); ``copy``
     copies tensors already there too (as a transfer to a device would allocate them)."""
-    if isinstance(batch, torch.Tensor):
-        if batch.device != device or copy:
-            return batch.to(device, non_blocking=batch.is_pinned(), copy=copy)
-        return batch
-    if isinstance(batch, Mapping):
-        return like(batch, ((k, move_to(v, device, copy=copy)) for k, v in batch.items()))
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(move_to(v, device, copy=copy) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(move_to(v, device, copy=copy) for v in batch)
-    return batch
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if t.device != device or copy:
+            return t.to(device, non_blocking=t.is_pinned(), copy=copy)
+        return t
+    return map_tensors(batch, move)
+
+
+def own_rows(batch: Batch) -> Batch:
+    """``batch`` with each tensor that is a view into a larger one (rows sliced from a dataset tensor)
+    copied to its own storage: the batch's bytes are its own rows, as after a transfer to a device,
+    not the whole tensor they were cut from."""
+    return map_tensors(batch, lambda t: t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size()
+                       else t)
 
 
 def _split(batch: Batch, sizes: Sequence[int]) -> list[Batch]:

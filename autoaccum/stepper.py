@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-from autoaccum.batch import Batch, move_to, tensors
+from autoaccum.batch import Batch, move_to, own_rows, tensors
 from autoaccum.log import rank_level
 from autoaccum.memory import Meter
 from autoaccum.precision import autocast
@@ -134,7 +134,9 @@ class Stepper:
 
     def _batch(self, size: int) -> Batch:
         made = self.make_batch(size) if self.length is None else self.make_batch(size, self.length)
-        batch = move_to(made, self.device)
+        # the tracked meter and the estimate's fake tensors count a view's whole storage: a pass's inputs
+        # are its own rows, as after a transfer to a device
+        batch = own_rows(move_to(made, self.device))
         self.batch_bytes[(size, self.length)] = sum(t.untyped_storage().nbytes() for t in tensors(batch))
         return batch
 

@@ -11,6 +11,7 @@ import torch
 
 import autoaccum
 import autoaccum.state
+import autoaccum.stepper
 from autoaccum import AutoAccumError, DoesNotFitError, Plan, ProbeReport, TaskError, probe
 from autoaccum.demo import TinyGPT, synthetic_tokens, token_loss
 from autoaccum.memory import TrackedMemory
@@ -451,6 +452,30 @@ def test_estimate_matches_the_measurement_and_touches_nothing():
             assert c.peak_bytes == pytest.approx(measured[c.micro_batch].peak_bytes, rel=1e-3)
     assert estimate.max_fitting_micro_batch == pytest.approx(max(
         b for b, c in measured.items() if c.status == "ok"), rel=0.1)
+
+
+@pytest.mark.parametrize("estimate", [True, False])
+def test_batches_sliced_from_a_dataset_tensor_count_only_their_rows(estimate, monkeypatch):
+    """A regression found on a GPU run: ``make_batch`` returning rows sliced from one big tensor (as a
+    dataset in memory gives them) had the estimate count the whole tensor in every pass (the 134M
+    MLP's 537 MB of data in its base; on a budget smaller than the tensor nothing fits), and the
+    tracked meter count none of the batch (a transfer to a device would allocate its rows)."""
+    pool = mlp_batch()(20_000)  # 2.7 MB: more than the 500 KB budget
+    kwargs = {"loss_fn": mlp_loss, "target_batch": TARGET, "budget": 500_000, "headroom": HEADROOM,
+              "estimate": estimate, "cache": False}
+    fresh = probe(model=mlp(), make_batch=lambda b: tuple(t[:b].clone() for t in pool), **kwargs)
+    sliced = probe(model=mlp(), make_batch=lambda b: tuple(t[:b] for t in pool), **kwargs)
+    assert sliced.max_fitting_micro_batch == fresh.max_fitting_micro_batch > 1
+    assert [c.peak_bytes for c in sliced.candidates] == [c.peak_bytes for c in fresh.candidates]
+    # negative control, without the copy to the batch's own storage: the estimate counts the whole
+    # pool and nothing fits; the tracked meter leaves the batch out and puts the limit too high
+    monkeypatch.setattr(autoaccum.stepper, "own_rows", lambda batch: batch)
+    if estimate:
+        with pytest.raises(DoesNotFitError):
+            probe(model=mlp(), make_batch=lambda b: tuple(t[:b] for t in pool), **kwargs)
+    else:
+        views = probe(model=mlp(), make_batch=lambda b: tuple(t[:b] for t in pool), **kwargs)
+        assert views.max_fitting_micro_batch > fresh.max_fitting_micro_batch
 
 
 @pytest.mark.parametrize("make_optimizer", [lambda params: torch.optim.SGD(params, lr=0.1),

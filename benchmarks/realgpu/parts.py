@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 import autoaccum
+from autoaccum.batch import map_tensors
 from autoaccum.knobs import Knobs
 from autoaccum.losses import default_loss
 from autoaccum.plan import Plan
@@ -87,15 +88,9 @@ def _task(built: Built, device: torch.device) -> Task:
     ``fit``'s own probe slices a dataset: were each size's batch generated afresh, the probe's cost
     would be mostly the random-number generator's (about 0.15 s a batch of the MLP's 8,000 x 4,096
     on one CPU core), and ``fit``'s steps, whose cost it is compared with, pay nothing of the kind."""
-    w = built.workload
     data = built.data()
-    copy = device.type == "cpu"  # a view would count the whole host tensor as the batch's bytes
-
-    def first(b: int) -> Any:
-        rows = ((k, v[:b]) for k, v in data.items()) if isinstance(data, dict) else enumerate(t[:b] for t in data)
-        taken = {k: v.clone() if copy else v for k, v in rows}
-        return taken if isinstance(data, dict) else tuple(taken.values())
-    return Task(model=fresh_model(built, device), loss_fn=default_loss, make_batch=first, name=w.name)
+    return Task(model=fresh_model(built, device), loss_fn=default_loss, name=built.workload.name,
+                make_batch=lambda b: map_tensors(data, lambda t: t[:b]))
 
 
 def _quiet() -> contextlib.ExitStack:
