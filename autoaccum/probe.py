@@ -318,7 +318,7 @@ def _measure(task: Task, optimizer: Any, precision: Precision, budget_bytes: int
                 stepper = Stepper(run_model, run_optimizer, task.loss_fn, task.batch, device, meter,
                                   usable_bytes(budget_bytes, headroom),
                                   share=share, passes=passes, autocast_dtype=autocast_dtype(precision),
-                                  scaler=None if estimate else make_scaler(precision, device))
+                                  scaler=None if estimate else make_scaler(precision, device), own_inputs=estimate)
                 token_model = None
                 if profile is None:
                     model_fit, note = search_sizes(stepper, smallest, upper, budget_bytes, headroom, max_candidates)

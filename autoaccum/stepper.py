@@ -59,11 +59,12 @@ class Stepper:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
                  make_batch: Callable[[int], Batch], device: torch.device, meter: Meter, usable_bytes: int, *,
                  share: int, passes: int = 1, autocast_dtype: torch.dtype | None = None,
-                 scaler: torch.amp.GradScaler | None = None) -> None:
+                 scaler: torch.amp.GradScaler | None = None, own_inputs: bool = False) -> None:
         self.model, self.optimizer, self.loss_fn, self.make_batch = model, optimizer, loss_fn, make_batch
         self.device, self.meter, self.usable_bytes, self.passes = device, meter, usable_bytes, passes
         self.share = share  # a micro-batch smaller than this rank's share accumulates
         self.autocast_dtype, self.scaler = autocast_dtype, scaler
+        self.own_inputs = own_inputs  # copy inputs that are views into larger tensors to their own rows
         self.steps = 0
         self.optimizer_steps = 0
         self.ooms = 0
@@ -134,9 +135,9 @@ class Stepper:
 
     def _batch(self, size: int) -> Batch:
         made = self.make_batch(size) if self.length is None else self.make_batch(size, self.length)
-        # the tracked meter and the estimate's fake tensors count a view's whole storage: a pass's inputs
-        # are its own rows, as after a transfer to a device
-        batch = own_rows(move_to(made, self.device))
+        batch = move_to(made, self.device)
+        if self.own_inputs:  # fake tensors count a view's whole storage: the rows alone, as a transfer copies them
+            batch = own_rows(batch)
         self.batch_bytes[(size, self.length)] = sum(t.untyped_storage().nbytes() for t in tensors(batch))
         return batch
 

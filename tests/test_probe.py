@@ -454,28 +454,21 @@ def test_estimate_matches_the_measurement_and_touches_nothing():
         b for b, c in measured.items() if c.status == "ok"), rel=0.1)
 
 
-@pytest.mark.parametrize("estimate", [True, False])
-def test_batches_sliced_from_a_dataset_tensor_count_only_their_rows(estimate, monkeypatch):
+def test_an_estimate_counts_only_the_rows_of_a_batch_sliced_from_a_dataset_tensor(monkeypatch):
     """A regression found on a GPU run: ``make_batch`` returning rows sliced from one big tensor (as a
-    dataset in memory gives them) had the estimate count the whole tensor in every pass (the 134M
-    MLP's 537 MB of data in its base; on a budget smaller than the tensor nothing fits), and the
-    tracked meter count none of the batch (a transfer to a device would allocate its rows)."""
+    dataset in memory gives them) had the estimate's fake tensors count the whole tensor in every pass
+    (the 134M MLP's 537 MB of data in its base); on a budget smaller than that tensor nothing fit."""
     pool = mlp_batch()(20_000)  # 2.7 MB: more than the 500 KB budget
     kwargs = {"loss_fn": mlp_loss, "target_batch": TARGET, "budget": 500_000, "headroom": HEADROOM,
-              "estimate": estimate, "cache": False}
+              "estimate": True, "cache": False}
     fresh = probe(model=mlp(), make_batch=lambda b: tuple(t[:b].clone() for t in pool), **kwargs)
     sliced = probe(model=mlp(), make_batch=lambda b: tuple(t[:b] for t in pool), **kwargs)
     assert sliced.max_fitting_micro_batch == fresh.max_fitting_micro_batch > 1
     assert [c.peak_bytes for c in sliced.candidates] == [c.peak_bytes for c in fresh.candidates]
-    # negative control, without the copy to the batch's own storage: the estimate counts the whole
-    # pool and nothing fits; the tracked meter leaves the batch out and puts the limit too high
+    # negative control: without the copy to the batch's own rows the whole pool is counted
     monkeypatch.setattr(autoaccum.stepper, "own_rows", lambda batch: batch)
-    if estimate:
-        with pytest.raises(DoesNotFitError):
-            probe(model=mlp(), make_batch=lambda b: tuple(t[:b] for t in pool), **kwargs)
-    else:
-        views = probe(model=mlp(), make_batch=lambda b: tuple(t[:b] for t in pool), **kwargs)
-        assert views.max_fitting_micro_batch > fresh.max_fitting_micro_batch
+    with pytest.raises(DoesNotFitError):
+        probe(model=mlp(), make_batch=lambda b: tuple(t[:b] for t in pool), **kwargs)
 
 
 @pytest.mark.parametrize("make_optimizer", [lambda params: torch.optim.SGD(params, lr=0.1),
