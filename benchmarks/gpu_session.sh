@@ -32,6 +32,11 @@
 #   bash benchmarks/gpu_session.sh --minutes 9 --steps real_gpu --prev PREV   # again until every model is done
 #   bash benchmarks/gpu_session.sh --minutes 9 --steps compare --prev PREV    # again until every workload is done
 #
+# With 15 minutes of device time a session (as lent in 2026-11), one call of under 10 minutes is about all a
+# session gets: the 2026-11-26 session ran the checks (`--minutes 5 --steps env,pytest,recovery,probe`, about
+# 2 minutes) and then `benchmarks/real_gpu.py --models mlp gpt2` (5.3 minutes) in one call. Pack the files under
+# $OUT into one archive before the call ends: the runner brings back at most 8 files.
+#
 # Output: everything under $OUT (default ./gpu_out; the GPU runner sets it): per step NAME.out (stdout:
 # tables, JSON) and NAME.err (stderr: logs), steps.tsv (step, exit code, seconds: 124 = timed out),
 # real_gpu/<model>.json, compare/<model>.json, RESULTS.md. Exit code 0 when every step ran and passed.

@@ -237,12 +237,13 @@ def test_gpu_session_dry_run_lists_every_step(tmp_path):
                             timeout=60)
     assert result.returncode == 0, result.stderr
     steps = [line.split()[1] for line in result.stdout.splitlines() if line.startswith("step ")]
-    assert steps == ["env", "pytest_gpu", "probe_cuda", "probe_cuda_estimate", "real_gpu_gpt2",
-                     "real_gpu_resnet50", "real_gpu_vit_b16", "real_gpu_mlp", "real_gpu_report", "compare_gpu"]
+    assert steps == ["env", "pytest_gpu", "probe_cuda", "probe_cuda_estimate", "recovery_gpt512", "recovery_gpt128",
+                     "real_gpu_gpt2", "real_gpu_resnet50", "real_gpu_vit_b16", "real_gpu_mlp", "real_gpu_report",
+                     "compare_gpu"]
     assert "timeout" in result.stdout and str(tmp_path / "o") in result.stdout
     again = subprocess.run(["bash", str(BENCHMARKS / "gpu_session.sh"), "--dry-run", "--steps", "real_gpu,compare"],
                            capture_output=True, text=True, cwd=ROOT, env={"PATH": "/usr/bin:/bin"}, timeout=60)
-    assert [line.split()[1] for line in again.stdout.splitlines() if line.startswith("step ")] == steps[4:]
+    assert [line.split()[1] for line in again.stdout.splitlines() if line.startswith("step ")] == steps[6:]
 
 
 @pytest.mark.gpu
