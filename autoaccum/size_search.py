@@ -30,9 +30,10 @@ LONG_JUMP_FRACTION = 0.75
 #: samples apart can differ by less than that rounding, or not at all, and a line through them alone
 #: has no slope to speak of
 MIN_FIT_SPAN = 0.10
-#: the search stops refining once the limit is known to within this share of the largest size that
-#: fits and the plan is the same at either end: near the limit each pass costs the most, and a closer
-#: bracket would change neither the plan nor (much) the size the guard may grow back to
+#: the search stops refining once the limit is known (measured, or predicted by a good fit) to within
+#: this share of the largest size that fits and no size in that band would change the plan: near the
+#: limit each pass costs the most, and a closer bracket would change neither the plan nor (much) the
+#: size the guard may grow back to
 LIMIT_TOLERANCE = 0.02
 
 
@@ -60,10 +61,9 @@ def fit_sizes(candidates: Iterable[Candidate], share: int, largest: int = 3) -> 
                             for c in ran[-take:]])
 
 
-def _plan_settled(lo: int, top: int, share: int) -> bool:
-    """Whether a limit anywhere in ``lo..top`` gives the same plan for ``share`` samples and is known
-    to within LIMIT_TOLERANCE."""
-    return top - lo <= LIMIT_TOLERANCE * lo and -(-share // lo) == -(-share // top)
+def _same_plan(lo: int, top: int, share: int) -> bool:
+    """Whether every limit in ``lo..top`` cuts ``share`` samples into the same number of micro-batches."""
+    return -(-share // lo) == -(-share // top)
 
 
 def _next_size(stepper: Stepper, upper: int, budget_bytes: int, headroom: float) -> tuple[int | None, str]:
@@ -73,16 +73,24 @@ def _next_size(stepper: Stepper, upper: int, budget_bytes: int, headroom: float)
     hi = min((c.micro_batch for c in measured if c.status != "ok"), default=upper + 1)
     if lo >= upper or hi - lo <= 1:
         return None, f"limit bracketed by measurement: {lo} fits" + (f", {hi} does not" if hi <= upper else "")
-    if hi <= upper and _plan_settled(lo, hi - 1, stepper.share):
+    # Near the limit each pass costs the most: stop short of the last samples where they cannot change the
+    # plan. Not at one length of variable-length data, whose plan comes from the token model, not from this.
+    tolerant = stepper.length is None
+    band = lo + int(LIMIT_TOLERANCE * lo)  # the sizes within the tolerance above the largest that fits
+    if tolerant and hi <= upper and hi - 1 <= band and _same_plan(lo, hi - 1, stepper.share):
         return None, (f"limit bracketed by measurement to within {LIMIT_TOLERANCE:.0%}: {lo} fits, {hi} does not "
                       f"(the plan is the same at either)")
     model = fit_sizes(measured, stepper.share)
     # a limit past ``upper`` means ``upper`` itself is the size to verify, not a reason to bisect
     predicted = min(model.max_batch(budget_bytes, headroom), upper) if model is not None else 0
-    if model is not None and model.is_good_fit and model.num_points >= 3 and lo < predicted < hi \
-            and _plan_settled(lo, predicted, stepper.share):
-        return None, (f"fit verified at {lo}: the model puts the limit at {predicted}, within {LIMIT_TOLERANCE:.0%} "
-                      f"(the plan is the same at either; residual {model.residual:.2%} on {model.num_points} sizes)")
+    # The model's limit is a prediction (peaks move in allocator blocks): the plan must be the same across
+    # the whole band, not only up to the predicted size, or a limit the line puts a little short could cost
+    # a micro-batch.
+    if tolerant and model is not None and model.is_good_fit and model.num_points >= 3 and lo < predicted <= band \
+            and predicted < hi and _same_plan(lo, min(band, hi - 1, upper), stepper.share):
+        return None, (f"limit predicted within {LIMIT_TOLERANCE:.0%} of {lo}, which fits: the model puts it at "
+                      f"{predicted} (residual {model.residual:.2%} on {model.num_points} sizes), and the plan is the "
+                      f"same anywhere in that range")
     if model is not None and model.is_good_fit and predicted <= lo:
         if model.num_points >= 3:
             return None, f"fit verified at {lo}: residual {model.residual:.2%} on the {model.num_points} largest sizes"
