@@ -15,6 +15,7 @@ the device for each run (a fresh model for every brute-force try, probe and fit)
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -156,13 +157,11 @@ class Built:
     workload: Workload
     base: nn.Module
     smallest: int  # the smallest micro-batch the model trains at (2 with BatchNorm)
-    _data: Batch | None = None
 
+    @functools.cached_property
     def data(self) -> Batch:
         """The data ``fit`` trains on and the probe slices: twice the target batch, made once."""
-        if self._data is None:
-            self._data = self.workload.make_batch(2 * self.workload.target_batch, 1)
-        return self._data
+        return self.workload.make_batch(2 * self.workload.target_batch, 1)
 
     @property
     def params(self) -> int:

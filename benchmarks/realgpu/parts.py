@@ -86,9 +86,10 @@ class Settings:
 def _task(built: Built, device: torch.device) -> Task:
     """The probe's task. Its batches are the first rows of the data ``fit`` trains on (made once), as
     ``fit``'s own probe slices a dataset: were each size's batch generated afresh, the probe's cost
-    would be mostly the random-number generator's (about 0.15 s a batch of the MLP's 8,000 x 4,096
-    on one CPU core), and ``fit``'s steps, whose cost it is compared with, pay nothing of the kind."""
-    data = built.data()
+    would be mostly the random-number generator's (the MLP's probe on an H200 spent 3.0 s against
+    1.15 s of timed passes; benchmarks/RESULTS.md, "Real GPU"), and ``fit``'s steps, whose cost it
+    is compared with, pay nothing of the kind."""
+    data = built.data
     return Task(model=fresh_model(built, device), loss_fn=default_loss, name=built.workload.name,
                 make_batch=lambda b: map_tensors(data, lambda t: t[:b]))
 
@@ -143,7 +144,7 @@ def _fit(built: Built, device: torch.device, sq: Squeezed, report: dict[str, Any
         torch.manual_seed(0)
         try:
             result = autoaccum.fit(
-                fresh_model(built, device), built.data(), w.target_batch,
+                fresh_model(built, device), built.data, w.target_batch,
                 loss_fn=default_loss, plan=autoaccum.ProbeReport.from_dict(report), device=device,
                 budget=sq.probe_budget, headroom=settings.headroom, max_steps=settings.fit_steps, epochs=None,
                 by_length=False, progress=False, verbose=False, log_file=log_file)
