@@ -336,4 +336,6 @@ def _measure(task: Task, optimizer: Any, precision: Precision, budget_bytes: int
                                    else None)
         else:
             training_state.restore_rng(snapshot.rng)
+        del snapshot  # its page-locked host copies go back (as large as the model's weights)
+        training_state.release_pinned_memory()
     return _Measured(stepper, model_fit, token_model, note, best)

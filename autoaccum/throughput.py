@@ -271,4 +271,7 @@ def measure(task: Task, target_batch: int, micro_batch: int, knobs: Knobs | None
         return bench.run(micro_batch, knobs or Knobs())
     finally:
         training_state.restore(user, task.model, optimizer)
+        del user  # with the bench's own snapshot: their page-locked host copies go back
+        bench = None
+        training_state.release_pinned_memory()
 

@@ -18,12 +18,13 @@ Each step is timed alone (synchronised). The *steady step* is the median of the 
 - plain's start-up: its first two steps less two steady steps (what the first steps pay once);
 - **the probe's added time**: probe wall + the first two steps after it - plain's first two steps, in
   steady steps: how much later the third step ends because of the probe;
-- where the cold probe's time goes, by wrapping the probe's parts: the snapshot (``state.capture`` and
-  ``state.restore``), the batches (``Stepper._batch``: slicing the data and the copy to the device), the
-  forward/backward passes (``Stepper._pass``), the optimizer steps (``Stepper._optimizer_step``) and the
+- where the cold probe's time goes, by wrapping the probe's parts: the snapshot (``state.capture``,
+  ``state.restore`` and ``state.release_pinned_memory``), the batches (``Stepper._batch``: slicing the data
+  and the copy to the device), the forward/backward passes (``Stepper._pass``), the optimizer steps (``Stepper._optimizer_step``) and the
   rest (fitting, planning, the meter);
-- the snapshot alone: ``state.capture`` and ``state.restore`` of the model and its (empty) AdamW, 3 rounds
-  (the first and the fastest), and on CUDA beside them page-locked host copies (an alternative).
+- the snapshot alone: ``state.capture``, ``state.restore`` and ``state.release_pinned_memory`` of the model
+  and its (empty) AdamW, 3 rounds (the first and the fastest), beside pageable host copies (``state``
+  before it copied to page-locked memory).
 
 Prints a table, then one JSON document; on CUDA writes the sub-section "### Cold probe on a GPU" of
 "## Speed (issue 15)" in benchmarks/RESULTS.md (``--no-write`` to skip). On a CPU it is a smoke run (the
@@ -66,7 +67,8 @@ from realgpu.models import build, fresh_model, workloads  # noqa: E402
 from results_md import markdown_table, write_subsection  # noqa: E402
 
 #: the probe's parts whose time is summed (what each wraps: the module docstring)
-PARTS = {"snapshot": [(training_state, "capture"), (training_state, "restore")],
+PARTS = {"snapshot": [(training_state, "capture"), (training_state, "restore"),
+                      (training_state, "release_pinned_memory")],
          "batches": [(Stepper, "_batch")], "passes": [(Stepper, "_pass")],
          "optimizer": [(Stepper, "_optimizer_step")]}
 FIRST = 2  # the first steps, which pay the start-up (AdamW creates its state in the first)
@@ -81,7 +83,7 @@ def _timed_parts(device: torch.device) -> dict[str, float]:
     """Wrap the probe's parts (PARTS) to add their wall time into the returned dict (for the process's life)."""
     spent = dict.fromkeys(PARTS, 0.0)
     for part, targets in PARTS.items():
-        for owner, name in targets:
+        for owner, name in [(o, n) for o, n in targets if hasattr(o, n)]:  # (a checkout before the release)
             def wrapper(*args: Any, _inner: Callable = getattr(owner, name), _part: str = part, **kwargs: Any) -> Any:
                 _sync(device)
                 started = time.perf_counter()
@@ -118,45 +120,40 @@ def _steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: Any, 
     return times
 
 
-def _named(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: t for n, t in list(model.named_parameters()) + list(model.named_buffers())}
+def _pageable_capture(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``state.capture``'s copies before page-locked ones (to pageable host memory), measured beside it."""
+    return {n: t.detach().to("cpu", copy=True) for n, t in list(model.named_parameters()) + list(model.named_buffers())}
 
 
-def _pinned_capture(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The alternative measured beside ``state.capture``: page-locked host copies, one synchronisation."""
-    saved = {n: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-             for n, t in _named(model).items()}
-    torch.cuda.synchronize()
-    return saved
-
-
-def _pinned_restore(saved: dict[str, torch.Tensor], model: torch.nn.Module) -> None:
+def _pageable_restore(saved: dict[str, torch.Tensor], model: torch.nn.Module) -> None:
     with torch.no_grad():
-        for n, t in _named(model).items():
-            t.copy_(saved[n], non_blocking=True)
-    torch.cuda.synchronize()
+        for n, t in list(model.named_parameters()) + list(model.named_buffers()):
+            t.copy_(saved[n])
 
 
 def _snapshot_times(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> dict:
-    """Seconds of each capture and restore, 3 rounds: ``state``'s (pageable host copies) and, on CUDA, page-locked
-    copies (the first round pays for pinning the pages; later ones reuse torch's cached pinned blocks)."""
-    variants: dict[str, tuple[Callable, Callable]] = {
+    """Seconds of each capture, restore and release, 3 rounds: ``state``'s (page-locked copies on CUDA, given
+    back after each round as the probe does) and pageable copies (``state`` before page-locked ones)."""
+    variants: dict[str, tuple[Callable, Callable, Callable]] = {
         "state": (lambda: training_state.capture(model, optimizer),
-                  lambda saved: training_state.restore(saved, model, optimizer))}
-    if device.type == "cuda":
-        variants["pinned"] = (lambda: _pinned_capture(model), lambda saved: _pinned_restore(saved, model))
+                  lambda saved: training_state.restore(saved, model, optimizer),
+                  getattr(training_state, "release_pinned_memory", lambda: None)),
+        "pageable": (lambda: _pageable_capture(model), lambda saved: _pageable_restore(saved, model), lambda: None)}
     times: dict[str, list[list[float]]] = {k: [] for k in variants}
     for _ in range(3):
-        for name, (capture, restore) in variants.items():
+        for name, (capture, restore, give_back) in variants.items():
             _sync(device)
-            started = time.perf_counter()
+            t0 = time.perf_counter()
             saved = capture()
             _sync(device)
-            middle = time.perf_counter()
+            t1 = time.perf_counter()
             restore(saved)
             _sync(device)
-            times[name].append([middle - started, time.perf_counter() - middle])
-            del saved
+            t2 = time.perf_counter()
+            del saved  # its memory goes back to torch's cache, and give_back hands the cache back
+            give_back()
+            _sync(device)
+            times[name].append([t1 - t0, t2 - t1, time.perf_counter() - t2])
     return times
 
 
@@ -230,7 +227,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "warm_parts_step_eq": {k: v / steady for k, v in p["warm_parts_s"].items()}
             | {"rest": (p["warm_probe_wall_s"] - sum(p["warm_parts_s"].values())) / steady},
             "snapshot_step_eq": {f"{k} {part} {which}": pick(t[i] for t in rounds) / steady
-                                 for k, rounds in p["snapshot_s"].items() for i, part in enumerate(("capture", "restore"))
+                                 for k, rounds in p["snapshot_s"].items()
+                                 for i, part in enumerate(("capture", "restore", "release"))
                                  for which, pick in (("first", lambda xs: next(iter(xs))), ("fastest", min))},
         })
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if not isinstance(rows[0][k], dict)}

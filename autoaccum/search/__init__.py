@@ -146,6 +146,9 @@ def search(
         return run_study(optuna, bench, report, concrete, space, options, largest=largest, started=started)
     finally:
         training_state.restore(user_state, task.model, optimizer)
+        del user_state  # with the bench's own snapshot: their page-locked host copies go back
+        bench = None
+        training_state.release_pinned_memory()
 
 
 def _probe_report(task: Task, optimizer: torch.optim.Optimizer | None, report: ProbeReport | None,
