@@ -28,8 +28,8 @@ Each step is timed alone (synchronised). The *steady step* is the median of the 
 
 Prints a table, then one JSON document; on CUDA writes the sub-section "### Cold probe on a GPU" of
 "## Speed (issue 15)" in benchmarks/RESULTS.md (``--no-write`` to skip). On a CPU it is a smoke run (the
-small MLP, an emulated budget) and writes nothing. Not part of the test run (tests/test_benchmarks.py runs
-the CPU smoke).
+small MLP, an emulated budget) and writes nothing. Not part of the test run (tests/test_real_gpu.py runs
+the CPU smoke). benchmarks/gpu_session.sh runs it as its step ``cold_probe``.
 
     python benchmarks/cold_probe.py [--model mlp] [--repeats 3] [--steps 6] [--no-write] [--json-only]
 """

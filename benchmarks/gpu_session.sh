@@ -12,6 +12,8 @@
 #   recovery_<model>      benchmarks/guard_bench.py --parts recovery (issue 15: an OOM at the first and at
 #                         the last micro-batch, in extra step-times), TinyGPT dim 512 x 6 layers
 #                         (recovery_gpt512) and dim 128 x 2 (recovery_gpt128) (120 s each)
+#   cold_probe            benchmarks/cold_probe.py --repeats 3 --steps 6 (issue 15: the 134M MLP's probe in fresh
+#                         processes, what it adds to a cold start, where its time goes) (150 s)
 #   real_gpu_<model>      benchmarks/real_gpu.py --models <model> --out $OUT/real_gpu, for gpt2,
 #                         resnet50, vit_b16, mlp (540 s each; about 3-6 min each on an H100)
 #   real_gpu_report       benchmarks/real_gpu.py --report-only: the table and JSON of every model so
@@ -144,6 +146,8 @@ step probe_cuda_estimate 120 "$PY" -m autoaccum probe "${PROBE[@]}" --budget 1Gi
 step recovery_gpt512 120 "$PY" benchmarks/guard_bench.py --device "$DEVICE" --parts recovery --repeats 21 \
   --dim 512 --layers 6 --heads 8 --seq-len 256 --target 64 --micro 16
 step recovery_gpt128 120 "$PY" benchmarks/guard_bench.py --device "$DEVICE" --parts recovery --repeats 21
+step cold_probe 150 "$PY" benchmarks/cold_probe.py --device "$([ "$DEVICE" = cuda ] && echo cuda:0 || echo cpu)" \
+  --repeats 3 --steps 6 --no-write
 for model in gpt2 resnet50 vit_b16 mlp; do
   step "real_gpu_$model" 540 "$PY" benchmarks/real_gpu.py "${SIZE[@]}" --models "$model" --out "$OUT/real_gpu" \
     --no-write
