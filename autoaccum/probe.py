@@ -301,7 +301,8 @@ def _measure(task: Task, optimizer: Any, precision: Precision, budget_bytes: int
     device = trainable_parameters(task.model)[0].device
     run_model, make_optimizer = task.model, task.make_optimizer
     run_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
-    snapshot = training_state.capture(task.model, run_optimizer)
+    # an estimate runs on fake copies: of the real state only the generators can change
+    snapshot = training_state.capture_rng() if estimate else training_state.capture(task.model, run_optimizer)
     fake_mode: Any = None
     if estimate:  # fake cpu tensors: see autoaccum.estimate
         fake_mode, run_model, make_optimizer = fake_setup(task.model, optimizer, make_optimizer)
@@ -331,11 +332,11 @@ def _measure(task: Task, optimizer: Any, precision: Precision, budget_bytes: int
     finally:
         if isinstance(meter, TrackedMemory):
             meter.close()
-        if not estimate:
+        if isinstance(snapshot, training_state.RngState):
+            training_state.restore_rng(snapshot)
+        else:
             training_state.restore(snapshot, task.model, run_optimizer if isinstance(optimizer, torch.optim.Optimizer)
                                    else None)
-        else:
-            training_state.restore_rng(snapshot.rng)
-        del snapshot  # its page-locked host copies go back (as large as the model's weights)
-        training_state.release_pinned_memory()
+            del snapshot  # its page-locked host copies go back (the size of the model's weights, or up to twice it)
+            training_state.release_pinned_memory()
     return _Measured(stepper, model_fit, token_model, note, best)

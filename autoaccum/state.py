@@ -7,6 +7,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+import psutil
 import torch
 
 __all__ = ["BufferSnapshot", "RngState", "TrainingSnapshot", "capture", "capture_buffers", "capture_rng",
@@ -35,23 +36,45 @@ def restore_rng(state: RngState) -> None:
         torch.cuda.set_rng_state_all(list(state.cuda))
 
 
-def _host_copy(t: torch.Tensor, queued: set[int]) -> torch.Tensor:
-    """A host copy of ``t``. A CUDA tensor goes to page-locked memory without waiting (the caller
-    synchronises once, :func:`_synchronize`): a copy to pageable memory is staged through the driver's
-    buffers and faults in every new page, 0.35 s for the 537 MB of a 134M-parameter MLP on an H200
-    against 0.21 s page-locked, and its way back 62 ms against 10 ms (benchmarks/RESULTS.md, "Cold
-    probe on a GPU"). ``queued`` collects the devices with copies in flight. Where pinning fails (host
-    memory, limits), and for tensor subclasses (DTensor), the copy is pageable and done on return."""
+#: page-locked copies only while their blocks take at most this share of the host memory available (torch rounds
+#: each block up to a power of two, and page-locked memory cannot be swapped out); pageable copies otherwise
+PINNED_SHARE = 0.25
+
+
+def _host_copy(t: torch.Tensor, queued: set[int] | None) -> torch.Tensor:
+    """A host copy of ``t``. With ``queued`` (a set), a CUDA tensor goes to page-locked memory without waiting and
+    its device is added to ``queued``; the caller synchronises once (:func:`_synchronize`). A copy to pageable
+    memory is staged through the driver's buffers and faults in every new page: for the 537 MB of a
+    134M-parameter MLP on an H200, 0.31-0.33 s against 0.17-0.19 s page-locked, and the parameters' way back 56-62
+    ms against 10 ms (benchmarks/RESULTS.md, "Cold probe on a GPU"). Where pinning fails, and for tensor
+    subclasses (DTensor), the copy is pageable and done on return."""
     t = t.detach()
-    if t.device.type == "cuda" and type(t) is torch.Tensor:
+    if queued is not None and t.device.type == "cuda" and type(t) is torch.Tensor:
         try:
             copied = torch.empty_like(t, device="cpu", pin_memory=True).copy_(t, non_blocking=True)
-        except RuntimeError:
+        except RuntimeError:  # no page-locked memory to be had, or a layout that cannot be pinned (sparse)
             pass
         else:
             queued.add(t.device.index)
             return copied
     return t.to("cpu", copy=True)
+
+
+def _cuda_tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj] if obj.device.type == "cuda" and type(obj) is torch.Tensor else []
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _cuda_tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _cuda_tensors(v)]
+    return []
+
+
+def _room_to_pin(tensors: list[torch.Tensor]) -> bool:
+    """Whether page-locked copies of ``tensors`` (each block rounded up to a power of two, as torch allocates
+    them) stay within PINNED_SHARE of the host memory available."""
+    need = sum(1 << max(0, t.numel() * t.element_size() - 1).bit_length() for t in tensors)
+    return need <= PINNED_SHARE * psutil.virtual_memory().available
 
 
 def _pinned(t: torch.Tensor) -> bool:
@@ -69,7 +92,7 @@ def release_pinned_memory() -> None:
     page-locked blocks cached, and a probe's snapshot is the size of the model's weights. Blocks
     still in use (a snapshot that is alive, a loader's pinned batches) stay; free ones that a loader
     cached are pinned again on their next use. A no-op without CUDA."""
-    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+    if not torch.cuda.is_initialized():  # (is_available() would start the driver: not in a CPU-only run)
         return
     empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) \
         or getattr(torch._C, "_host_emptyCache", None)
@@ -77,7 +100,7 @@ def release_pinned_memory() -> None:
         empty()
 
 
-def _to_cpu(obj: Any, queued: set[int]) -> Any:
+def _to_cpu(obj: Any, queued: set[int] | None) -> Any:
     if isinstance(obj, torch.Tensor):
         return _host_copy(obj, queued)
     if isinstance(obj, dict):
@@ -106,20 +129,30 @@ def _named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
-            scaler: Any = None) -> TrainingSnapshot:
-    """Copy everything a training step changes to host memory (the device's memory is left as it is;
-    CUDA tensors go to page-locked memory, see :func:`release_pinned_memory`)."""
-    queued: set[int] = set()
+            scaler: Any = None, *, pinned: bool = True) -> TrainingSnapshot:
+    """Copy everything a training step changes to host memory (the device's memory is left as it is).
+
+    ``pinned``: CUDA tensors go to page-locked memory (faster both ways; one wait per device), where
+    it takes at most PINNED_SHARE of the host memory available. The blocks stay cached in torch after
+    the snapshot is gone: :func:`release_pinned_memory` gives them back. False: pageable copies (a
+    snapshot kept for long, as the search's)."""
+    grads = {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
+    states = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
+    dicts = {k: None if v is None else v.state_dict() for k, v in states.items()}
+    named = _named_tensors(model)
+    queued: set[int] | None = set() if pinned and torch.cuda.is_initialized() and _room_to_pin(
+        _cuda_tensors([list(named.values()), [g for g in grads.values() if g is not None], list(dicts.values())])) \
+        else None
     snapshot = TrainingSnapshot(
-        tensors={n: _host_copy(t, queued) for n, t in _named_tensors(model).items()},
-        grads={n: None if p.grad is None else _host_copy(p.grad, queued)
-               for n, p in model.named_parameters(remove_duplicate=False)},
-        optimizer=None if optimizer is None else _to_cpu(optimizer.state_dict(), queued),
-        scheduler=None if scheduler is None else _to_cpu(scheduler.state_dict(), queued),
-        scaler=None if scaler is None else _to_cpu(scaler.state_dict(), queued),
+        tensors={n: _host_copy(t, queued) for n, t in named.items()},
+        grads={n: None if g is None else _host_copy(g, queued) for n, g in grads.items()},
+        optimizer=None if dicts["optimizer"] is None else _to_cpu(dicts["optimizer"], queued),
+        scheduler=None if dicts["scheduler"] is None else _to_cpu(dicts["scheduler"], queued),
+        scaler=None if dicts["scaler"] is None else _to_cpu(dicts["scaler"], queued),
         rng=capture_rng(),
     )
-    _synchronize(queued)  # the copies were queued; the snapshot is whole once they are done
+    if queued:
+        _synchronize(queued)  # the copies were queued; the snapshot is whole once they are done
     return snapshot
 
 

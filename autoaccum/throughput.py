@@ -240,7 +240,7 @@ def make_bench(task: Task, optimizer: torch.optim.Optimizer | None, share: int, 
                          f"in the first step, so the peak is usually in the second)")
     return Bench(model=task.model, optimizer=optimizer, loss_fn=task.loss_fn, batch=task.batch(share), share=share,
                  device=device, usable_bytes=usable_bytes, emulate=device.type != "cuda",
-                 snapshot=training_state.capture(task.model, optimizer),
+                 snapshot=training_state.capture(task.model, optimizer, pinned=False),
                  warmup_steps=warmup_steps, measure_steps=measure_steps, clock=clock)
 
 
@@ -265,13 +265,10 @@ def measure(task: Task, target_batch: int, micro_batch: int, knobs: Knobs | None
     micro_batch = min(check_positive_int(micro_batch, "micro_batch"), share)
     device = trainable_parameters(task.model)[0].device
     usable = resolve_budget(budget, device, headroom).usable_bytes  # checks headroom
-    user = training_state.capture(task.model, optimizer)
+    user = training_state.capture(task.model, optimizer, pinned=False)  # with the bench's: pageable, as a search's
     try:
         bench = make_bench(task, optimizer, share, usable, warmup_steps, measure_steps, clock)
         return bench.run(micro_batch, knobs or Knobs())
     finally:
         training_state.restore(user, task.model, optimizer)
-        del user  # with the bench's own snapshot: their page-locked host copies go back
-        bench = None
-        training_state.release_pinned_memory()
 

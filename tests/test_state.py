@@ -3,10 +3,13 @@ copies are page-locked (queued, one wait), pageable where pinning fails, and the
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
 
+import autoaccum
 from autoaccum import state
 
 
@@ -62,6 +65,30 @@ def test_release_pinned_memory_without_cuda_is_a_no_op():
     state.release_pinned_memory()
 
 
+def test_room_to_pin_counts_blocks_rounded_up_to_powers_of_two(monkeypatch):
+    available = SimpleNamespace(available=400 * 2**20)
+    monkeypatch.setattr(state.psutil, "virtual_memory", lambda: available)
+    exact = [torch.empty(2**24, dtype=torch.float32)]  # 64 MiB: a block of 64 MiB
+    over = [torch.empty(2**24 + 1, dtype=torch.float32)]  # 4 bytes more: a block of 128 MiB
+    assert state._room_to_pin(exact * 1) and not state._room_to_pin(over)  # 100 MiB of room (a quarter)
+    available.available = 512 * 2**20
+    assert state._room_to_pin(over) and not state._room_to_pin(over * 2)
+
+
+def test_an_estimate_copies_nothing_but_the_generators(monkeypatch):
+    """probe(estimate=True) runs on fake copies: the real model is not snapshot (no host copy of its weights)."""
+    from tests._probe_models import mlp, mlp_batch, mlp_loss
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an estimate captured the model")
+
+    monkeypatch.setattr(state, "capture", refuse)
+    report = autoaccum.probe(model=mlp(), loss_fn=mlp_loss, make_batch=mlp_batch(), target_batch=64, estimate=True)
+    assert report.is_estimate
+    with pytest.raises(AssertionError, match="captured"):  # the control: a measured probe snapshots the model
+        autoaccum.probe(model=mlp(), loss_fn=mlp_loss, make_batch=mlp_batch(), target_batch=64, budget="64MiB")
+
+
 @pytest.mark.gpu
 def test_cuda_snapshot_is_page_locked_and_exact():
     changed, after, snapshot = _roundtrip("cuda")
@@ -69,6 +96,34 @@ def test_cuda_snapshot_is_page_locked_and_exact():
     assert after == []
     assert all(t.is_pinned() for t in snapshot.tensors.values())
     assert all(g is None or g.is_pinned() for g in snapshot.grads.values())
+
+
+@pytest.mark.gpu
+def test_cuda_snapshot_is_whole_when_capture_returns():
+    """The copies are queued behind the stream's work: capture waits for them (without the wait the host would
+    read the page-locked blocks before the copy behind a 0.5 s kernel has landed)."""
+    model = nn.Linear(256, 256).cuda()
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(10**9)  # about half a second of one kernel
+        model.weight.fill_(2.0)  # queued behind it, as the snapshot's copy is
+    snapshot = state.capture(model)
+    assert snapshot.tensors["param:weight"].is_pinned()
+    assert torch.equal(snapshot.tensors["param:weight"], torch.full((256, 256), 2.0))
+
+
+@pytest.mark.gpu
+def test_cuda_snapshot_is_pageable_when_asked_or_without_room(monkeypatch):
+    model = nn.Linear(64, 64).cuda()
+    assert not any(t.is_pinned() for t in state.capture(model, pinned=False).tensors.values())
+    monkeypatch.setattr(state, "PINNED_SHARE", 0.0)
+    saved = state.capture(model)
+    assert not any(t.is_pinned() for t in saved.tensors.values())
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    state.restore(saved, model)
+    assert torch.equal(model.weight.cpu(), saved.tensors["param:weight"])
 
 
 @pytest.mark.gpu

@@ -140,15 +140,12 @@ def search(
     grad_bytes = sum(p.numel() * p.element_size() for p in trainable_parameters(task.model))
     largest = accumulated_fit(report, share, grad_bytes)
 
-    user_state = training_state.capture(task.model, optimizer)
+    user_state = training_state.capture(task.model, optimizer, pinned=False)  # kept all search long: pageable
     try:
         bench = make_bench(task, optimizer, share, report.usable_bytes, warmup_steps, measure_steps, clock)
         return run_study(optuna, bench, report, concrete, space, options, largest=largest, started=started)
     finally:
         training_state.restore(user_state, task.model, optimizer)
-        del user_state  # with the bench's own snapshot: their page-locked host copies go back
-        bench = None
-        training_state.release_pinned_memory()
 
 
 def _probe_report(task: Task, optimizer: torch.optim.Optimizer | None, report: ProbeReport | None,
