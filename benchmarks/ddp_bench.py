@@ -23,7 +23,7 @@ Each rank runs with one intra-op thread. Prints a table, then one JSON document.
 test run.
 
     python benchmarks/ddp_bench.py [--accum 8] [--micro 8] [--steps 20] [--hidden 1024] [--repeats 3]
-                                   [--interleaved 150] [--single-process] [--json-only]
+                                   [--interleaved 150] [--single-process] [--cut-cost] [--json-only]
 
 Two measurements: rounds (``--steps`` steps of one mode back to back, ``--repeats`` rounds over the
 modes; the best round and the median of the per-round ratios are reported), then per step
@@ -31,7 +31,10 @@ modes; the best round and the median of the per-round ratios are reported), then
 and timed alone; the median per-turn ratio with its bootstrap interval). On a shared 2-core machine
 the per-step measurement is the steadier one: a slow moment hits neighbouring steps of every mode.
 ``--single-process`` first times the guard against the hand loop in this process alone (no DDP, no
-ranks), per step as above: the guard's own share of the ranks' ratio.
+ranks), per step as above: the guard's own share of the ranks' ratio. ``--cut-cost`` adds the
+diagnostic ``autoaccum_overlap_nocut``: ``autoaccum_overlap_nocheck`` with the cut's exchange (the one
+small all-reduce per step the hand loop does not have) answered locally on both ranks -- unsafe, never a
+product setting, only to price that exchange.
 """
 
 from __future__ import annotations
@@ -57,6 +60,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 MODES = ("autoaccum", "autoaccum_overlap", "autoaccum_overlap_nocheck", "ddp_sync_every_micro", "ddp_no_sync_last")
+
+
+def _modes(args: argparse.Namespace) -> tuple[str, ...]:
+    """The modes measured: with ``--cut-cost`` also ``autoaccum_overlap_nocut`` (diagnostic)."""
+    return MODES + ("autoaccum_overlap_nocut",) if args.cut_cost else MODES
 def _model(hidden: int) -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, hidden),
@@ -110,8 +118,11 @@ def _setup(mode: str, rank: int, args: argparse.Namespace) -> tuple[Any, list[bo
     x, y = torch.randn(share, 64, generator=g), torch.randint(0, 10, (share,), generator=g)
     guard = None
     if mode.startswith("autoaccum"):
+        sync = DistributedSync(model)
+        if mode == "autoaccum_overlap_nocut":  # diagnostic: the cut's exchange answered locally on both ranks
+            sync.gather_async = _local_answer  # type: ignore[method-assign]
         guard = autoaccum.OOMGuard(model, opt, target_batch=share * 2, micro_batch=args.micro,
-                                   sync=DistributedSync(model), overlap="off" if mode == "autoaccum" else "auto",
+                                   sync=sync, overlap="off" if mode == "autoaccum" else "auto",
                                    nonfinite="stop" if mode in ("autoaccum", "autoaccum_overlap") else None)
     overlapped: list[bool] = []
 
@@ -122,6 +133,15 @@ def _setup(mode: str, rank: int, args: argparse.Namespace) -> tuple[Any, list[bo
         overlapped.append(guard.step((x, y), _loss).overlapped)
 
     return step, overlapped
+
+
+def _local_answer(values: tuple[int, ...]) -> Any:
+    """The cut's exchange without the all-reduce (``--cut-cost``): both ranks run the same full steps on the
+    same plan, so the rows the exchange would gather are this rank's own, twice. Unsafe anywhere else: never
+    a product setting, only to price that one small all-reduce."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(result=lambda: (tuple(values), tuple(values)))
 
 
 def _run_mode(mode: str, rank: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -143,7 +163,7 @@ def _interleaved(rank: int, args: argparse.Namespace) -> dict[str, Any]:
     """Every mode set up at once, then one step of each in turn (a shuffled order per turn, the same on
     both ranks), each step started by a barrier and timed alone: a slow moment of the machine lands
     on neighbouring steps of every mode, not on one mode's round."""
-    steps = {mode: _setup(mode, rank, args) for mode in MODES}
+    steps = {mode: _setup(mode, rank, args) for mode in _modes(args)}
     for step, _ in steps.values():
         for _ in range(args.warmup):
             step()
@@ -183,7 +203,7 @@ def _worker(rank: int, port: int, out: str, args: argparse.Namespace) -> None:
                             timeout=datetime.timedelta(seconds=120))
     rows = []
     for _ in range(args.repeats):  # interleaved, so that a slow moment of the machine hits every mode
-        for mode in MODES:
+        for mode in _modes(args):
             rows.append(_run_mode(mode, rank, args))
     per_step = _interleaved(rank, args) if args.interleaved else None
     if rank == 0:
@@ -241,6 +261,9 @@ def main() -> None:
                         help="then this many turns of one step per mode, each timed alone (0: none)")
     parser.add_argument("--single-process", action="store_true",
                         help="first measure the guard against the hand loop in one process (no ranks), per step")
+    parser.add_argument("--cut-cost", action="store_true",
+                        help="also autoaccum_overlap_nocut: nocheck with the cut's exchange answered locally "
+                             "(diagnostic, unsafe: prices that one all-reduce)")
     parser.add_argument("--json-only", action="store_true")
     args = parser.parse_args()
     if args.single_process and not args.interleaved:
@@ -249,13 +272,14 @@ def main() -> None:
 
     measured = run_two_ranks(_worker, args)
     rows, per_step = measured["rows"], measured["per_step"]
-    best = {mode: max(r["steps_per_s"] for r in rows if r["mode"] == mode) for mode in MODES}
+    modes = _modes(args)
+    best = {mode: max(r["steps_per_s"] for r in rows if r["mode"] == mode) for mode in modes}
     params = sum(p.numel() for p in _model(args.hidden).parameters())
     grad_allreduces = {"autoaccum": 1, "autoaccum_overlap": 1, "autoaccum_overlap_nocheck": 1,
-                       "ddp_sync_every_micro": args.accum,
+                       "autoaccum_overlap_nocut": 1, "ddp_sync_every_micro": args.accum,
                        "ddp_no_sync_last": 1}
     overlapped = {m: min((r["overlapped_steps"] for r in rows if r["mode"] == m and r["overlapped_steps"] is not None),
-                         default=None) for m in MODES}
+                         default=None) for m in modes}
     report = {
         "benchmark": "ddp_bench", "backend": "gloo", "device": "cpu", "world_size": 2,
         "accum_steps": args.accum, "micro_batch": args.micro, "params": params,
@@ -265,7 +289,7 @@ def main() -> None:
                      "vs_sync_every_micro": best[m] / best["ddp_sync_every_micro"],
                      "vs_hand_loop": best[m] / best["ddp_no_sync_last"],
                      "median_vs_hand_loop": _median_ratio(rows, m, "ddp_no_sync_last"),
-                     "overlapped_steps_min": overlapped[m]} for m in MODES],
+                     "overlapped_steps_min": overlapped[m]} for m in modes],
     }
     if per_step is not None:
         report["interleaved_turns"] = args.interleaved
