@@ -1,0 +1,113 @@
+"""Where the overlapped step's time goes on 2 gloo ranks (issue 15, the ranks row): the guard's parts
+timed on rank 0, beside the hand loop's step.
+
+The model and plan of ``ddp_bench.py`` (the MLP 64-1024-1024-10, 8 micro-batches of 8 per rank, DDP,
+SGD), ``OOMGuard(overlap="auto", nonfinite=None)`` (``ddp_bench``'s ``autoaccum_overlap_nocheck``)
+against the hand loop (``ddp_no_sync_last``): one step of each in turn, each after a barrier, timed
+alone. The guard's parts are timed by wrapping them (their wall time on the calling thread, summed
+per step; nested parts are inside their callers):
+
+- ``guard._agree_cut``: start the cut's exchange (an asynchronous all-reduce the hand loop does not have);
+- ``guard._settle_cut``: read its answer before the last micro-batch;
+- ``overlap._launch``: copy a bucket's gradients into its flat buffer and start its all-reduce;
+- ``overlap._wait_all``: wait for every bucket's all-reduce after the backward (the hand loop waits
+  for DDP's inside its last backward);
+- ``overlap._write_row`` / ``_read_row``: the flag's row in the last bucket, built and read;
+- ``overlap.copy_back``: the agreed sums handed to ``.grad`` (views);
+- ``settle._wait``: waiting for gloo's worker to let go of the buffers (``autoaccum.distributed.settle``).
+
+Prints a table, then one JSON document. Not part of the test run.
+
+    python benchmarks/ddp_parts.py [--steps 200] [--json-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import functools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ddp_bench  # noqa: E402 - benchmarks/ on the path
+
+PARTS = {"guard": ("_agree_cut", "_settle_cut"),
+         "overlap": ("_launch", "_wait_all", "_write_row", "_read_row", "copy_back"),
+         "settle": ("_wait",)}
+
+
+def _wrap(owners: dict[str, Any], spent: dict[str, float]) -> None:
+    for key, names in PARTS.items():
+        owner = owners[key]
+        for name in names:
+            inner = getattr(owner, name)
+
+            def timed(*args: Any, _inner: Any = inner, _key: str = f"{key}.{name}", **kwargs: Any) -> Any:
+                started = time.perf_counter()
+                try:
+                    return _inner(*args, **kwargs)
+                finally:
+                    spent[_key] += time.perf_counter() - started
+            setattr(owner, name, functools.wraps(inner)(timed))
+
+
+def _worker(rank: int, port: int, out: str, args: argparse.Namespace) -> None:
+    import autoaccum.distributed.overlap as overlap
+    import autoaccum.distributed.settle as settle
+    import autoaccum.guard as guard
+
+    spent: dict[str, float] = collections.defaultdict(float)
+    _wrap({"guard": guard.OOMGuard, "overlap": overlap._OverlappedReduce, "settle": settle}, spent)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=120))
+    steps = {mode: ddp_bench._setup(mode, rank, args)[0] for mode in ("autoaccum_overlap_nocheck", "ddp_no_sync_last")}
+    for _ in range(args.warmup):
+        for step in steps.values():
+            step()
+    spent.clear()
+    times: dict[str, list[float]] = {mode: [] for mode in steps}
+    for _ in range(args.steps):
+        for mode, step in steps.items():
+            dist.barrier()
+            started = time.perf_counter()
+            step()
+            times[mode].append(time.perf_counter() - started)
+    if rank == 0:
+        Path(out).write_text(json.dumps({
+            "guard_step_ms": statistics.median(times["autoaccum_overlap_nocheck"]) * 1e3,
+            "hand_step_ms": statistics.median(times["ddp_no_sync_last"]) * 1e3,
+            "parts_ms_per_step": {k: v / args.steps * 1e3 for k, v in sorted(spent.items())}}))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--json-only", action="store_true")
+    args = parser.parse_args()
+    args.accum, args.micro, args.hidden, args.cut_cost = 8, 8, 1024, False  # ddp_bench's defaults
+    result = ddp_bench.run_two_ranks(_worker, args)
+    result.update(steps=args.steps, torch=torch.__version__,
+                  date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+    if not args.json_only:
+        print(f"guard (overlapped, no inf/NaN check) {result['guard_step_ms']:.2f} ms per step (median), "
+              f"hand loop {result['hand_step_ms']:.2f} ms; rank 0's parts, ms per step (mean over {args.steps}):")
+        for key, ms in result["parts_ms_per_step"].items():
+            print(f"  {key:<22}{ms:8.3f}")
+        print()
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
