@@ -302,7 +302,7 @@ def _measure(task: Task, optimizer: Any, precision: Precision, budget_bytes: int
     run_model, make_optimizer = task.model, task.make_optimizer
     run_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
     # an estimate runs on fake copies: of the real state only the generators can change
-    snapshot = training_state.capture_rng() if estimate else training_state.capture(task.model, run_optimizer)
+    snapshot: Any = training_state.capture_rng() if estimate else training_state.capture(task.model, run_optimizer)
     fake_mode: Any = None
     if estimate:  # fake cpu tensors: see autoaccum.estimate
         fake_mode, run_model, make_optimizer = fake_setup(task.model, optimizer, make_optimizer)
@@ -332,7 +332,7 @@ def _measure(task: Task, optimizer: Any, precision: Precision, budget_bytes: int
     finally:
         if isinstance(meter, TrackedMemory):
             meter.close()
-        if isinstance(snapshot, training_state.RngState):
+        if estimate:
             training_state.restore_rng(snapshot)
         else:
             training_state.restore(snapshot, task.model, run_optimizer if isinstance(optimizer, torch.optim.Optimizer)

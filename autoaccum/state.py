@@ -10,6 +10,8 @@ from typing import Any
 import psutil
 import torch
 
+from autoaccum.batch import tensors
+
 __all__ = ["BufferSnapshot", "RngState", "TrainingSnapshot", "capture", "capture_buffers", "capture_rng",
            "release_pinned_memory", "restore", "restore_buffers", "restore_rng", "state_buffers"]
 
@@ -60,16 +62,6 @@ def _host_copy(t: torch.Tensor, queued: set[int] | None) -> torch.Tensor:
     return t.to("cpu", copy=True)
 
 
-def _cuda_tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj] if obj.device.type == "cuda" and type(obj) is torch.Tensor else []
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _cuda_tensors(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _cuda_tensors(v)]
-    return []
-
-
 def _room_to_pin(tensors: list[torch.Tensor]) -> bool:
     """Whether page-locked copies of ``tensors`` (each block rounded up to a power of two, as torch allocates
     them) stay within PINNED_SHARE of the host memory available."""
@@ -77,8 +69,13 @@ def _room_to_pin(tensors: list[torch.Tensor]) -> bool:
     return need <= PINNED_SHARE * psutil.virtual_memory().available
 
 
-def _pinned(t: torch.Tensor) -> bool:
-    return type(t) is torch.Tensor and t.is_pinned()
+def _queue(saved: torch.Tensor, device: torch.device, queued: set[int]) -> bool:
+    """Whether ``saved`` goes back to ``device`` without waiting (a page-locked copy to a CUDA device, whose
+    index is then added to ``queued``)."""
+    if device.type != "cuda" or type(saved) is not torch.Tensor or not saved.is_pinned():
+        return False
+    queued.add(device.index)
+    return True
 
 
 def _synchronize(queued: set[int]) -> None:
@@ -140,9 +137,9 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     states = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
     dicts = {k: None if v is None else v.state_dict() for k, v in states.items()}
     named = _named_tensors(model)
+    copied = tensors([list(named.values()), [g for g in grads.values() if g is not None], list(dicts.values())])
     queued: set[int] | None = set() if pinned and torch.cuda.is_initialized() and _room_to_pin(
-        _cuda_tensors([list(named.values()), [g for g in grads.values() if g is not None], list(dicts.values())])) \
-        else None
+        [t for t in copied if t.device.type == "cuda" and type(t) is torch.Tensor]) else None
     snapshot = TrainingSnapshot(
         tensors={n: _host_copy(t, queued) for n, t in named.items()},
         grads={n: None if g is None else _host_copy(g, queued) for n, g in grads.items()},
@@ -163,14 +160,11 @@ def restore(snapshot: TrainingSnapshot, model: torch.nn.Module, optimizer: torch
     with torch.no_grad():
         for name, t in _named_tensors(model).items():
             saved = snapshot.tensors[name]
-            t.copy_(saved, non_blocking=_pinned(saved))
-            if _pinned(saved) and t.device.type == "cuda":
-                queued.add(t.device.index)
+            t.copy_(saved, non_blocking=_queue(saved, t.device, queued))
         for name, p in model.named_parameters(remove_duplicate=False):
             saved = snapshot.grads[name]
-            p.grad = None if saved is None else saved.to(p.device, copy=True, non_blocking=_pinned(saved))
-            if saved is not None and _pinned(saved) and p.device.type == "cuda":
-                queued.add(p.device.index)
+            p.grad = None if saved is None else saved.to(p.device, copy=True,
+                                                         non_blocking=_queue(saved, p.device, queued))
     _synchronize(queued)  # values in place (and the page-locked copies free to go) on return
     if optimizer is not None and snapshot.optimizer is not None:
         optimizer.state.clear()  # load_state_dict fills what was saved; nothing created since may stay

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import json
 import os
 import platform
@@ -64,6 +63,7 @@ from autoaccum.plan import Plan  # noqa: E402
 from autoaccum.stepper import Stepper  # noqa: E402
 from autoaccum.task import Task, check_loss, default_optimizer  # noqa: E402
 from realgpu.models import build, fresh_model, workloads  # noqa: E402
+from call_timers import time_calls  # noqa: E402
 from results_md import markdown_table, write_subsection  # noqa: E402
 
 #: the probe's parts whose time is summed (what each wraps: the module docstring)
@@ -82,17 +82,7 @@ def _sync(device: torch.device) -> None:
 def _timed_parts(device: torch.device) -> dict[str, float]:
     """Wrap the probe's parts (PARTS) to add their wall time into the returned dict (for the process's life)."""
     spent = dict.fromkeys(PARTS, 0.0)
-    for part, targets in PARTS.items():
-        for owner, name in [(o, n) for o, n in targets if hasattr(o, n)]:  # (a checkout before the release)
-            def wrapper(*args: Any, _inner: Callable = getattr(owner, name), _part: str = part, **kwargs: Any) -> Any:
-                _sync(device)
-                started = time.perf_counter()
-                try:
-                    return _inner(*args, **kwargs)
-                finally:
-                    _sync(device)
-                    spent[_part] += time.perf_counter() - started
-            setattr(owner, name, functools.wraps(getattr(owner, name))(wrapper))
+    time_calls(PARTS, spent, sync=lambda: _sync(device))
     return spent
 
 

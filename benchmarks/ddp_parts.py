@@ -24,40 +24,23 @@ Prints a table, then one JSON document. Not part of the test run.
 from __future__ import annotations
 
 import argparse
-import collections
 import datetime
-import functools
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ddp_bench  # noqa: E402 - benchmarks/ on the path
+from call_timers import time_calls  # noqa: E402
 
 PARTS = {"guard": ("_agree_cut", "_settle_cut"),
          "overlap": ("_launch", "_wait_all", "_write_row", "_read_row", "copy_back"),
          "settle": ("_wait",)}
-
-
-def _wrap(owners: dict[str, Any], spent: dict[str, float]) -> None:
-    for key, names in PARTS.items():
-        owner = owners[key]
-        for name in names:
-            inner = getattr(owner, name)
-
-            def timed(*args: Any, _inner: Any = inner, _key: str = f"{key}.{name}", **kwargs: Any) -> Any:
-                started = time.perf_counter()
-                try:
-                    return _inner(*args, **kwargs)
-                finally:
-                    spent[_key] += time.perf_counter() - started
-            setattr(owner, name, functools.wraps(inner)(timed))
 
 
 def _worker(rank: int, port: int, out: str, args: argparse.Namespace) -> None:
@@ -65,8 +48,9 @@ def _worker(rank: int, port: int, out: str, args: argparse.Namespace) -> None:
     import autoaccum.distributed.settle as settle
     import autoaccum.guard as guard
 
-    spent: dict[str, float] = collections.defaultdict(float)
-    _wrap({"guard": guard.OOMGuard, "overlap": overlap._OverlappedReduce, "settle": settle}, spent)
+    owners = {"guard": guard.OOMGuard, "overlap": overlap._OverlappedReduce, "settle": settle}
+    spent: dict[str, float] = {}
+    time_calls({f"{key}.{name}": [(owners[key], name)] for key, names in PARTS.items() for name in names}, spent)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=120))
