@@ -10,8 +10,6 @@ from typing import Any
 import psutil
 import torch
 
-from autoaccum.batch import tensors
-
 __all__ = ["BufferSnapshot", "RngState", "TrainingSnapshot", "capture", "capture_buffers", "capture_rng",
            "release_pinned_memory", "restore", "restore_buffers", "restore_rng", "state_buffers"]
 
@@ -60,6 +58,18 @@ def _host_copy(t: torch.Tensor, queued: set[int] | None) -> torch.Tensor:
             queued.add(t.device.index)
             return copied
     return t.to("cpu", copy=True)
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors in nested dicts, lists and tuples (``autoaccum.batch.tensors`` sits a layer above this
+    module, which every layer may use)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
 
 
 def _room_to_pin(tensors: list[torch.Tensor]) -> bool:
@@ -137,7 +147,7 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     states = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
     dicts = {k: None if v is None else v.state_dict() for k, v in states.items()}
     named = _named_tensors(model)
-    copied = tensors([list(named.values()), [g for g in grads.values() if g is not None], list(dicts.values())])
+    copied = _tensors([list(named.values()), [g for g in grads.values() if g is not None], list(dicts.values())])
     queued: set[int] | None = set() if pinned and torch.cuda.is_initialized() and _room_to_pin(
         [t for t in copied if t.device.type == "cuda" and type(t) is torch.Tensor]) else None
     snapshot = TrainingSnapshot(
