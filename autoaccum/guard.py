@@ -51,7 +51,7 @@ from autoaccum.regrow import Rise
 from autoaccum.state import capture_buffers, capture_rng, restore_buffers, restore_rng, state_buffers
 from autoaccum.step_input import check_step_args, count_items, local_size
 from autoaccum.step_result import AccumulateResult, StepResult
-from autoaccum.sync import ERROR, OK, OOM, GradSync, LocalSync, OverlapSync
+from autoaccum.sync import ERROR, OK, OOM, GradSync, LocalSync, OverlapSync, StepAgreement
 from autoaccum.task import LossFn, explain_error
 
 __all__ = ["AccumulateResult", "GrowMode", "OOMGuard", "OverlapMode", "PlanChange", "StepResult", "batchnorm_layers"]
@@ -149,6 +149,8 @@ class OOMGuard:
     ) -> None:
         self.params, self._outside_optimizer = trained_params(model, optimizer)
         self.sync: GradSync = sync if sync is not None else LocalSync()
+        # asked once: an isinstance against a runtime-checkable Protocol costs tens of microseconds
+        self._overlap_sync = self.sync.world_size > 1 and isinstance(self.sync, OverlapSync)
         self.plan = guard_plan(model, plan, target_batch=target_batch, micro_batch=micro_batch,
                                world_size=self.sync.world_size)
         memory_model, headroom = checked_options(
@@ -185,9 +187,13 @@ class OOMGuard:
         self._overlap_wait = 0  # clean steps to wait before overlapping again, after an OOM struck an overlapped one
         self._overlap_decision: bool | None = None  # the last agreed decision (logged when it changes)
         self._overlapped = False  # the attempt in progress is overlapped
-        self._fresh_buffers = False  # the overlap's buffers were allocated in this attempt's vote
+        self._fresh_buffers = False  # the overlap's buffers were allocated or given back in this attempt's vote
         self._last_vote, self._vote_reason = False, ""  # this rank's last overlap vote, and why
         self._arm: Callable[[], None] = lambda: None  # arms the overlapped attempt in progress
+        # every rank proposed, in the last step's flag, that the next step skip the cut's exchange
+        # (autoaccum.cut_agreement, "Chained steps"); this rank proposes where it could guess the
+        # step alone (self._may_guess) and voted to overlap it
+        self._chain, self._may_guess = False, False
         self._warn_batchnorm()
 
     # -- the growth's settings and record (autoaccum.growth), as attributes of the guard ------------------
@@ -301,20 +307,44 @@ class OOMGuard:
             check_step_args(batch, loss_fn)
             self._checked_loss_fn = loss_fn
 
-    def _agree_cut(self, batch: Batch, n: int, attempt: int, items: int | None, may_guess: bool) -> CutAgreement:
+    def _agree_cut(self, batch: Batch, n: int, attempt: int, items: int | None, may_guess: bool,
+                   chained: bool) -> CutAgreement:
         """Start the attempt's exchange (``autoaccum.cut_agreement``): the step's samples over all ranks,
         the micro-steps every rank runs, the overlap votes and the items; one all-reduce, where no
-        gradient collective can be in flight. This rank waits for it now unless it may guess."""
+        gradient collective can be in flight. This rank waits for it now unless it may guess.
+        ``chained``: no exchange (every rank agreed so in the last step's flag); the attempt is
+        overlapped on every rank, and this rank's row goes in its flag."""
         steps = self.cut.steps(batch, n, self.plan)
         vote = False
+        held = self._held_buffers()
         if self.sync.world_size > 1:
-            vote, reason, self._fresh_buffers = overlap_vote(
+            vote, reason, _ = overlap_vote(
                 self.sync, self.params, self.overlap, attempt, self._growth, micro_batch=self.plan.micro_batch,
-                wait=self._overlap_wait, device=self.device, meter=self.meter)
+                wait=self._overlap_wait, device=self.device, meter=self.meter, keep=chained)
             self._last_vote, self._vote_reason = vote, reason
         may_guess = may_guess and bool(getattr(self.sync, "quiet_window", False))
-        return agree_cut(self.sync, self.cut, self.plan, num_samples=n, steps=steps, vote=vote, items=items,
-                         may_guess=may_guess)
+        self._may_guess = may_guess and items is None and isinstance(self.cut, SampleCut)
+        agreement = agree_cut(self.sync, self.cut, self.plan, num_samples=n, steps=steps, vote=vote, items=items,
+                              may_guess=may_guess, chained=chained)
+        if chained:
+            # every rank sends this attempt's buckets, whatever it votes: the buffers are held (since the
+            # last step; allocated again only if something gave them back in between)
+            if not self.sync.prepare_overlap(self.params):  # type: ignore[attr-defined]
+                raise AutoAccumError("internal: a chained step's gradient buffers could not be held; the other "
+                                     "ranks wait for this rank's buckets")
+            self._arm = self.sync.overlapped(self.params)  # type: ignore[attr-defined]
+            self._overlapped = True
+        # the buffers were allocated or given back just now: the step's start is read again, so that
+        # they count at a step's start (where they are live), never in its measured rise
+        self._fresh_buffers = self._held_buffers() != held
+        return agreement
+
+    def _held_buffers(self) -> bool | None:
+        """Whether the overlap's buffers are held now (None: this sync does not overlap)."""
+        if not self._overlap_sync:
+            return None
+        extra = self.sync.overlap_bytes(self.params)  # type: ignore[attr-defined]
+        return None if extra is None else extra == 0
 
     def _settle_cut(self, agreement: CutAgreement, attempt: int) -> Agreed:
         """The exchange's answer; where every rank voted to overlap, the overlapped attempt started
@@ -340,7 +370,11 @@ class OOMGuard:
 
     def _arm_last(self, agreement: CutAgreement, attempt: int) -> bool:
         """Before the last micro-step: the exchange's answer read, the overlapped all-reduce armed where
-        every rank voted for it. False where the answer voids the attempt or is an error."""
+        every rank voted for it. False where the answer voids the attempt or is an error. A chained
+        attempt is overlapped already, and its answer comes after its buckets."""
+        if agreement.chained:
+            self._arm()
+            return True
         agreed = self._settle_cut(agreement, attempt)
         if agreed.void or agreed.error is not None:
             return False
@@ -357,35 +391,38 @@ class OOMGuard:
         growth = self._growth
         # memory-guided growth and the overlap's room read the limit once per step (CUDA: two allocator
         # queries), only where one of them is on
-        overlap_auto = self.overlap == "auto" and self.sync.world_size > 1 and isinstance(self.sync, OverlapSync)
+        overlap_auto = self.overlap == "auto" and self._overlap_sync
         start = growth.begin(self.meter, full_step=n == self.plan.rank_batch(self.sync.rank),
                              read_limit=self.plan.tokens is None and (growth.guided or overlap_auto))
         changes: list[PlanChange] = []
+        chained, self._chain = self._chain and self.overlap != "off", False  # this step skips the cut's exchange
         if growth.limit is not None and start is not None and growth.guided:
-            if growth.may_grow(self.plan, self.initial_micro_batch) and isinstance(self.sync, OverlapSync):
+            if growth.may_grow(self.plan, self.initial_micro_batch) and self._overlap_sync:
                 # growth first: the overlap's buffers are memory a larger micro-batch may take (the
-                # overlap then runs only where room is left after it)
-                self.sync.release_overlap()
+                # overlap then runs only where room is left after it). Asked on every rank alike (what
+                # may_grow reads is shared), so every rank drops the chain here too: the buffers are gone
+                self.sync.release_overlap()  # type: ignore[attr-defined]
                 start = growth.restart(self.meter)
+                chained = False
             changes.extend(self._grow_to_fit())
         rng = capture_rng()
         buffers = capture_buffers(self._buffer_slots)
         attempts = 0
         may_guess = not partial
         self._zero_grad()
+        chain_next = False
         while True:
             attempts += 1
             self._fresh_buffers, self._overlapped = False, False
-            agreement = self._agree_cut(batch, n, attempts, items, may_guess)
+            agreement = self._agree_cut(batch, n, attempts, items, may_guess, chained)
+            chained = False  # the first attempt only: a replay or a rerun waits for the exchange
             if self._fresh_buffers and start is not None:
-                # the overlap's buffers were allocated just now: from here on they are live at a
-                # step's start, so they count there, not in this step's measured rise
                 start = growth.restart(self.meter)
             terms = agreement.terms  # guessed, or the answer
             self._last_steps = terms.steps
             result: Accumulated | Failed | None = None
             # a rank that waited for the answer runs nothing where it voids the attempt or is an error
-            if agreement.guessed or not (agreement.agreed().void or agreement.agreed().error is not None):
+            if agreement.runs:
                 micro_batches = self._arming(self.cut(batch, n, self.plan, terms.steps), terms.steps, agreement,
                                              attempts)
                 result = accumulate(self.model, micro_batches, loss_fn, num_samples=terms.num_samples,
@@ -393,7 +430,13 @@ class OOMGuard:
                                     autocast_dtype=self.autocast_dtype, num_items_in_batch=terms.num_items,
                                     copy_inputs=self._emulated)
                 micro_batches = None  # type: ignore[assignment]
-            agreed_cut = self._settle_cut(agreement, attempts)  # every rank, whatever its micro-batches did
+            step_agreement = None
+            if agreement.chained:  # its answer comes with the flag, after every bucket
+                step_agreement = self._agree_step(result, attempts, agreement.row)
+                agreement.answer_with(step_agreement.cut_rows)
+                agreed_cut = agreement.agreed()
+            else:
+                agreed_cut = self._settle_cut(agreement, attempts)  # every rank, whatever its micro-batches did
             if agreed_cut.error is not None:
                 self._zero_grad()
                 raise agreed_cut.error
@@ -408,13 +451,13 @@ class OOMGuard:
                 continue
             num_samples, num_items = terms.num_samples, terms.num_items
             assert result is not None
-            status = OK if isinstance(result, Accumulated) else ERROR if result.error else OOM
             summed = None
-            if self._overlapped:  # the flag carries the step's scalars too (in the last bucket: no round trip of its own)
-                scalars = step_scalars(result if isinstance(result, Accumulated) else None, self.device)
-                agreed, summed = self.sync.agree_step(status, scalars)  # type: ignore[attr-defined]
+            if step_agreement is None and self._overlapped:
+                step_agreement = self._agree_step(result, attempts, None)
+            if step_agreement is not None:  # the flag carried the step's scalars (no round trip of their own)
+                agreed, summed, chain_next = step_agreement.status, step_agreement.sums, step_agreement.chain
             else:
-                agreed = self.sync.agree(status)
+                agreed = self.sync.agree(_status(result))
             if agreed == OK:
                 break
             if agreed == ERROR:
@@ -447,7 +490,19 @@ class OOMGuard:
             release_memory(self.device)
             raise step_oom_error("gradient reduction", self.steps + 1, self.plan.micro_batch)
         assert totals is not None
+        self._chain = chain_next
         return totals, attempts, changes, start
+
+    def _agree_step(self, result: Accumulated | Failed | None, attempt: int,
+                    cut_row: tuple[int, ...] | None) -> StepAgreement:
+        """An overlapped attempt's flag: this rank's status (a rank that sat out a chained attempt ran
+        nothing: OK, its row voids the attempt), the step's scalars, ``cut_row`` (a chained
+        attempt's), and this rank's proposal to chain the next step: a first attempt it could guess
+        alone and voted to overlap."""
+        scalars = step_scalars(result if isinstance(result, Accumulated) else None, self.device)
+        propose = attempt == 1 and self._may_guess and self._last_vote
+        return self.sync.agree_step(OK if result is None else _status(result), scalars,  # type: ignore[attr-defined]
+                                    cut_row=cut_row, chain_vote=propose)
 
     def _finish(self, totals: StepTotals, loss: float, attempts: int, changes: list[PlanChange],
                 start: MemoryReading | None, started: float) -> dict[str, Any]:
@@ -543,3 +598,8 @@ class OOMGuard:
     def _warn_batchnorm(self) -> None:
         if not self._warned_batchnorm:
             self._warned_batchnorm = warn_batchnorm(self.model, self.plan)
+
+
+def _status(result: Accumulated | Failed) -> int:
+    """An attempt's status for the ranks' flag: OK, OOM, or ERROR (any other exception)."""
+    return OK if isinstance(result, Accumulated) else ERROR if result.error else OOM

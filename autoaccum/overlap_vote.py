@@ -30,9 +30,11 @@ OverlapMode = Literal["auto", "on", "off"]
 
 def overlap_vote(sync: GradSync, params: list[torch.nn.Parameter], overlap: OverlapMode, attempt: int,
                  room: Growth, *, micro_batch: int, wait: int, device: torch.device,
-                 meter: Meter) -> tuple[bool, str, bool]:
+                 meter: Meter, keep: bool = False) -> tuple[bool, str, bool]:
     """This rank's vote to overlap this attempt's all-reduce, why, and whether its buffers were
-    allocated just now (they then count at the step's start, not in its rise)."""
+    allocated just now (they then count at the step's start, not in its rise). ``keep``: a chained
+    attempt (``autoaccum.cut_agreement``), whose buckets every rank sends whatever it votes: the
+    buffers stay held on a no (the rank then sits the attempt out)."""
     if overlap == "off" or not isinstance(sync, OverlapSync):
         return False, "overlap='off'" if overlap == "off" else "this sync does not overlap", False
     extra = sync.overlap_bytes(params)
@@ -45,7 +47,8 @@ def overlap_vote(sync: GradSync, params: list[torch.nn.Parameter], overlap: Over
     else:
         vote, reason = overlap_room(extra, room, micro_batch=micro_batch, wait=wait, device=device, meter=meter)
     if not vote:
-        sync.release_overlap()
+        if not keep:
+            sync.release_overlap()
         return False, reason, False
     if not sync.prepare_overlap(params):
         return False, f"its buffers ({format_bytes(extra)}) do not fit now", False

@@ -22,21 +22,39 @@ every rank voted for it, ``overlapped()`` starts the attempt, the guard arms it 
 micro-step, and ``agree_step(status, scalars)`` sends what was not sent yet, in order, the flag and
 the step's scalars (loss sum, item count) in the last bucket (or, for bf16/fp16 buckets, in one
 all-reduce after them), and waits for all of it (``autoaccum.distributed.overlap``).
+
+The same row carries each rank's proposal to *chain* the next step (``chain_vote``): where every
+rank proposed it and the step ended OK, the next step skips step 1's exchange; each rank sends its
+row of step 1 (``cut_row``) in that step's flag instead, and the guard decides afterwards whether
+the step stands (``autoaccum.cut_agreement``).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from autoaccum.plan import Plan
 
-__all__ = ["GradSync", "LocalSync", "OK", "OOM", "ERROR", "OverlapSync"]
+__all__ = ["CUT_FIELDS", "GradSync", "LocalSync", "OK", "OOM", "ERROR", "OverlapSync", "StepAgreement"]
 
 OK, OOM, ERROR = 0, 1, 2
+#: the numbers in one rank's row of the cut's exchange (``autoaccum.cut_agreement``)
+CUT_FIELDS = 8
+
+
+@dataclass(frozen=True)
+class StepAgreement:
+    """What an overlapped attempt's flag brought back, the same on every rank."""
+
+    status: int  # the worst over the ranks (OK < OOM < ERROR)
+    sums: torch.Tensor | None  # the step's scalars summed over the ranks (float64), where given
+    chain: bool  # every rank proposed chaining the next step, and this one ended OK
+    cut_rows: tuple[tuple[int, ...], ...]  # every rank's row of the cut's exchange (zeros where none was given)
 
 
 class GradSync(Protocol):
@@ -59,7 +77,8 @@ class OverlapSync(Protocol):
     def prepare_overlap(self, params: list[torch.nn.Parameter]) -> bool: ...
     def release_overlap(self) -> None: ...
     def overlapped(self, params: list[torch.nn.Parameter]) -> Callable[[], None]: ...
-    def agree_step(self, status: int, scalars: torch.Tensor) -> tuple[int, torch.Tensor | None]: ...
+    def agree_step(self, status: int, scalars: torch.Tensor, *, cut_row: tuple[int, ...] | None = None,
+                   chain_vote: bool = False) -> StepAgreement: ...
 
 
 class LocalSync:

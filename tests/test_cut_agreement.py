@@ -34,6 +34,7 @@ from autoaccum.cut import SampleCut, TokenCut
 from autoaccum.cut_agreement import CutTerms, _decide, full_step_terms
 from autoaccum.distributed import DistributedSync, unwrap_model, wrap_model
 from autoaccum.plan import Plan
+from autoaccum.sync import CUT_FIELDS
 
 FP64 = {"rtol": 1e-10, "atol": 1e-12}
 TARGET, MICRO, SEED = 12, 2, 5
@@ -41,9 +42,9 @@ TARGET, MICRO, SEED = 12, 2, 5
 
 # -- the decision ---------------------------------------------------------------------------------------
 def _row(n: int, steps: int, vote: int = 1, items: int | None = None,
-         guess: CutTerms | None = None) -> tuple[int, ...]:
+         guess: CutTerms | None = None, sat_out: bool = False) -> tuple[int, ...]:
     return (n, steps, vote, items or 0, int(items is not None), guess.num_samples if guess else 0,
-            guess.steps if guess else 0)
+            guess.steps if guess else 0, int(sat_out))
 
 
 def test_full_step_terms_are_what_every_rank_runs() -> None:
@@ -134,9 +135,10 @@ class ForwardCollective(torch.nn.Module):
 
 
 def mixed_partial_run(rank: int, world_size: int, kind: str, check: bool,
-                      forward_collective: bool = False) -> dict[str, Any]:
+                      forward_collective: bool = False, chain: bool = True) -> dict[str, Any]:
     """The last batch is partial; rank 0's share of it is full and it passes partial=False (so it
     guesses), rank 1 passes partial=True. ``check=False``: the check for a wrong guess switched off.
+    ``chain=False``: no step is chained (every step has its exchange: the guessing path itself).
     ``forward_collective``: an all-reduce in every forward, declared to ``DistributedSync``; the last
     batch is then 11 (shares 6 and 5: three micro-steps with a forward on both ranks, as a forward
     collective needs -- an empty micro-step runs no forward)."""
@@ -152,7 +154,7 @@ def mixed_partial_run(rank: int, world_size: int, kind: str, check: bool,
     original, decide = dist.all_reduce, cut_agreement._decide
 
     def recording(tensor: torch.Tensor, *args: Any, async_op: bool = False, **kwargs: Any) -> Any:
-        if tensor.dtype == torch.int64 and tensor.numel() == 7 * world_size:
+        if tensor.dtype == torch.int64 and tensor.numel() == CUT_FIELDS * world_size:
             calls.append(async_op)  # the cut's exchange: sent asynchronously where this rank guessed
         return original(tensor, *args, async_op=async_op, **kwargs)
 
@@ -175,6 +177,8 @@ def mixed_partial_run(rank: int, world_size: int, kind: str, check: bool,
             part = (x[start:start + size][mine], y[start:start + size][mine])
             partial = size < TARGET and rank == 1
             calls.clear()
+            if not chain:
+                guard._chain = False  # what the last step's flag agreed, overruled alike on both ranks
             stats = guard.step(part, mean_loss, partial=partial)
             attempts.append(stats.attempts)
             voided.append(guard.voided_attempts)
@@ -196,7 +200,7 @@ pytestmark_dist = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo
 @pytestmark_dist
 @pytest.mark.parametrize("kind", ["ddp", "plain"])
 def test_a_wrong_guess_is_replayed_exactly_on_every_rank(kind: str, tmp_path: Path) -> None:
-    out = results(tmp_path, spawn(mixed_partial_run, tmp_path, kind=kind, check=True)[0])
+    out = results(tmp_path, spawn(mixed_partial_run, tmp_path, kind=kind, check=True, chain=False)[0])
     want = reference()
     for rank, r in enumerate(out):
         # full steps: guessed by both ranks (asynchronous exchange), one attempt each
@@ -212,8 +216,24 @@ def test_a_wrong_guess_is_replayed_exactly_on_every_rank(kind: str, tmp_path: Pa
 
 
 @pytestmark_dist
+@pytest.mark.parametrize("kind", ["ddp", "plain"])
+def test_a_chained_step_a_rank_cannot_guess_is_sat_out_and_run_again(kind: str, tmp_path: Path) -> None:
+    """Chained (the default): the first step's exchange is sent ahead, the second has none (its rows
+    ride in its flag), and in the third, which rank 1 cannot guess (its share is partial), rank 1
+    sits out: the attempt is void on both ranks and run again, waiting for the exchange first."""
+    out = results(tmp_path, spawn(mixed_partial_run, tmp_path, kind=kind, check=True)[0])
+    want = reference()
+    for rank, r in enumerate(out):
+        assert r["exchanges"] == [[True], [], [False]], r["exchanges"]
+        assert r["attempts"] == [1, 1, 1] and r["voided"] == [0, 0, 1], (r["attempts"], r["voided"])
+        for name, p in want.items():
+            torch.testing.assert_close(r["params"][name], p, **FP64, msg=f"rank {rank} {name}")
+    assert out[0]["losses"] == out[1]["losses"]
+
+
+@pytestmark_dist
 def test_negative_control_an_unchecked_wrong_guess_trains_on_wrong_weights(tmp_path: Path) -> None:
-    out = results(tmp_path, spawn(mixed_partial_run, tmp_path, kind="ddp", check=False)[0])
+    out = results(tmp_path, spawn(mixed_partial_run, tmp_path, kind="ddp", check=False, chain=False)[0])
     want = reference()
     for r in out:
         assert r["attempts"] == [1, 1, 1] and r["voided"] == [0, 0, 0]

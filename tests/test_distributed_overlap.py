@@ -30,6 +30,7 @@ from _audit import IdAudit
 from _spawn import results, spawn
 from autoaccum.data import GlobalBatches
 from autoaccum.distributed import DistributedSync, unwrap_model, wrap_model
+from autoaccum.sync import CUT_FIELDS
 from test_distributed import Injector
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -270,14 +271,15 @@ def test_the_flag_rides_in_a_float32_last_bucket_and_the_loss_stays_float64(dtyp
     """fp32: the overlapped step's flag, presence bits and float64 loss sums ride in the last bucket
     (3 float32 pieces per float64): no exchange after the buckets. The step's loss equals today's
     protocol's (a float64 all-reduce) exactly, on both ranks, and the weights equal today's (fp32:
-    rtol 1e-5). Negative control: the scalars written as one rounded float32 give other losses."""
+    rtol 1e-5). Negative control: the scalars written as one rounded float32 give other losses. The
+    last step is chained: no cut exchange, its rows ride in the flag too."""
     for r in dtypes:
         on, off = r["torch.float32/auto"], r["torch.float32/off"]
         assert on["overlapped"] == [True] * EXACT_STEPS and off["overlapped"] == [False] * EXACT_STEPS
         p, buckets = on["num_params"], on["buckets"]
-        gather = (2 * 7, "torch.int64", True)
-        row = 3 + p + 2 * 4 * 3  # status (2), late, presence (p), then per rank 4 scalars x 3 pieces
-        assert on["calls"] == [gather] + [(n, "torch.float32", True) for n in buckets[:-1]] + \
+        # status (2), late, chain, presence (p), then per rank 4 scalars and a cut row of 8, x 3 pieces
+        row = 4 + p + 2 * (4 + CUT_FIELDS) * 3
+        assert on["calls"] == [(n, "torch.float32", True) for n in buckets[:-1]] + \
             [(buckets[-1] + row, "torch.float32", True)], on["calls"]
         assert on["losses"] == off["losses"], (on["losses"], off["losses"])  # bit for bit
         for name, value in off["params"].items():
@@ -295,8 +297,8 @@ def test_a_bf16_last_bucket_sends_the_flag_in_an_exchange_of_its_own(dtypes: lis
         on, off = r["torch.bfloat16/auto"], r["torch.bfloat16/off"]
         assert on["overlapped"] == [True] * EXACT_STEPS
         p = on["num_params"]
-        assert on["calls"] == [(2 * 7, "torch.int64", True)] + [(n, "torch.bfloat16", True) for n in on["buckets"]] + \
-            [(3 + p + 4, "torch.float64", False)], on["calls"]
+        assert on["calls"] == [(n, "torch.bfloat16", True) for n in on["buckets"]] + \
+            [(4 + p + 4 + 2 * CUT_FIELDS, "torch.float64", False)], on["calls"]
         assert on["losses"] == off["losses"], (on["losses"], off["losses"])
         for name, value in off["params"].items():
             torch.testing.assert_close(on["params"][name], value, rtol=1e-2, atol=1e-3, msg=name)
@@ -424,19 +426,30 @@ def test_tight_memory_keeps_todays_protocol_ample_memory_overlaps(tmp_path: Path
         assert r["overlapped"] == [False, True, False, False, True, True], r["overlapped"]
         assert r["ooms"] == 0
         p = r["num_params"]
-        # the cut's exchange: a row of 7 per rank (samples, micro-steps, vote, items, counted, the guess),
-        # sent asynchronously (every step here is full: each rank guesses its terms and reads the answer
-        # before the last micro-batch, autoaccum.cut_agreement)
-        gather, loss = (2 * 7, "torch.int64", True), (4, "torch.float64", False)
+        # the cut's exchange: a row of 8 per rank (samples, micro-steps, vote, items, counted, the guess,
+        # sat out), sent asynchronously (every step here is full: each rank guesses its terms and reads
+        # the answer before the last micro-batch, autoaccum.cut_agreement)
+        gather, loss = (2 * CUT_FIELDS, "torch.int64", True), (4, "torch.float64", False)
         # today's protocol: the cut, then the flag, which gradients exist, the gradients, the loss
-        todays_head = [gather, (1, "torch.int64", False), (p, "torch.int32", False)]
-        # overlapped: the cut, the buckets, then one exchange: status (2), late, presence (p), the loss's 4 scalars
-        overlapped = [gather] + [(n, "torch.float64", True) for n in r["buckets"][:-1]] + [(r["buckets"][-1] + 3 + p + 2 * 4, "torch.float64", True)]
+        flag_head = [(1, "torch.int64", False), (p, "torch.int32", False)]
+        # overlapped: the buckets, the last one with the flag's row: status (2), late, chain, presence (p),
+        # then per rank the loss's 4 scalars and a cut row
+        buckets = [(n, "torch.float64", True) for n in r["buckets"][:-1]] + \
+            [(r["buckets"][-1] + 4 + p + 2 * (4 + CUT_FIELDS), "torch.float64", True)]
+        # step 2 overlaps after its exchange, and every rank proposes chaining; step 3 is chained (no
+        # exchange), but memory is tight now: every rank sits it out (no micro-batch, zeros in every
+        # bucket), the attempt is void and runs again with the exchange, waited for, and today's
+        # protocol; step 6 is chained after step 5 and runs
+        expected_heads = {2: [gather] + buckets, 3: buckets + [(2 * CUT_FIELDS, "torch.int64", False)],
+                          5: [gather] + buckets, 6: buckets}
         for step, calls in enumerate(r["calls"], start=1):
             if r["overlapped"][step - 1]:
-                assert calls == overlapped, (step, calls)
+                assert calls == expected_heads[step], (step, calls)
             else:  # today's protocol, exactly: then the gradients in synchronous buckets, then the loss
-                assert calls[:3] == todays_head and calls[-1] == loss, (step, calls)
+                head = expected_heads.get(step, [gather])
+                assert calls[:len(head)] == head, (step, calls)
+                calls = calls[len(head) - 1:]  # from the cut's exchange on
+                assert calls[1:3] == flag_head and calls[-1] == loss, (step, calls)
                 assert all(c[1] == "torch.float64" and not c[2] for c in calls[3:-1]), (step, calls)
                 # the gradients of the parameters some rank used: all but `never` (2), and `extra` (3) where unused
                 assert sum(r["buckets"]) - 5 <= sum(c[0] for c in calls[3:-1]) <= sum(r["buckets"]) - 2, (step, calls)

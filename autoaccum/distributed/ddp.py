@@ -25,6 +25,7 @@ from autoaccum.distributed.process_group import (
 from autoaccum.distributed.settle import settled
 from autoaccum.log import user_stacklevel
 from autoaccum.plan import Plan
+from autoaccum.sync import CUT_FIELDS, StepAgreement
 from autoaccum.validate import check_positive_int
 
 __all__ = ["BUCKET_BYTES", "DistributedSync"]
@@ -162,7 +163,9 @@ class DistributedSync:
         """The worst status over all ranks (OK=0 < OOM=1 < ERROR=2). After an overlapped attempt, every
         bucket this rank has not sent yet goes first, in order (``autoaccum.distributed.overlap``)."""
         if self._overlap is not None and self._overlap.active:
-            return self._overlap.finish(status)[0]
+            return self._overlap.finish(status).status
+        if self._overlap is not None:
+            self._overlap.reduced = None  # an earlier attempt's sums (one that was voided) are never used now
         agreed = int(_all_reduce(torch.tensor([status], dtype=torch.int64), dist.ReduceOp.MAX, self.group).item())
         if agreed != 0 and self._fsdp is not None:
             # every rank replays from the same FSDP2 state, whether its own attempt failed or not,
@@ -200,13 +203,15 @@ class DistributedSync:
             return False
         return not (self.kind == "ddp" and self.model.will_sync_module_buffers())  # DDP's own test, per attempt
 
-    def agree_step(self, status: int, scalars: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+    def agree_step(self, status: int, scalars: torch.Tensor, *, cut_row: tuple[int, ...] | None = None,
+                   chain_vote: bool = False) -> StepAgreement:
         """:meth:`agree`, and where the same exchange can carry them (an overlapped attempt), the
-        step's scalars (loss sum, item count, kinds of loss) summed over ranks; else None (they are
-        summed after the gradients, as ever)."""
+        step's scalars (loss sum, item count, kinds of loss) summed over ranks, every rank's
+        ``cut_row`` and whether every rank proposed chaining the next step (``chain_vote``); else
+        no sums (they are summed after the gradients, as ever), no chain and zero rows."""
         if self._overlap is not None and self._overlap.active:
-            return self._overlap.finish(status, scalars)
-        return self.agree(status), None
+            return self._overlap.finish(status, scalars, cut_row, chain_vote)
+        return StepAgreement(self.agree(status), None, False, ((0,) * CUT_FIELDS,) * self.world_size)
 
     def sum_items(self, count: torch.Tensor) -> torch.Tensor:
         """``count`` summed over ranks (same device and dtype as given)."""

@@ -68,6 +68,7 @@ from autoaccum.distributed.process_group import _all_reduce, _comm_device
 from autoaccum.distributed.settle import settled
 from autoaccum.log import user_stacklevel
 from autoaccum.oom import is_oom
+from autoaccum.sync import CUT_FIELDS, StepAgreement
 
 __all__: list[str] = []  # internal: DistributedSync drives it
 
@@ -76,6 +77,9 @@ logger = logging.getLogger(__name__)
 #: the step's scalars the flag carries (``autoaccum.accumulate.step_scalars``: the loss sum, the item
 #: count, and which kind of loss each rank saw)
 STEP_SCALARS = 4
+#: what each rank's slot of the row holds: its scalars, then its row of the cut's exchange (a chained
+#: step's, ``autoaccum.cut_agreement``; zeros otherwise)
+_SLOT = STEP_SCALARS + CUT_FIELDS
 #: how many pieces of the last bucket's dtype hold one float64 exactly (float32: three, whose sum in
 #: float64 is the value; float64: itself). Other dtypes (bf16, fp16) cannot hold the counts and sums
 #: exactly: the flag then goes in an exchange of its own after the buckets.
@@ -94,8 +98,8 @@ class _OverlappedReduce:
         #: the flag rides in the last bucket (its row after the gradients) where that bucket's dtype
         #: holds it exactly; else None: an exchange of its own after the buckets
         self.pieces = _PIECES.get(buckets[-1][0].dtype)
-        self._flags = 3 + len(params)  # status (2), late, presence: the row's counts
-        self.row = 0 if self.pieces is None else self._flags + self.world_size * STEP_SCALARS * self.pieces
+        self._flags = 4 + len(params)  # status (2), late, chain, presence: the row's counts
+        self.row = 0 if self.pieces is None else self._flags + self.world_size * _SLOT * self.pieces
         #: the buckets the backward's hooks may send (all, or all but the last where it carries the flag)
         self._early_limit = len(buckets) - (self.pieces is not None)
         self.nbytes = sum(p.numel() * p.element_size() for p in params) + self.row * buckets[-1][0].element_size()
@@ -184,55 +188,75 @@ class _OverlappedReduce:
         self._works.append(dist.all_reduce(self._keep(flat), group=self.group, async_op=True))
         self._next = index + 1  # counted once issued: a failure before it leaves it to finish()
 
-    def finish(self, status: int, scalars: torch.Tensor | None = None) -> tuple[int, torch.Tensor | None]:
+    def finish(self, status: int, scalars: torch.Tensor | None = None, cut_row: tuple[int, ...] | None = None,
+               chain_vote: bool = False) -> StepAgreement:
         """After the micro-batches, on every rank, whatever they did: the buckets not sent yet, in
-        order, the flag (whether this rank failed, which gradients exist, whether one was late, and
-        the step's ``scalars`` where given) in the last of them where its dtype holds it exactly, else
-        in an exchange of its own once every bucket is done; every bucket waited on; then the buffers
-        settled. Returns the agreed status (the worst over the ranks: OK=0 < OOM=1 < ERROR=2) and the
-        scalars summed over the ranks (float64; None where none were given). Every rank gives
-        scalars of the same length (:data:`STEP_SCALARS` where the flag rides in a bucket), or none."""
+        order, the flag (whether this rank failed, which gradients exist, whether one was late, its
+        proposal to chain the next step, and the step's ``scalars`` and ``cut_row`` where given) in
+        the last of them where its dtype holds it exactly, else in an exchange of its own once every
+        bucket is done; every bucket waited on; then the buffers settled. Returns what the ranks
+        agreed: the worst status (OK=0 < OOM=1 < ERROR=2), the scalars summed over the ranks
+        (float64; None where none were given), whether every rank proposed to chain (and the step
+        is OK), and every rank's cut row. Every rank gives scalars of the same length
+        (:data:`STEP_SCALARS` where the flag rides in a bucket), or none."""
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
-        # status as two counts, the late flag, the presence bits: counts of ranks, exact in every
-        # dtype the flag is exchanged in (float64, or a bucket's float32 up to 2**24 ranks)
-        flags = [status == 1, status == 2, self._late] + [p.grad is not None for p in self.params]
+        # status as two counts, the late flag, the chain proposals, the presence bits: counts of ranks,
+        # exact in every dtype the flag is exchanged in (float64, or a bucket's float32 up to 2**24 ranks)
+        flags = [status == 1, status == 2, self._late, chain_vote] + [p.grad is not None for p in self.params]
+        if cut_row is not None and len(cut_row) != CUT_FIELDS:
+            raise RuntimeError(f"internal: a cut row has {CUT_FIELDS} numbers, not {len(cut_row)}")
         try:
             ok = status == 0
             if self.pieces is not None:
-                self._write_row(flags, scalars)
+                self._write_row(flags, scalars, cut_row)
             while self._next < len(self.buckets):
                 self._launch(self._next, copy=ok)  # after a failure: zeros, only to keep the order
             self._wait_all()
             if self.pieces is not None:
-                agreed_row = self._read_row(scalars is not None)
+                counts, sums, rows = self._read_row(scalars is not None)
             else:
-                # no gradient collective is in flight now (DESIGN.md, Scale): one SUM in float64 (exact
-                # for the counts; the scalars summed in float64 as sum_items does), built where the
-                # exchange runs (gloo: the CPU, so MPS, which has no float64, is no case of its own)
-                device = _comm_device(self.group)
-                local = torch.tensor(flags, dtype=torch.float64, device=device)
-                if scalars is not None:
-                    local = torch.cat([local, scalars.detach().reshape(-1).to(device, torch.float64)])
-                summed = _all_reduce(local, dist.ReduceOp.SUM, self.group)
-                agreed_row = (summed[:len(flags)].tolist(), summed[len(flags):] if scalars is not None else None)
+                counts, sums, rows = self._exchange_flag(flags, scalars, cut_row)
         finally:
             self._works = []  # a work handle holds its tensor: dropped before the settle below
             self._stack.close()  # returns once gloo's worker let go of every buffer (settle.py)
             self._keep, self.active = None, False
-        counts, sums = agreed_row
         agreed = 2 if counts[1] > 0 else 1 if counts[0] > 0 else 0
+        late = False
         if agreed == 0:
-            self.late = counts[2] > 0
-            self.reduced = [f > 0 for f in counts[3:]]
+            self.late = late = counts[2] > 0
+            self.reduced = [f > 0 for f in counts[4:]]
             if self.late:
                 self.disabled = ("a parameter's gradient was accumulated twice in one backward (e.g. a weight shared "
                                  "by two reentrant checkpointed regions)")
                 warnings.warn(f"autoaccum: the gradient all-reduce is no longer overlapped with the last backward: "
                               f"{self.disabled}; this step's gradients were reduced after the backward instead",
                               stacklevel=user_stacklevel())
-        return agreed, sums
+        chain = agreed == 0 and not late and counts[3] == self.world_size
+        return StepAgreement(agreed, sums, chain, rows)
+
+    def _exchange_flag(self, flags: list[bool], scalars: torch.Tensor | None,
+                       cut_row: tuple[int, ...] | None) -> tuple[list[float], torch.Tensor | None,
+                                                                 tuple[tuple[int, ...], ...]]:
+        """The flag in an exchange of its own (the last bucket's dtype cannot hold it exactly): no
+        gradient collective is in flight now (DESIGN.md, Scale). One SUM in float64 -- exact for the
+        counts and the cut rows (each rank's in its own row of a matrix, zeros elsewhere); the
+        scalars summed in float64 as sum_items does -- built where the exchange runs (gloo: the CPU,
+        so MPS, which has no float64, is no case of its own)."""
+        device = _comm_device(self.group)
+        rows = torch.zeros(self.world_size, CUT_FIELDS, dtype=torch.float64, device=device)
+        if cut_row is not None:
+            rows[self.rank] = torch.tensor(cut_row, dtype=torch.float64)
+        parts = [torch.tensor(flags, dtype=torch.float64, device=device)]
+        if scalars is not None:
+            parts.append(scalars.detach().reshape(-1).to(device, torch.float64))
+        parts.append(rows.reshape(-1))
+        summed = _all_reduce(torch.cat(parts), dist.ReduceOp.SUM, self.group)
+        count = len(flags)
+        sums = summed[count:count + scalars.numel()] if scalars is not None else None
+        gathered = summed[summed.numel() - rows.numel():].reshape(self.world_size, CUT_FIELDS).tolist()
+        return summed[:count].tolist(), sums, tuple(tuple(int(v) for v in r) for r in gathered)
 
     def _wait_all(self) -> None:
         for index in range(len(self._works)):  # no loop variable: a work handle holds its tensor (settle)
@@ -245,44 +269,53 @@ class _OverlappedReduce:
         flat = self.flats[-1]
         return flat[flat.numel() - self.row:]
 
-    def _write_row(self, flags: list[bool], scalars: torch.Tensor | None) -> None:
-        """This rank's row: the flags (summed over the ranks: counts), then one slot per rank for the
-        scalars, each float64 as :attr:`pieces` numbers of the bucket's dtype that add up to it exactly
-        (:func:`_pieces`). Every other rank's slot holds zeros here, so the sum gathers every rank's
-        scalars unchanged; they are added up in float64 after the exchange (:meth:`_read_row`). Built
-        on the host (the scalars read once) and copied in one go: a handful of numbers."""
+    def _write_row(self, flags: list[bool], scalars: torch.Tensor | None, cut_row: tuple[int, ...] | None) -> None:
+        """This rank's row: the flags (summed over the ranks: counts), then one slot per rank for its
+        scalars and its cut row, each number (a float64, or an integer below 2**53) as
+        :attr:`pieces` numbers of the bucket's dtype that add up to it exactly (:func:`_pieces`).
+        Every other rank's slot holds zeros here, so the sum gathers every rank's slot unchanged;
+        the scalars are added up in float64 after the exchange (:meth:`_read_row`). Built on the
+        host (the scalars read once) and copied in one go: a handful of numbers per rank."""
         assert self.pieces is not None
         row = [float(f) for f in flags] + [0.0] * (self.row - len(flags))
+        slot = [0.0] * _SLOT
         if scalars is not None:
             values = scalars.detach().reshape(-1).tolist()
             if len(values) != STEP_SCALARS:
                 raise RuntimeError(f"internal: the overlapped flag carries {STEP_SCALARS} scalars, not {len(values)}")
-            at = len(flags) + self.rank * STEP_SCALARS * self.pieces
-            for value in values:
-                row[at:at + self.pieces] = _pieces(value, self.pieces)
-                at += self.pieces
+            slot[:STEP_SCALARS] = values
+        if cut_row is not None:
+            slot[STEP_SCALARS:] = [float(v) for v in cut_row]
+        at = len(flags) + self.rank * _SLOT * self.pieces
+        for value in slot:
+            row[at:at + self.pieces] = _pieces(value, self.pieces)
+            at += self.pieces
         tail = self._tail()
         tail.copy_(torch.tensor(row, dtype=tail.dtype))
 
-    def _read_row(self, with_scalars: bool) -> tuple[list[float], torch.Tensor | None]:
-        """The summed row: the flags' counts, and the scalars summed over the ranks (float64, in rank
-        order: the same on every rank). Read once to the host and added up there (a few numbers per
-        rank: cheaper than the device ops it would take)."""
+    def _read_row(self, with_scalars: bool) -> tuple[list[float], torch.Tensor | None, tuple[tuple[int, ...], ...]]:
+        """The summed row: the flags' counts, the scalars summed over the ranks (float64, in rank
+        order: the same on every rank), and every rank's cut row. Read once to the host and added
+        up there (a few numbers per rank: cheaper than the device ops it would take)."""
         assert self.pieces is not None
         row = self._tail().tolist()
         count = self._flags
-        if not with_scalars:
-            return row[:count], None
         totals = [0.0] * STEP_SCALARS
+        rows = []
         at = count
         for _ in range(self.world_size):
-            for i in range(STEP_SCALARS):
+            slot = []
+            for _ in range(_SLOT):
                 value = 0.0
                 for piece in row[at:at + self.pieces]:  # the largest first: every addition is exact
                     value += piece
-                totals[i] += value
+                slot.append(value)
                 at += self.pieces
-        return row[:count], torch.tensor(totals, dtype=torch.float64)
+            for i in range(STEP_SCALARS):
+                totals[i] += slot[i]
+            rows.append(tuple(int(v) for v in slot[STEP_SCALARS:]))
+        sums = torch.tensor(totals, dtype=torch.float64) if with_scalars else None
+        return row[:count], sums, tuple(rows)
 
     def copy_back(self) -> None:
         """The agreed sums into ``.grad``: a parameter some rank used gets the sum (a rank that did
