@@ -10,7 +10,9 @@ Two ranks (gloo, CPU), one model, ``accum`` micro-batches per optimizer step, fi
 - ``autoaccum_overlap``: ``OOMGuard(overlap="auto")`` (the default; on a CPU without an emulated
   budget it overlaps every step): the buckets all-reduced asynchronously during the last
   micro-batch's backward as their gradients become final, the last one after it carrying the flag
-  (with the presence bits and the loss sums: no exchange of its own for these fp32 gradients);
+  (with the presence bits and the loss sums: no exchange of its own for these fp32 gradients), and
+  from the second step on *chained*: no cut exchange either, each rank's cut row in the flag
+  (``autoaccum.cut_agreement``);
 - ``autoaccum_overlap_nocheck``: the same with ``nonfinite=None``: without the inf/NaN check the
   guard runs before ``optimizer.step()`` by default (the hand loop has none), to show its share;
 - ``ddp_sync_every_micro``: plain DDP, no ``no_sync``: DDP all-reduces every micro-batch's
@@ -23,7 +25,8 @@ Each rank runs with one intra-op thread. Prints a table, then one JSON document.
 test run.
 
     python benchmarks/ddp_bench.py [--accum 8] [--micro 8] [--steps 20] [--hidden 1024] [--repeats 3]
-                                   [--interleaved 150] [--single-process] [--cut-cost] [--json-only]
+                                   [--interleaved 150] [--single-process] [--cut-cost] [--unchained]
+                                   [--json-only]
 
 Two measurements: rounds (``--steps`` steps of one mode back to back, ``--repeats`` rounds over the
 modes; the best round and the median of the per-round ratios are reported), then per step
@@ -34,7 +37,10 @@ the per-step measurement is the steadier one: a slow moment hits neighbouring st
 ranks), per step as above: the guard's own share of the ranks' ratio. ``--cut-cost`` adds the
 diagnostic ``autoaccum_overlap_nocut``: ``autoaccum_overlap_nocheck`` with the cut's exchange (the one
 small all-reduce per step the hand loop does not have) answered locally on both ranks -- unsafe, never a
-product setting, only to price that exchange.
+product setting, only to price that exchange (a chained step has none to answer). ``--unchained`` adds
+``autoaccum_overlap_unchained``: ``autoaccum_overlap`` with chaining switched off on both ranks before
+every step (the cut's exchange in every step, as before chained steps): the before/after of chaining
+in one run.
 """
 
 from __future__ import annotations
@@ -63,8 +69,12 @@ MODES = ("autoaccum", "autoaccum_overlap", "autoaccum_overlap_nocheck", "ddp_syn
 
 
 def _modes(args: argparse.Namespace) -> tuple[str, ...]:
-    """The modes measured: with ``--cut-cost`` also ``autoaccum_overlap_nocut`` (diagnostic)."""
-    return MODES + ("autoaccum_overlap_nocut",) if args.cut_cost else MODES
+    """The modes measured: with ``--cut-cost`` also ``autoaccum_overlap_nocut`` (diagnostic), with
+    ``--unchained`` also ``autoaccum_overlap_unchained``."""
+    return MODES + (("autoaccum_overlap_nocut",) if args.cut_cost else ()) + \
+        (("autoaccum_overlap_unchained",) if args.unchained else ())
+
+
 def _model(hidden: int) -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, hidden),
@@ -123,13 +133,16 @@ def _setup(mode: str, rank: int, args: argparse.Namespace) -> tuple[Any, list[bo
             sync.gather_async = _local_answer  # type: ignore[method-assign]
         guard = autoaccum.OOMGuard(model, opt, target_batch=share * 2, micro_batch=args.micro,
                                    sync=sync, overlap="off" if mode == "autoaccum" else "auto",
-                                   nonfinite="stop" if mode in ("autoaccum", "autoaccum_overlap") else None)
+                                   nonfinite="stop" if mode in ("autoaccum", "autoaccum_overlap",
+                                                                "autoaccum_overlap_unchained") else None)
     overlapped: list[bool] = []
 
     def step() -> None:
         if guard is None:
             _hand_step(model, opt, x, y, args, quiet_but_last=mode == "ddp_no_sync_last")
             return
+        if mode == "autoaccum_overlap_unchained":
+            guard._chain = False  # what the last step's flag agreed, overruled on both ranks alike
         overlapped.append(guard.step((x, y), _loss).overlapped)
 
     return step, overlapped
@@ -264,6 +277,9 @@ def main() -> None:
     parser.add_argument("--cut-cost", action="store_true",
                         help="also autoaccum_overlap_nocut: nocheck with the cut's exchange answered locally "
                              "(diagnostic, unsafe: prices that one all-reduce)")
+    parser.add_argument("--unchained", action="store_true",
+                        help="also autoaccum_overlap_unchained: the default with chained steps switched off "
+                             "(the cut's exchange in every step)")
     parser.add_argument("--json-only", action="store_true")
     args = parser.parse_args()
     if args.single_process and not args.interleaved:
@@ -276,7 +292,8 @@ def main() -> None:
     best = {mode: max(r["steps_per_s"] for r in rows if r["mode"] == mode) for mode in modes}
     params = sum(p.numel() for p in _model(args.hidden).parameters())
     grad_allreduces = {"autoaccum": 1, "autoaccum_overlap": 1, "autoaccum_overlap_nocheck": 1,
-                       "autoaccum_overlap_nocut": 1, "ddp_sync_every_micro": args.accum,
+                       "autoaccum_overlap_nocut": 1, "autoaccum_overlap_unchained": 1,
+                       "ddp_sync_every_micro": args.accum,
                        "ddp_no_sync_last": 1}
     overlapped = {m: min((r["overlapped_steps"] for r in rows if r["mode"] == m and r["overlapped_steps"] is not None),
                          default=None) for m in modes}

@@ -80,7 +80,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--json-only", action="store_true")
     args = parser.parse_args()
-    args.accum, args.micro, args.hidden, args.cut_cost = 8, 8, 1024, False  # ddp_bench's defaults
+    args.accum, args.micro, args.hidden, args.cut_cost, args.unchained = 8, 8, 1024, False, False  # ddp_bench defaults
     result = ddp_bench.run_two_ranks(_worker, args)
     result.update(steps=args.steps, torch=torch.__version__,
                   date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
