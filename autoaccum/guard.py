@@ -184,6 +184,8 @@ class OOMGuard:
         self._checked_loss_fn: Any = None
         self._last_steps = 0
         self.overlapped_steps = 0  # steps whose gradient all-reduce ran during the last backward
+        self.chained_steps = 0  # steps whose first attempt had no cut exchange (autoaccum.cut_agreement)
+        self._step_chained = False
         self._overlap_wait = 0  # clean steps to wait before overlapping again, after an OOM struck an overlapped one
         self._overlap_decision: bool | None = None  # the last agreed decision (logged when it changes)
         self._overlapped = False  # the attempt in progress is overlapped
@@ -299,6 +301,7 @@ class OOMGuard:
         self.floor = None if state.get("floor") is None else int(state["floor"])
         self.steps, self.ooms = int(state["steps"]), int(state["ooms"])
         self.failed_growths = int(state.get("failed_growths", 0))
+        self._chain = False  # a resumed step opens with the cut's exchange (every rank loads alike)
         self._warn_batchnorm()
 
     # -- one global batch, replayed until it fits ------------------------------------------------------
@@ -410,7 +413,7 @@ class OOMGuard:
         attempts = 0
         may_guess = not partial
         self._zero_grad()
-        chain_next = False
+        chain_next, self._step_chained = False, chained
         while True:
             attempts += 1
             self._fresh_buffers, self._overlapped = False, False
@@ -511,6 +514,7 @@ class OOMGuard:
         self.floor = self.plan.micro_batch
         reading = self.meter.read()
         self.overlapped_steps += self._overlapped
+        self.chained_steps += self._step_chained
         if attempts == 1:
             self._growth.measured(self.plan.micro_batch, reading)
             self._overlap_wait = max(0, self._overlap_wait - 1)

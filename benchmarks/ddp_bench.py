@@ -313,6 +313,9 @@ def main() -> None:
         for r in report["results"]:
             r["per_step"] = _per_step_ratio(per_step["times"], r["mode"], "ddp_no_sync_last")
             r["per_step"]["overlapped_steps"] = per_step["overlapped"].get(r["mode"])
+        if args.unchained:  # chaining's own gain, paired turn by turn: the unchained step's time over the chained one's
+            report["chained_vs_unchained"] = _per_step_ratio(per_step["times"], "autoaccum_overlap",
+                                                             "autoaccum_overlap_unchained")
     if single is not None:
         report["single_process"] = single
     if not args.json_only:
@@ -332,6 +335,10 @@ def main() -> None:
                 ps = r["per_step"]
                 print(f"{r['mode']:<27}{ps['median_ms']:>16.2f}{ps['ratio']:>13.3f}x"
                       f"{ps['low']:>10.3f}-{ps['high']:.3f}")
+            if args.unchained:
+                gain = report["chained_vs_unchained"]
+                print(f"chained steps against unchained, paired per turn: {gain['ratio']:.3f}x "
+                      f"({gain['low']:.3f}-{gain['high']:.3f})")
             print()
         if single is not None:
             ps = single["per_step"]

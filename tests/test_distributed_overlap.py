@@ -512,8 +512,10 @@ def injected_run(rank: int, world_size: int, schedule: list[tuple[str | None, st
         fail = fails[rank]
         accum = guard.plan.accum_steps
         plan.update(fail=fail, calls=0, at=1 if fail == "first backward" else accum)
+        chained = guard.chained_steps
         stats = guard.step(rb.batch, loss_fn)
         steps.append({"attempts": stats.attempts, "overlapped": stats.overlapped, "early": sync._overlap.early,
+                      "chained": guard.chained_steps > chained,
                       "micro_steps": stats.micro_steps,
                       "changes": [(c.reason, c.where, c.old.micro_batch, c.new.micro_batch) for c in stats.changes],
                       "ids": sorted(rb.batch[2].tolist())})
@@ -526,12 +528,13 @@ def test_randomized_oom_injection_in_overlapped_steps(tmp_path: Path) -> None:
     rank or both, in the forward, the loss or the backward of the last micro-batch, or the first
     micro-batch's backward -- where the other rank's buckets (and, in a last backward, its own) are
     already in flight. Every rank issues the remaining buckets in order, then the flag; every rank
-    replays (not overlapped) at half the micro-batch, with the same samples."""
+    replays (not overlapped) at half the micro-batch, with the same samples. A step after a clean one
+    is chained (no cut exchange; the rows ride in the flag), so half the injections strike those."""
     schedule = injection_schedule()
     codes, seconds = spawn(injected_run, tmp_path, schedule=schedule)  # bounded by the timeout: a hang fails
     out = results(tmp_path, codes)
     want = reference(INJECT_STEPS, TARGET * INJECT_STEPS)
-    struck = 0
+    struck = chained_struck = 0
     for rank, r in enumerate(out):
         assert r["audit"] == {"steps": INJECT_STEPS, "repeated": 0, "inconsistent": 0}, r["audit"]
         for step, (s, audited) in enumerate(zip(r["steps"], r["audited"])):
@@ -541,6 +544,9 @@ def test_randomized_oom_injection_in_overlapped_steps(tmp_path: Path) -> None:
             assert s["attempts"] == (2 if injected else 1), (rank, step, s)
             assert s["overlapped"] == (not injected), (rank, step, s)  # a replay is not overlapped
             assert s["micro_steps"] == (4 if injected else 2), (rank, step, s)  # the replay at micro 2
+            # chained exactly where the step before ended clean in its first (overlapped) attempt
+            assert s["chained"] == (step > 0 and r["steps"][step - 1]["attempts"] == 1), (rank, step, s)
+            chained_struck += injected and s["chained"]
             if injected:
                 struck += 1
                 mine = fails[rank]
@@ -552,6 +558,7 @@ def test_randomized_oom_injection_in_overlapped_steps(tmp_path: Path) -> None:
         for name, p in want.items():
             torch.testing.assert_close(r["params"][name], p, **FP64, msg=f"rank {rank} {name}")
     assert struck == 2 * 14, struck  # every injection struck an overlapped attempt, on both ranks' records
+    assert chained_struck >= 2 * 5, chained_struck  # and many of them a chained one
     for name in want:
         assert torch.equal(out[0]["params"][name], out[1]["params"][name]), name
 
