@@ -105,6 +105,7 @@ class _OverlappedReduce:
         self._early_limit = len(buckets) - (self.pieces is not None)
         self.nbytes = sum(p.numel() * p.element_size() for p in params) + self.row * buckets[-1][0].element_size()
         self.flats: list[torch.Tensor] | None = None
+        self._views: list[list[torch.Tensor]] = []  # each parameter's place in its bucket's flat buffer
         self.disabled: str | None = None  # why overlap is off for good on this sync
         self.active = False  # between start() and finish()
         self.reduced: list[bool] | None = None  # after an agreed OK: which parameters have a sum to take
@@ -139,11 +140,18 @@ class _OverlappedReduce:
         if oom:  # outside the except block: the traceback holds nothing of ours then
             self.flats = None
             return False
+        self._views = []
+        for flat, bucket in zip(self.flats, self.buckets):
+            start, views = 0, []
+            for p in bucket:
+                views.append(flat[start:start + p.numel()].view_as(p))
+                start += p.numel()
+            self._views.append(views)
         return True
 
     def release(self) -> None:
         """Give the buffers back (memory got tight): the next overlapped attempt allocates them again."""
-        self.flats = None
+        self.flats, self._views = None, []
 
     # -- one overlapped attempt ------------------------------------------------------------------------
     def start(self) -> Callable[[], None]:
@@ -178,10 +186,7 @@ class _OverlappedReduce:
     def _launch(self, index: int, *, copy: bool) -> None:
         assert self.flats is not None and self._keep is not None
         flat = self.flats[index]
-        start = 0
-        for p in self.buckets[index]:
-            part = flat[start:start + p.numel()].view_as(p)
-            start += p.numel()
+        for p, part in zip(self.buckets[index], self._views[index]):
             if copy and p.grad is not None:
                 part.copy_(p.grad)  # into the buffer: the gradient itself stays this rank's own sum
             else:
@@ -329,11 +334,8 @@ class _OverlappedReduce:
         assert reduced is not None and self.flats is not None
         used = dict(zip((id(p) for p in self.params), reduced))
         with torch.no_grad():
-            for flat, bucket in zip(self.flats, self.buckets):
-                start = 0
-                for p in bucket:
-                    summed = flat[start:start + p.numel()].view_as(p)
-                    start += p.numel()
+            for bucket, views in zip(self.buckets, self._views):
+                for p, summed in zip(bucket, views):
                     if not used[id(p)]:
                         continue
                     if p.grad is not None and p.grad.stride() != summed.stride():
