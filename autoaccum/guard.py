@@ -176,7 +176,7 @@ class OOMGuard:
         self.steps = 0  # optimizer steps (or accumulations) completed
         self.ooms = 0  # OOMs recovered
         self.failed_growths = 0  # growths that ran out of memory in their first step (each also counts in ooms)
-        self.voided_attempts = 0  # attempts run again because a rank guessed the cut wrong (autoaccum.cut_agreement)
+        self.voided_attempts = 0  # attempts run again: a rank guessed the cut wrong or sat a chained one out
         self.changes: list[PlanChange] = []
         self._thrash_streak = 0
         self._last_retries: int | None = None
@@ -404,7 +404,7 @@ class OOMGuard:
                 # growth first: the overlap's buffers are memory a larger micro-batch may take (the
                 # overlap then runs only where room is left after it). Asked on every rank alike (what
                 # may_grow reads is shared), so every rank drops the chain here too: the buffers are gone
-                self.sync.release_overlap()  # type: ignore[attr-defined]
+                self.sync.release_overlap(force=True)  # type: ignore[attr-defined]
                 start = growth.restart(self.meter)
                 chained = False
             changes.extend(self._grow_to_fit())
@@ -443,7 +443,9 @@ class OOMGuard:
             if agreed_cut.error is not None:
                 self._zero_grad()
                 raise agreed_cut.error
-            if agreed_cut.void:  # a rank guessed the step's terms wrong: every rank runs it again, waiting first
+            chained_failed = step_agreement is not None and step_agreement.status != OK
+            if agreed_cut.void and not chained_failed:
+                # a rank guessed the step's terms wrong or sat out: every rank runs it again, waiting first
                 result = None  # type: ignore[assignment]
                 may_guess = False
                 attempts -= 1  # the same attempt, not an OOM replay: its vote, calm streak and count unchanged
@@ -452,25 +454,28 @@ class OOMGuard:
                 restore_rng(rng)
                 restore_buffers(buffers)
                 continue
+            if agreed_cut.void:  # and an OOM or error struck the chained attempt: handled as such, then waiting
+                may_guess = False
             num_samples, num_items = terms.num_samples, terms.num_items
-            assert result is not None
+            assert result is not None or chained_failed  # a rank that sat out ran nothing
             summed = None
             if step_agreement is None and self._overlapped:
                 step_agreement = self._agree_step(result, attempts, None)
             if step_agreement is not None:  # the flag carried the step's scalars (no round trip of their own)
                 agreed, summed, chain_next = step_agreement.status, step_agreement.sums, step_agreement.chain
             else:
+                assert result is not None
                 agreed = self.sync.agree(_status(result))
             if agreed == OK:
                 break
             if agreed == ERROR:
-                if not isinstance(result, Accumulated) and result.error is not None:
+                if isinstance(result, Failed) and result.error is not None:
                     explained = explain_error(result.error, self.model, batch)
                     if explained is None:
                         raise result.error  # the original exception, unchanged
                     raise explained from result.error
                 raise AutoAccumError("another rank failed with an error during this step; see its log")
-            where = "another rank" if isinstance(result, Accumulated) else result.where
+            where = result.where if isinstance(result, Failed) else "another rank"
             result = None  # type: ignore[assignment]  # OOM here or elsewhere: replay smaller, from the same start
             if self._overlapped:  # the room was not there after all: today's protocol for a while
                 self._overlap_wait = self._growth.calm_needed

@@ -48,7 +48,7 @@ def overlap_vote(sync: GradSync, params: list[torch.nn.Parameter], overlap: Over
         vote, reason = overlap_room(extra, room, micro_batch=micro_batch, wait=wait, device=device, meter=meter)
     if not vote:
         if not keep:
-            sync.release_overlap()
+            sync.release_overlap(force=True)  # the guard's own vote: a chain it could hold is not used now
         return False, reason, False
     if not sync.prepare_overlap(params):
         return False, f"its buffers ({format_bytes(extra)}) do not fit now", False

@@ -2,10 +2,11 @@
 ``autoaccum.distributed`` and has the same methods.
 
 The guard asks these things of a sync, in this order, once per optimizer step:
-1. ``gather((n, steps, vote, items, counted, guessed))``: every rank's sample count of the step, the
-   micro-steps its cut needs (the counts' sum is the global batch; the largest step count is what
-   every rank runs), its vote to overlap the all-reduce (below) and the items of a loss that counts
-   them up front. A rank that can tell the answer alone sends it with ``gather_async`` and reads it
+1. ``gather((n, steps, vote, items, counted, guessed samples, guessed steps, sat out))``: every
+   rank's sample count of the step, the micro-steps its cut needs (the counts' sum is the global
+   batch; the largest step count is what every rank runs), its vote to overlap the all-reduce
+   (below), the items of a loss that counts them up front, its guess, and whether it sat out a
+   chained attempt (:data:`CUT_FIELDS` numbers). A rank that can tell the answer alone sends it with ``gather_async`` and reads it
    before the last micro-batch (``autoaccum.cut_agreement``);
 2. ``no_sync()`` around every micro-batch's forward and backward: no gradient collective runs
    while a rank may still hit an OOM (except an overlapped attempt's own buckets, below);
@@ -75,7 +76,7 @@ class OverlapSync(Protocol):
 
     def overlap_bytes(self, params: list[torch.nn.Parameter]) -> int | None: ...
     def prepare_overlap(self, params: list[torch.nn.Parameter]) -> bool: ...
-    def release_overlap(self) -> None: ...
+    def release_overlap(self, *, force: bool = False) -> None: ...
     def overlapped(self, params: list[torch.nn.Parameter]) -> Callable[[], None]: ...
     def agree_step(self, status: int, scalars: torch.Tensor, *, cut_row: tuple[int, ...] | None = None,
                    chain_vote: bool = False) -> StepAgreement: ...

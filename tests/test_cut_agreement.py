@@ -70,6 +70,9 @@ def test_a_wrong_guess_voids_the_attempt_on_every_rank_and_never_overlaps() -> N
     # ranks whose plans differ (a sync that does not agree on plans) guess differently: the rows
     # say which guess was wrong, the same on every rank
     assert _decide((_row(6, 3, guess=guess), _row(6, 2, guess=CutTerms(12, 2, None)))).void
+    # a rank that sat a chained attempt out voids it, even where every guess was right
+    assert _decide((_row(6, 3, guess=guess), _row(6, 3, guess=guess, sat_out=True))).void
+    assert not _decide((_row(6, 3, guess=guess), _row(6, 3, guess=guess, sat_out=True))).overlap
 
 
 def test_items_counted_on_some_ranks_only_or_none_at_all_is_an_error() -> None:
@@ -135,10 +138,11 @@ class ForwardCollective(torch.nn.Module):
 
 
 def mixed_partial_run(rank: int, world_size: int, kind: str, check: bool,
-                      forward_collective: bool = False, chain: bool = True) -> dict[str, Any]:
+                      forward_collective: bool = False, chain: bool = True, oom_last: bool = False) -> dict[str, Any]:
     """The last batch is partial; rank 0's share of it is full and it passes partial=False (so it
     guesses), rank 1 passes partial=True. ``check=False``: the check for a wrong guess switched off.
     ``chain=False``: no step is chained (every step has its exchange: the guessing path itself).
+    ``oom_last``: rank 0's first micro-batch of the last batch runs out of memory (once).
     ``forward_collective``: an all-reduce in every forward, declared to ``DistributedSync``; the last
     batch is then 11 (shares 6 and 5: three micro-steps with a forward on both ranks, as a forward
     collective needs -- an empty micro-step runs no forward)."""
@@ -165,6 +169,14 @@ def mixed_partial_run(rank: int, world_size: int, kind: str, check: bool,
         return cut_agreement.Agreed(terms, agreed.overlap, False, agreed.error)
 
     x, y = make_data(sum(sizes))
+    armed = {"oom": False}
+
+    def loss_fn(m: torch.nn.Module, batch: Any) -> torch.Tensor:
+        if armed["oom"]:
+            armed["oom"] = False
+            raise torch.OutOfMemoryError("injected: out of memory in the loss")
+        return mean_loss(m, batch)
+
     dist.all_reduce = recording  # type: ignore[assignment]
     if not check:
         cut_agreement._decide = unchecked  # type: ignore[assignment]
@@ -179,7 +191,8 @@ def mixed_partial_run(rank: int, world_size: int, kind: str, check: bool,
             calls.clear()
             if not chain:
                 guard._chain = False  # what the last step's flag agreed, overruled alike on both ranks
-            stats = guard.step(part, mean_loss, partial=partial)
+            armed["oom"] = oom_last and rank == 0 and size < TARGET
+            stats = guard.step(part, loss_fn, partial=partial)
             attempts.append(stats.attempts)
             voided.append(guard.voided_attempts)
             exchanges.append(list(calls))
@@ -190,7 +203,7 @@ def mixed_partial_run(rank: int, world_size: int, kind: str, check: bool,
         cut_agreement._decide = decide  # type: ignore[assignment]
     return {"params": {n: p.detach().clone() for n, p in unwrap_model(model).named_parameters()},
             "attempts": attempts, "exchanges": exchanges, "losses": losses, "voided": voided,
-            "quiet": sync.quiet_window}
+            "quiet": sync.quiet_window, "ooms": guard.ooms}
 
 
 pytestmark_dist = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -229,6 +242,21 @@ def test_a_chained_step_a_rank_cannot_guess_is_sat_out_and_run_again(kind: str, 
         for name, p in want.items():
             torch.testing.assert_close(r["params"][name], p, **FP64, msg=f"rank {rank} {name}")
     assert out[0]["losses"] == out[1]["losses"]
+
+
+@pytestmark_dist
+def test_an_oom_in_a_chained_attempt_another_rank_sat_out_is_an_oom_on_every_rank(tmp_path: Path) -> None:
+    """Rank 1 sits the chained last step out (partial share) while rank 0 runs out of memory in it:
+    the attempt is void and failed at once. The OOM is what every rank acts on (a shrink and a replay,
+    waiting for the exchange), not a rerun at the same size that would run out of memory again."""
+    out = results(tmp_path, spawn(mixed_partial_run, tmp_path, kind="ddp", check=True, oom_last=True)[0])
+    want = reference()
+    for rank, r in enumerate(out):
+        assert r["exchanges"] == [[True], [], [False]], r["exchanges"]
+        assert r["attempts"] == [1, 1, 2] and r["voided"] == [0, 0, 0] and r["ooms"] == 1, \
+            (r["attempts"], r["voided"], r["ooms"])
+        for name, p in want.items():
+            torch.testing.assert_close(r["params"][name], p, **FP64, msg=f"rank {rank} {name}")
 
 
 @pytestmark_dist

@@ -400,9 +400,12 @@ def protocol_run(rank: int, world_size: int) -> dict[str, Any]:
         batches = GlobalBatches(make_data(TARGET * 6), TARGET, seed=SEED, rank=rank, world_size=world_size)
         for step, rb in enumerate(batches.epoch(0), start=1):
             if step == 3:  # tight: the step fits with its headroom, the step plus the buffers does not
+                # step 3 is chained (step 2 agreed so in its flag): every rank will send its buckets, so
+                # a release asked for now is declined; the guard gives them back itself once it votes no
                 sync.release_overlap()
+                assert sync.overlap_bytes(guard.params) == 0, "the buffers of a promised chained step were released"
                 rise = guard._rises[guard.plan.micro_batch].step_bytes
-                live = meter.read().current_bytes
+                live = meter.read().current_bytes - sync._overlap.nbytes  # type: ignore[union-attr]
                 meter.budget_bytes = int((live + rise + grad_bytes // 2) / (1 - guard.headroom)) + 1
             if step == 5:
                 meter.budget_bytes = 2**30

@@ -250,10 +250,12 @@ class DistributedSync:
         overlap = self._overlap_for(params)
         return overlap is not None and overlap.allocate()
 
-    def release_overlap(self) -> None:
-        """Give the overlap's buffers back (this rank votes against overlapping: memory is tight)."""
+    def release_overlap(self, *, force: bool = False) -> None:
+        """Give the overlap's buffers back (this rank votes against overlapping: memory is tight).
+        While the next step is chained (``autoaccum.cut_agreement``) they are kept, unless ``force``
+        (the guard, where every rank dropped the chain): every rank sends that step's buckets."""
         if self._overlap is not None and not self._overlap.active:
-            self._overlap.release()
+            self._overlap.release(force=force)
 
     def overlapped(self, params: list[torch.nn.Parameter]) -> Callable[[], None]:
         """Start an overlapped attempt (every rank voted for it, :meth:`prepare_overlap` held the

@@ -107,6 +107,9 @@ class _OverlappedReduce:
         self.flats: list[torch.Tensor] | None = None
         self._views: list[list[torch.Tensor]] = []  # each parameter's place in its bucket's flat buffer
         self.disabled: str | None = None  # why overlap is off for good on this sync
+        #: the last attempt agreed to chain the next step: every rank will send that step's buckets,
+        #: so the buffers are kept until it starts (a release asked for meanwhile is declined)
+        self.promised = False
         self.active = False  # between start() and finish()
         self.reduced: list[bool] | None = None  # after an agreed OK: which parameters have a sum to take
         self.late = False  # after an agreed OK: a gradient was late on some rank; reduce the old way
@@ -149,9 +152,14 @@ class _OverlappedReduce:
             self._views.append(views)
         return True
 
-    def release(self) -> None:
-        """Give the buffers back (memory got tight): the next overlapped attempt allocates them again."""
-        self.flats, self._views = None, []
+    def release(self, *, force: bool = False) -> bool:
+        """Give the buffers back (memory got tight): the next overlapped attempt allocates them again.
+        Declined (False) while a chained step is promised, unless ``force``: the guard forces it
+        where every rank dropped the chain alike."""
+        if self.promised and not force:
+            return False
+        self.flats, self._views, self.promised = None, [], False
+        return True
 
     # -- one overlapped attempt ------------------------------------------------------------------------
     def start(self) -> Callable[[], None]:
@@ -159,7 +167,7 @@ class _OverlappedReduce:
         last micro-step's backward (the guard calls it when it hands out the last micro-batch)."""
         if self.flats is None or self.active:
             raise RuntimeError("internal: an overlapped attempt needs its buffers and no attempt in flight")
-        self.active, self.reduced, self.late, self.early = True, None, False, 0
+        self.active, self.reduced, self.late, self.early, self.promised = True, None, False, 0, False
         self._works, self._fired, self._next, self._late = [], set(), 0, False
         self._waiting = [len(b) for b in self.buckets]
         self._stack = contextlib.ExitStack()
@@ -240,6 +248,7 @@ class _OverlappedReduce:
                               f"{self.disabled}; this step's gradients were reduced after the backward instead",
                               stacklevel=user_stacklevel())
         chain = agreed == 0 and not late and counts[3] == self.world_size
+        self.promised = chain
         return StepAgreement(agreed, sums, chain, rows)
 
     def _exchange_flag(self, flags: list[bool], scalars: torch.Tensor | None,
