@@ -138,11 +138,13 @@ class ForwardCollective(torch.nn.Module):
 
 
 def mixed_partial_run(rank: int, world_size: int, kind: str, check: bool,
-                      forward_collective: bool = False, chain: bool = True, oom_last: bool = False) -> dict[str, Any]:
+                      forward_collective: bool = False, chain: bool = True, oom_last: bool = False,
+                      bucket_bytes: int | None = None) -> dict[str, Any]:
     """The last batch is partial; rank 0's share of it is full and it passes partial=False (so it
     guesses), rank 1 passes partial=True. ``check=False``: the check for a wrong guess switched off.
     ``chain=False``: no step is chained (every step has its exchange: the guessing path itself).
     ``oom_last``: rank 0's first micro-batch of the last batch runs out of memory (once).
+    ``bucket_bytes``: the sync's bucket size (small: several buckets, sent from the last backward).
     ``forward_collective``: an all-reduce in every forward, declared to ``DistributedSync``; the last
     batch is then 11 (shares 6 and 5: three micro-steps with a forward on both ranks, as a forward
     collective needs -- an empty micro-step runs no forward)."""
@@ -152,7 +154,8 @@ def mixed_partial_run(rank: int, world_size: int, kind: str, check: bool,
         net.append(ForwardCollective())  # last: no parameter, the names stay the reference's
     model = wrap_model(net) if kind == "ddp" else net
     opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
-    sync = DistributedSync(model, forward_collectives=forward_collective)
+    sync = DistributedSync(model, forward_collectives=forward_collective,
+                           **({} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}))
     guard = autoaccum.OOMGuard(model, opt, target_batch=TARGET, micro_batch=MICRO, sync=sync)
     calls: list[bool] = []
     original, decide = dist.all_reduce, cut_agreement._decide
@@ -229,12 +232,15 @@ def test_a_wrong_guess_is_replayed_exactly_on_every_rank(kind: str, tmp_path: Pa
 
 
 @pytestmark_dist
-@pytest.mark.parametrize("kind", ["ddp", "plain"])
-def test_a_chained_step_a_rank_cannot_guess_is_sat_out_and_run_again(kind: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("kind", "bucket_bytes"), [("ddp", None), ("plain", None), ("ddp", 64)])
+def test_a_chained_step_a_rank_cannot_guess_is_sat_out_and_run_again(kind: str, bucket_bytes: int | None,
+                                                                     tmp_path: Path) -> None:
     """Chained (the default): the first step's exchange is sent ahead, the second has none (its rows
     ride in its flag), and in the third, which rank 1 cannot guess (its share is partial), rank 1
-    sits out: the attempt is void on both ranks and run again, waiting for the exchange first."""
-    out = results(tmp_path, spawn(mixed_partial_run, tmp_path, kind=kind, check=True)[0])
+    sits out: the attempt is void on both ranks and run again, waiting for the exchange first. With
+    64-byte buckets (one per parameter) rank 0 sends its first buckets from its last backward while
+    rank 1, running nothing, sends zeros in all of them at once: the same collectives in order."""
+    out = results(tmp_path, spawn(mixed_partial_run, tmp_path, kind=kind, check=True, bucket_bytes=bucket_bytes)[0])
     want = reference()
     for rank, r in enumerate(out):
         assert r["exchanges"] == [[True], [], [False]], r["exchanges"]
