@@ -527,7 +527,7 @@ class OOMGuard:
         return {"loss": loss, "num_samples": totals.num_samples, "num_items": totals.num_items, "plan": self.plan,
                 "changes": tuple(changes), "attempts": attempts, "step_time_s": time.perf_counter() - started,
                 "peak_bytes": None if reading is None else reading.peak_bytes, "micro_steps": self._last_steps,
-                "overlapped": self._overlapped}
+                "overlapped": self._overlapped, "chained": self._step_chained}
 
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)  # through the optimizer: hooks on zero_grad see it

@@ -28,6 +28,8 @@ class AccumulateResult:
             it depends on the step's lengths).
         overlapped: the attempt that succeeded all-reduced its gradients during the last
             micro-batch's backward (``OOMGuard(overlap=...)``).
+        chained: the step's first attempt had no cut exchange: every rank agreed so in the last
+            step's flag (``autoaccum.cut_agreement``, "Chained steps").
     """
 
     loss: float
@@ -40,6 +42,7 @@ class AccumulateResult:
     peak_bytes: int | None
     micro_steps: int = 0
     overlapped: bool = False
+    chained: bool = False
 
 
 @dataclass(frozen=True)

@@ -330,7 +330,7 @@ def run_rank(spec_path: str) -> None:
         progress=False, verbose=False)
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / f"final{rank}.pt")
     log(type="done", steps=result.optimizer_steps, guard_ooms=result.oom_events, eval_ooms=result.eval_ooms,
-        overlapped=result.overlapped_steps)
+        overlapped=result.overlapped_steps, chained=result.chained_steps)
     dist.destroy_process_group()
 
 
@@ -532,7 +532,7 @@ def summarize(cfg: Config, episodes: list[dict[str, Any]], works: list[Path],
         row = {"episodes": len(mine), "incarnations": 0, "hangs": 0, "aborts": 0, "unexpected_failures": 0,
                "not_ended_alone": 0, "lost": 0, "repeated": 0, "wrong_share": 0, "missing_steps": 0, "inconsistent": 0,
                "steps_audited": 0, "params_max_rel_diff": 0.0, "params_missing": 0, "lost_s": 0.0, "ooms_timed": 0,
-               "wall_s": 0.0, "overlapped_steps": 0}
+               "wall_s": 0.0, "overlapped_steps": 0, "chained_steps": 0}
         for episode, work in mine:
             for inc in episode["incarnations"]:
                 row["incarnations"] += 1
@@ -555,6 +555,7 @@ def summarize(cfg: Config, episodes: list[dict[str, Any]], works: list[Path],
                     counts["emulated_ooms"] += e["emulated_ooms"]
                 if e["type"] == "done" and e["rank"] == 0:  # steps overlapped (overlap="auto") in the run that reached the end
                     row["overlapped_steps"] += e.get("overlapped", 0)
+                    row["chained_steps"] += e.get("chained", 0)
             per_step: dict[tuple[int, int], set[int]] = {}
             for e in events:
                 if e["type"] == "oom" and e["phase"] != "eval":
@@ -584,7 +585,7 @@ def table(rows: dict[int, dict[str, Any]]) -> str:
             ("budget drops/rises", None), ("errors", "error"), ("kills", "kill"), ("multi-rank OOM steps",
             "multi_rank_steps"), ("hangs", "hangs"), ("aborts", "aborts"), ("not ended alone", "not_ended_alone"),
             ("unexpected failures", "unexpected_failures"), ("lost", "lost"), ("repeated", "repeated"),
-            ("inconsistent", "inconsistent"), ("overlapped steps", "overlapped_steps"),
+            ("inconsistent", "inconsistent"), ("overlapped steps", "overlapped_steps"), ("chained steps", "chained_steps"),
             ("params max rel diff", None), ("s lost per OOM", None)]
     lines = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
     for world, r in rows.items():

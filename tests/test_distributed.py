@@ -491,7 +491,8 @@ def fit_two_ranks(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, 
     model = make_net()
     whole = _fit(model, epochs=1)
     out = {"params": _params(model), "plan": whole.plan.to_dict(), "steps": whole.optimizer_steps,
-           "samples": whole.samples_seen, "losses": list(whole.losses), "overlapped": whole.overlapped_steps}
+           "samples": whole.samples_seen, "losses": list(whole.losses), "overlapped": whole.overlapped_steps,
+           "chained": whole.chained_steps}
     first = make_net()
     _fit(first, max_steps=3, checkpoint_dir=checkpoint_dir, plan=autoaccum.Plan.for_target(TARGET, 2, world_size))
     dist.barrier()  # rank 0 wrote the checkpoint; every rank reads it
@@ -539,6 +540,8 @@ def test_fit_on_two_ranks_equals_fit_in_one_process(tmp_path: Path) -> None:
         assert r["resumed_source"] == "checkpoint" and r["resumed_steps"] == 6
         # overlap="auto" on the CPU without a budget: every step after the first (unmeasured) one overlaps
         assert 0 < r["overlapped"] <= r["steps"] and one.overlapped_steps == 0  # one process: nothing to reduce
+        # each step after an overlapped one skips the cut's exchange (chained); the last batch is full here
+        assert 0 < r["chained"] < r["overlapped"] and one.chained_steps == 0, (r["chained"], r["overlapped"])
         for name, p in want.items():
             torch.testing.assert_close(r["params"][name], p, rtol=RTOL, atol=ATOL, msg=name)
             torch.testing.assert_close(r["resumed"][name], p, rtol=RTOL, atol=ATOL, msg=f"resumed {name}")
