@@ -98,7 +98,8 @@ class OOMGuard:
             guard learns from its own steps in any case.
         headroom: the fraction of the limit a predicted (never run) size keeps free; default the
             probe report's, else 0.1.
-        thrash_steps: on CUDA, shrink after this many consecutive steps with allocator retries.
+        thrash_steps: on CUDA, shrink after this many consecutive steps with allocator retries (in
+            one process; across ranks a warning only, as the shrink would need every rank's agreement).
         meter: the meter whose readings each step reports and growth reads (default: the CUDA
             allocator on CUDA, none elsewhere).
         log_changes: log each plan change as a warning (the default; on rank 0, other ranks at debug level).
@@ -181,6 +182,7 @@ class OOMGuard:
         self._thrash_streak = 0
         self._last_retries: int | None = None
         self._warned_batchnorm = False
+        self._warned_thrash = False
         self._checked_loss_fn: Any = None
         self._last_steps = 0
         self.overlapped_steps = 0  # steps whose gradient all-reduce ran during the last backward
@@ -580,8 +582,18 @@ class OOMGuard:
             self._thrash_streak = self._thrash_streak + 1 if rising else 0
             if self._thrash_streak >= self.thrash_steps and self.plan.can_shrink:
                 self._thrash_streak = 0
-                self._growth.thrashed(self.plan.micro_batch)  # memory-guided growth: not back to it soon
-                return [self._shrink("thrash", "allocator retries")]
+                if self.sync.world_size == 1:
+                    self._growth.thrashed(self.plan.micro_batch)  # memory-guided growth: not back to it soon
+                    return [self._shrink("thrash", "allocator retries")]
+                # Across ranks a shrink is agreed (agree_plan, a collective), and this streak is this
+                # rank's alone: shrinking here would issue a collective the other ranks do not (a hang
+                # or a mismatched collective). Not acted on; an OOM is still recovered on every rank.
+                if not self._warned_thrash:
+                    self._warned_thrash = True
+                    logger.warning("autoaccum: rank %d: allocator retries rose on %d steps in a row (thrashing); across "
+                                   "ranks the guard does not shrink for it (every rank would have to agree), only "
+                                   "for an OOM. Lower the micro-batch or raise headroom if steps slow down.",
+                                   self.sync.rank, self.thrash_steps)
         growth = self._growth
         growth.count_calm(attempts)
         if not growth.doubles or growth.calm < growth.calm_needed:

@@ -26,6 +26,7 @@ from _guard_models import (
 )
 from autoaccum import DoesNotFitError, OOMGuard, OptimizerStepOOMError, Plan, emulated_budget
 from autoaccum.errors import NonFiniteError, TaskError
+from autoaccum.sync import LocalSync
 
 TOL = {torch.float64: {"rtol": 0.0, "atol": 1e-12}, torch.float32: {"rtol": 1e-5, "atol": 1e-6}}
 DTYPES = pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
@@ -819,6 +820,26 @@ def test_allocator_thrashing_on_consecutive_steps_shrinks_but_an_oom_step_does_n
     with pytest.raises(TypeError):
         OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), target_batch=64, micro_batch=32,
                  thrash_steps=1.5)
+
+
+def test_allocator_thrashing_on_one_of_several_ranks_issues_no_collective_of_its_own(caplog):
+    """Across ranks a shrink is a collective (agree_plan) and a thrash streak is one rank's own: the
+    guard does not act on it there (a lone agree_plan would meet another rank's next collective).
+    Negative control: the test above, in one process, shrinks on the same readings."""
+
+    class OneOfTwo(LocalSync):
+        world_size, rank = 2, 1
+
+        def agree_plan(self, plan):
+            raise AssertionError("a collective issued by one rank alone")
+
+    model = Net()
+    guard = OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), target_batch=64, micro_batch=16,
+                     sync=OneOfTwo(), grow="off")
+    with caplog.at_level(logging.WARNING, logger="autoaccum.guard"):
+        assert [guard._adapt(1, MemoryReading(0, 0, r)) for r in (0, 2, 3, 4, 5)] == [[]] * 5
+    assert guard.plan.micro_batch == 16
+    assert sum("thrashing" in m for m in caplog.messages) == 1  # said once, on the rank that saw it
 
 
 # -- on a real device -----------------------------------------------------------------------------
