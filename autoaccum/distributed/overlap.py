@@ -229,7 +229,7 @@ class _OverlappedReduce:
                 self._launch(self._next, copy=ok)  # after a failure: zeros, only to keep the order
             self._wait_all()
             if self.pieces is not None:
-                counts, sums, rows = self._read_row(scalars is not None)
+                counts, sums, rows = self._read_row(scalars is not None, cut_row is not None)
             else:
                 counts, sums, rows = self._exchange_flag(flags, scalars, cut_row)
         finally:
@@ -308,29 +308,35 @@ class _OverlappedReduce:
         tail = self._tail()
         tail.copy_(torch.tensor(row, dtype=tail.dtype))
 
-    def _read_row(self, with_scalars: bool) -> tuple[list[float], torch.Tensor | None, tuple[tuple[int, ...], ...]]:
+    def _read_row(self, with_scalars: bool,
+                  with_rows: bool) -> tuple[list[float], torch.Tensor | None, tuple[tuple[int, ...], ...]]:
         """The summed row: the flags' counts, the scalars summed over the ranks (float64, in rank
-        order: the same on every rank), and every rank's cut row. Read once to the host and added
-        up there (a few numbers per rank: cheaper than the device ops it would take)."""
+        order: the same on every rank), and every rank's cut row where one was sent (a chained
+        step; zeros otherwise). The flags and scalars are read once to the host and added up there
+        (a few numbers per rank: cheaper than the device ops it would take); the cut rows, integers
+        below 2**53 whose pieces add up exactly in any order, are added up on the device."""
         assert self.pieces is not None
-        row = self._tail().tolist()
-        count = self._flags
+        tail = self._tail()
+        count, width = self._flags, _SLOT * self.pieces
+        head = tail[:count + self.world_size * width].tolist() if with_scalars else tail[:count].tolist()
         totals = [0.0] * STEP_SCALARS
-        rows = []
-        at = count
-        for _ in range(self.world_size):
-            slot = []
-            for _ in range(_SLOT):
-                value = 0.0
-                for piece in row[at:at + self.pieces]:  # the largest first: every addition is exact
-                    value += piece
-                slot.append(value)
-                at += self.pieces
-            for i in range(STEP_SCALARS):
-                totals[i] += slot[i]
-            rows.append(tuple(int(v) for v in slot[STEP_SCALARS:]))
+        if with_scalars:
+            for rank in range(self.world_size):
+                at = count + rank * width
+                for i in range(STEP_SCALARS):
+                    value = 0.0
+                    for piece in head[at:at + self.pieces]:  # the largest first: every addition is exact
+                        value += piece
+                    totals[i] += value
+                    at += self.pieces
+        if with_rows:
+            slots = tail[count:].view(self.world_size, _SLOT, self.pieces)[:, STEP_SCALARS:]
+            gathered = slots.to(torch.float64).sum(dim=2).round().to(torch.int64).tolist()
+            rows = tuple(tuple(r) for r in gathered)
+        else:
+            rows = ((0,) * CUT_FIELDS,) * self.world_size
         sums = torch.tensor(totals, dtype=torch.float64) if with_scalars else None
-        return row[:count], sums, tuple(rows)
+        return head[:count], sums, rows
 
     def copy_back(self) -> None:
         """The agreed sums into ``.grad``: a parameter some rank used gets the sum (a rank that did
