@@ -78,8 +78,8 @@ logger = logging.getLogger(__name__)
 #: the step's scalars the flag carries (``autoaccum.accumulate.step_scalars``: the loss sum, the item
 #: count, and which kind of loss each rank saw)
 STEP_SCALARS = 4
-#: what each rank's slot of the row holds: its scalars, then its row of the cut's exchange (a chained
-#: step's, ``autoaccum.cut_agreement``; zeros otherwise)
+#: the numbers each rank has in the row: its scalars, and its row of the cut's exchange (a chained
+#: step's, ``autoaccum.cut_agreement``; zeros otherwise), in two regions (every rank's scalars first)
 _SLOT = STEP_SCALARS + CUT_FIELDS
 #: how many pieces of the last bucket's dtype hold one float64 exactly (float32: three, whose sum in
 #: float64 is the value; float64: itself). Other dtypes (bf16, fp16) cannot hold the counts and sums
@@ -286,27 +286,33 @@ class _OverlappedReduce:
 
     def _write_row(self, flags: list[bool], scalars: torch.Tensor | None, cut_row: tuple[int, ...] | None) -> None:
         """This rank's row: the flags (summed over the ranks: counts), then one slot per rank for its
-        scalars and its cut row, each number (a float64, or an integer below 2**53) as
-        :attr:`pieces` numbers of the bucket's dtype that add up to it exactly (:func:`_pieces`).
-        Every other rank's slot holds zeros here, so the sum gathers every rank's slot unchanged;
-        the scalars are added up in float64 after the exchange (:meth:`_read_row`). Built on the
-        host (the scalars read once) and copied in one go: a handful of numbers per rank."""
+        scalars, then one per rank for its cut row, each number (a float64, or an integer below
+        2**53) as :attr:`pieces` numbers of the bucket's dtype that add up to it exactly
+        (:func:`_pieces`). Every other rank's slots hold zeros here, so the sum gathers every rank's
+        slots unchanged; the scalars are added up in float64 after the exchange (:meth:`_read_row`).
+        Built on the host (the scalars read once) and copied in one go: a handful of numbers per rank."""
         assert self.pieces is not None
         row = [float(f) for f in flags] + [0.0] * (self.row - len(flags))
-        slot = [0.0] * _SLOT
         if scalars is not None:
             values = scalars.detach().reshape(-1).tolist()
             if len(values) != STEP_SCALARS:
                 raise RuntimeError(f"internal: the overlapped flag carries {STEP_SCALARS} scalars, not {len(values)}")
-            slot[:STEP_SCALARS] = values
+            self._write_slot(row, len(flags) + self.rank * STEP_SCALARS * self.pieces, values)
         if cut_row is not None:
-            slot[STEP_SCALARS:] = [float(v) for v in cut_row]
-        at = len(flags) + self.rank * _SLOT * self.pieces
-        for value in slot:
-            row[at:at + self.pieces] = _pieces(value, self.pieces)
-            at += self.pieces
+            self._write_slot(row, self._rows_at() + self.rank * CUT_FIELDS * self.pieces, [float(v) for v in cut_row])
         tail = self._tail()
         tail.copy_(torch.tensor(row, dtype=tail.dtype))
+
+    def _write_slot(self, row: list[float], at: int, values: list[float]) -> None:
+        assert self.pieces is not None
+        for value in values:
+            row[at:at + self.pieces] = _pieces(value, self.pieces)
+            at += self.pieces
+
+    def _rows_at(self) -> int:
+        """Where the cut rows start in the row: after the flags and every rank's scalars."""
+        assert self.pieces is not None
+        return self._flags + self.world_size * STEP_SCALARS * self.pieces
 
     def _read_row(self, with_scalars: bool,
                   with_rows: bool) -> tuple[list[float], torch.Tensor | None, tuple[tuple[int, ...], ...]]:
@@ -316,13 +322,12 @@ class _OverlappedReduce:
         (a few numbers per rank: cheaper than the device ops it would take); the cut rows, integers
         below 2**53 whose pieces add up exactly in any order, are added up on the device."""
         assert self.pieces is not None
-        tail = self._tail()
-        count, width = self._flags, _SLOT * self.pieces
-        head = tail[:count + self.world_size * width].tolist() if with_scalars else tail[:count].tolist()
+        tail, count, rows_at = self._tail(), self._flags, self._rows_at()
+        head = tail[:rows_at if with_scalars else count].tolist()
         totals = [0.0] * STEP_SCALARS
         if with_scalars:
-            for rank in range(self.world_size):
-                at = count + rank * width
+            at = count
+            for _ in range(self.world_size):
                 for i in range(STEP_SCALARS):
                     value = 0.0
                     for piece in head[at:at + self.pieces]:  # the largest first: every addition is exact
@@ -330,9 +335,8 @@ class _OverlappedReduce:
                     totals[i] += value
                     at += self.pieces
         if with_rows:
-            slots = tail[count:].view(self.world_size, _SLOT, self.pieces)[:, STEP_SCALARS:]
-            gathered = slots.to(torch.float64).sum(dim=2).round().to(torch.int64).tolist()
-            rows = tuple(tuple(r) for r in gathered)
+            pieces = tail[rows_at:].view(self.world_size, CUT_FIELDS, self.pieces)
+            rows = tuple(tuple(r) for r in pieces.to(torch.float64).sum(dim=2).round().to(torch.int64).tolist())
         else:
             rows = ((0,) * CUT_FIELDS,) * self.world_size
         sums = torch.tensor(totals, dtype=torch.float64) if with_scalars else None
