@@ -195,9 +195,9 @@ class OOMGuard:
         self._last_vote, self._vote_reason = False, ""  # this rank's last overlap vote, and why
         self._arm: Callable[[], None] = lambda: None  # arms the overlapped attempt in progress
         # every rank proposed, in the last step's flag, that the next step skip the cut's exchange
-        # (autoaccum.cut_agreement, "Chained steps"); this rank proposes where it could guess the
-        # step alone (self._may_guess) and voted to overlap it
-        self._chain, self._may_guess = False, False
+        # (autoaccum.cut_agreement, "Chained steps"); this rank proposes where it guessed the step's
+        # terms alone and voted to overlap it
+        self._chain = False
         self._warn_batchnorm()
 
     # -- the growth's settings and record (autoaccum.growth), as attributes of the guard ------------------
@@ -320,36 +320,31 @@ class OOMGuard:
         ``chained``: no exchange (every rank agreed so in the last step's flag); the attempt is
         overlapped on every rank, and this rank's row goes in its flag."""
         steps = self.cut.steps(batch, n, self.plan)
-        vote = False
-        held = self._held_buffers()
+        vote = changed = False
         if self.sync.world_size > 1:
-            vote, reason, _ = overlap_vote(
+            vote, reason, changed = overlap_vote(
                 self.sync, self.params, self.overlap, attempt, self._growth, micro_batch=self.plan.micro_batch,
                 wait=self._overlap_wait, device=self.device, meter=self.meter, keep=chained)
             self._last_vote, self._vote_reason = vote, reason
         may_guess = may_guess and bool(getattr(self.sync, "quiet_window", False))
-        self._may_guess = may_guess and items is None and isinstance(self.cut, SampleCut)
         agreement = agree_cut(self.sync, self.cut, self.plan, num_samples=n, steps=steps, vote=vote, items=items,
                               may_guess=may_guess, chained=chained)
         if chained:
-            # every rank sends this attempt's buckets, whatever it votes: the buffers are held (since the
-            # last step; allocated again only if something gave them back in between)
-            if not self.sync.prepare_overlap(self.params):  # type: ignore[attr-defined]
-                raise AutoAccumError("internal: a chained step's gradient buffers could not be held; the other "
-                                     "ranks wait for this rank's buckets")
+            # every rank sends this attempt's buckets, whatever it votes (a yes holds them already; a
+            # no finds them held since the last step, promised to this one, unless another guard on
+            # the same sync rebuilt them)
+            if not vote:
+                missing = self.sync.overlap_bytes(self.params) != 0  # type: ignore[attr-defined]
+                if missing and not self.sync.prepare_overlap(self.params):  # type: ignore[attr-defined]
+                    raise AutoAccumError("internal: a chained step's gradient buffers could not be held; the "
+                                         "other ranks wait for this rank's buckets")
+                changed = changed or missing
             self._arm = self.sync.overlapped(self.params)  # type: ignore[attr-defined]
             self._overlapped = True
         # the buffers were allocated or given back just now: the step's start is read again, so that
         # they count at a step's start (where they are live), never in its measured rise
-        self._fresh_buffers = self._held_buffers() != held
+        self._fresh_buffers = changed
         return agreement
-
-    def _held_buffers(self) -> bool | None:
-        """Whether the overlap's buffers are held now (None: this sync does not overlap)."""
-        if not self._overlap_sync:
-            return None
-        extra = self.sync.overlap_bytes(self.params)  # type: ignore[attr-defined]
-        return None if extra is None else extra == 0
 
     def _settle_cut(self, agreement: CutAgreement, attempt: int) -> Agreed:
         """The exchange's answer; where every rank voted to overlap, the overlapped attempt started
@@ -437,7 +432,7 @@ class OOMGuard:
                 micro_batches = None  # type: ignore[assignment]
             step_agreement = None
             if agreement.chained:  # its answer comes with the flag, after every bucket
-                step_agreement = self._agree_step(result, attempts, agreement.row)
+                step_agreement = self._agree_step(result, attempts, agreement)
                 agreement.answer_with(step_agreement.cut_rows)
                 agreed_cut = agreement.agreed()
             else:
@@ -462,7 +457,7 @@ class OOMGuard:
             assert result is not None or chained_failed  # a rank that sat out ran nothing
             summed = None
             if step_agreement is None and self._overlapped:
-                step_agreement = self._agree_step(result, attempts, None)
+                step_agreement = self._agree_step(result, attempts, agreement)
             if step_agreement is not None:  # the flag carried the step's scalars (no round trip of their own)
                 agreed, summed, chain_next = step_agreement.status, step_agreement.sums, step_agreement.chain
             else:
@@ -504,15 +499,15 @@ class OOMGuard:
         return totals, attempts, changes, start
 
     def _agree_step(self, result: Accumulated | Failed | None, attempt: int,
-                    cut_row: tuple[int, ...] | None) -> StepAgreement:
+                    agreement: CutAgreement) -> StepAgreement:
         """An overlapped attempt's flag: this rank's status (a rank that sat out a chained attempt ran
-        nothing: OK, its row voids the attempt), the step's scalars, ``cut_row`` (a chained
-        attempt's), and this rank's proposal to chain the next step: a first attempt it could guess
+        nothing: OK, its row voids the attempt), the step's scalars, a chained attempt's cut row,
+        and this rank's proposal to chain the next step: a first attempt whose terms it guessed
         alone and voted to overlap."""
         scalars = step_scalars(result if isinstance(result, Accumulated) else None, self.device)
-        propose = attempt == 1 and self._may_guess and self._last_vote
+        propose = attempt == 1 and agreement.guessed and self._last_vote
         return self.sync.agree_step(OK if result is None else _status(result), scalars,  # type: ignore[attr-defined]
-                                    cut_row=cut_row, chain_vote=propose)
+                                    cut_row=agreement.row if agreement.chained else None, chain_vote=propose)
 
     def _finish(self, totals: StepTotals, loss: float, attempts: int, changes: list[PlanChange],
                 start: MemoryReading | None, started: float) -> dict[str, Any]:

@@ -32,7 +32,8 @@ def overlap_vote(sync: GradSync, params: list[torch.nn.Parameter], overlap: Over
                  room: Growth, *, micro_batch: int, wait: int, device: torch.device,
                  meter: Meter, keep: bool = False) -> tuple[bool, str, bool]:
     """This rank's vote to overlap this attempt's all-reduce, why, and whether its buffers were
-    allocated just now (they then count at the step's start, not in its rise). ``keep``: a chained
+    allocated or given back just now (the step's start is then read again: they count there, never
+    in its rise). ``keep``: a chained
     attempt (``autoaccum.cut_agreement``), whose buckets every rank sends whatever it votes: the
     buffers stay held on a no (the rank then sits the attempt out)."""
     if overlap == "off" or not isinstance(sync, OverlapSync):
@@ -47,9 +48,10 @@ def overlap_vote(sync: GradSync, params: list[torch.nn.Parameter], overlap: Over
     else:
         vote, reason = overlap_room(extra, room, micro_batch=micro_batch, wait=wait, device=device, meter=meter)
     if not vote:
-        if not keep:
-            sync.release_overlap(force=True)  # the guard's own vote: a chain it could hold is not used now
-        return False, reason, False
+        if keep:
+            return False, reason, False
+        sync.release_overlap(force=True)  # the guard's own vote: a chain it could hold is not used now
+        return False, reason, extra == 0  # given back where they were held
     if not sync.prepare_overlap(params):
         return False, f"its buffers ({format_bytes(extra)}) do not fit now", False
     return True, reason, extra > 0

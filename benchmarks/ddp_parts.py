@@ -7,18 +7,23 @@ against the hand loop (``ddp_no_sync_last``): one step of each in turn, each aft
 alone. The guard's parts are timed by wrapping them (their wall time on the calling thread, summed
 per step; nested parts are inside their callers):
 
-- ``guard._agree_cut``: start the cut's exchange (an asynchronous all-reduce the hand loop does not have);
-- ``guard._settle_cut``: read its answer before the last micro-batch;
+- ``guard._agree_cut``: start the cut's exchange (an asynchronous all-reduce the hand loop does not have;
+  none in a chained step: then only the vote and the row);
+- ``guard._settle_cut``: read its answer before the last micro-batch (not called in a chained step);
 - ``overlap._launch``: copy a bucket's gradients into its flat buffer and start its all-reduce;
 - ``overlap._wait_all``: wait for every bucket's all-reduce after the backward (the hand loop waits
   for DDP's inside its last backward);
 - ``overlap._write_row`` / ``_read_row``: the flag's row in the last bucket, built and read;
 - ``overlap.copy_back``: the agreed sums handed to ``.grad`` (views);
-- ``settle._wait``: waiting for gloo's worker to let go of the buffers (``autoaccum.distributed.settle``).
+- ``settle._wait``: waiting for gloo's worker to let go of the buffers (``autoaccum.distributed.settle``);
+- ``dist.all_reduce``: every all-reduce the guard issues from Python, counted inside its caller too
+  (the hand loop issues none from Python: DDP's reducer starts its own in C++);
+- with ``--check``, the guard is the default ``autoaccum_overlap`` (the inf/NaN check on) and
+  ``optim_step._check_finite`` is timed too.
 
 Prints a table, then one JSON document. Not part of the test run.
 
-    python benchmarks/ddp_parts.py [--steps 200] [--json-only]
+    python benchmarks/ddp_parts.py [--steps 200] [--check] [--json-only]
 """
 
 from __future__ import annotations
@@ -40,21 +45,24 @@ from call_timers import time_calls  # noqa: E402
 
 PARTS = {"guard": ("_agree_cut", "_settle_cut"),
          "overlap": ("_launch", "_wait_all", "_write_row", "_read_row", "copy_back"),
-         "settle": ("_wait",)}
+         "settle": ("_wait",), "dist": ("all_reduce",), "optim_step": ("_check_finite",)}
 
 
 def _worker(rank: int, port: int, out: str, args: argparse.Namespace) -> None:
     import autoaccum.distributed.overlap as overlap
     import autoaccum.distributed.settle as settle
     import autoaccum.guard as guard
+    import autoaccum.optim_step as optim_step
 
-    owners = {"guard": guard.OOMGuard, "overlap": overlap._OverlappedReduce, "settle": settle}
+    owners = {"guard": guard.OOMGuard, "overlap": overlap._OverlappedReduce, "settle": settle, "dist": dist,
+              "optim_step": optim_step}
     spent: dict[str, float] = {}
     time_calls({f"{key}.{name}": [(owners[key], name)] for key, names in PARTS.items() for name in names}, spent)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=120))
-    steps = {mode: ddp_bench._setup(mode, rank, args)[0] for mode in ("autoaccum_overlap_nocheck", "ddp_no_sync_last")}
+    guarded = "autoaccum_overlap" if args.check else "autoaccum_overlap_nocheck"
+    steps = {mode: ddp_bench._setup(mode, rank, args)[0] for mode in (guarded, "ddp_no_sync_last")}
     for _ in range(args.warmup):
         for step in steps.values():
             step()
@@ -68,7 +76,7 @@ def _worker(rank: int, port: int, out: str, args: argparse.Namespace) -> None:
             times[mode].append(time.perf_counter() - started)
     if rank == 0:
         Path(out).write_text(json.dumps({
-            "guard_step_ms": statistics.median(times["autoaccum_overlap_nocheck"]) * 1e3,
+            "guard_mode": guarded, "guard_step_ms": statistics.median(times[guarded]) * 1e3,
             "hand_step_ms": statistics.median(times["ddp_no_sync_last"]) * 1e3,
             "parts_ms_per_step": {k: v / args.steps * 1e3 for k, v in sorted(spent.items())}}))
     dist.destroy_process_group()
@@ -78,6 +86,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--check", action="store_true",
+                        help="time the default (inf/NaN check on, autoaccum_overlap) instead of the nocheck mode")
     parser.add_argument("--json-only", action="store_true")
     args = parser.parse_args()
     args.accum, args.micro, args.hidden, args.cut_cost, args.unchained = 8, 8, 1024, False, False  # ddp_bench defaults
@@ -85,7 +95,7 @@ def main() -> None:
     result.update(steps=args.steps, torch=torch.__version__,
                   date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
     if not args.json_only:
-        print(f"guard (overlapped, no inf/NaN check) {result['guard_step_ms']:.2f} ms per step (median), "
+        print(f"guard ({result['guard_mode']}) {result['guard_step_ms']:.2f} ms per step (median), "
               f"hand loop {result['hand_step_ms']:.2f} ms; rank 0's parts, ms per step (mean over {args.steps}):")
         for key, ms in result["parts_ms_per_step"].items():
             print(f"  {key:<22}{ms:8.3f}")

@@ -152,14 +152,12 @@ class _OverlappedReduce:
             self._views.append(views)
         return True
 
-    def release(self, *, force: bool = False) -> bool:
+    def release(self, *, force: bool = False) -> None:
         """Give the buffers back (memory got tight): the next overlapped attempt allocates them again.
-        Declined (False) while a chained step is promised, unless ``force``: the guard forces it
-        where every rank dropped the chain alike."""
-        if self.promised and not force:
-            return False
-        self.flats, self._views, self.promised = None, [], False
-        return True
+        Declined while a chained step is promised, unless ``force``: the guard forces it where every
+        rank dropped the chain alike."""
+        if not self.promised or force:
+            self.flats, self._views, self.promised = None, [], False
 
     # -- one overlapped attempt ------------------------------------------------------------------------
     def start(self) -> Callable[[], None]:
