@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import statistics
 import sys
@@ -79,6 +80,12 @@ def _worker(rank: int, port: int, out: str, args: argparse.Namespace) -> None:
             "guard_mode": guarded, "guard_step_ms": statistics.median(times[guarded]) * 1e3,
             "hand_step_ms": statistics.median(times["ddp_no_sync_last"]) * 1e3,
             "parts_ms_per_step": {k: v / args.steps * 1e3 for k, v in sorted(spent.items())}}))
+    # The DDP wrappers are dropped before the group (README, "At exit"): freed after it, the hand loop's
+    # reducer holds the group's last reference and joins gloo's worker threads holding the GIL, while a
+    # worker may still need the GIL to free a collective started inside a backward (torch 2.13 puts a
+    # Python object in the state such a collective keeps): one hang at exit on 2026-11-26.
+    del steps
+    gc.collect()
     dist.destroy_process_group()
 
 
