@@ -243,7 +243,8 @@ class OOMGuard:
         done = step_optimizer(self.optimizer, self.params, scaler=self.scaler, scheduler=self.scheduler,
                               max_grad_norm=self.max_grad_norm, step_number=self.steps + 1,
                               micro_batch=self.plan.micro_batch, check_finite=self.nonfinite is not None,
-                              loss=totals.loss_total, sync=self.sync)
+                              loss=totals.loss_total, sync=self.sync,
+                              flat_grads=self.sync.gradient_buffers() if self._overlap_sync else None)  # type: ignore[attr-defined]
         self._zero_grad()
         if done.nonfinite and self.nonfinite == "stop":
             raise NonFiniteError(

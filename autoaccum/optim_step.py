@@ -68,7 +68,7 @@ def step_optimizer(optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.P
                    scaler: torch.amp.GradScaler | None = None, scheduler: Any = None,
                    max_grad_norm: float | None = None, step_number: int = 0,
                    micro_batch: int = 0, check_finite: bool = False, loss: torch.Tensor | float | None = None,
-                   sync: GradSync | None = None) -> OptimizerStep:
+                   sync: GradSync | None = None, flat_grads: Sequence[torch.Tensor] | None = None) -> OptimizerStep:
     """Unscale (once), check, clip (once), step and update the scaler; step the scheduler unless skipped.
 
     Args:
@@ -76,6 +76,9 @@ def step_optimizer(optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.P
             ``loss`` holds inf/NaN (see the module docstring).
         loss: the step's loss (a device tensor or a float), checked with the gradients.
         sync: how the ranks agree on the check where each holds a shard of the gradients (FSDP2).
+        flat_grads: flat tensors that hold every gradient (an overlapped step's buckets, whose parts
+            are the ``.grad`` views: ``DistributedSync.gradient_buffers()``), or None. Without
+            clipping the check then sums these few tensors instead of reducing every gradient.
 
     Raises:
         OptimizerStepOOMError: out of memory in unscaling, clipping or ``optimizer.step()``.
@@ -88,7 +91,7 @@ def step_optimizer(optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.P
         norm = None
         if check_finite and scaler is None:
             phase[0] = "gradient clipping" if max_grad_norm is not None else "the inf/NaN check"
-            finite, norm = _check_finite(params, loss, max_grad_norm, sync)
+            finite, norm = _check_finite(params, loss, max_grad_norm, sync, flat_grads)
             if not finite:
                 return OptimizerStep(None, True, nonfinite=True)
         if max_grad_norm is not None:
@@ -126,7 +129,8 @@ def step_optimizer(optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.P
 
 
 def _check_finite(params: Sequence[torch.nn.Parameter], loss: torch.Tensor | float | None,
-                  max_grad_norm: float | None, sync: GradSync | None) -> tuple[bool, torch.Tensor | None]:
+                  max_grad_norm: float | None, sync: GradSync | None,
+                  flat_grads: Sequence[torch.Tensor] | None = None) -> tuple[bool, torch.Tensor | None]:
     """Whether every gradient and the loss are finite: one fused reduction, one read on the host.
 
     Returns (finite, the total 2-norm for clipping or None). The reduction is the 2-norm of each
@@ -136,7 +140,15 @@ def _check_finite(params: Sequence[torch.nn.Parameter], loss: torch.Tensor | flo
     65504): only then, and only on a non-finite norm, are the elements looked at one by one.
     (``ord=inf``, which cannot overflow, is some 100 times slower on the CPU.) FSDP2 gradients are
     DTensor shards: each rank reduces its own shard (no collective inside) and the ranks exchange
-    one number."""
+    one number.
+
+    Where ``flat_grads`` hold every gradient (an overlapped step's buckets) and nothing is clipped,
+    the reduction is instead the plain sum of each flat tensor and the loss, added up: finite
+    exactly where every element is, unless the sum overflows (beyond ~3.4e38 in float32), which is
+    then handled as above. A few tensors instead of one per parameter, and a sum instead of a norm:
+    about a third of the time on the CPU (``benchmarks/RESULTS.md``)."""
+    if flat_grads and max_grad_norm is None:
+        return _flat_finite(params, loss, flat_grads), None
     grads = [p.grad for p in params if p.grad is not None]
     sharded = any(hasattr(g, "to_local") for g in grads)
     if sharded:
@@ -159,10 +171,31 @@ def _check_finite(params: Sequence[torch.nn.Parameter], loss: torch.Tensor | flo
     finite = bool(torch.cat(flags).all()) if flags else True  # the one read on the host
     if isinstance(loss, float):
         finite = finite and math.isfinite(loss)
-    if not finite and grads and (loss is None or math.isfinite(float(loss))):
-        # a norm that overflowed, or an inf/NaN element? (rare: look at the elements)
-        finite = all(bool(torch.isfinite(g).all()) for g in grads)
+    if not finite and grads:
+        finite = _elements_finite(grads, loss)
     if sharded and sync is not None and sync.world_size > 1:
         flag = torch.tensor([0.0 if finite else 1.0], dtype=torch.float64)
         finite = float(sync.sum_items(flag)[0]) == 0.0  # one rank's non-finite shard stops every rank
     return finite, total if clip_norm else None
+
+
+def _flat_finite(params: Sequence[torch.nn.Parameter], loss: torch.Tensor | float | None,
+                 flat_grads: Sequence[torch.Tensor]) -> bool:
+    """The check on flat tensors holding every gradient: one sum of their sums and the loss, one read."""
+    total = torch.stack([flat.sum().float() for flat in flat_grads]).sum()
+    if isinstance(loss, torch.Tensor):
+        total = total + loss.detach().float().sum().to(total.device)
+    finite = math.isfinite(float(total))  # the one read on the host
+    if isinstance(loss, float):
+        finite = finite and math.isfinite(loss)
+    if not finite:
+        finite = _elements_finite([p.grad for p in params if p.grad is not None], loss)
+    return finite
+
+
+def _elements_finite(grads: list[torch.Tensor], loss: torch.Tensor | float | None) -> bool:
+    """After a non-finite reduction: a non-finite loss, or a sum (or norm) that overflowed where every
+    element is finite, or an inf/NaN element? (rare: the elements looked at one by one)"""
+    if loss is not None and not math.isfinite(float(loss)):
+        return False
+    return all(bool(torch.isfinite(g).all()) for g in grads)

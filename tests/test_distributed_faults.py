@@ -132,6 +132,11 @@ NAN_STEPS = 3  # the NaN gradient comes from rank 0's micro-batches of step 2
 
 
 def nonfinite_on_one_rank(rank: int, world_size: int) -> dict[str, Any]:
+    import autoaccum.optim_step as optim_step
+
+    flat_checks = []  # the check on an overlapped step's flat buffers (DistributedSync.gradient_buffers)
+    on_flats = optim_step._flat_finite
+    optim_step._flat_finite = lambda *a: flat_checks.append(on_flats(*a)) or flat_checks[-1]
     out: dict[str, Any] = {}
     for kind in ("ddp", "fsdp2") if fsdp2_supported() else ("ddp",):
         for policy in ("skip", "stop"):
@@ -142,6 +147,7 @@ def nonfinite_on_one_rank(rank: int, world_size: int) -> dict[str, Any]:
             guard = autoaccum.OOMGuard(model, opt, target_batch=TARGET, micro_batch=4, sync=DistributedSync(model),
                                        nonfinite=policy)
             skipped, error, after = [], None, {}
+            flat_checks.clear()
             batches = autoaccum.data.GlobalBatches(make_data(), TARGET, seed=SEED, rank=rank, world_size=world_size)
             for step, rb in zip(range(1, NAN_STEPS + 1), batches.epoch(0)):
                 net.poison = rank == 0 and step == 2
@@ -153,6 +159,7 @@ def nonfinite_on_one_rank(rank: int, world_size: int) -> dict[str, Any]:
                 finally:
                     after[step] = _params(model)
             out[f"{kind}/{policy}"] = {"skipped": skipped, "error": error, "after": after,
+                                       "flat_checks": list(flat_checks),
                                        "finite": all(bool(torch.isfinite(p).all()) for p in after[max(after)].values())}
     return out
 
@@ -184,6 +191,10 @@ def test_nonfinite_gradients_on_one_rank_are_skipped_or_stopped_on_every_rank(tm
         for rank, r in enumerate(out):
             got = r[key]
             assert got["finite"], (key, rank)
+            if key.startswith("ddp"):  # every step overlapped: checked on its flat buffers, the NaN found there
+                assert got["flat_checks"] == [True, False, True][:len(got["after"])], (key, rank, got["flat_checks"])
+            else:  # FSDP2 keeps today's protocol: the per-gradient check on its shards
+                assert got["flat_checks"] == [], (key, rank)
             if key.endswith("skip"):
                 assert got["skipped"] == [False, True, False] and got["error"] is None, (key, rank)
                 assert all(torch.equal(a, b) for a, b in zip(got["after"][2].values(), got["after"][1].values()))

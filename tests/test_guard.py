@@ -370,6 +370,51 @@ def test_a_norm_that_overflows_is_not_taken_for_an_inf_gradient(clip):
         assert not _check_finite(params(1.0, torch.float32), bad, clip, None)[0]
 
 
+def test_the_check_on_flat_buffers_finds_what_the_per_gradient_check_finds():
+    """An overlapped step's gradients are views of flat buffers (``DistributedSync.gradient_buffers``):
+    the check then sums those few tensors. Every case of the per-gradient check gives the same answer:
+    finite, an inf or NaN element in either buffer, a non-finite loss (tensor or float), and a sum that
+    overflows where every element is finite (the elements are then looked at). A check that ignored the
+    buffers would pass the finite cases only."""
+    from autoaccum.optim_step import _check_finite, _flat_finite
+
+    def setup(where=None, value=1.0, big=False):
+        shapes = [(4, 3), (3,), (5,)]
+        flats = [torch.ones(15), torch.ones(5)]  # bucket 0: the first two parameters; bucket 1: the third
+        if big:
+            flats[0][:3] = 3e38  # finite elements whose sum overflows float32
+        if where is not None:
+            flats[where[0]][where[1]] = value
+        params, views = [], [flats[0][:12].view(4, 3), flats[0][12:15], flats[1][:5]]
+        for shape, view in zip(shapes, views):
+            p = nn.Parameter(torch.zeros(shape))
+            p.grad = view
+            params.append(p)
+        return params, flats
+
+    for big in (False, True):
+        params, flats = setup(big=big)
+        assert _check_finite(params, torch.tensor(2.0), None, None, flats) == (True, None)
+        assert _check_finite(params, torch.tensor(2.0), None, None)[0]  # the per-gradient check agrees
+    assert torch.isinf(setup(big=True)[1][0].sum())  # the overflow the elements are looked at for
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        for where in ((0, 0), (0, 14), (1, 4)):
+            params, flats = setup(where, bad)
+            assert not _check_finite(params, torch.tensor(2.0), None, None, flats)[0], (bad, where)
+            assert not _check_finite(params, torch.tensor(2.0), None, None)[0]
+        params, flats = setup()
+        assert not _check_finite(params, torch.tensor(bad), None, None, flats)[0]
+        assert not _check_finite(params, bad, None, None, flats)[0]
+        assert not _flat_finite(params, bad, flats)
+    # The buffers are what is summed (the contract: they hold every gradient), and only without clipping:
+    # with it the check keeps the per-gradient total norm clipping needs. A NaN gradient outside them
+    # (never so in a step) is seen by the clipping check only.
+    params, flats = setup()
+    params[2].grad = torch.full((5,), float("nan"))
+    assert _check_finite(params, None, None, None, flats)[0]
+    assert not _check_finite(params, None, 1.0, None, flats)[0]
+
+
 def test_nonfinite_policy_is_checked():
     model = Net()
     with pytest.raises(ValueError, match=r"Invalid nonfinite: 'raise'. Allowed values: stop, skip, None"):

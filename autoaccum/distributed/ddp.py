@@ -126,6 +126,7 @@ class DistributedSync:
         self._fsdp = _FSDP2Window(model) if self.kind == "fsdp2" else None
         self._buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self._overlap: _OverlappedReduce | None = None
+        self._summed = False  # the last reduce_gradients handed an overlapped step's sums (gradient_buffers)
         sparse = [name for name, m in model.named_modules()
                   if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
         if sparse:  # checked here, the same on every rank, not when one rank meets a sparse gradient
@@ -226,15 +227,26 @@ class DistributedSync:
             if params:
                 self._all_reduce_grads(params)
             return
-        overlap = self._overlap
+        overlap, self._summed = self._overlap, False
         if overlap is not None and overlap.reduced is not None and not overlap.late:
             overlap.copy_back()  # summed during the last backward; the ranks agreed the step is OK
+            self._summed = True
         else:
             if overlap is not None:
                 overlap.reduced = None
             self._all_reduce_grads(params)
         if self.kind == "plain" or getattr(self.model, "broadcast_buffers", False):
             self._broadcast_from_rank_zero(list(self.model.buffers()))
+
+    def gradient_buffers(self) -> list[torch.Tensor] | None:
+        """The flat buffers that hold every parameter's gradient as the last :meth:`reduce_gradients`
+        summed it, where that was an overlapped step's (each ``.grad`` a view of them, or a copy; a
+        parameter no rank used has zeros there), else None. Valid until the gradients change next:
+        the guard reads it right after the reduction, for the inf/NaN check (one pass over a few
+        flat tensors rather than one per parameter, ``autoaccum.optim_step``). Not kept here: views
+        held past the buffers' release would keep their memory."""
+        overlap = self._overlap
+        return overlap.gradients if self._summed and overlap is not None and overlap.flats is not None else None
 
     # -- the overlapped all-reduce (DDP and plain modules; autoaccum.distributed.overlap) ---------------
     def overlap_bytes(self, params: list[torch.nn.Parameter]) -> int | None:

@@ -106,6 +106,8 @@ class _OverlappedReduce:
         self.nbytes = sum(p.numel() * p.element_size() for p in params) + self.row * buckets[-1][0].element_size()
         self.flats: list[torch.Tensor] | None = None
         self._views: list[list[torch.Tensor]] = []  # each parameter's place in its bucket's flat buffer
+        #: every bucket's gradients, flat (the last bucket without the flag's row); see :attr:`gradients`
+        self.gradients: list[torch.Tensor] = []
         self.disabled: str | None = None  # why overlap is off for good on this sync
         #: the last attempt agreed to chain the next step: every rank will send that step's buckets,
         #: so the buffers are kept until it starts (a release asked for meanwhile is declined)
@@ -144,6 +146,7 @@ class _OverlappedReduce:
             self.flats = None
             return False
         self._views = []
+        self.gradients = [flat[:flat.numel() - self.row] if i == last else flat for i, flat in enumerate(self.flats)]
         for flat, bucket in zip(self.flats, self.buckets):
             start, views = 0, []
             for p in bucket:
@@ -157,7 +160,7 @@ class _OverlappedReduce:
         Declined while a chained step is promised, unless ``force``: the guard forces it where every
         rank dropped the chain alike."""
         if not self.promised or force:
-            self.flats, self._views, self.promised = None, [], False
+            self.flats, self._views, self.gradients, self.promised = None, [], [], False
 
     # -- one overlapped attempt ------------------------------------------------------------------------
     def start(self) -> Callable[[], None]:
