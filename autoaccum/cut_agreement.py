@@ -32,7 +32,11 @@ The answer is the same on every rank, and so is everything decided from it:
   attempt on every rank: its gradients are dropped and it is run again, waiting for the answer
   first (same samples, same result: nothing is changed silently);
 - a loss that counts items on some ranks and not on others, or a step with no item to average,
-  is an error on every rank, raised before any gradient is reduced.
+  is an error on every rank, raised before any gradient is reduced;
+- a rank whose allocator thrashed (CUDA allocator retries rising on consecutive steps, the guard's
+  ``thrash_steps``) says so in its row: every rank learns which ranks did, and after the step, if
+  it ran at its first attempt, every rank shrinks together (one rank's retries are its own, and a
+  shrink is a collective every rank must issue).
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ class Agreed:
     overlap: bool  # every rank voted to overlap (and the attempt is not void)
     void: bool  # some rank guessed wrong: every rank runs the attempt again
     error: TaskError | None  # raised on every rank
+    thrashing: tuple[int, ...] = ()  # the ranks whose allocator thrashed (every rank shrinks after the step)
 
 
 class CutAgreement:
@@ -124,7 +129,7 @@ def full_step_terms(cut: Cutter, plan: Plan, world_size: int) -> CutTerms | None
 
 
 def agree_cut(sync: GradSync, cut: Cutter, plan: Plan, *, num_samples: int, steps: int, vote: bool,
-              items: int | None, may_guess: bool, chained: bool = False) -> CutAgreement:
+              items: int | None, may_guess: bool, chained: bool = False, thrash: bool = False) -> CutAgreement:
     """Start this attempt's exchange (one all-reduce); wait for it unless this rank may guess.
 
     Args:
@@ -134,6 +139,7 @@ def agree_cut(sync: GradSync, cut: Cutter, plan: Plan, *, num_samples: int, step
         chained: every rank agreed, in the last step's flag, that this attempt has no exchange: its
             row goes in this step's flag (:meth:`CutAgreement.answer_with`). The rank sits out
             where it cannot guess or has no room to overlap (``vote`` False).
+        thrash: this rank's allocator thrashed (the guard's streak reached ``thrash_steps``).
     """
     may_guess = may_guess and items is None and sync.world_size > 1
     guess = full_step_terms(cut, plan, sync.world_size) if may_guess else None
@@ -141,7 +147,8 @@ def agree_cut(sync: GradSync, cut: Cutter, plan: Plan, *, num_samples: int, step
     # the row carries the guess itself, so that whether it was right is decided from the rows alone
     # (the same on every rank, even where the ranks' plans differ), and whether the rank sat out
     row = (num_samples, steps, int(vote), items or 0, int(items is not None),
-           guess.num_samples if guess is not None else 0, guess.steps if guess is not None else 0, int(sits_out))
+           guess.num_samples if guess is not None else 0, guess.steps if guess is not None else 0, int(sits_out),
+           int(thrash))
     assert len(row) == CUT_FIELDS
     if chained:
         return CutAgreement(None if sits_out else guess, None, row=row)
@@ -154,8 +161,8 @@ def agree_cut(sync: GradSync, cut: Cutter, plan: Plan, *, num_samples: int, step
 
 def _decide(rows: tuple[tuple[int, ...], ...]) -> Agreed:
     """What every rank concludes from the rows (samples, micro-steps, vote, items, counted, the
-    guessed samples and micro-steps, 0 where the rank waited, and whether it sat out a chained
-    attempt)."""
+    guessed samples and micro-steps, 0 where the rank waited, whether it sat out a chained
+    attempt, and whether its allocator thrashed)."""
     counted = sum(r[4] for r in rows)
     num_items = sum(r[3] for r in rows) if counted else None
     terms = CutTerms(sum(r[0] for r in rows), max(r[1] for r in rows), num_items)
@@ -167,4 +174,5 @@ def _decide(rows: tuple[tuple[int, ...], ...]) -> Agreed:
         error = TaskError("the step's batch holds no item its loss averages over (every label is -100); "
                           "nothing to train on")
     void = any((r[5] and CutTerms(r[5], r[6], None) != terms) or r[7] for r in rows)
-    return Agreed(terms, overlap=all(r[2] for r in rows) and not void and error is None, void=void, error=error)
+    return Agreed(terms, overlap=all(r[2] for r in rows) and not void and error is None, void=void, error=error,
+                  thrashing=tuple(rank for rank, r in enumerate(rows) if r[8]))

@@ -98,8 +98,9 @@ class OOMGuard:
             guard learns from its own steps in any case.
         headroom: the fraction of the limit a predicted (never run) size keeps free; default the
             probe report's, else 0.1.
-        thrash_steps: on CUDA, shrink after this many consecutive steps with allocator retries (in
-            one process; across ranks a warning only, as the shrink would need every rank's agreement).
+        thrash_steps: on CUDA, shrink after this many consecutive steps with allocator retries. Across
+            ranks, a rank whose retries rose so often says so in the next step's exchange, and every
+            rank shrinks together after that step (``autoaccum.cut_agreement``).
         meter: the meter whose readings each step reports and growth reads (default: the CUDA
             allocator on CUDA, none elsewhere).
         log_changes: log each plan change as a warning (the default; on rank 0, other ranks at debug level).
@@ -182,7 +183,9 @@ class OOMGuard:
         self._thrash_streak = 0
         self._last_retries: int | None = None
         self._warned_batchnorm = False
-        self._warned_thrash = False
+        # this rank's thrash streak reached thrash_steps (across ranks): said in the next attempt's row
+        self._thrash_pending = False
+        self._thrashing: tuple[int, ...] = ()  # the ranks whose rows said so in the step's last attempt
         self._checked_loss_fn: Any = None
         self._last_steps = 0
         self.overlapped_steps = 0  # steps whose gradient all-reduce ran during the last backward
@@ -305,6 +308,7 @@ class OOMGuard:
         self.steps, self.ooms = int(state["steps"]), int(state["ooms"])
         self.failed_growths = int(state.get("failed_growths", 0))
         self._chain = False  # a resumed step opens with the cut's exchange (every rank loads alike)
+        self._thrash_pending, self._thrashing, self._thrash_streak = False, (), 0  # nor does a thrash carry over
         self._warn_batchnorm()
 
     # -- one global batch, replayed until it fits ------------------------------------------------------
@@ -329,7 +333,7 @@ class OOMGuard:
             self._last_vote, self._vote_reason = vote, reason
         may_guess = may_guess and bool(getattr(self.sync, "quiet_window", False))
         agreement = agree_cut(self.sync, self.cut, self.plan, num_samples=n, steps=steps, vote=vote, items=items,
-                              may_guess=may_guess, chained=chained)
+                              may_guess=may_guess, chained=chained, thrash=self._thrash_pending)
         if chained:
             # every rank sends this attempt's buckets, whatever it votes (a yes holds them already; a
             # no finds them held since the last step, promised to this one, unless another guard on
@@ -438,6 +442,7 @@ class OOMGuard:
                 agreed_cut = agreement.agreed()
             else:
                 agreed_cut = self._settle_cut(agreement, attempts)  # every rank, whatever its micro-batches did
+            self._thrashing = agreed_cut.thrashing  # the same on every rank; acted on after the step (_adapt)
             if agreed_cut.error is not None:
                 self._zero_grad()
                 raise agreed_cut.error
@@ -580,16 +585,18 @@ class OOMGuard:
                 self._thrash_streak = 0
                 if self.sync.world_size == 1:
                     self._growth.thrashed(self.plan.micro_batch)  # memory-guided growth: not back to it soon
-                    return [self._shrink("thrash", "allocator retries")]
+                    return [self._shrink("thrash", "")]
                 # Across ranks a shrink is agreed (agree_plan, a collective), and this streak is this
-                # rank's alone: shrinking here would issue a collective the other ranks do not (a hang
-                # or a mismatched collective). Not acted on; an OOM is still recovered on every rank.
-                if not self._warned_thrash:
-                    self._warned_thrash = True
-                    logger.warning("autoaccum: rank %d: allocator retries rose on %d steps in a row (thrashing); across "
-                                   "ranks the guard does not shrink for it (every rank would have to agree), only "
-                                   "for an OOM. Lower the micro-batch or raise headroom if steps slow down.",
-                                   self.sync.rank, self.thrash_steps)
+                # rank's alone: shrinking here would issue a collective the other ranks do not. It is
+                # said in the next step's exchange instead, and acted on below by every rank after it.
+                self._thrash_pending = True
+        if self._thrashing:  # the rows of this step's last attempt: the same on every rank, so is all below
+            thrashing, self._thrashing = self._thrashing, ()
+            self._thrash_pending, self._thrash_streak = False, 0  # said and heard: a new streak from here
+            if attempts == 1 and self.plan.can_shrink:  # a replayed step shrank for its OOM already
+                self._growth.thrashed(self.plan.micro_batch)
+                ranks = ", ".join(str(r) for r in thrashing)
+                return [self._shrink("thrash", f"allocator retries on rank{'s' if len(thrashing) > 1 else ''} {ranks}")]
         growth = self._growth
         growth.count_calm(attempts)
         if not growth.doubles or growth.calm < growth.calm_needed:

@@ -27,7 +27,7 @@ Reason = Literal["oom", "thrash", "grow"]
 @dataclass(frozen=True)
 class PlanChange:
     """One change of plan: why, at which optimizer step, and where the OOM struck (for a growth: what
-    guided it, empty for blind doubling)."""
+    guided it, empty for blind doubling; for thrashing across ranks: which ranks said so)."""
 
     step: int
     reason: Reason
@@ -37,7 +37,8 @@ class PlanChange:
 
     def describe(self) -> str:
         grow = f"no OOM for a while ({self.where}):" if self.where else "no OOM for a while:"
-        what = {"oom": f"OOM in {self.where} at", "thrash": "allocator thrashing at", "grow": grow}
+        thrash = f"allocator thrashing ({self.where}) at" if self.where else "allocator thrashing at"
+        what = {"oom": f"OOM in {self.where} at", "thrash": thrash, "grow": grow}
         if self.old.tokens is not None and self.new.tokens is not None:
             return (f"{what[self.reason]} a budget of {self.old.tokens.max_cost:,.0f} -> {self.new.tokens.max_cost:,.0f} "
                     f"token-units per micro-batch (micro <= {self.old.micro_batch} -> {self.new.micro_batch}), "

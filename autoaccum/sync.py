@@ -2,11 +2,11 @@
 ``autoaccum.distributed`` and has the same methods.
 
 The guard asks these things of a sync, in this order, once per optimizer step:
-1. ``gather((n, steps, vote, items, counted, guessed samples, guessed steps, sat out))``: every
-   rank's sample count of the step, the micro-steps its cut needs (the counts' sum is the global
-   batch; the largest step count is what every rank runs), its vote to overlap the all-reduce
-   (below), the items of a loss that counts them up front, its guess, and whether it sat out a
-   chained attempt (:data:`CUT_FIELDS` numbers). A rank that can tell the answer alone sends it with ``gather_async`` and reads it
+1. ``gather((n, steps, vote, items, counted, guessed samples, guessed steps, sat out, thrash))``:
+   every rank's sample count of the step, the micro-steps its cut needs (the counts' sum is the
+   global batch; the largest step count is what every rank runs), its vote to overlap the
+   all-reduce (below), the items of a loss that counts them up front, its guess, whether it sat out
+   a chained attempt, and whether its allocator thrashed (:data:`CUT_FIELDS` numbers). A rank that can tell the answer alone sends it with ``gather_async`` and reads it
    before the last micro-batch (``autoaccum.cut_agreement``);
 2. ``no_sync()`` around every micro-batch's forward and backward: no gradient collective runs
    while a rank may still hit an OOM (except an overlapped attempt's own buckets, below);
@@ -45,7 +45,7 @@ __all__ = ["CUT_FIELDS", "GradSync", "LocalSync", "OK", "OOM", "ERROR", "Overlap
 
 OK, OOM, ERROR = 0, 1, 2
 #: the numbers in one rank's row of the cut's exchange (``autoaccum.cut_agreement``)
-CUT_FIELDS = 8
+CUT_FIELDS = 9
 
 
 @dataclass(frozen=True)

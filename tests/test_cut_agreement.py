@@ -42,9 +42,9 @@ TARGET, MICRO, SEED = 12, 2, 5
 
 # -- the decision ---------------------------------------------------------------------------------------
 def _row(n: int, steps: int, vote: int = 1, items: int | None = None,
-         guess: CutTerms | None = None, sat_out: bool = False) -> tuple[int, ...]:
+         guess: CutTerms | None = None, sat_out: bool = False, thrash: bool = False) -> tuple[int, ...]:
     return (n, steps, vote, items or 0, int(items is not None), guess.num_samples if guess else 0,
-            guess.steps if guess else 0, int(sat_out))
+            guess.steps if guess else 0, int(sat_out), int(thrash))
 
 
 def test_full_step_terms_are_what_every_rank_runs() -> None:
@@ -73,6 +73,15 @@ def test_a_wrong_guess_voids_the_attempt_on_every_rank_and_never_overlaps() -> N
     # a rank that sat a chained attempt out voids it, even where every guess was right
     assert _decide((_row(6, 3, guess=guess), _row(6, 3, guess=guess, sat_out=True))).void
     assert not _decide((_row(6, 3, guess=guess), _row(6, 3, guess=guess, sat_out=True))).overlap
+
+
+def test_the_ranks_whose_allocator_thrashed_are_named_and_change_nothing_else() -> None:
+    guess = CutTerms(12, 3, None)
+    calm = _decide((_row(6, 3, guess=guess), _row(6, 3, guess=guess)))
+    said = _decide((_row(6, 3, guess=guess), _row(6, 3, guess=guess, thrash=True)))
+    assert calm.thrashing == () and said.thrashing == (1,)
+    assert (said.terms, said.overlap, said.void, said.error) == (calm.terms, calm.overlap, calm.void, calm.error)
+    assert _decide((_row(6, 3, thrash=True), _row(4, 2, thrash=True))).thrashing == (0, 1)
 
 
 def test_items_counted_on_some_ranks_only_or_none_at_all_is_an_error() -> None:

@@ -5,6 +5,7 @@
 - an OOM in an FSDP2 evaluation on one rank: every rank halves the evaluation micro-batch;
 - probe logs and plan changes from rank 0 only;
 - resume: each rank's RNG continues as in the uninterrupted run.
+- allocator thrashing on one rank: said in the next step's exchange, every rank shrinks together.
 
 Each test spawns two processes bounded by a timeout (tests/_spawn.py): a hang fails.
 """
@@ -24,6 +25,7 @@ import autoaccum
 from _spawn import results, spawn
 from autoaccum.distributed import DistributedSync, wrap_model
 from autoaccum.errors import NonFiniteError
+from autoaccum.memory import MemoryReading
 from test_distributed import SEED, TARGET, Net, _params, fsdp2_supported, make_data, make_net, mean_loss
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -164,13 +166,13 @@ def nonfinite_on_one_rank(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
-def _one_process_skipping(skip_step: int) -> dict[str, torch.Tensor]:
-    """One process, full-batch SGD steps 1..NAN_STEPS, step ``skip_step`` not taken."""
+def _one_process_skipping(skip_step: int | None, steps: int = NAN_STEPS) -> dict[str, torch.Tensor]:
+    """One process, full-batch SGD steps 1..``steps``, step ``skip_step`` not taken."""
     torch.manual_seed(SEED)
     net = PoisonNet()
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     batches = autoaccum.data.GlobalBatches(make_data(), TARGET, seed=SEED).epoch(0)
-    for step, rb in zip(range(1, NAN_STEPS + 1), batches):
+    for step, rb in zip(range(1, steps + 1), batches):
         if step != skip_step:
             opt.zero_grad(set_to_none=True)
             mean_loss(net, rb.batch).backward()
@@ -333,3 +335,70 @@ def test_resume_restores_each_ranks_own_rng(tmp_path: Path) -> None:
         autoaccum.fit(model, make_data(), TARGET, loss_fn=mean_loss, seed=SEED, progress=False, verbose=False,
                       optimizer=torch.optim.SGD(model.parameters(), lr=0.1), max_steps=RNG_STEPS + 1,
                       checkpoint_dir=directory, resume=True)
+
+
+# -- allocator thrashing on one rank: said in the exchange, every rank shrinks together ----------------------
+class RetryMeter:
+    """A meter that counts no bytes, only the CUDA allocator's retries (which a CPU cannot cause): on a
+    thrashing rank they rise at every reading, elsewhere they stay 0."""
+
+    kind, budget_bytes, last_oom_needed_bytes = "counted", None, None
+
+    def __init__(self, rising: bool) -> None:
+        self.rising, self.retries = rising, 0
+
+    def __enter__(self) -> RetryMeter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def reset_peak(self) -> None:
+        return None
+
+    def read(self) -> MemoryReading:
+        self.retries += self.rising
+        return MemoryReading(0, 0, self.retries)
+
+
+THRASH_STEPS = 5  # full global batches of make_data()
+
+
+def thrash_on_one_rank(rank: int, world_size: int, thrashing_rank: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for overlap in ("auto", "off"):  # the rows in the flag of chained steps, and in the cut's own exchange
+        torch.manual_seed(SEED)
+        model = wrap_model(make_net())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        guard = autoaccum.OOMGuard(model, opt, target_batch=TARGET, micro_batch=4, sync=DistributedSync(model),
+                                   meter=RetryMeter(rank == thrashing_rank), grow="off", overlap=overlap)
+        batches = autoaccum.data.GlobalBatches(make_data(), TARGET, seed=SEED, rank=rank, world_size=world_size)
+        changes, micro = [], []
+        for step, rb in zip(range(1, THRASH_STEPS + 1), batches.epoch(0)):
+            result = guard.step(rb.batch, mean_loss)
+            changes += [(step, c.reason, c.old.micro_batch, c.new.micro_batch, c.describe()) for c in result.changes]
+            micro.append(result.plan.micro_batch)
+        out[overlap] = {"changes": changes, "micro": micro, "params": _params(model),
+                        "chained": guard.chained_steps, "ooms": guard.ooms}
+    return out
+
+
+@pytest.mark.parametrize("thrashing_rank", [0, 1])
+def test_allocator_thrashing_on_one_rank_shrinks_every_rank_together(tmp_path: Path, thrashing_rank: int) -> None:
+    """One rank's allocator retries rise at every step (thrash_steps=2): after step 3 its streak is
+    complete; step 4's exchange says so (in a chained step, in its flag), and after step 4 every rank
+    halves the micro-batch at once (4 -> 2), naming that rank; the streak starts again from there. No
+    hang, no OOM; the weights equal one process's full-batch SGD (the shrink changes no gradient).
+    Negative control: before this, the thrashing rank only warned (no change on any rank)."""
+    codes, _ = spawn(thrash_on_one_rank, tmp_path, thrashing_rank=thrashing_rank)
+    out = results(tmp_path, codes)
+    want = _one_process_skipping(None, THRASH_STEPS)
+    for overlap in ("auto", "off"):
+        for rank, r in enumerate(out):
+            got = r[overlap]
+            assert [c[:4] for c in got["changes"]] == [(4, "thrash", 4, 2)], (overlap, rank, got["changes"])
+            assert f"allocator retries on rank {thrashing_rank}" in got["changes"][0][4]
+            assert got["micro"] == [4, 4, 4, 2, 2] and got["ooms"] == 0, (overlap, rank, got["micro"])
+            assert (got["chained"] > 0) == (overlap == "auto"), (overlap, got["chained"])
+            for name, p in want.items():
+                torch.testing.assert_close(got["params"][name], p, rtol=1e-5, atol=1e-6, msg=f"{overlap} {rank} {name}")

@@ -277,7 +277,7 @@ def test_the_flag_rides_in_a_float32_last_bucket_and_the_loss_stays_float64(dtyp
         on, off = r["torch.float32/auto"], r["torch.float32/off"]
         assert on["overlapped"] == [True] * EXACT_STEPS and off["overlapped"] == [False] * EXACT_STEPS
         p, buckets = on["num_params"], on["buckets"]
-        # status (2), late, chain, presence (p), then per rank 4 scalars and a cut row of 8, x 3 pieces
+        # status (2), late, chain, presence (p), then per rank 4 scalars and a cut row of CUT_FIELDS, x 3 pieces
         row = 4 + p + 2 * (4 + CUT_FIELDS) * 3
         assert on["calls"] == [(n, "torch.float32", True) for n in buckets[:-1]] + \
             [(buckets[-1] + row, "torch.float32", True)], on["calls"]
@@ -429,8 +429,8 @@ def test_tight_memory_keeps_todays_protocol_ample_memory_overlaps(tmp_path: Path
         assert r["overlapped"] == [False, True, False, False, True, True], r["overlapped"]
         assert r["ooms"] == 0
         p = r["num_params"]
-        # the cut's exchange: a row of 8 per rank (samples, micro-steps, vote, items, counted, the guess,
-        # sat out), sent asynchronously (every step here is full: each rank guesses its terms and reads
+        # the cut's exchange: a row of CUT_FIELDS per rank (samples, micro-steps, vote, items, counted, the
+        # guess, sat out, thrash), sent asynchronously (every step here is full: each rank guesses its terms and reads
         # the answer before the last micro-batch, autoaccum.cut_agreement)
         gather, loss = (2 * CUT_FIELDS, "torch.int64", True), (4, "torch.float64", False)
         # today's protocol: the cut, then the flag, which gradients exist, the gradients, the loss

@@ -867,24 +867,33 @@ def test_allocator_thrashing_on_consecutive_steps_shrinks_but_an_oom_step_does_n
                  thrash_steps=1.5)
 
 
-def test_allocator_thrashing_on_one_of_several_ranks_issues_no_collective_of_its_own(caplog):
+def test_allocator_thrashing_on_one_of_several_ranks_is_said_first_and_shrunk_for_by_every_rank():
     """Across ranks a shrink is a collective (agree_plan) and a thrash streak is one rank's own: the
-    guard does not act on it there (a lone agree_plan would meet another rank's next collective).
-    Negative control: the test above, in one process, shrinks on the same readings."""
+    streak issues no collective; it is said in the next step's exchange (the row's thrash field), and
+    the step whose rows said it shrinks, on every rank alike (every rank reads the same rows). A step
+    that replayed for an OOM shrank already: it does not shrink again. Negative control: the test
+    above, in one process, shrinks on the streak itself."""
 
     class OneOfTwo(LocalSync):
         world_size, rank = 2, 1
+        plans: list = []
 
         def agree_plan(self, plan):
-            raise AssertionError("a collective issued by one rank alone")
+            self.plans.append(plan.micro_batch)
+            return plan
 
     model = Net()
+    sync = OneOfTwo()
     guard = OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), target_batch=64, micro_batch=16,
-                     sync=OneOfTwo(), grow="off")
-    with caplog.at_level(logging.WARNING, logger="autoaccum.guard"):
-        assert [guard._adapt(1, MemoryReading(0, 0, r)) for r in (0, 2, 3, 4, 5)] == [[]] * 5
-    assert guard.plan.micro_batch == 16
-    assert sum("thrashing" in m for m in caplog.messages) == 1  # said once, on the rank that saw it
+                     sync=sync, grow="off")
+    assert [guard._adapt(1, MemoryReading(0, 0, r)) for r in (0, 2, 3)] == [[]] * 3
+    assert guard._thrash_pending and sync.plans == [] and guard.plan.micro_batch == 16  # said, not acted on
+    guard._thrashing = (1,)  # the next step's rows: rank 1 said so
+    (change,) = guard._adapt(1, MemoryReading(0, 0, 3))
+    assert (change.reason, change.old.micro_batch, change.new.micro_batch) == ("thrash", 16, 8)
+    assert "rank 1" in change.describe() and sync.plans == [8] and not guard._thrash_pending
+    guard._thrashing = (0, 1)  # heard in a step that replayed for an OOM: no second shrink
+    assert guard._adapt(2, MemoryReading(0, 0, 9)) == [] and guard.plan.micro_batch == 8 and sync.plans == [8]
 
 
 # -- on a real device -----------------------------------------------------------------------------
