@@ -1,8 +1,9 @@
 """The optimizer step after accumulation: unscale once, check, clip once, step, then the scheduler.
 
 The check (``check_finite``): inf/NaN gradients never reach the weights. Before the step, one
-fused reduction over every gradient (``torch._foreach_norm``, the largest magnitude; with clipping,
-the total norm clipping computes anyway) and one read of its result on the host: a non-finite
+fused reduction over every gradient (``torch._foreach_norm``; with clipping, the total norm clipping
+computes anyway; after an overlapped all-reduce, a sum over its flat buckets, which hold every
+gradient) and one read of its result on the host: a non-finite
 value skips ``optimizer.step()`` and the scheduler, and the caller decides what follows (stop or
 skip, ``autoaccum.guard``). The gradients are checked after they were reduced over ranks: under
 DDP every rank holds the same sums, so every rank decides the same; under FSDP2 each rank holds a
