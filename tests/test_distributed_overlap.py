@@ -367,6 +367,49 @@ def test_float64_values_split_into_float32_pieces_add_up_exactly() -> None:
     assert _pieces(0.1, 1) == [0.1]
 
 
+@pytest.mark.parametrize("world_size, dtype", [(2, torch.float32), (5, torch.float32), (37, torch.float32),
+                                             (5, torch.float64)])
+def test_the_flag_row_gathers_every_ranks_slots_exactly_at_any_world_size(world_size: int,
+                                                                         dtype: torch.dtype) -> None:
+    """The row each rank writes (its flags, its scalars' and its cut row's slots; zeros elsewhere), summed
+    as the all-reduce sums it, reads back on every rank as: the flags' counts, every rank's scalars added
+    up in float64 (each one exact from its pieces: the sum equals the float64 sum of the values), and
+    every rank's cut row. Beyond the 2 ranks the spawned tests run, without a process group: the
+    row's layout is the same for any world size. Negative control: a rank writing into another
+    rank's slot would change the rows read back."""
+    from autoaccum.distributed.overlap import STEP_SCALARS, _OverlappedReduce
+
+    params = 3
+    g = torch.Generator().manual_seed(world_size)
+    scalars = [torch.randn(STEP_SCALARS, generator=g, dtype=torch.float64) * 1e3 for _ in range(world_size)]
+    cut_rows = [tuple(int(v) for v in torch.randint(0, 2**40, (CUT_FIELDS,), generator=g)) for _ in range(world_size)]
+    flags = [[r % 2 == 0, False, r == 1, True] + [r < 2] * params for r in range(world_size)]
+
+    def rank_view(rank: int) -> _OverlappedReduce:
+        o = object.__new__(_OverlappedReduce)  # the row's parts only: no process group, no buckets
+        o.rank, o.world_size, o._slots = rank, world_size, None
+        o.pieces = {torch.float32: 3, torch.float64: 1}[dtype]
+        o._flags = 4 + params
+        o.row = o._flags + world_size * (STEP_SCALARS + CUT_FIELDS) * o.pieces
+        o.flats = [torch.full((7 + o.row,), float("nan"), dtype=dtype)]  # the row's room starts as garbage
+        return o
+
+    views = [rank_view(r) for r in range(world_size)]
+    for r, o in enumerate(views):
+        o._write_row(flags[r], scalars[r], cut_rows[r])
+    summed = torch.stack([o._tail() for o in views]).sum(dim=0)  # what the SUM all-reduce leaves on every rank
+    for o in views:
+        o._tail().copy_(summed)
+        counts, sums, rows = o._read_row(True, True)
+        assert counts == [float(sum(f[i] for f in flags)) for i in range(4 + params)]
+        want = [0.0] * STEP_SCALARS
+        for values in scalars:  # rank by rank, in float64
+            want = [w + v for w, v in zip(want, values.tolist())]
+        assert sums is not None and sums.dtype == torch.float64 and sums.tolist() == want
+        assert rows == tuple(cut_rows)
+    assert views[0]._read_row(False, False)[2] == ((0,) * CUT_FIELDS,) * world_size
+
+
 # -- the protocol: tight memory keeps today's, ample memory overlaps -------------------------------------
 def protocol_run(rank: int, world_size: int) -> dict[str, Any]:
     """One guard under an emulated budget (a TrackedMemory meter) that starts ample, is made tight after

@@ -108,6 +108,7 @@ class _OverlappedReduce:
         self._views: list[list[torch.Tensor]] = []  # each parameter's place in its bucket's flat buffer
         #: every bucket's gradients, flat (the last bucket without the flag's row); see :attr:`gradients`
         self.gradients: list[torch.Tensor] = []
+        self._slots: torch.Tensor | None = None  # where this rank's numbers go in the flag's row (_own_slots)
         self.disabled: str | None = None  # why overlap is off for good on this sync
         #: the last attempt agreed to chain the next step: every rank will send that step's buckets,
         #: so the buffers are kept until it starts (a release asked for meanwhile is declined)
@@ -291,24 +292,32 @@ class _OverlappedReduce:
         2**53) as :attr:`pieces` numbers of the bucket's dtype that add up to it exactly
         (:func:`_pieces`). Every other rank's slots hold zeros here, so the sum gathers every rank's
         slots unchanged; the scalars are added up in float64 after the exchange (:meth:`_read_row`).
-        Built on the host (the scalars read once) and copied in one go: a handful of numbers per rank."""
+        The row is zeroed, then this rank's numbers (a handful, read on the host) go to their places
+        in one indexed copy: the host's work does not grow with the number of ranks."""
         assert self.pieces is not None
-        row = [float(f) for f in flags] + [0.0] * (self.row - len(flags))
         if scalars is not None:
             values = scalars.detach().reshape(-1).tolist()
             if len(values) != STEP_SCALARS:
                 raise RuntimeError(f"internal: the overlapped flag carries {STEP_SCALARS} scalars, not {len(values)}")
-            self._write_slot(row, len(flags) + self.rank * STEP_SCALARS * self.pieces, values)
-        if cut_row is not None:
-            self._write_slot(row, self._rows_at() + self.rank * CUT_FIELDS * self.pieces, [float(v) for v in cut_row])
+        else:
+            values = [0.0] * STEP_SCALARS
+        own = [float(f) for f in flags]
+        for value in values + [float(v) for v in (cut_row if cut_row is not None else (0,) * CUT_FIELDS)]:
+            own.extend(_pieces(value, self.pieces))
         tail = self._tail()
-        tail.copy_(torch.tensor(row, dtype=tail.dtype))
+        tail.zero_()
+        tail.index_copy_(0, self._own_slots(tail.device), torch.tensor(own, dtype=tail.dtype).to(tail.device))
 
-    def _write_slot(self, row: list[float], at: int, values: list[float]) -> None:
-        assert self.pieces is not None
-        for value in values:
-            row[at:at + self.pieces] = _pieces(value, self.pieces)
-            at += self.pieces
+    def _own_slots(self, device: torch.device) -> torch.Tensor:
+        """Where this rank's numbers go in the row: the flags, its scalars' slot, its cut row's slot."""
+        if self._slots is None:
+            assert self.pieces is not None
+            scalars_at = self._flags + self.rank * STEP_SCALARS * self.pieces
+            cut_at = self._rows_at() + self.rank * CUT_FIELDS * self.pieces
+            self._slots = torch.cat([torch.arange(self._flags),
+                                     torch.arange(scalars_at, scalars_at + STEP_SCALARS * self.pieces),
+                                     torch.arange(cut_at, cut_at + CUT_FIELDS * self.pieces)]).to(device)
+        return self._slots
 
     def _rows_at(self) -> int:
         """Where the cut rows start in the row: after the flags and every rank's scalars."""
@@ -317,31 +326,28 @@ class _OverlappedReduce:
 
     def _read_row(self, with_scalars: bool,
                   with_rows: bool) -> tuple[list[float], torch.Tensor | None, tuple[tuple[int, ...], ...]]:
-        """The summed row: the flags' counts, the scalars summed over the ranks (float64, in rank
-        order: the same on every rank), and every rank's cut row where one was sent (a chained
-        step; zeros otherwise). The flags and scalars are read once to the host and added up there
-        (a few numbers per rank: cheaper than the device ops it would take); the cut rows, integers
-        below 2**53 whose pieces add up exactly in any order, are added up on the device."""
+        """The summed row: the flags' counts, the scalars summed over the ranks (float64; the same on
+        every rank), and every rank's cut row where one was sent (a chained step; zeros otherwise).
+        The row is read to the host once, in float64, and added up there with tensor operations:
+        each number's pieces largest first (every addition exact, :func:`_pieces`), then the ranks'
+        numbers in rank order (a running sum: no reduction order of a kernel's choosing); the host's
+        Python work does not grow with the number of ranks."""
         assert self.pieces is not None
-        tail, count, rows_at = self._tail(), self._flags, self._rows_at()
-        head = tail[:rows_at if with_scalars else count].tolist()
-        totals = [0.0] * STEP_SCALARS
+        count, rows_at, pieces = self._flags, self._rows_at(), self.pieces
+        row = self._tail().to(device="cpu", dtype=torch.float64)  # the one read
+        sums = None
         if with_scalars:
-            at = count
-            for _ in range(self.world_size):
-                for i in range(STEP_SCALARS):
-                    value = 0.0
-                    for piece in head[at:at + self.pieces]:  # the largest first: every addition is exact
-                        value += piece
-                    totals[i] += value
-                    at += self.pieces
+            slots = row[count:rows_at].view(self.world_size, STEP_SCALARS, pieces)
+            each = slots[..., 0]
+            for k in range(1, pieces):
+                each = each + slots[..., k]
+            sums = each.cumsum(dim=0)[-1]  # rank by rank, as a loop would: the same bits on every rank and host
         if with_rows:
-            pieces = tail[rows_at:].view(self.world_size, CUT_FIELDS, self.pieces)
-            rows = tuple(tuple(r) for r in pieces.to(torch.float64).sum(dim=2).round().to(torch.int64).tolist())
+            gathered = row[rows_at:].view(self.world_size, CUT_FIELDS, pieces).sum(dim=2).round().to(torch.int64)
+            rows = tuple(tuple(r) for r in gathered.tolist())
         else:
             rows = ((0,) * CUT_FIELDS,) * self.world_size
-        sums = torch.tensor(totals, dtype=torch.float64) if with_scalars else None
-        return head[:count], sums, rows
+        return row[:count].tolist(), sums, rows
 
     def copy_back(self) -> None:
         """The agreed sums into ``.grad``: a parameter some rank used gets the sum (a rank that did
