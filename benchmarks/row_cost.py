@@ -125,6 +125,9 @@ def measure(world_size: int, params: int, calls: int, blocks: int = 4) -> dict[s
                          "read": lambda: new._read_row(True, True)},
            "per_element": {"write": lambda: per_element_write(old, flags[1], scalars[1], rows[1]),
                            "read": lambda: per_element_read(old)}}
+    for parts in fns.values():  # warm up (the first calls allocate)
+        for fn in parts.values():
+            _median_us(fn, 200)
     spent: dict[str, dict[str, list[float]]] = {w: {"write": [], "read": []} for w in fns}
     for _ in range(blocks):  # alternating blocks: a slow moment hits both ways
         for way, parts in fns.items():
