@@ -7,7 +7,7 @@ side in one process (no process group: the row's layout does not depend on one),
 sizes:
 
 - ``autoaccum``: the module's ``_write_row`` / ``_read_row``: the row zeroed and this rank's numbers
-  put in place with one indexed copy; read once to the host in float64 and added up with tensor
+  put in place with three slice copies; read once to the host in float64 and added up with tensor
   operations (pieces, then a running sum over the ranks);
 - ``per_element``: the design before it (kept here as the reference): the whole row built as a Python
   list and copied, and read back as a list whose scalars are added up in a Python loop over every
@@ -39,7 +39,7 @@ from autoaccum.sync import CUT_FIELDS
 def _row_of(rank: int, world_size: int, params: int) -> _OverlappedReduce:
     """The row's parts of one rank's overlap (no process group, no buckets: a float32 last bucket)."""
     o = object.__new__(_OverlappedReduce)
-    o.rank, o.world_size, o.pieces, o._slots = rank, world_size, 3, None
+    o.rank, o.world_size, o.pieces = rank, world_size, 3
     o._flags = 4 + params
     o.row = o._flags + world_size * (STEP_SCALARS + CUT_FIELDS) * o.pieces
     o.flats = [torch.zeros(66_000 + o.row)]  # a first layer's gradients before the row, as in ddp_bench

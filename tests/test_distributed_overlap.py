@@ -387,7 +387,7 @@ def test_the_flag_row_gathers_every_ranks_slots_exactly_at_any_world_size(world_
 
     def rank_view(rank: int) -> _OverlappedReduce:
         o = object.__new__(_OverlappedReduce)  # the row's parts only: no process group, no buckets
-        o.rank, o.world_size, o._slots = rank, world_size, None
+        o.rank, o.world_size = rank, world_size
         o.pieces = {torch.float32: 3, torch.float64: 1}[dtype]
         o._flags = 4 + params
         o.row = o._flags + world_size * (STEP_SCALARS + CUT_FIELDS) * o.pieces

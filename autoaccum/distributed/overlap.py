@@ -108,7 +108,6 @@ class _OverlappedReduce:
         self._views: list[list[torch.Tensor]] = []  # each parameter's place in its bucket's flat buffer
         #: every bucket's gradients, flat (the last bucket without the flag's row); see :attr:`gradients`
         self.gradients: list[torch.Tensor] = []
-        self._slots: torch.Tensor | None = None  # where this rank's numbers go in the flag's row (_own_slots)
         self.disabled: str | None = None  # why overlap is off for good on this sync
         #: the last attempt agreed to chain the next step: every rank will send that step's buckets,
         #: so the buffers are kept until it starts (a release asked for meanwhile is declined)
@@ -292,8 +291,8 @@ class _OverlappedReduce:
         2**53) as :attr:`pieces` numbers of the bucket's dtype that add up to it exactly
         (:func:`_pieces`). Every other rank's slots hold zeros here, so the sum gathers every rank's
         slots unchanged; the scalars are added up in float64 after the exchange (:meth:`_read_row`).
-        The row is zeroed, then this rank's numbers (a handful, read on the host) go to their places
-        in one indexed copy: the host's work does not grow with the number of ranks."""
+        The row is zeroed, then this rank's numbers (a handful, read on the host) go to their three
+        places: the host's work does not grow with the number of ranks."""
         assert self.pieces is not None
         if scalars is not None:
             values = scalars.detach().reshape(-1).tolist()
@@ -306,18 +305,14 @@ class _OverlappedReduce:
             own.extend(_pieces(value, self.pieces))
         tail = self._tail()
         tail.zero_()
-        tail.index_copy_(0, self._own_slots(tail.device), torch.tensor(own, dtype=tail.dtype).to(tail.device))
-
-    def _own_slots(self, device: torch.device) -> torch.Tensor:
-        """Where this rank's numbers go in the row: the flags, its scalars' slot, its cut row's slot."""
-        if self._slots is None:
-            assert self.pieces is not None
-            scalars_at = self._flags + self.rank * STEP_SCALARS * self.pieces
-            cut_at = self._rows_at() + self.rank * CUT_FIELDS * self.pieces
-            self._slots = torch.cat([torch.arange(self._flags),
-                                     torch.arange(scalars_at, scalars_at + STEP_SCALARS * self.pieces),
-                                     torch.arange(cut_at, cut_at + CUT_FIELDS * self.pieces)]).to(device)
-        return self._slots
+        own_numbers = torch.tensor(own, dtype=tail.dtype).to(tail.device)
+        count, width = len(flags), STEP_SCALARS * self.pieces
+        scalars_at = self._flags + self.rank * width
+        cut_at = self._rows_at() + self.rank * CUT_FIELDS * self.pieces
+        # three slices, no index tensor kept: the row adds no memory beyond the buffers' own
+        tail[:count].copy_(own_numbers[:count])
+        tail[scalars_at:scalars_at + width].copy_(own_numbers[count:count + width])
+        tail[cut_at:cut_at + CUT_FIELDS * self.pieces].copy_(own_numbers[count + width:])
 
     def _rows_at(self) -> int:
         """Where the cut rows start in the row: after the flags and every rank's scalars."""
