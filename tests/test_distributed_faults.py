@@ -25,7 +25,7 @@ import autoaccum
 from _spawn import results, spawn
 from autoaccum.distributed import DistributedSync, wrap_model
 from autoaccum.errors import NonFiniteError
-from autoaccum.memory import MemoryReading
+from autoaccum.memory import MemoryReading, NullMeter
 from test_distributed import SEED, TARGET, Net, _params, fsdp2_supported, make_data, make_net, mean_loss
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -338,25 +338,16 @@ def test_resume_restores_each_ranks_own_rng(tmp_path: Path) -> None:
 
 
 # -- allocator thrashing on one rank: said in the exchange, every rank shrinks together ----------------------
-class RetryMeter:
+class RetryMeter(NullMeter):
     """A meter that counts no bytes, only the CUDA allocator's retries (which a CPU cannot cause): on a
     thrashing rank they rise at every reading, elsewhere they stay 0."""
 
-    kind, budget_bytes, last_oom_needed_bytes = "counted", None, None
+    kind = "counted"
 
     def __init__(self, rising: bool) -> None:
         self.rising, self.retries = rising, 0
 
-    def __enter__(self) -> RetryMeter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def reset_peak(self) -> None:
-        return None
-
-    def read(self) -> MemoryReading:
+    def read(self) -> MemoryReading:  # type: ignore[override]
         self.retries += self.rising
         return MemoryReading(0, 0, self.retries)
 
