@@ -147,7 +147,8 @@ def _check_finite(params: Sequence[torch.nn.Parameter], loss: torch.Tensor | flo
     the reduction is instead the plain sum of each flat tensor and the loss, added up: finite
     exactly where every element is, unless the sum overflows (beyond ~3.4e38 in float32), which is
     then handled as above. A few tensors instead of one per parameter, and a sum instead of a norm:
-    about a third of the time on the CPU (``benchmarks/RESULTS.md``)."""
+    about half the check's time on the 2-rank CPU benchmark (``benchmarks/RESULTS.md``, "The inf/NaN
+    check on the flat buckets")."""
     if flat_grads and max_grad_norm is None:
         return _flat_finite(params, loss, flat_grads), None
     grads = [p.grad for p in params if p.grad is not None]

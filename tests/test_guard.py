@@ -876,7 +876,9 @@ def test_allocator_thrashing_on_one_of_several_ranks_is_said_first_and_shrunk_fo
 
     class OneOfTwo(LocalSync):
         world_size, rank = 2, 1
-        plans: list = []
+
+        def __init__(self):
+            self.plans = []
 
         def agree_plan(self, plan):
             self.plans.append(plan.micro_batch)
