@@ -26,7 +26,7 @@ test run.
 
     python benchmarks/ddp_bench.py [--accum 8] [--micro 8] [--steps 20] [--hidden 1024] [--repeats 3]
                                    [--interleaved 150] [--single-process] [--cut-cost] [--unchained]
-                                   [--json-only]
+                                   [--control] [--json-only]
 
 Two measurements: rounds (``--steps`` steps of one mode back to back, ``--repeats`` rounds over the
 modes; the best round and the median of the per-round ratios are reported), then per step
@@ -40,7 +40,10 @@ small all-reduce per step the hand loop does not have) answered locally on both 
 product setting, only to price that exchange (a chained step has none to answer). ``--unchained`` adds
 ``autoaccum_overlap_unchained``: ``autoaccum_overlap`` with chaining switched off on both ranks before
 every step (the cut's exchange in every step, as before chained steps): the before/after of chaining
-in one run.
+in one run. ``--control`` adds ``ddp_no_sync_last_again``: a second, identical hand loop (its own model
+and optimizer, set up first, the reference hand loop last): its ratio to the hand loop is what the
+benchmark reads where nothing differs, the resolution of that run (two instances of the same code on
+2 shared cores differ by about 1% at times).
 """
 
 from __future__ import annotations
@@ -70,8 +73,10 @@ MODES = ("autoaccum", "autoaccum_overlap", "autoaccum_overlap_nocheck", "ddp_syn
 
 def _modes(args: argparse.Namespace) -> tuple[str, ...]:
     """The modes measured: with ``--cut-cost`` also ``autoaccum_overlap_nocut`` (diagnostic), with
-    ``--unchained`` also ``autoaccum_overlap_unchained``."""
-    return MODES + (("autoaccum_overlap_nocut",) if args.cut_cost else ()) + \
+    ``--unchained`` also ``autoaccum_overlap_unchained``, with ``--control`` first the control
+    ``ddp_no_sync_last_again`` (the hand loop once more)."""
+    return (("ddp_no_sync_last_again",) if getattr(args, "control", False) else ()) + MODES + \
+        (("autoaccum_overlap_nocut",) if args.cut_cost else ()) + \
         (("autoaccum_overlap_unchained",) if args.unchained else ())
 
 
@@ -139,7 +144,7 @@ def _setup(mode: str, rank: int, args: argparse.Namespace) -> tuple[Any, list[bo
 
     def step() -> None:
         if guard is None:
-            _hand_step(model, opt, x, y, args, quiet_but_last=mode == "ddp_no_sync_last")
+            _hand_step(model, opt, x, y, args, quiet_but_last=mode.startswith("ddp_no_sync_last"))
             return
         if mode == "autoaccum_overlap_unchained":
             guard._chain = False  # what the last step's flag agreed, overruled on both ranks alike
@@ -280,6 +285,9 @@ def main() -> None:
     parser.add_argument("--unchained", action="store_true",
                         help="also autoaccum_overlap_unchained: the default with chained steps switched off "
                              "(the cut's exchange in every step)")
+    parser.add_argument("--control", action="store_true",
+                        help="also ddp_no_sync_last_again: the hand loop a second time (what the run reads where "
+                             "nothing differs)")
     parser.add_argument("--json-only", action="store_true")
     args = parser.parse_args()
     if args.single_process and not args.interleaved:
@@ -294,7 +302,7 @@ def main() -> None:
     grad_allreduces = {"autoaccum": 1, "autoaccum_overlap": 1, "autoaccum_overlap_nocheck": 1,
                        "autoaccum_overlap_nocut": 1, "autoaccum_overlap_unchained": 1,
                        "ddp_sync_every_micro": args.accum,
-                       "ddp_no_sync_last": 1}
+                       "ddp_no_sync_last": 1, "ddp_no_sync_last_again": 1}
     overlapped = {m: min((r["overlapped_steps"] for r in rows if r["mode"] == m and r["overlapped_steps"] is not None),
                          default=None) for m in modes}
     report = {
