@@ -43,7 +43,8 @@ every step (the cut's exchange in every step, as before chained steps): the befo
 in one run. ``--control`` adds ``ddp_no_sync_last_again``: a second, identical hand loop (its own model
 and optimizer, set up first, the reference hand loop last): its ratio to the hand loop is what the
 benchmark reads where nothing differs, the resolution of that run (two instances of the same code on
-2 shared cores read 0.965-1.05 of each other in single runs; ``--instances K`` averages over K of each).
+2 shared cores read 0.965-1.05 of each other in single runs; ``--instances K`` averages over K of each),
+and every mode is also compared with both hand loops at once (per turn, the mean of their two step times).
 """
 
 from __future__ import annotations
@@ -343,6 +344,12 @@ def main() -> None:
         for r in report["results"]:
             r["per_step"] = _per_step_ratio(per_step["times"], r["mode"], "ddp_no_sync_last")
             r["per_step"]["overlapped_steps"] = per_step["overlapped"].get(r["mode"])
+        if args.control:  # against both hand loops at once: the mean of their step times in the same turn
+            times = dict(per_step["times"])
+            times["hand_loops"] = [(a + b) / 2 for a, b in zip(times["ddp_no_sync_last"],
+                                                                times["ddp_no_sync_last_again"])]
+            for r in report["results"]:
+                r["per_step"]["vs_both_hand_loops"] = _per_step_ratio(times, r["mode"], "hand_loops")
         if args.unchained:  # chaining's own gain, paired turn by turn: the unchained step's time over the chained one's
             report["chained_vs_unchained"] = _per_step_ratio(per_step["times"], "autoaccum_overlap",
                                                              "autoaccum_overlap_unchained")
@@ -361,11 +368,14 @@ def main() -> None:
             over = f", rotating over {args.instances} instances of each mode" if args.instances > 1 else ""
             print(f"one step per mode in turn, {args.interleaved} turns{over}, each step timed alone after a barrier "
                   f"(median over the turns of the hand loop's step time / the mode's, 95% bootstrap interval)")
-            print(f"{'mode':<27}{'median step ms':>16}{'vs hand loop':>14}{'95% interval':>18}")
+            both = "  vs both hand loops (mean per turn)" if args.control else ""
+            print(f"{'mode':<27}{'median step ms':>16}{'vs hand loop':>14}{'95% interval':>18}{both}")
             for r in report["results"]:
                 ps = r["per_step"]
+                vs = ps.get("vs_both_hand_loops")
+                extra = f"{vs['ratio']:>10.3f}x {vs['low']:.3f}-{vs['high']:.3f}" if vs else ""
                 print(f"{r['mode']:<27}{ps['median_ms']:>16.2f}{ps['ratio']:>13.3f}x"
-                      f"{ps['low']:>10.3f}-{ps['high']:.3f}")
+                      f"{ps['low']:>10.3f}-{ps['high']:.3f}{extra}")
             if args.unchained:
                 gain = report["chained_vs_unchained"]
                 print(f"chained steps against unchained, paired per turn: {gain['ratio']:.3f}x "
