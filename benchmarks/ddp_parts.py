@@ -21,6 +21,10 @@ per step; nested parts are inside their callers):
 - with ``--check``, the guard is the default ``autoaccum_overlap`` (the inf/NaN check on) and
   ``optim_step._check_finite`` is timed too.
 
+And each step is split at the moment its first bucket of gradients is ready to leave (the guard's
+``_launch`` of bucket 0; in the hand loop, the gradients that close DDP's first bucket): the medians
+before and after that moment, for both, show where the guard's extra time lies.
+
 Prints a table, then one JSON document. Not part of the test run.
 
     python benchmarks/ddp_parts.py [--steps 200] [--check] [--json-only]
@@ -36,6 +40,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -63,22 +68,29 @@ def _worker(rank: int, port: int, out: str, args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=120))
     guarded = "autoaccum_overlap" if args.check else "autoaccum_overlap_nocheck"
+    launched = _mark_first_bucket(overlap)
     steps = {mode: ddp_bench._setup(mode, rank, args)[0] for mode in (guarded, "ddp_no_sync_last")}
     for _ in range(args.warmup):
         for step in steps.values():
             step()
     spent.clear()
     times: dict[str, list[float]] = {mode: [] for mode in steps}
+    split: dict[str, list[float]] = {f"{who}_{part}": [] for who in ("guard", "hand") for part in ("before", "after")}
     for _ in range(args.steps):
         for mode, step in steps.items():
             dist.barrier()
             started = time.perf_counter()
             step()
-            times[mode].append(time.perf_counter() - started)
+            ended = time.perf_counter()
+            times[mode].append(ended - started)
+            who = "hand" if mode == "ddp_no_sync_last" else "guard"
+            split[f"{who}_before"].append(launched[who] - started)
+            split[f"{who}_after"].append(ended - launched[who])
     if rank == 0:
         Path(out).write_text(json.dumps({
             "guard_mode": guarded, "guard_step_ms": statistics.median(times[guarded]) * 1e3,
             "hand_step_ms": statistics.median(times["ddp_no_sync_last"]) * 1e3,
+            "first_bucket_split_ms": {k: statistics.median(v) * 1e3 for k, v in split.items()},
             "parts_ms_per_step": {k: v / args.steps * 1e3 for k, v in sorted(spent.items())}}))
     # The DDP wrappers are dropped before the group (README, "At exit"): freed after it, the hand loop's
     # reducer holds the group's last reference and joins gloo's worker threads holding the GIL, while a
@@ -87,6 +99,35 @@ def _worker(rank: int, port: int, out: str, args: argparse.Namespace) -> None:
     del steps
     gc.collect()
     dist.destroy_process_group()
+
+
+def _mark_first_bucket(overlap: Any) -> dict[str, float]:
+    """When each step's first bucket of gradients was ready to leave, in ``perf_counter`` time: the guard's
+    when its ``_launch`` of bucket 0 starts (in the last backward), the hand loop's when the gradients
+    closing DDP's first bucket (the second linear layer's, the same 1 MiB-first bucketing) are
+    accumulated -- the last micro-batch's, as the later ones overwrite the earlier. The step before
+    that point and after it are timed apart: what the guard adds before the gradients can leave,
+    and what it adds from there to the step's end."""
+    launched = {"guard": 0.0, "hand": 0.0}
+    inner = overlap._OverlappedReduce._launch
+
+    def launch(self: Any, index: int, **kwargs: Any) -> None:
+        if index == 0:
+            launched["guard"] = time.perf_counter()
+        inner(self, index, **kwargs)
+
+    overlap._OverlappedReduce._launch = launch
+    build = ddp_bench._model
+
+    def model(hidden: int) -> torch.nn.Module:
+        built = build(hidden)
+        closing = built[2]  # the second linear layer: its gradients close DDP's first bucket
+        for p in closing.parameters():
+            p.register_post_accumulate_grad_hook(lambda _p: launched.__setitem__("hand", time.perf_counter()))
+        return built
+
+    ddp_bench._model = model
+    return launched
 
 
 def main() -> None:
@@ -106,6 +147,10 @@ def main() -> None:
               f"hand loop {result['hand_step_ms']:.2f} ms; rank 0's parts, ms per step (mean over {args.steps}):")
         for key, ms in result["parts_ms_per_step"].items():
             print(f"  {key:<22}{ms:8.3f}")
+        split = result["first_bucket_split_ms"]
+        print(f"step start -> first bucket ready (medians): guard {split['guard_before']:.3f}, hand loop "
+              f"{split['hand_before']:.3f} ms; first bucket -> step end: guard {split['guard_after']:.3f}, hand loop "
+              f"{split['hand_after']:.3f} ms")
         print()
     print(json.dumps(result, indent=1))
 
