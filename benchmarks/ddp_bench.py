@@ -209,7 +209,8 @@ def _interleaved(rank: int, args: argparse.Namespace) -> dict[str, Any]:
 def _single_process(args: argparse.Namespace) -> dict[str, Any]:
     """Diagnostic (``--single-process``): the same model and plan in one process, no DDP, no ranks:
     ``OOMGuard(nonfinite=None)`` against the hand loop, one step of each in turn (``--interleaved``
-    turns): the guard's own per-step cost on this model, which the ranks' ratio contains."""
+    turns): the guard's own per-step cost on this model, which the ranks' ratio contains. With ``--control``
+    also a second hand loop (set up first), against the first: what one process reads where nothing differs."""
     import autoaccum
 
     torch.set_num_threads(1)
@@ -217,19 +218,29 @@ def _single_process(args: argparse.Namespace) -> dict[str, Any]:
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(share, 64, generator=g), torch.randint(0, 10, (share,), generator=g)
 
-    hand_model, guard_model = _model(args.hidden), _model(args.hidden)
-    hand_opt = torch.optim.SGD(hand_model.parameters(), lr=0.01)
+    def hand() -> Any:
+        model = _model(args.hidden)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        return lambda: _hand_step(model, opt, x, y, args, quiet_but_last=False)
+
+    again = hand() if args.control else None  # set up first, as the ranks' control
+    reference = hand()  # then the hand loop and the guard, in the order they always were
+    guard_model = _model(args.hidden)
     guard = autoaccum.OOMGuard(guard_model, torch.optim.SGD(guard_model.parameters(), lr=0.01),
                                target_batch=share, micro_batch=args.micro, nonfinite=None)
-    steps = {"guard_single_process": lambda: guard.step((x, y), _loss),
-             "hand_loop_single_process": lambda: _hand_step(hand_model, hand_opt, x, y, args, quiet_but_last=False)}
+    steps = {"guard_single_process": lambda: guard.step((x, y), _loss), "hand_loop_single_process": reference}
+    if again is not None:
+        steps["hand_loop_single_process_again"] = again
     for step in steps.values():
         for _ in range(args.warmup):
             step()
     times = _turns(steps, args.interleaved)
-    return {"mode": "guard_single_process",
-            "per_step": _per_step_ratio(times, "guard_single_process", "hand_loop_single_process"),
-            "hand_loop_median_ms": statistics.median(times["hand_loop_single_process"]) * 1e3}
+    report = {"mode": "guard_single_process",
+              "per_step": _per_step_ratio(times, "guard_single_process", "hand_loop_single_process"),
+              "hand_loop_median_ms": statistics.median(times["hand_loop_single_process"]) * 1e3}
+    if again is not None:
+        report["control"] = _per_step_ratio(times, "hand_loop_single_process_again", "hand_loop_single_process")
+    return report
 
 
 def _worker(rank: int, port: int, out: str, args: argparse.Namespace) -> None:
@@ -385,6 +396,9 @@ def main() -> None:
             ps = single["per_step"]
             print(f"one process, no ranks: the guard {ps['median_ms']:.2f} ms per step, the hand loop "
                   f"{single['hand_loop_median_ms']:.2f} ms: {ps['ratio']:.3f}x ({ps['low']:.3f}-{ps['high']:.3f})")
+            if "control" in single:
+                c = single["control"]
+                print(f"one process, the hand loop set up a second time: {c['ratio']:.3f}x ({c['low']:.3f}-{c['high']:.3f})")
             print()
     print(json.dumps(report, indent=2))
 
