@@ -77,7 +77,7 @@ def _modes(args: argparse.Namespace) -> tuple[str, ...]:
     """The modes measured: with ``--cut-cost`` also ``autoaccum_overlap_nocut`` (diagnostic), with
     ``--unchained`` also ``autoaccum_overlap_unchained``, with ``--control`` first the control
     ``ddp_no_sync_last_again`` (the hand loop once more)."""
-    return (("ddp_no_sync_last_again",) if getattr(args, "control", False) else ()) + MODES + \
+    return (("ddp_no_sync_last_again",) if args.control else ()) + MODES + \
         (("autoaccum_overlap_nocut",) if args.cut_cost else ()) + \
         (("autoaccum_overlap_unchained",) if args.unchained else ())
 
@@ -317,8 +317,8 @@ def main() -> None:
                         help="also ddp_no_sync_last_again: the hand loop a second time (what the run reads where "
                              "nothing differs)")
     parser.add_argument("--instances", type=int, default=1,
-                        help="set every mode up this many times and rotate over them turn by turn (averages what "
-                             "one instance's memory placement does to its speed)")
+                        help="set every mode up this many times and rotate over them turn by turn (averages how "
+                             "fast one instance of the same code happens to run)")
     parser.add_argument("--json-only", action="store_true")
     args = parser.parse_args()
     if args.instances < 1:

@@ -33,12 +33,14 @@ Prints a table, then one JSON document. Not part of the test run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,8 +70,10 @@ def _worker(rank: int, port: int, out: str, args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=120))
     guarded = "autoaccum_overlap" if args.check else "autoaccum_overlap_nocheck"
-    launched = _mark_first_bucket(overlap)
-    steps = {mode: ddp_bench._setup(mode, rank, args)[0] for mode in (guarded, "ddp_no_sync_last")}
+    launched = {"guard": 0.0, "hand": 0.0}
+    steps = {guarded: ddp_bench._setup(guarded, rank, args)[0]}
+    with _first_bucket_marked(overlap, launched):  # the hand loop's model only carries the marking hooks
+        steps["ddp_no_sync_last"] = ddp_bench._setup("ddp_no_sync_last", rank, args)[0]
     for _ in range(args.warmup):
         for step in steps.values():
             step()
@@ -101,14 +105,15 @@ def _worker(rank: int, port: int, out: str, args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def _mark_first_bucket(overlap: Any) -> dict[str, float]:
-    """When each step's first bucket of gradients was ready to leave, in ``perf_counter`` time: the guard's
-    when its ``_launch`` of bucket 0 starts (in the last backward), the hand loop's when the gradients
-    closing DDP's first bucket (the second linear layer's, the same 1 MiB-first bucketing) are
-    accumulated -- the last micro-batch's, as the later ones overwrite the earlier. The step before
-    that point and after it are timed apart: what the guard adds before the gradients can leave,
-    and what it adds from there to the step's end."""
-    launched = {"guard": 0.0, "hand": 0.0}
+@contextlib.contextmanager
+def _first_bucket_marked(overlap: Any, launched: dict[str, float]) -> Iterator[None]:
+    """Note in ``launched`` when each step's first bucket of gradients was ready to leave (``perf_counter``
+    time): the guard's when its ``_launch`` of bucket 0 starts (in the last backward; for the rest of the
+    process), the hand loop's when the gradients closing DDP's first bucket (the second linear layer's,
+    the same 1 MiB-first bucketing) are accumulated -- the last micro-batch's, as the later ones
+    overwrite the earlier -- on the models built inside the block (the hand loop's: its hooks cost a
+    few Python calls per micro-batch there, none in the guard's model). The step before that point and
+    after it are timed apart: what the guard adds before the gradients can leave, and after."""
     inner = overlap._OverlappedReduce._launch
 
     def launch(self: Any, index: int, **kwargs: Any) -> None:
@@ -121,13 +126,15 @@ def _mark_first_bucket(overlap: Any) -> dict[str, float]:
 
     def model(hidden: int) -> torch.nn.Module:
         built = build(hidden)
-        closing = built[2]  # the second linear layer: its gradients close DDP's first bucket
-        for p in closing.parameters():
+        for p in built[2].parameters():  # the second linear layer: its gradients close DDP's first bucket
             p.register_post_accumulate_grad_hook(lambda _p: launched.__setitem__("hand", time.perf_counter()))
         return built
 
     ddp_bench._model = model
-    return launched
+    try:
+        yield
+    finally:
+        ddp_bench._model = build
 
 
 def main() -> None:

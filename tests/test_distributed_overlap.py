@@ -376,7 +376,7 @@ def test_the_flag_row_gathers_every_ranks_slots_exactly_at_any_world_size(world_
     up in float64 (each one exact from its pieces: the sum equals the float64 sum of the values), and
     every rank's cut row. Beyond the 2 ranks the spawned tests run, without a process group: the
     row's layout is the same for any world size. Negative control: a rank writing into another
-    rank's slot would change the rows read back."""
+    rank's slot changes the rows read back."""
     from autoaccum.distributed.overlap import STEP_SCALARS, _OverlappedReduce
 
     params = 3
@@ -394,20 +394,31 @@ def test_the_flag_row_gathers_every_ranks_slots_exactly_at_any_world_size(world_
         o.flats = [torch.full((7 + o.row,), float("nan"), dtype=dtype)]  # the row's room starts as garbage
         return o
 
+    def exchanged(views: list[_OverlappedReduce]) -> None:
+        for r, o in enumerate(views):
+            o._write_row(flags[r], scalars[r], cut_rows[r])
+        summed = torch.stack([o._tail() for o in views]).sum(dim=0)  # what the SUM all-reduce leaves on every rank
+        for o in views:
+            o._tail().copy_(summed)
+
+    want = [0.0] * STEP_SCALARS
+    for values in scalars:  # rank by rank, in float64
+        want = [w + v for w, v in zip(want, values.tolist())]
     views = [rank_view(r) for r in range(world_size)]
-    for r, o in enumerate(views):
-        o._write_row(flags[r], scalars[r], cut_rows[r])
-    summed = torch.stack([o._tail() for o in views]).sum(dim=0)  # what the SUM all-reduce leaves on every rank
+    exchanged(views)
     for o in views:
-        o._tail().copy_(summed)
         counts, sums, rows = o._read_row(True, True)
         assert counts == [float(sum(f[i] for f in flags)) for i in range(4 + params)]
-        want = [0.0] * STEP_SCALARS
-        for values in scalars:  # rank by rank, in float64
-            want = [w + v for w, v in zip(want, values.tolist())]
         assert sums is not None and sums.dtype == torch.float64 and sums.tolist() == want
         assert rows == tuple(cut_rows)
     assert views[0]._read_row(False, False)[2] == ((0,) * CUT_FIELDS,) * world_size
+
+    # negative control: rank 1 writing into rank 0's slots (its rank misread) leaves rank 1's rows empty
+    misplaced = [rank_view(r) for r in range(world_size)]
+    misplaced[1].rank = 0
+    exchanged(misplaced)
+    rows = misplaced[0]._read_row(True, True)[2]
+    assert rows != tuple(cut_rows) and rows[1] == (0,) * CUT_FIELDS
 
 
 # -- the protocol: tight memory keeps today's, ample memory overlaps -------------------------------------
