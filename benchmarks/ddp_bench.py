@@ -26,7 +26,7 @@ test run.
 
     python benchmarks/ddp_bench.py [--accum 8] [--micro 8] [--steps 20] [--hidden 1024] [--repeats 3]
                                    [--interleaved 150] [--single-process] [--cut-cost] [--unchained]
-                                   [--control] [--instances 1] [--json-only]
+                                   [--control] [--instances 1] [--keep-freed-memory] [--json-only]
 
 Two measurements: rounds (``--steps`` steps of one mode back to back, ``--repeats`` rounds over the
 modes; the best round and the median of the per-round ratios are reported), then per step
@@ -45,6 +45,13 @@ and optimizer, set up first, the reference hand loop last): its ratio to the han
 benchmark reads where nothing differs, the resolution of that run (two instances of the same code on
 2 shared cores read 0.965-1.05 of each other in single runs; ``--instances K`` averages over K of each),
 and every mode is also compared with both hand loops at once (per turn, the mean of their two step times).
+
+Every mode's minor page faults per step are reported too (rank 0, all its threads). With glibc's default
+malloc, memory one step frees can go back to the system and the next allocation faults it in again,
+page by page; interleaving many set-ups in one process makes that depend on what the other modes freed.
+``--keep-freed-memory`` runs everything with ``GLIBC_TUNABLES`` set so that malloc keeps freed memory
+for reuse (no faults in the steady state, as a single training loop has them): it takes the page
+faults out of the comparison (``benchmarks/RESULTS.md``, "A fixed cost per step"). glibc only.
 """
 
 from __future__ import annotations
@@ -58,8 +65,9 @@ import multiprocessing
 import os
 import platform
 import random
-import statistics
+import resource
 import socket
+import statistics
 import sys
 import tempfile
 import time
@@ -69,6 +77,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+#: ``--keep-freed-memory``: glibc's malloc keeps what is freed for the next allocation (no trimming of
+#: the heap's top, blocks up to 32 MiB from the heap rather than their own mmap), so that a step does
+#: not fault in pages that another mode's step handed back to the system (read at process start:
+#: the script runs itself again with it, and its ranks inherit it)
+KEEP_FREED_MEMORY = "glibc.malloc.trim_threshold=4294967296:glibc.malloc.mmap_threshold=33554432"
 
 MODES = ("autoaccum", "autoaccum_overlap", "autoaccum_overlap_nocheck", "ddp_sync_every_micro", "ddp_no_sync_last")
 
@@ -106,9 +120,17 @@ def _hand_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tens
     opt.step()
 
 
-def _turns(steps: dict[str, Any], turns: int, before: Any = None) -> dict[str, list[float]]:
+def _minor_faults() -> int:
+    """Minor page faults of this process so far (every thread): pages the kernel mapped in on first
+    touch, e.g. memory glibc's malloc gave back to the system and a later allocation took again."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _turns(steps: dict[str, Any], turns: int, before: Any = None,
+           faults: dict[str, int] | None = None) -> dict[str, list[float]]:
     """``turns`` turns of one step of each in ``steps``, in a shuffled order per turn (the same on
-    every rank: a fixed seed), each timed alone (after ``before()``, a barrier across ranks)."""
+    every rank: a fixed seed), each timed alone (after ``before()``, a barrier across ranks). Each
+    step's minor page faults are added to ``faults[mode]`` where given."""
     order, shuffle = list(steps), random.Random(0)
     times: dict[str, list[float]] = {mode: [] for mode in steps}
     for _ in range(turns):
@@ -116,9 +138,12 @@ def _turns(steps: dict[str, Any], turns: int, before: Any = None) -> dict[str, l
         for mode in order:
             if before is not None:
                 before()
+            touched = _minor_faults()
             started = time.perf_counter()
             steps[mode]()
             times[mode].append(time.perf_counter() - started)
+            if faults is not None:
+                faults[mode] = faults.get(mode, 0) + _minor_faults() - touched
     return times
 
 
@@ -170,12 +195,14 @@ def _run_mode(mode: str, rank: int, args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(args.warmup):
         step()
     dist.barrier()
+    touched = _minor_faults()
     started = time.perf_counter()
     for _ in range(args.steps):
         step()
     dist.barrier()
     seconds = time.perf_counter() - started
     return {"mode": mode, "steps_per_s": args.steps / seconds, "step_time_s": seconds / args.steps,
+            "faults_per_step": (_minor_faults() - touched) / args.steps,
             "overlapped_steps": sum(overlapped[args.warmup:]) if overlapped else None}
 
 
@@ -200,10 +227,13 @@ def _interleaved(rank: int, args: argparse.Namespace) -> dict[str, Any]:
         turn = itertools.count()
         return lambda: built[(mode, next(turn) % args.instances)][0]()
 
-    times = _turns({mode: rotating(mode) for mode in _modes(args)}, args.interleaved, before=dist.barrier)
+    faults: dict[str, int] = {}
+    times = _turns({mode: rotating(mode) for mode in _modes(args)}, args.interleaved, before=dist.barrier,
+                   faults=faults)
     overlapped = {mode: sum(sum(built[(mode, k)][1][args.warmup:]) for k in range(args.instances))
                   for mode in _modes(args) if built[(mode, 0)][1]}
-    return {"times": times, "overlapped": overlapped}
+    return {"times": times, "overlapped": overlapped,
+            "faults_per_step": {mode: count / args.interleaved for mode, count in faults.items()}}
 
 
 def _single_process(args: argparse.Namespace) -> dict[str, Any]:
@@ -234,10 +264,12 @@ def _single_process(args: argparse.Namespace) -> dict[str, Any]:
     for step in steps.values():
         for _ in range(args.warmup):
             step()
-    times = _turns(steps, args.interleaved)
+    faults: dict[str, int] = {}
+    times = _turns(steps, args.interleaved, faults=faults)
     report = {"mode": "guard_single_process",
               "per_step": _per_step_ratio(times, "guard_single_process", "hand_loop_single_process"),
-              "hand_loop_median_ms": statistics.median(times["hand_loop_single_process"]) * 1e3}
+              "hand_loop_median_ms": statistics.median(times["hand_loop_single_process"]) * 1e3,
+              "faults_per_step": {step: count / args.interleaved for step, count in faults.items()}}
     if again is not None:
         report["control"] = _per_step_ratio(times, "hand_loop_single_process_again", "hand_loop_single_process")
     return report
@@ -319,8 +351,15 @@ def main() -> None:
     parser.add_argument("--instances", type=int, default=1,
                         help="set every mode up this many times and rotate over them turn by turn (averages how "
                              "fast one instance of the same code happens to run)")
+    parser.add_argument("--keep-freed-memory", action="store_true",
+                        help="run with GLIBC_TUNABLES set so that malloc keeps freed memory (no page faults from "
+                             "one mode's steps taking pages another handed back; glibc only)")
     parser.add_argument("--json-only", action="store_true")
     args = parser.parse_args()
+    if args.keep_freed_memory and KEEP_FREED_MEMORY not in os.environ.get("GLIBC_TUNABLES", ""):
+        tunables = ":".join(t for t in (os.environ.get("GLIBC_TUNABLES"), KEEP_FREED_MEMORY) if t)
+        os.environ["GLIBC_TUNABLES"] = tunables  # read when a process starts: this one runs again with it
+        os.execv(sys.executable, [sys.executable, *sys.argv])
     if args.instances < 1:
         parser.error(f"--instances must be at least 1, got {args.instances}")
     if args.single_process and not args.interleaved:
@@ -347,7 +386,9 @@ def main() -> None:
                      "vs_sync_every_micro": best[m] / best["ddp_sync_every_micro"],
                      "vs_hand_loop": best[m] / best["ddp_no_sync_last"],
                      "median_vs_hand_loop": _median_ratio(rows, m, "ddp_no_sync_last"),
+                     "faults_per_step": statistics.mean(r["faults_per_step"] for r in rows if r["mode"] == m),
                      "overlapped_steps_min": overlapped[m]} for m in modes],
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
     }
     if per_step is not None:
         report["interleaved_turns"] = args.interleaved
@@ -355,6 +396,7 @@ def main() -> None:
         for r in report["results"]:
             r["per_step"] = _per_step_ratio(per_step["times"], r["mode"], "ddp_no_sync_last")
             r["per_step"]["overlapped_steps"] = per_step["overlapped"].get(r["mode"])
+            r["per_step"]["faults_per_step"] = per_step["faults_per_step"][r["mode"]]
         if args.control:  # against both hand loops at once: the mean of their step times in the same turn
             times = dict(per_step["times"])
             times["hand_loops"] = [(a + b) / 2 for a, b in zip(times["ddp_no_sync_last"],
@@ -370,22 +412,23 @@ def main() -> None:
         print(f"2 ranks (gloo, CPU), {params:,} parameters ({params * 4 / 2**20:.1f} MiB of fp32 gradients), "
               f"{args.accum} micro-batches of {args.micro} per rank per step; best of {args.repeats}")
         print(f"{'mode':<27}{'steps/s':>10}{'grad all-reduces/step':>24}{'vs sync every micro':>22}"
-              f"{'vs hand loop':>14}{'median paired':>15}")
+              f"{'vs hand loop':>14}{'median paired':>15}{'faults/step':>13}")
         for r in report["results"]:
             print(f"{r['mode']:<27}{r['steps_per_s']:>10.2f}{r['grad_allreduces_per_step']:>24}"
-                  f"{r['vs_sync_every_micro']:>21.2f}x{r['vs_hand_loop']:>13.3f}x{r['median_vs_hand_loop']:>14.3f}x")
+                  f"{r['vs_sync_every_micro']:>21.2f}x{r['vs_hand_loop']:>13.3f}x{r['median_vs_hand_loop']:>14.3f}x"
+                  f"{r['faults_per_step']:>13.0f}")
         print()
         if per_step is not None:
             over = f", rotating over {args.instances} instances of each mode" if args.instances > 1 else ""
             print(f"one step per mode in turn, {args.interleaved} turns{over}, each step timed alone after a barrier "
                   f"(median over the turns of the hand loop's step time / the mode's, 95% bootstrap interval)")
             both = "  vs both hand loops (mean per turn)" if args.control else ""
-            print(f"{'mode':<27}{'median step ms':>16}{'vs hand loop':>14}{'95% interval':>18}{both}")
+            print(f"{'mode':<27}{'median step ms':>16}{'faults/step':>13}{'vs hand loop':>14}{'95% interval':>18}{both}")
             for r in report["results"]:
                 ps = r["per_step"]
                 vs = ps.get("vs_both_hand_loops")
                 extra = f"{vs['ratio']:>10.3f}x {vs['low']:.3f}-{vs['high']:.3f}" if vs else ""
-                print(f"{r['mode']:<27}{ps['median_ms']:>16.2f}{ps['ratio']:>13.3f}x"
+                print(f"{r['mode']:<27}{ps['median_ms']:>16.2f}{ps['faults_per_step']:>13.0f}{ps['ratio']:>13.3f}x"
                       f"{ps['low']:>10.3f}-{ps['high']:.3f}{extra}")
             if args.unchained:
                 gain = report["chained_vs_unchained"]
@@ -399,6 +442,8 @@ def main() -> None:
             if "control" in single:
                 c = single["control"]
                 print(f"one process, the hand loop set up a second time: {c['ratio']:.3f}x ({c['low']:.3f}-{c['high']:.3f})")
+            faults = ", ".join(f"{step} {count:.0f}" for step, count in single["faults_per_step"].items())
+            print(f"one process, minor page faults per step: {faults}")
             print()
     print(json.dumps(report, indent=2))
 
