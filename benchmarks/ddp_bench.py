@@ -46,12 +46,14 @@ benchmark reads where nothing differs, the resolution of that run (two instances
 2 shared cores read 0.965-1.05 of each other in single runs; ``--instances K`` averages over K of each),
 and every mode is also compared with both hand loops at once (per turn, the mean of their two step times).
 
-Every mode's minor page faults per step are reported too (rank 0, all its threads). With glibc's default
-malloc, memory one step frees can go back to the system and the next allocation faults it in again,
-page by page; interleaving many set-ups in one process makes that depend on what the other modes freed.
-``--keep-freed-memory`` runs everything with ``GLIBC_TUNABLES`` set so that malloc keeps freed memory
-for reuse (no faults in the steady state, as a single training loop has them): it takes the page
-faults out of the comparison (``benchmarks/RESULTS.md``, "A fixed cost per step"). glibc only.
+Every mode's minor page faults per step are reported too (rank 0, all its threads; the
+``--single-process`` part's in the launching process). With glibc's default malloc, memory one step
+frees can go back to the system and the next allocation faults it in again, page by page;
+interleaving many set-ups in one process makes that depend on what the other modes freed (a loop
+run on its own faults next to nothing once warm). ``--keep-freed-memory`` runs the script again
+with ``GLIBC_TUNABLES`` set so that malloc keeps freed memory for reuse (0-82 faults a step instead
+of up to 839 in the runs so far): it takes most of the page faults out of the comparison
+(``benchmarks/RESULTS.md``, "A fixed cost per step, and page faults"). glibc only.
 """
 
 from __future__ import annotations
@@ -65,7 +67,6 @@ import multiprocessing
 import os
 import platform
 import random
-import resource
 import socket
 import statistics
 import sys
@@ -122,7 +123,13 @@ def _hand_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tens
 
 def _minor_faults() -> int:
     """Minor page faults of this process so far (every thread): pages the kernel mapped in on first
-    touch, e.g. memory glibc's malloc gave back to the system and a later allocation took again."""
+    touch, e.g. memory glibc's malloc gave back to the system and a later allocation took again. 0
+    where the platform cannot tell (no ``resource`` module: Windows). A gloo thread's faults after a
+    step returned count in the next step timed, which may be another mode's."""
+    try:
+        import resource
+    except ImportError:
+        return 0
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
@@ -352,18 +359,21 @@ def main() -> None:
                         help="set every mode up this many times and rotate over them turn by turn (averages how "
                              "fast one instance of the same code happens to run)")
     parser.add_argument("--keep-freed-memory", action="store_true",
-                        help="run with GLIBC_TUNABLES set so that malloc keeps freed memory (no page faults from "
-                             "one mode's steps taking pages another handed back; glibc only)")
+                        help="run again with GLIBC_TUNABLES set so that malloc keeps freed memory (far fewer page "
+                             "faults from one mode's steps taking pages another handed back; glibc only)")
     parser.add_argument("--json-only", action="store_true")
     args = parser.parse_args()
-    if args.keep_freed_memory and KEEP_FREED_MEMORY not in os.environ.get("GLIBC_TUNABLES", ""):
-        tunables = ":".join(t for t in (os.environ.get("GLIBC_TUNABLES"), KEEP_FREED_MEMORY) if t)
-        os.environ["GLIBC_TUNABLES"] = tunables  # read when a process starts: this one runs again with it
-        os.execv(sys.executable, [sys.executable, *sys.argv])
     if args.instances < 1:
         parser.error(f"--instances must be at least 1, got {args.instances}")
     if args.single_process and not args.interleaved:
         parser.error("--single-process is a per-step measurement: give --interleaved N (N >= 1), not 0")
+    if args.keep_freed_memory and platform.libc_ver()[0] != "glibc":
+        parser.error(f"--keep-freed-memory sets glibc's malloc tunables; this Python runs on "
+                     f"{platform.libc_ver()[0] or 'another C library'}: leave it out")
+    if args.keep_freed_memory and KEEP_FREED_MEMORY not in os.environ.get("GLIBC_TUNABLES", ""):
+        tunables = ":".join(t for t in (os.environ.get("GLIBC_TUNABLES"), KEEP_FREED_MEMORY) if t)
+        os.environ["GLIBC_TUNABLES"] = tunables  # read when a process starts: this one runs again with it
+        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
     single = _single_process(args) if args.single_process else None
 
     measured = run_two_ranks(_worker, args)
@@ -388,7 +398,7 @@ def main() -> None:
                      "median_vs_hand_loop": _median_ratio(rows, m, "ddp_no_sync_last"),
                      "faults_per_step": statistics.mean(r["faults_per_step"] for r in rows if r["mode"] == m),
                      "overlapped_steps_min": overlapped[m]} for m in modes],
-        "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
+        "keep_freed_memory": args.keep_freed_memory, "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
     }
     if per_step is not None:
         report["interleaved_turns"] = args.interleaved
@@ -442,7 +452,7 @@ def main() -> None:
             if "control" in single:
                 c = single["control"]
                 print(f"one process, the hand loop set up a second time: {c['ratio']:.3f}x ({c['low']:.3f}-{c['high']:.3f})")
-            faults = ", ".join(f"{step} {count:.0f}" for step, count in single["faults_per_step"].items())
+            faults = ", ".join(f"{step} {single['faults_per_step'][step]:.0f}" for step in sorted(single["faults_per_step"]))
             print(f"one process, minor page faults per step: {faults}")
             print()
     print(json.dumps(report, indent=2))
