@@ -79,6 +79,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+try:
+    import resource
+except ImportError:  # Windows: no page-fault counts
+    resource = None  # type: ignore[assignment]
+
 #: ``--keep-freed-memory``: glibc's malloc keeps what is freed for the next allocation (no trimming of
 #: the heap's top, blocks up to 32 MiB from the heap rather than their own mmap), so that a step does
 #: not fault in pages that another mode's step handed back to the system (read at process start:
@@ -126,20 +131,17 @@ def _minor_faults() -> int:
     touch, e.g. memory glibc's malloc gave back to the system and a later allocation took again. 0
     where the platform cannot tell (no ``resource`` module: Windows). A gloo thread's faults after a
     step returned count in the next step timed, which may be another mode's."""
-    try:
-        import resource
-    except ImportError:
-        return 0
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    return 0 if resource is None else resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def _turns(steps: dict[str, Any], turns: int, before: Any = None,
-           faults: dict[str, int] | None = None) -> dict[str, list[float]]:
+def _turns(steps: dict[str, Any], turns: int,
+           before: Any = None) -> tuple[dict[str, list[float]], dict[str, float]]:
     """``turns`` turns of one step of each in ``steps``, in a shuffled order per turn (the same on
-    every rank: a fixed seed), each timed alone (after ``before()``, a barrier across ranks). Each
-    step's minor page faults are added to ``faults[mode]`` where given."""
+    every rank: a fixed seed), each timed alone (after ``before()``, a barrier across ranks). Returns
+    each one's step times and its minor page faults per step."""
     order, shuffle = list(steps), random.Random(0)
     times: dict[str, list[float]] = {mode: [] for mode in steps}
+    faults = dict.fromkeys(steps, 0)
     for _ in range(turns):
         shuffle.shuffle(order)
         for mode in order:
@@ -149,9 +151,8 @@ def _turns(steps: dict[str, Any], turns: int, before: Any = None,
             started = time.perf_counter()
             steps[mode]()
             times[mode].append(time.perf_counter() - started)
-            if faults is not None:
-                faults[mode] = faults.get(mode, 0) + _minor_faults() - touched
-    return times
+            faults[mode] += _minor_faults() - touched
+    return times, {mode: count / turns for mode, count in faults.items()}
 
 
 def _setup(mode: str, rank: int, args: argparse.Namespace) -> tuple[Any, list[bool]]:
@@ -234,13 +235,11 @@ def _interleaved(rank: int, args: argparse.Namespace) -> dict[str, Any]:
         turn = itertools.count()
         return lambda: built[(mode, next(turn) % args.instances)][0]()
 
-    faults: dict[str, int] = {}
-    times = _turns({mode: rotating(mode) for mode in _modes(args)}, args.interleaved, before=dist.barrier,
-                   faults=faults)
+    times, faults = _turns({mode: rotating(mode) for mode in _modes(args)}, args.interleaved, before=dist.barrier)
     overlapped = {mode: sum(sum(built[(mode, k)][1][args.warmup:]) for k in range(args.instances))
                   for mode in _modes(args) if built[(mode, 0)][1]}
     return {"times": times, "overlapped": overlapped,
-            "faults_per_step": {mode: count / args.interleaved for mode, count in faults.items()}}
+            "faults_per_step": faults}
 
 
 def _single_process(args: argparse.Namespace) -> dict[str, Any]:
@@ -271,12 +270,11 @@ def _single_process(args: argparse.Namespace) -> dict[str, Any]:
     for step in steps.values():
         for _ in range(args.warmup):
             step()
-    faults: dict[str, int] = {}
-    times = _turns(steps, args.interleaved, faults=faults)
+    times, faults = _turns(steps, args.interleaved)
     report = {"mode": "guard_single_process",
               "per_step": _per_step_ratio(times, "guard_single_process", "hand_loop_single_process"),
               "hand_loop_median_ms": statistics.median(times["hand_loop_single_process"]) * 1e3,
-              "faults_per_step": {step: count / args.interleaved for step, count in faults.items()}}
+              "faults_per_step": faults}
     if again is not None:
         report["control"] = _per_step_ratio(times, "hand_loop_single_process_again", "hand_loop_single_process")
     return report
@@ -433,7 +431,8 @@ def main() -> None:
             print(f"one step per mode in turn, {args.interleaved} turns{over}, each step timed alone after a barrier "
                   f"(median over the turns of the hand loop's step time / the mode's, 95% bootstrap interval)")
             both = "  vs both hand loops (mean per turn)" if args.control else ""
-            print(f"{'mode':<27}{'median step ms':>16}{'faults/step':>13}{'vs hand loop':>14}{'95% interval':>18}{both}")
+            print(f"{'mode':<27}{'median step ms':>16}{'faults/step':>13}{'vs hand loop':>14}"
+                  f"{'95% interval':>18}{both}")
             for r in report["results"]:
                 ps = r["per_step"]
                 vs = ps.get("vs_both_hand_loops")
@@ -451,8 +450,10 @@ def main() -> None:
                   f"{single['hand_loop_median_ms']:.2f} ms: {ps['ratio']:.3f}x ({ps['low']:.3f}-{ps['high']:.3f})")
             if "control" in single:
                 c = single["control"]
-                print(f"one process, the hand loop set up a second time: {c['ratio']:.3f}x ({c['low']:.3f}-{c['high']:.3f})")
-            faults = ", ".join(f"{step} {single['faults_per_step'][step]:.0f}" for step in sorted(single["faults_per_step"]))
+                print(f"one process, the hand loop set up a second time: {c['ratio']:.3f}x "
+                      f"({c['low']:.3f}-{c['high']:.3f})")
+            counts = single["faults_per_step"]
+            faults = ", ".join(f"{step} {counts[step]:.0f}" for step in sorted(counts))
             print(f"one process, minor page faults per step: {faults}")
             print()
     print(json.dumps(report, indent=2))
