@@ -194,9 +194,13 @@ def step_scalars(result: Accumulated | None, device: torch.device) -> torch.Tens
     if result is None:
         return torch.zeros(4, dtype=sum_dtype(device), device=device)
     loss_sum = result.loss_sum
+    kinds = [float(result.kind == "mean"), float(result.kind == "sum")]
+    if isinstance(result.num_items, int):  # counted on the host: one tensor made, the loss sum put in place
+        scalars = loss_sum.new_tensor([0.0, float(result.num_items)] + kinds)
+        scalars[0] = loss_sum
+        return scalars
     count = torch.as_tensor(result.num_items, dtype=loss_sum.dtype, device=loss_sum.device).reshape(())
-    return torch.stack([loss_sum, count, loss_sum.new_tensor(float(result.kind == "mean")),
-                        loss_sum.new_tensor(float(result.kind == "sum"))])
+    return torch.stack([loss_sum, count, loss_sum.new_tensor(kinds[0]), loss_sum.new_tensor(kinds[1])])
 
 
 def reduce_gradients(params: Sequence[torch.nn.Parameter], result: Accumulated, *, num_samples: int,

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -327,8 +327,9 @@ class OOMGuard:
         steps = self.cut.steps(batch, n, self.plan)
         vote = changed = False
         if self.sync.world_size > 1:
+            overlapper = cast(OverlapSync, self.sync) if self._overlap_sync else None
             vote, reason, changed = overlap_vote(
-                self.sync, self.params, self.overlap, attempt, self._growth, micro_batch=self.plan.micro_batch,
+                overlapper, self.params, self.overlap, attempt, self._growth, micro_batch=self.plan.micro_batch,
                 wait=self._overlap_wait, device=self.device, meter=self.meter, keep=chained)
             self._last_vote, self._vote_reason = vote, reason
         may_guess = may_guess and bool(getattr(self.sync, "quiet_window", False))
@@ -414,7 +415,8 @@ class OOMGuard:
         buffers = capture_buffers(self._buffer_slots)
         attempts = 0
         may_guess = not partial
-        self._zero_grad()
+        if self._has_grads():  # gradients set before the call (the last step cleared its own)
+            self._zero_grad()
         chain_next, self._step_chained = False, chained
         while True:
             attempts += 1
@@ -536,6 +538,12 @@ class OOMGuard:
         self.optimizer.zero_grad(set_to_none=True)  # through the optimizer: hooks on zero_grad see it
         for p in self._outside_optimizer:
             p.grad = None
+
+    def _has_grads(self) -> bool:
+        """Whether :meth:`_zero_grad` has anything to clear (a loop over the parameters: cheaper than
+        ``optimizer.zero_grad``, which loops over them too)."""
+        return any(p.grad is not None for group in self.optimizer.param_groups for p in group["params"]) or \
+            any(p.grad is not None for p in self._outside_optimizer)
 
     # -- the policy ------------------------------------------------------------------------------------
     def _shrink(self, reason: Reason, where: str) -> PlanChange:

@@ -184,7 +184,8 @@ def _check_finite(params: Sequence[torch.nn.Parameter], loss: torch.Tensor | flo
 def _flat_finite(params: Sequence[torch.nn.Parameter], loss: torch.Tensor | float | None,
                  flat_grads: Sequence[torch.Tensor]) -> bool:
     """The check on flat tensors holding every gradient: one sum of their sums and the loss, one read."""
-    total = torch.stack([flat.sum().float() for flat in flat_grads]).sum()
+    sums = [flat.sum().float() for flat in flat_grads]
+    total = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
     if isinstance(loss, torch.Tensor):
         total = total + loss.detach().float().sum().to(total.device)
     finite = math.isfinite(float(total))  # the one read on the host

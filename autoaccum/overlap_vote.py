@@ -19,7 +19,7 @@ import torch
 from autoaccum.growth import Growth
 from autoaccum.memory import Meter, active_budget, usable_bytes
 from autoaccum.regrow import memory_limit
-from autoaccum.sync import GradSync, OverlapSync
+from autoaccum.sync import OverlapSync
 from autoaccum.units import format_bytes
 
 __all__ = ["OverlapMode", "overlap_room", "overlap_vote"]
@@ -28,15 +28,17 @@ __all__ = ["OverlapMode", "overlap_room", "overlap_vote"]
 OverlapMode = Literal["auto", "on", "off"]
 
 
-def overlap_vote(sync: GradSync, params: list[torch.nn.Parameter], overlap: OverlapMode, attempt: int,
+def overlap_vote(sync: OverlapSync | None, params: list[torch.nn.Parameter], overlap: OverlapMode, attempt: int,
                  room: Growth, *, micro_batch: int, wait: int, device: torch.device,
                  meter: Meter, keep: bool = False) -> tuple[bool, str, bool]:
     """This rank's vote to overlap this attempt's all-reduce, why, and whether its buffers were
     allocated or given back just now (the step's start is then read again: they count there, never
-    in its rise). ``keep``: a chained
+    in its rise). ``sync``: the guard's sync where it is an :class:`~autoaccum.sync.OverlapSync`
+    (the guard asks once: an ``isinstance`` against a runtime-checkable Protocol costs microseconds
+    a step), else None. ``keep``: a chained
     attempt (``autoaccum.cut_agreement``), whose buckets every rank sends whatever it votes: the
     buffers stay held on a no (the rank then sits the attempt out)."""
-    if overlap == "off" or not isinstance(sync, OverlapSync):
+    if overlap == "off" or sync is None:
         return False, "overlap='off'" if overlap == "off" else "this sync does not overlap", False
     extra = sync.overlap_bytes(params)
     if extra is None:

@@ -143,9 +143,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--check", action="store_true",
                         help="time the default (inf/NaN check on, autoaccum_overlap) instead of the nocheck mode")
+    parser.add_argument("--hidden", type=int, default=1024,
+                        help="MLP width, as ddp_bench's (16: the fixed cost per step, with almost no model around it)")
     parser.add_argument("--json-only", action="store_true")
     args = parser.parse_args()
-    args.accum, args.micro, args.hidden, args.cut_cost, args.unchained = 8, 8, 1024, False, False  # ddp_bench defaults
+    args.accum, args.micro, args.cut_cost, args.unchained = 8, 8, False, False  # ddp_bench defaults
     result = ddp_bench.run_two_ranks(_worker, args)
     result.update(steps=args.steps, torch=torch.__version__,
                   date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))

@@ -367,17 +367,23 @@ def test_float64_values_split_into_float32_pieces_add_up_exactly() -> None:
     assert _pieces(0.1, 1) == [0.1]
 
 
+@pytest.mark.parametrize("on_host", [True, False], ids=["host", "tensors"])
 @pytest.mark.parametrize("world_size, dtype", [(2, torch.float32), (5, torch.float32), (37, torch.float32),
-                                             (5, torch.float64)])
-def test_the_flag_row_gathers_every_ranks_slots_exactly_at_any_world_size(world_size: int,
-                                                                         dtype: torch.dtype) -> None:
+                                             (5, torch.float64), (37, torch.float64)])
+def test_the_flag_row_gathers_every_ranks_slots_exactly_at_any_world_size(world_size: int, dtype: torch.dtype,
+                                                                         on_host: bool,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The row each rank writes (its flags, its scalars' and its cut row's slots; zeros elsewhere), summed
     as the all-reduce sums it, reads back on every rank as: the flags' counts, every rank's scalars added
     up in float64 (each one exact from its pieces: the sum equals the float64 sum of the values), and
     every rank's cut row. Beyond the 2 ranks the spawned tests run, without a process group: the
-    row's layout is the same for any world size. Negative control: a rank writing into another
-    rank's slot changes the rows read back."""
+    row's layout is the same for any world size. Both ways of writing and reading it (on the host in
+    Python, for a few ranks; with tensor operations, for many) at every size. Negative control: a
+    rank writing into another rank's slot changes the rows read back."""
+    import autoaccum.distributed.overlap as overlap
     from autoaccum.distributed.overlap import STEP_SCALARS, _OverlappedReduce
+
+    monkeypatch.setattr(overlap, "HOST_ROW_RANKS", 10**6 if on_host else 0)
 
     params = 3
     g = torch.Generator().manual_seed(world_size)

@@ -236,7 +236,9 @@ class DistributedSync:
                 overlap.reduced = None
             self._all_reduce_grads(params)
         if self.kind == "plain" or getattr(self.model, "broadcast_buffers", False):
-            self._broadcast_from_rank_zero(list(self.model.buffers()))
+            buffers = list(self.model.buffers())
+            if buffers:  # the same model on every rank: every rank skips alike
+                self._broadcast_from_rank_zero(buffers)
 
     def gradient_buffers(self) -> list[torch.Tensor] | None:
         """The flat buffers that hold every parameter's gradient as the last :meth:`reduce_gradients`
@@ -281,7 +283,7 @@ class DistributedSync:
         if self._fsdp is not None:
             return None  # FSDP2 keeps today's protocol: its reduce-scatter runs inside FSDP2
         overlap = self._overlap
-        if overlap is None or [id(p) for p in overlap.params] != [id(p) for p in params]:
+        if overlap is None or overlap.ids != tuple(map(id, params)):
             # backward makes the last layers' gradients first: buckets in reverse order, as DDP's
             buckets = list(_ddp_buckets(list(reversed(params)), self.bucket_bytes, FIRST_BUCKET_BYTES))
             overlap = self._overlap = _OverlappedReduce(list(params), buckets, self.group)

@@ -57,8 +57,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import struct
 import warnings
+from array import array
 from collections.abc import Callable
 from typing import Any
 
@@ -85,7 +85,11 @@ _SLOT = STEP_SCALARS + CUT_FIELDS
 #: float64 is the value; float64: itself). Other dtypes (bf16, fp16) cannot hold the counts and sums
 #: exactly: the flag then goes in an exchange of its own after the buckets.
 _PIECES = {torch.float32: 3, torch.float64: 1}
-_FLOAT32 = struct.Struct("f")
+#: up to this many ranks the flag's row is built and added up on the host in Python (a few dozen numbers a rank:
+#: faster than tensor operations); beyond, with tensor operations (host work that does not grow with the ranks).
+#: ``benchmarks/row_cost.py`` times both.
+HOST_ROW_RANKS = 8
+_TYPECODES = {torch.float32: "f", torch.float64: "d"}  # the row's dtypes as the array module names them
 
 
 class _OverlappedReduce:
@@ -94,6 +98,7 @@ class _OverlappedReduce:
 
     def __init__(self, params: list[torch.nn.Parameter], buckets: list[list[torch.nn.Parameter]], group: Any) -> None:
         self.params, self.buckets, self.group = params, buckets, group
+        self.ids = tuple(map(id, params))  # which parameters, in order: the sync builds a new one where they change
         self.where = {id(p): i for i, bucket in enumerate(buckets) for p in bucket}
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         #: the flag rides in the last bucket (its row after the gradients) where that bucket's dtype
@@ -195,11 +200,16 @@ class _OverlappedReduce:
     def _launch(self, index: int, *, copy: bool) -> None:
         assert self.flats is not None and self._keep is not None
         flat = self.flats[index]
+        # into the buffer (one call for the bucket): the gradient itself stays this rank's own sum
+        into, grads = [], []
         for p, part in zip(self.buckets[index], self._views[index]):
             if copy and p.grad is not None:
-                part.copy_(p.grad)  # into the buffer: the gradient itself stays this rank's own sum
+                into.append(part)
+                grads.append(p.grad)
             else:
                 part.zero_()
+        if into:
+            torch._foreach_copy_(into, grads)
         self._works.append(dist.all_reduce(self._keep(flat), group=self.group, async_op=True))
         self._next = index + 1  # counted once issued: a failure before it leaves it to finish()
 
@@ -289,10 +299,11 @@ class _OverlappedReduce:
         """This rank's row: the flags (summed over the ranks: counts), then one slot per rank for its
         scalars, then one per rank for its cut row, each number (a float64, or an integer below
         2**53) as :attr:`pieces` numbers of the bucket's dtype that add up to it exactly
-        (:func:`_pieces`). Every other rank's slots hold zeros here, so the sum gathers every rank's
+        (:func:`_split`). Every other rank's slots hold zeros here, so the sum gathers every rank's
         slots unchanged; the scalars are added up in float64 after the exchange (:meth:`_read_row`).
-        The row is zeroed, then this rank's numbers (a handful, read on the host) go to their three
-        places: the host's work does not grow with the number of ranks."""
+        Up to :data:`HOST_ROW_RANKS` ranks the whole row is built on the host and copied in once;
+        beyond, the row is zeroed and this rank's numbers (a handful) go to their three places, so
+        that the host's work does not grow with the number of ranks."""
         assert self.pieces is not None
         if scalars is not None:
             values = scalars.detach().reshape(-1).tolist()
@@ -300,15 +311,21 @@ class _OverlappedReduce:
                 raise RuntimeError(f"internal: the overlapped flag carries {STEP_SCALARS} scalars, not {len(values)}")
         else:
             values = [0.0] * STEP_SCALARS
-        own = [float(f) for f in flags]
-        for value in values + [float(v) for v in (cut_row if cut_row is not None else (0,) * CUT_FIELDS)]:
-            own.extend(_pieces(value, self.pieces))
-        tail = self._tail()
-        tail.zero_()
-        own_numbers = torch.tensor(own, dtype=tail.dtype).to(tail.device)
+        own = _split(values + [float(v) for v in (cut_row if cut_row is not None else (0,) * CUT_FIELDS)],
+                     self.pieces)
         count, width = len(flags), STEP_SCALARS * self.pieces
         scalars_at = self._flags + self.rank * width
         cut_at = self._rows_at() + self.rank * CUT_FIELDS * self.pieces
+        tail = self._tail()
+        if self.world_size <= HOST_ROW_RANKS:
+            row = [0.0] * self.row
+            row[:count] = [float(f) for f in flags]
+            row[scalars_at:scalars_at + width] = own[:width]
+            row[cut_at:cut_at + CUT_FIELDS * self.pieces] = own[width:]
+            tail.copy_(torch.frombuffer(array(_TYPECODES[tail.dtype], row), dtype=tail.dtype))  # no copy until here
+            return
+        tail.zero_()
+        own_numbers = torch.tensor([float(f) for f in flags] + own, dtype=tail.dtype, device=tail.device)
         # three slices, no index tensor kept: the row adds no memory beyond the buffers' own
         tail[:count].copy_(own_numbers[:count])
         tail[scalars_at:scalars_at + width].copy_(own_numbers[count:count + width])
@@ -323,11 +340,15 @@ class _OverlappedReduce:
                   with_rows: bool) -> tuple[list[float], torch.Tensor | None, tuple[tuple[int, ...], ...]]:
         """The summed row: the flags' counts, the scalars summed over the ranks (float64; the same on
         every rank), and every rank's cut row where one was sent (a chained step; zeros otherwise).
-        The row is read to the host once, in float64, and added up there with tensor operations:
-        each number's pieces largest first (every addition exact, :func:`_pieces`), then the ranks'
-        numbers in rank order (a running sum: no reduction order of a kernel's choosing); the host's
-        Python work does not grow with the number of ranks."""
+        Each number's pieces are added largest first (every addition exact, :func:`_split`), then the
+        ranks' numbers in rank order (a running sum: no reduction order of a kernel's choosing), in
+        float64. Up to :data:`HOST_ROW_RANKS` ranks the row is read to the host as a list and added
+        up in Python (a few dozen numbers: faster than launching tensor operations); beyond, read
+        once in float64 and added up with tensor operations, the same additions in the same order,
+        so that the host's Python work does not grow with the number of ranks."""
         assert self.pieces is not None
+        if self.world_size <= HOST_ROW_RANKS:
+            return self._read_row_on_host(with_scalars, with_rows)
         count, rows_at, pieces = self._flags, self._rows_at(), self.pieces
         row = self._tail().to(device="cpu", dtype=torch.float64)  # the one read
         sums = None
@@ -343,6 +364,26 @@ class _OverlappedReduce:
         else:
             rows = ((0,) * CUT_FIELDS,) * self.world_size
         return row[:count].tolist(), sums, rows
+
+    def _read_row_on_host(self, with_scalars: bool,
+                          with_rows: bool) -> tuple[list[float], torch.Tensor | None, tuple[tuple[int, ...], ...]]:
+        """:meth:`_read_row` for a few ranks: one ``.tolist()``, the same float64 additions in Python."""
+        assert self.pieces is not None
+        count, rows_at, pieces = self._flags, self._rows_at(), self.pieces
+        row = self._tail().tolist()  # the one read (float32 pieces are exact in a Python float)
+        sums = None
+        if with_scalars:
+            numbers = _joined(row[count:rows_at], pieces)
+            total = numbers[:STEP_SCALARS]
+            for at in range(STEP_SCALARS, len(numbers), STEP_SCALARS):  # rank by rank
+                total = [t + v for t, v in zip(total, numbers[at:at + STEP_SCALARS])]
+            sums = torch.tensor(total, dtype=torch.float64)
+        if with_rows:
+            numbers = [int(round(v)) for v in _joined(row[rows_at:], pieces)]
+            rows = tuple(tuple(numbers[at:at + CUT_FIELDS]) for at in range(0, len(numbers), CUT_FIELDS))
+        else:
+            rows = ((0,) * CUT_FIELDS,) * self.world_size
+        return row[:count], sums, rows
 
     def copy_back(self) -> None:
         """The agreed sums into ``.grad``: a parameter some rank used gets the sum (a rank that did
@@ -367,27 +408,34 @@ class _OverlappedReduce:
 
 def _pieces(value: float, pieces: int) -> list[float]:
     """``value`` (a float64) as ``pieces`` float32 numbers whose sum, taken in float64 from the
-    largest, is the value exactly (``pieces`` 1: the value itself, for a float64 row): the value
-    rounded to float32, then what rounding left out, rounded, then the rest (53 bits in three pieces
-    of 24; each difference is exact in float64). Exact from 2**-77 in magnitude up to float32's
-    largest (and for 0); closer to 0, within 2**-149 (float32's smallest step). A value beyond
-    float32's range, inf or NaN keeps its first piece only (inf or NaN after the exchange: still
-    not finite)."""
+    largest, is the value exactly (``pieces`` 1: the value itself, for a float64 row): see :func:`_split`."""
+    return _split([value], pieces)
+
+
+def _split(values: list[float], pieces: int) -> list[float]:
+    """Each of ``values`` (float64s) as ``pieces`` float32 numbers, value by value, whose sum, taken
+    in float64 from the largest, is the value exactly (``pieces`` 1: the values themselves, for a
+    float64 row): the value rounded to float32 (a C cast, as ``array('f')`` does: to nearest, ties to
+    even; beyond float32's range, inf), then what rounding left out, rounded, then the rest (53 bits
+    in three pieces of 24; each difference is exact in float64). Exact from 2**-77 in magnitude up to
+    float32's largest (and for 0); closer to 0, within 2**-149 (float32's smallest step). A value
+    beyond float32's range, inf or NaN keeps its first piece only (inf or NaN after the exchange:
+    still not finite)."""
     if pieces == 1:
-        return [value]
-    out = []
+        return list(values)
+    parts, rest = [], values
     for _ in range(pieces):
-        piece = _float32(value)
-        out.append(piece)
-        value = value - piece if math.isfinite(piece) else 0.0
-    return out
+        rounded = array("f", rest).tolist()
+        parts.append(rounded)
+        rest = [v - p if math.isfinite(p) else 0.0 for v, p in zip(rest, rounded)]
+    return [piece for number in zip(*parts) for piece in number]
 
 
-def _float32(value: float) -> float:
-    """``value`` rounded to the nearest float32 (to nearest, ties to even, as a cast), as a Python float."""
-    if not math.isfinite(value):
-        return value
-    try:
-        return _FLOAT32.unpack(_FLOAT32.pack(value))[0]
-    except OverflowError:  # beyond float32's range: a cast gives inf
-        return math.copysign(math.inf, value)
+def _joined(pieces_row: list[float], pieces: int) -> list[float]:
+    """The numbers :func:`_split` wrote, from their pieces (largest first, in float64)."""
+    if pieces == 1:
+        return pieces_row
+    numbers = pieces_row[0::pieces]
+    for k in range(1, pieces):
+        numbers = [n + p for n, p in zip(numbers, pieces_row[k::pieces])]
+    return numbers
