@@ -127,6 +127,9 @@ class DistributedSync:
         self._buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self._overlap: _OverlappedReduce | None = None
         self._summed = False  # the last reduce_gradients handed an overlapped step's sums (gradient_buffers)
+        #: whether the model has buffers to broadcast after each step (as DDP, which lists its buffers when it is
+        #: built; the same on every rank): a model without any skips walking its modules every step
+        self._has_buffers = any(True for _ in model.buffers())
         sparse = [name for name, m in model.named_modules()
                   if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
         if sparse:  # checked here, the same on every rank, not when one rank meets a sparse gradient
@@ -235,10 +238,8 @@ class DistributedSync:
             if overlap is not None:
                 overlap.reduced = None
             self._all_reduce_grads(params)
-        if self.kind == "plain" or getattr(self.model, "broadcast_buffers", False):
-            buffers = list(self.model.buffers())
-            if buffers:  # the same model on every rank: every rank skips alike
-                self._broadcast_from_rank_zero(buffers)
+        if self._has_buffers and (self.kind == "plain" or getattr(self.model, "broadcast_buffers", False)):
+            self._broadcast_from_rank_zero(list(self.model.buffers()))
 
     def gradient_buffers(self) -> list[torch.Tensor] | None:
         """The flat buffers that hold every parameter's gradient as the last :meth:`reduce_gradients`
