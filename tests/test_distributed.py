@@ -563,3 +563,31 @@ def test_example_under_torchrun() -> None:
     assert "2 ranks, identical weights on every rank: True" in proc.stdout
     assert "x world 2 · 32 steps" in proc.stdout
     assert proc.stderr.count("autoaccum fit done") == 1  # fit's log lines come from rank 0 only
+
+
+def buffers_after_steps(rank: int, world_size: int, broadcast: bool) -> dict[str, Any]:
+    """A DDP model with BatchNorm (buffers) under the guard, each rank on data of its own: the running
+    statistics after two steps, and rank 0's own statistics from the same data in one process."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 2))
+    model = torch.nn.parallel.DistributedDataParallel(net, broadcast_buffers=broadcast)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = autoaccum.OOMGuard(model, opt, target_batch=16, micro_batch=4, sync=DistributedSync(model))
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        x, y = torch.randn(8, 4, generator=g) * (rank + 1), torch.randint(0, 2, (8,), generator=g)
+        guard.step((x, y), lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+    return {"mean": net[1].running_mean.clone(), "var": net[1].running_var.clone(),
+            "batches": int(net[1].num_batches_tracked)}
+
+
+@pytest.mark.parametrize("broadcast", [True, False], ids=["broadcast_buffers", "negative_control"])
+def test_ddp_buffers_follow_rank_zero_after_each_step(tmp_path: Path, broadcast: bool) -> None:
+    """DDP(broadcast_buffers=True), DDP's default: after each guarded step every rank holds rank 0's
+    buffers (the guard broadcasts them, as DDP does before a synchronised forward; its micro-batches
+    run under no_sync). Negative control: with broadcast_buffers=False each rank keeps its own,
+    which differ here (the ranks' data differ)."""
+    first, second = results(tmp_path, spawn(buffers_after_steps, tmp_path, broadcast=broadcast)[0])
+    assert first["batches"] == second["batches"] == 4  # 2 micro-batches a step on each rank, 2 steps
+    same = torch.equal(first["mean"], second["mean"]) and torch.equal(first["var"], second["var"])
+    assert same is broadcast, (first, second)
