@@ -195,6 +195,39 @@ def test_parameters_outside_the_optimizer_carry_no_gradient_into_the_next_step()
     assert_close(params_of(model), params_of(ref))
 
 
+@pytest.mark.parametrize("call", ["step", "accumulate"])
+def test_gradients_set_before_a_step_are_cleared_first(call):
+    """Gradients a user left on the parameters (in the optimizer or not) before step() or accumulate()
+    are cleared first: the step's gradients are the global batch's alone, as in the full-batch
+    reference. The guard clears only where a gradient is present (its own steps end cleared).
+    Negative control: the same stale gradients left in a hand-written accumulation change them."""
+    (model, _), (ref, ref_opt) = pair(Net(p=0.0))
+    opt = RecordingSGD(model.fc2.parameters(), lr=0.1, momentum=0.9)  # fc1 is outside the optimizer
+    ref_opt = RecordingSGD(ref.fc2.parameters(), lr=0.1, momentum=0.9)
+    guard = OOMGuard(model, opt, target_batch=64, micro_batch=16)
+    for s in range(3):
+        batch = data(64, seed=s)
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 7.0)  # stale: must not reach the step
+        full_step(ref, ref_opt, batch)
+        if call == "step":
+            guard.step(batch, mse)
+        else:
+            guard.accumulate(batch, mse)
+            assert_close([p.grad for p in model.fc2.parameters()], ref_opt.grads[-1])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            model.fc1.weight.grad = model.fc1.bias.grad = None
+    assert_close(params_of(model), params_of(ref))
+    stale = copy.deepcopy(ref)
+    for p in stale.parameters():
+        p.grad = torch.full_like(p, 7.0)
+    mse(stale, data(64, seed=3)).backward()  # a loop that forgot to clear first
+    fresh = copy.deepcopy(ref)
+    mse(fresh, data(64, seed=3)).backward()
+    assert max_diff([p.grad for p in stale.parameters()], [p.grad for p in fresh.parameters()]) > 1.0
+
+
 def test_scheduler_steps_once_per_optimizer_step_never_per_micro_batch():
     model = Net()
     opt = RecordingSGD(model.parameters(), lr=0.1)
