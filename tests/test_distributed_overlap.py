@@ -350,7 +350,7 @@ def test_float64_values_split_into_float32_pieces_add_up_exactly() -> None:
     """The split the float32 row uses: each piece is a float32 (the cast's rounding), and the three add
     up in float64 (largest first) to the value bit for bit, across magnitudes; inf and NaN stay
     non-finite, a value beyond float32's range reads as inf; one piece alone would round."""
-    from autoaccum.distributed.overlap import _pieces
+    from autoaccum.distributed.overlap import _pieces, _split
 
     g = torch.Generator().manual_seed(0)
     values = torch.randn(4000, generator=g, dtype=torch.float64) * torch.pow(10.0, torch.randint(
@@ -365,6 +365,16 @@ def test_float64_values_split_into_float32_pieces_add_up_exactly() -> None:
     inf, nan, big = (sum(_pieces(v, 3)) for v in (float("inf"), float("nan"), 1e39))
     assert inf == float("inf") and nan != nan and big == float("inf")
     assert _pieces(0.1, 1) == [0.1]
+    # the row's split of many values at once (array('f')) is the one-at-a-time split (struct), piece for piece
+    specials = [float("inf"), float("-inf"), 1e39, -1e39, 3.4028235677973366e38, 1e-50, -0.0]
+    every = values.tolist() + specials
+    together = _split(every, 3)
+    one_by_one = [piece for v in every for piece in _pieces(v, 3)]
+    assert len(together) == len(one_by_one) and all(
+        a == b or (a != a and b != b) for a, b in zip(together, one_by_one))
+    nan_pieces = _split([float("nan")], 3)
+    assert nan_pieces[0] != nan_pieces[0] and nan_pieces[1:] == [0.0, 0.0]  # NaN keeps its first piece only
+    assert _split(every, 1) == every
 
 
 @pytest.mark.parametrize("on_host", [True, False], ids=["host", "tensors"])

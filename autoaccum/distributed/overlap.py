@@ -57,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import struct
 import warnings
 from array import array
 from collections.abc import Callable
@@ -89,7 +90,8 @@ _PIECES = {torch.float32: 3, torch.float64: 1}
 #: faster than tensor operations); beyond, with tensor operations (host work that does not grow with the ranks).
 #: ``benchmarks/row_cost.py`` times both.
 HOST_ROW_RANKS = 8
-_TYPECODES = {torch.float32: "f", torch.float64: "d"}  # the row's dtypes as the array module names them
+_TYPECODES = {torch.float32: "f", torch.float64: "d"}
+_FLOAT32 = struct.Struct("f")  # the row's dtypes as the array module names them
 
 
 class _OverlappedReduce:
@@ -407,9 +409,27 @@ class _OverlappedReduce:
 
 
 def _pieces(value: float, pieces: int) -> list[float]:
-    """``value`` (a float64) as ``pieces`` float32 numbers whose sum, taken in float64 from the
-    largest, is the value exactly (``pieces`` 1: the value itself, for a float64 row): see :func:`_split`."""
-    return _split([value], pieces)
+    """One value as :func:`_split` splits it, one piece at a time (``struct``'s float32 rounding, the
+    same as a cast): the reference the tests hold :func:`_split` to, and ``benchmarks/row_cost.py``'s
+    per-element row."""
+    if pieces == 1:
+        return [value]
+    out = []
+    for _ in range(pieces):
+        piece = _float32(value)
+        out.append(piece)
+        value = value - piece if math.isfinite(piece) else 0.0
+    return out
+
+
+def _float32(value: float) -> float:
+    """``value`` rounded to the nearest float32 (to nearest, ties to even, as a cast), as a Python float."""
+    if not math.isfinite(value):
+        return value
+    try:
+        return _FLOAT32.unpack(_FLOAT32.pack(value))[0]
+    except OverflowError:  # beyond float32's range: a cast gives inf
+        return math.copysign(math.inf, value)
 
 
 def _split(values: list[float], pieces: int) -> list[float]:
