@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import io
 import itertools
 import json
@@ -110,6 +111,7 @@ def _worker(rank: int, port: int, out: str, args: argparse.Namespace) -> None:
     if rank == 0:
         Path(out).write_text(json.dumps({"times": times}))
     built.clear()  # the DDP wrappers go before the group (README, "At exit")
+    gc.collect()
     dist.destroy_process_group()
 
 
