@@ -415,8 +415,7 @@ class OOMGuard:
         buffers = capture_buffers(self._buffer_slots)
         attempts = 0
         may_guess = not partial
-        if self._has_grads():  # gradients set before the call (the last step cleared its own)
-            self._zero_grad()
+        self._zero_grad()  # every step, even where nothing is set: wrappers of optimizer.zero_grad see each step start
         chain_next, self._step_chained = False, chained
         while True:
             attempts += 1
@@ -538,12 +537,6 @@ class OOMGuard:
         self.optimizer.zero_grad(set_to_none=True)  # through the optimizer: hooks on zero_grad see it
         for p in self._outside_optimizer:
             p.grad = None
-
-    def _has_grads(self) -> bool:
-        """Whether :meth:`_zero_grad` has anything to clear (a loop over the parameters: cheaper than
-        ``optimizer.zero_grad``, which loops over them too)."""
-        return any(p.grad is not None for group in self.optimizer.param_groups for p in group["params"]) or \
-            any(p.grad is not None for p in self._outside_optimizer)
 
     # -- the policy ------------------------------------------------------------------------------------
     def _shrink(self, reason: Reason, where: str) -> PlanChange:

@@ -199,8 +199,7 @@ def test_parameters_outside_the_optimizer_carry_no_gradient_into_the_next_step()
 def test_gradients_set_before_a_step_are_cleared_first(call):
     """Gradients a user left on the parameters (in the optimizer or not) before step() or accumulate()
     are cleared first: the step's gradients are the global batch's alone, as in the full-batch
-    reference. The guard clears only where a gradient is present (its own steps end cleared).
-    Negative control: the same stale gradients left in a hand-written accumulation change them."""
+    reference. Negative control: the same stale gradients left in a hand-written accumulation change them."""
     (model, _), (ref, ref_opt) = pair(Net(p=0.0))
     opt = RecordingSGD(model.fc2.parameters(), lr=0.1, momentum=0.9)  # fc1 is outside the optimizer
     ref_opt = RecordingSGD(ref.fc2.parameters(), lr=0.1, momentum=0.9)
