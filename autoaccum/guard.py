@@ -415,7 +415,7 @@ class OOMGuard:
         buffers = capture_buffers(self._buffer_slots)
         attempts = 0
         may_guess = not partial
-        self._zero_grad()  # every step, even where nothing is set: wrappers of optimizer.zero_grad see each step start
+        self._zero_grad()  # every step, even with nothing set: wrappers of optimizer.zero_grad see it start
         chain_next, self._step_chained = False, chained
         while True:
             attempts += 1

@@ -90,8 +90,8 @@ _PIECES = {torch.float32: 3, torch.float64: 1}
 #: faster than tensor operations); beyond, with tensor operations (host work that does not grow with the ranks).
 #: ``benchmarks/row_cost.py`` times both.
 HOST_ROW_RANKS = 8
-_TYPECODES = {torch.float32: "f", torch.float64: "d"}
-_FLOAT32 = struct.Struct("f")  # the row's dtypes as the array module names them
+_TYPECODES = {torch.float32: "f", torch.float64: "d"}  # the row's dtypes as the array module names them
+_FLOAT32 = struct.Struct("f")
 
 
 class _OverlappedReduce:
