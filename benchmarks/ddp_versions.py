@@ -7,8 +7,8 @@ versions run in the same processes, one step of each in turn: the baseline's ``a
 exported with ``git archive`` into a temporary folder as the package ``autoaccum_baseline`` (its
 imports renamed), so that the two import side by side.
 
-The model, plan and modes are ``ddp_bench.py``'s: the MLP (``--hidden``), 8 micro-batches of 8 per
-rank, DDP, SGD; the guard is the default (``overlap="auto"``, ``nonfinite="stop"``: the
+The model, plan and modes are ``ddp_bench.py``'s: the MLP (``--hidden``; ``--depth`` hidden layers,
+1 as there, more for more parameter tensors), 8 micro-batches of 8 per rank, DDP, SGD; the guard is the default (``overlap="auto"``, ``nonfinite="stop"``: the
 ``autoaccum_overlap`` mode), the hand loop ``ddp_no_sync_last``. Every mode is set up ``--instances``
 times and the turns rotate over them (``ddp_bench``'s ``--instances``); each step is timed alone after
 a barrier, in a shuffled order per turn. Reported: each mode's median step time, each guard against
@@ -16,7 +16,7 @@ the hand loop, and the current guard against the baseline (the median per-turn r
 bootstrap interval; above 1: the current one is faster). Prints a table, then one JSON document.
 Not part of the test run.
 
-    python benchmarks/ddp_versions.py --baseline REV [--hidden 16] [--turns 400] [--instances 4]
+    python benchmarks/ddp_versions.py --baseline REV [--hidden 16] [--depth 1] [--turns 400] [--instances 4]
 """
 
 from __future__ import annotations
@@ -71,22 +71,40 @@ def export_baseline(revision: str, into: Path) -> str:
     return commit
 
 
+def _model(args: argparse.Namespace) -> torch.nn.Module:
+    """``ddp_bench``'s MLP (64 -> hidden -> hidden -> 10, GELUs) with ``--depth`` hidden-to-hidden layers
+    (1: ``ddp_bench``'s own): more parameters, the same work per parameter."""
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = [torch.nn.Linear(64, args.hidden), torch.nn.GELU()]
+    for _ in range(args.depth):
+        layers += [torch.nn.Linear(args.hidden, args.hidden), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(args.hidden, 10))
+
+
+def _data(rank: int, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    share = args.micro * args.accum
+    g = torch.Generator().manual_seed(rank)
+    return torch.randn(share, 64, generator=g), torch.randint(0, 10, (share,), generator=g)
+
+
 def _guard_step(package: str, rank: int, args: argparse.Namespace) -> Any:
     """One guard (``ddp_bench``'s ``autoaccum_overlap``) of ``package``; returns ``step()``."""
     module = __import__(package)
     distributed = __import__(f"{package}.distributed", fromlist=["DistributedSync"])
-    model = torch.nn.parallel.DistributedDataParallel(ddp_bench._model(args.hidden))
+    model = torch.nn.parallel.DistributedDataParallel(_model(args))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    share = args.micro * args.accum
-    g = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(share, 64, generator=g), torch.randint(0, 10, (share,), generator=g)
-    guard = module.OOMGuard(model, opt, target_batch=share * 2, micro_batch=args.micro,
+    x, y = _data(rank, args)
+    guard = module.OOMGuard(model, opt, target_batch=len(x) * 2, micro_batch=args.micro,
                             sync=distributed.DistributedSync(model), overlap="auto", nonfinite="stop")
     return lambda: guard.step((x, y), ddp_bench._loss)
 
 
 def _hand_step(rank: int, args: argparse.Namespace) -> Any:
-    return ddp_bench._setup("ddp_no_sync_last", rank, args)[0]
+    """The hand loop (``ddp_bench``'s ``ddp_no_sync_last``) on the same model."""
+    model = torch.nn.parallel.DistributedDataParallel(_model(args))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = _data(rank, args)
+    return lambda: ddp_bench._hand_step(model, opt, x, y, args, quiet_but_last=True)
 
 
 def _worker(rank: int, port: int, out: str, args: argparse.Namespace) -> None:
@@ -119,12 +137,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", required=True, help="the git revision to compare this checkout with")
     parser.add_argument("--hidden", type=int, default=1024, help="MLP width, as ddp_bench's (16: the fixed cost)")
+    parser.add_argument("--depth", type=int, default=1,
+                        help="hidden-to-hidden layers (1: ddp_bench's model; more: more parameters per step)")
     parser.add_argument("--turns", type=int, default=400)
     parser.add_argument("--instances", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--json-only", action="store_true")
     args = parser.parse_args()
-    for name in ("turns", "instances", "hidden"):
+    for name in ("turns", "instances", "hidden", "depth"):
         if getattr(args, name) < 1:
             sys.exit(f"--{name} must be at least 1, got {getattr(args, name)}")
     args.accum, args.micro = 8, 8  # ddp_bench's defaults
@@ -137,7 +157,8 @@ def main() -> None:
                                 text=True).stdout.strip())
     result = {
         "baseline": commit, "current": current + (" (with uncommitted changes)" if dirty else ""),
-        "hidden": args.hidden, "turns": args.turns, "instances": args.instances,
+        "hidden": args.hidden, "depth": args.depth,
+        "parameters": sum(1 for _ in _model(args).parameters()), "turns": args.turns, "instances": args.instances,
         "median_step_ms": {mode: ddp_bench._per_step_ratio(times, mode, mode)["median_ms"] for mode in MODES},
         "vs_hand_loop": {mode: ddp_bench._per_step_ratio(times, mode, "hand_loop") for mode in ("baseline", "current")},
         "current_vs_baseline": ddp_bench._per_step_ratio(times, "current", "baseline"),
@@ -145,7 +166,7 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     if not args.json_only:
         steps = result["median_step_ms"]
-        print(f"2 gloo ranks, hidden {args.hidden}, {args.turns} turns over {args.instances} instances of each; "
+        print(f"2 gloo ranks, hidden {args.hidden}, depth {args.depth} ({result['parameters']} parameter tensors), {args.turns} turns over {args.instances} instances of each; "
               f"baseline {commit[:9]}, current {result['current'][:9]}")
         print(f"{'mode':<12}{'median step ms':>16}{'vs hand loop':>14}{'95% interval':>16}")
         print(f"{'hand_loop':<12}{steps['hand_loop']:>16.3f}")
