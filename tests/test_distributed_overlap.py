@@ -193,41 +193,6 @@ def test_overlapped_steps_equal_full_batch_steps_fp64(kind: str, exact: list[dic
     assert not torch.equal(want["inp.weight"], make_net().inp.weight)  # the steps moved the weights
 
 
-def hooks_run(rank: int, world_size: int) -> dict[str, Any]:
-    """How many post-accumulate-grad hooks each parameter carries after each overlapped step, and after
-    the guard and its sync are dropped."""
-    import gc
-
-    net = make_net()
-    model = torch.nn.parallel.DistributedDataParallel(net)
-    sync = DistributedSync(model, bucket_bytes=BUCKET_BYTES)
-    guard = autoaccum.OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.2), sync=sync, target_batch=TARGET,
-                               micro_batch=MICRO, overlap="on")
-
-    def hooks() -> list[int]:
-        return [len(getattr(q, "_post_accumulate_grad_hooks", None) or {}) for q in net.parameters()]
-
-    batches = GlobalBatches(make_data(TARGET * 3), TARGET, seed=SEED, rank=rank, world_size=world_size).epoch(0)
-    during, overlapped = [], []
-    for rb in batches:
-        overlapped.append(guard.step(rb.batch, mean_loss).overlapped)
-        during.append(hooks())
-    del guard, sync, rb, batches
-    gc.collect()
-    return {"during": during, "after": hooks(), "overlapped": overlapped}
-
-
-def test_the_overlaps_hooks_are_registered_once_and_go_with_it(tmp_path: Path) -> None:
-    """The hooks that start buckets in the last backward are registered once, not in every step (2.7 us
-    a parameter each time), stay one per parameter, act only while armed (the overlapped steps equal
-    the full-batch steps: the test above), and are removed once the sync that owns them is gone."""
-    for r in results(tmp_path, spawn(hooks_run, tmp_path)[0]):
-        assert r["overlapped"] == [True] * 3
-        params = len(r["after"])
-        assert r["during"] == [[1] * params] * 3, r["during"]  # one each, step after step
-        assert r["after"] == [0] * params, r["after"]
-
-
 def test_buckets_sent_before_the_gradients_are_final_are_caught(exact: list[dict[str, Any]]) -> None:
     """Negative control: buckets sent in the first micro-batch's backward, the check off, miss the
     later micro-batches: the comparison above fails for them. With the check on (the real code), the
