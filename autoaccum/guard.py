@@ -152,7 +152,8 @@ class OOMGuard:
         self.params, self._outside_optimizer = trained_params(model, optimizer)
         self.sync: GradSync = sync if sync is not None else LocalSync()
         # asked once: an isinstance against a runtime-checkable Protocol costs tens of microseconds
-        self._overlap_sync = self.sync.world_size > 1 and isinstance(self.sync, OverlapSync)
+        self._overlapper: OverlapSync | None = (
+            cast(OverlapSync, self.sync) if self.sync.world_size > 1 and isinstance(self.sync, OverlapSync) else None)
         self.plan = guard_plan(model, plan, target_batch=target_batch, micro_batch=micro_batch,
                                world_size=self.sync.world_size)
         memory_model, headroom = checked_options(
@@ -247,7 +248,7 @@ class OOMGuard:
                               max_grad_norm=self.max_grad_norm, step_number=self.steps + 1,
                               micro_batch=self.plan.micro_batch, check_finite=self.nonfinite is not None,
                               loss=totals.loss_total, sync=self.sync,
-                              flat_grads=self.sync.gradient_buffers() if self._overlap_sync else None)  # type: ignore[attr-defined]
+                              flat_grads=None if self._overlapper is None else self._overlapper.gradient_buffers())
         self._zero_grad()
         if done.nonfinite and self.nonfinite == "stop":
             raise NonFiniteError(
@@ -327,9 +328,8 @@ class OOMGuard:
         steps = self.cut.steps(batch, n, self.plan)
         vote = changed = False
         if self.sync.world_size > 1:
-            overlapper = cast(OverlapSync, self.sync) if self._overlap_sync else None
             vote, reason, changed = overlap_vote(
-                overlapper, self.params, self.overlap, attempt, self._growth, micro_batch=self.plan.micro_batch,
+                self._overlapper, self.params, self.overlap, attempt, self._growth, micro_batch=self.plan.micro_batch,
                 wait=self._overlap_wait, device=self.device, meter=self.meter, keep=chained)
             self._last_vote, self._vote_reason = vote, reason
         may_guess = may_guess and bool(getattr(self.sync, "quiet_window", False))
@@ -397,17 +397,17 @@ class OOMGuard:
         growth = self._growth
         # memory-guided growth and the overlap's room read the limit once per step (CUDA: two allocator
         # queries), only where one of them is on
-        overlap_auto = self.overlap == "auto" and self._overlap_sync
+        overlap_auto = self.overlap == "auto" and self._overlapper is not None
         start = growth.begin(self.meter, full_step=n == self.plan.rank_batch(self.sync.rank),
                              read_limit=self.plan.tokens is None and (growth.guided or overlap_auto))
         changes: list[PlanChange] = []
         chained, self._chain = self._chain and self.overlap != "off", False  # this step skips the cut's exchange
         if growth.limit is not None and start is not None and growth.guided:
-            if growth.may_grow(self.plan, self.initial_micro_batch) and self._overlap_sync:
+            if growth.may_grow(self.plan, self.initial_micro_batch) and self._overlapper is not None:
                 # growth first: the overlap's buffers are memory a larger micro-batch may take (the
                 # overlap then runs only where room is left after it). Asked on every rank alike (what
                 # may_grow reads is shared), so every rank drops the chain here too: the buffers are gone
-                self.sync.release_overlap(force=True)  # type: ignore[attr-defined]
+                self._overlapper.release_overlap(force=True)
                 start = growth.restart(self.meter)
                 chained = False
             changes.extend(self._grow_to_fit())

@@ -102,10 +102,21 @@ def _modes(args: argparse.Namespace) -> tuple[str, ...]:
         (("autoaccum_overlap_unchained",) if args.unchained else ())
 
 
-def _model(hidden: int) -> torch.nn.Module:
+def _model(hidden: int, depth: int = 1) -> torch.nn.Module:
+    """The MLP 64 -> hidden -> ... -> hidden -> 10 with GELUs, ``depth`` hidden-to-hidden layers (1 here;
+    ``ddp_versions.py --depth``: more parameter tensors at the same width)."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, hidden),
-                               torch.nn.GELU(), torch.nn.Linear(hidden, 10))
+    layers: list[torch.nn.Module] = [torch.nn.Linear(64, hidden), torch.nn.GELU()]
+    for _ in range(depth):
+        layers += [torch.nn.Linear(hidden, hidden), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(hidden, 10))
+
+
+def _data(rank: int, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's share of one global batch (inputs, class labels), the same every step."""
+    share = args.micro * args.accum
+    g = torch.Generator().manual_seed(rank)
+    return torch.randn(share, 64, generator=g), torch.randint(0, 10, (share,), generator=g)
 
 
 def _loss(m: torch.nn.Module, batch: Any) -> torch.Tensor:
@@ -163,15 +174,13 @@ def _setup(mode: str, rank: int, args: argparse.Namespace) -> tuple[Any, list[bo
 
     model = torch.nn.parallel.DistributedDataParallel(_model(args.hidden))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    share = args.micro * args.accum
-    g = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(share, 64, generator=g), torch.randint(0, 10, (share,), generator=g)
+    x, y = _data(rank, args)
     guard = None
     if mode.startswith("autoaccum"):
         sync = DistributedSync(model)
         if mode == "autoaccum_overlap_nocut":  # diagnostic: the cut's exchange answered locally on both ranks
             sync.gather_async = _local_answer  # type: ignore[method-assign]
-        guard = autoaccum.OOMGuard(model, opt, target_batch=share * 2, micro_batch=args.micro,
+        guard = autoaccum.OOMGuard(model, opt, target_batch=len(x) * 2, micro_batch=args.micro,
                                    sync=sync, overlap="off" if mode == "autoaccum" else "auto",
                                    nonfinite="stop" if mode in ("autoaccum", "autoaccum_overlap",
                                                                 "autoaccum_overlap_unchained") else None)

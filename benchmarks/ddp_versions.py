@@ -71,29 +71,13 @@ def export_baseline(revision: str, into: Path) -> str:
     return commit
 
 
-def _model(args: argparse.Namespace) -> torch.nn.Module:
-    """``ddp_bench``'s MLP (64 -> hidden -> hidden -> 10, GELUs) with ``--depth`` hidden-to-hidden layers
-    (1: ``ddp_bench``'s own): more parameters, the same work per parameter."""
-    torch.manual_seed(0)
-    layers: list[torch.nn.Module] = [torch.nn.Linear(64, args.hidden), torch.nn.GELU()]
-    for _ in range(args.depth):
-        layers += [torch.nn.Linear(args.hidden, args.hidden), torch.nn.GELU()]
-    return torch.nn.Sequential(*layers, torch.nn.Linear(args.hidden, 10))
-
-
-def _data(rank: int, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
-    share = args.micro * args.accum
-    g = torch.Generator().manual_seed(rank)
-    return torch.randn(share, 64, generator=g), torch.randint(0, 10, (share,), generator=g)
-
-
 def _guard_step(package: str, rank: int, args: argparse.Namespace) -> Any:
     """One guard (``ddp_bench``'s ``autoaccum_overlap``) of ``package``; returns ``step()``."""
     module = __import__(package)
     distributed = __import__(f"{package}.distributed", fromlist=["DistributedSync"])
-    model = torch.nn.parallel.DistributedDataParallel(_model(args))
+    model = torch.nn.parallel.DistributedDataParallel(ddp_bench._model(args.hidden, args.depth))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = _data(rank, args)
+    x, y = ddp_bench._data(rank, args)
     guard = module.OOMGuard(model, opt, target_batch=len(x) * 2, micro_batch=args.micro,
                             sync=distributed.DistributedSync(model), overlap="auto", nonfinite="stop")
     return lambda: guard.step((x, y), ddp_bench._loss)
@@ -101,9 +85,9 @@ def _guard_step(package: str, rank: int, args: argparse.Namespace) -> Any:
 
 def _hand_step(rank: int, args: argparse.Namespace) -> Any:
     """The hand loop (``ddp_bench``'s ``ddp_no_sync_last``) on the same model."""
-    model = torch.nn.parallel.DistributedDataParallel(_model(args))
+    model = torch.nn.parallel.DistributedDataParallel(ddp_bench._model(args.hidden, args.depth))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = _data(rank, args)
+    x, y = ddp_bench._data(rank, args)
     return lambda: ddp_bench._hand_step(model, opt, x, y, args, quiet_but_last=True)
 
 
@@ -158,7 +142,8 @@ def main() -> None:
     result = {
         "baseline": commit, "current": current + (" (with uncommitted changes)" if dirty else ""),
         "hidden": args.hidden, "depth": args.depth,
-        "parameters": sum(1 for _ in _model(args).parameters()), "turns": args.turns, "instances": args.instances,
+        "parameters": sum(1 for _ in ddp_bench._model(args.hidden, args.depth).parameters()),
+        "turns": args.turns, "instances": args.instances,
         "median_step_ms": {mode: ddp_bench._per_step_ratio(times, mode, mode)["median_ms"] for mode in MODES},
         "vs_hand_loop": {mode: ddp_bench._per_step_ratio(times, mode, "hand_loop") for mode in ("baseline", "current")},
         "current_vs_baseline": ddp_bench._per_step_ratio(times, "current", "baseline"),

@@ -22,7 +22,7 @@ meets the k-th of every other rank. The guard's protocol keeps that order in bot
   step's loss sum and item count and, in a chained step, its row of the cut's exchange
   (``autoaccum.cut_agreement``), each rank's in a slot of its own (zeros in the others', so the SUM
   gathers them; every float64 and count written as three float32 pieces that add up to it exactly,
-  :func:`_pieces`, and the scalars summed in float64 after the exchange). The flag is then known when the last bucket is: no exchange after
+  :func:`_split`, and the scalars summed in float64 after the exchange). The flag is then known when the last bucket is: no exchange after
   the gradients (the hand-written loop has none either; on 2 gloo ranks a separate one waits for
   the slower rank to finish the last bucket: ``benchmarks/gloo_cost.py``, RESULTS.md). The last bucket is
   the first layers' gradients, final only at the very end of the backward, so sending it after

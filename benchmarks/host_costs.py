@@ -1,0 +1,150 @@
+"""What the overlapped step's per-tensor host work costs alone, in one process (issue 15, the ranks row).
+
+The guard's step on 2 ranks trails the hand loop by a fixed part and a part per parameter tensor
+(``ddp_versions.py --depth``, benchmarks/RESULTS.md). This times, per parameter tensor and without a
+process group, the pieces of work the overlapped step does for every tensor in every step, side by
+side with what each would replace:
+
+- ``hook_register_remove``: registering the post-accumulate-grad hook that starts the buckets in the
+  last backward and removing it after (``autoaccum.distributed.overlap``: once a step);
+- ``backward_with_idle_hook``: a backward of ``--tensors`` small layers with such a hook left on each
+  parameter (it returns at once) against the same backward without hooks: what keeping the hooks
+  registered across micro-batches costs per backward instead;
+- ``backward_empty_hook_dict``: the same backward after a hook was registered and removed (the
+  parameter keeps an empty hook dictionary) against parameters that never had one, and
+  ``backward_hook_dict_reset`` with that dictionary set back to None as well;
+- ``copy_back_checked`` / ``copy_back_assign``: handing a summed gradient over as a view of the flat
+  buffer, with the stride check ``copy_back`` makes, and the assignment alone;
+- ``random_getstate``: Python's RNG state, captured once a step for an exact replay.
+
+Medians of ``--repeats`` timings, alternating the compared variants. Prints a table, then one JSON
+document. Not part of the test run.
+
+    python benchmarks/host_costs.py [--tensors 100] [--repeats 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import random
+import statistics
+import timeit
+from collections.abc import Callable
+
+import torch
+
+
+def _params(n: int) -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(torch.randn(16, 16)) for _ in range(n)]
+
+
+def _time(fn: Callable[[], object], number: int) -> float:
+    """Seconds per call: the best of 3 runs of ``number`` calls."""
+    return min(timeit.repeat(fn, number=number, repeat=3)) / number
+
+
+def _alternating(variants: dict[str, Callable[[], object]], before: dict[str, Callable[[], None]], repeats: int,
+                 number: int) -> dict[str, float]:
+    """Median microseconds per call of each variant, timed in alternating order (``before[name]()`` first)."""
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for i in range(repeats):
+        for name in (list(variants) if i % 2 else list(reversed(variants))):
+            before[name]()
+            times[name].append(_time(variants[name], number) * 1e6)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tensors", type=int, default=100, help="parameter tensors (16 x 16 each)")
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--json-only", action="store_true")
+    args = parser.parse_args()
+    for name in ("tensors", "repeats"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name} must be at least 1, got {getattr(args, name)}")
+    torch.set_num_threads(1)
+    n = args.tensors
+    params = _params(n)
+
+    def register_remove() -> None:
+        for handle in [p.register_post_accumulate_grad_hook(_idle) for p in params]:
+            handle.remove()
+
+    x = torch.randn(8, 16)
+    plain, hooked = _params(n), _params(n)
+    for p in hooked:
+        p.register_post_accumulate_grad_hook(_idle)
+    fresh, emptied, reset = _params(n), _params(n), _params(n)
+    for p in emptied + reset:
+        p.register_post_accumulate_grad_hook(_idle).remove()
+    for p in reset:
+        p._post_accumulate_grad_hooks = None  # the Python side as it was before any hook
+
+    def backward(ps: list[torch.nn.Parameter]) -> Callable[[], None]:
+        def run() -> None:
+            sum((x @ p).sum() for p in ps).backward()
+        return run
+
+    flat = torch.empty(n * 256)
+    views = [flat[i * 256:(i + 1) * 256].view(16, 16) for i in range(n)]
+    grads = [torch.randn(16, 16) for _ in range(n)]
+
+    def set_local_grads() -> None:
+        for p, g in zip(params, grads):
+            p.grad = g
+
+    def checked() -> None:
+        for p, v in zip(params, views):
+            if p.grad is not None and p.grad.stride() != v.stride():
+                p.grad.copy_(v)
+            else:
+                p.grad = v
+
+    def assign() -> None:
+        for p, v in zip(params, views):
+            p.grad = v
+
+    nothing: Callable[[], None] = lambda: None  # noqa: E731
+    hooks = _alternating({"hook_register_remove": register_remove}, {"hook_register_remove": nothing},
+                         args.repeats, 200)
+    idle = _alternating({"without_hooks": backward(plain), "with_idle_hooks": backward(hooked)},
+                        {"without_hooks": nothing, "with_idle_hooks": nothing}, args.repeats, 20)
+    empty = _alternating({"never_hooked": backward(fresh), "empty_hook_dict": backward(emptied),
+                          "hook_dict_reset": backward(reset)},
+                         {"never_hooked": nothing, "empty_hook_dict": nothing, "hook_dict_reset": nothing},
+                         args.repeats, 20)
+    # each timed call re-assigns the same views; the local gradients are put back before each timing
+    copy_back = _alternating({"checked": checked, "assign": assign},
+                             {"checked": set_local_grads, "assign": set_local_grads}, args.repeats, 200)
+    rng = _alternating({"random_getstate": random.getstate}, {"random_getstate": nothing}, args.repeats, 2000)
+    per_tensor = {
+        "hook_register_remove": hooks["hook_register_remove"] / n,
+        "backward_with_idle_hook": (idle["with_idle_hooks"] - idle["without_hooks"]) / n,
+        "backward_empty_hook_dict": (empty["empty_hook_dict"] - empty["never_hooked"]) / n,
+        "backward_hook_dict_reset": (empty["hook_dict_reset"] - empty["never_hooked"]) / n,
+        "copy_back_checked": copy_back["checked"] / n,
+        "copy_back_assign": copy_back["assign"] / n,
+    }
+    result = {"benchmark": "host_costs", "tensors": n, "repeats": args.repeats,
+              "us_per_tensor": per_tensor, "random_getstate_us": rng["random_getstate"],
+              "backward_us": {**idle, **empty}, "torch": torch.__version__, "python": platform.python_version(),
+              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    if not args.json_only:
+        print(f"{n} parameter tensors (16 x 16), one process, one thread; medians of {args.repeats} timings")
+        for name, us in per_tensor.items():
+            print(f"  {name:<28}{us:8.3f} us a tensor")
+        print(f"  {'random.getstate()':<28}{rng['random_getstate']:8.3f} us a call")
+        print("  backward of all layers (us): " + ", ".join(f"{k} {v:.1f}" for k, v in result["backward_us"].items()))
+    print(json.dumps(result, indent=1))
+
+
+def _idle(_p: torch.Tensor) -> None:
+    """A hook that does nothing (a disarmed one)."""
+
+
+if __name__ == "__main__":
+    main()
