@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from autoaccum.distributed.overlap import STEP_SCALARS, _OverlappedReduce, _pieces
+from autoaccum.distributed.overlap import _COUNTS, STEP_SCALARS, _OverlappedReduce, _pieces
 from autoaccum.sync import CUT_FIELDS
 
 
@@ -40,7 +40,7 @@ def _row_of(rank: int, world_size: int, params: int) -> _OverlappedReduce:
     """The row's parts of one rank's overlap (no process group, no buckets: a float32 last bucket)."""
     o = object.__new__(_OverlappedReduce)
     o.rank, o.world_size, o.pieces = rank, world_size, 3
-    o._flags = 4 + params
+    o._flags = _COUNTS + params
     o.row = o._flags + world_size * (STEP_SCALARS + CUT_FIELDS) * o.pieces
     o.flats = [torch.zeros(66_000 + o.row)]  # a first layer's gradients before the row, as in ddp_bench
     return o
@@ -82,7 +82,7 @@ def per_element_read(o: _OverlappedReduce) -> tuple[list[float], torch.Tensor, t
 
 def _inputs(world_size: int, params: int) -> tuple[list[list[bool]], list[torch.Tensor], list[tuple[int, ...]]]:
     g = torch.Generator().manual_seed(world_size)
-    flags = [[r == 0, False, False, True] + [True] * params for r in range(world_size)]
+    flags = [[r == 0, False, False, True, False] + [True] * params for r in range(world_size)]
     scalars = [torch.randn(STEP_SCALARS, generator=g, dtype=torch.float64) * 1e3 for _ in range(world_size)]
     rows = [tuple(int(v) for v in torch.randint(0, 2**40, (CUT_FIELDS,), generator=g)) for _ in range(world_size)]
     return flags, scalars, rows

@@ -73,6 +73,32 @@ def make_net() -> OverlapNet:
     return OverlapNet().double()
 
 
+class MisorderedNet(torch.nn.Module):
+    """Layers registered in the reverse of their use: ``head`` (used last) before ``body``. In reverse
+    parameter order, the buckets' order, the body's parameters come before the head's, while a backward
+    makes the head's gradients first. With MISORDERED_BUCKET_BYTES the first bucket holds
+    [body.bias, body.weight, head.bias, head.weight]: the parameter watched at first (the bucket's
+    last, head.weight) is final before the body's, which the last micro-batch's backward still adds to.
+    ``scale`` (registered first) is the last bucket, sent after the backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(3))
+        self.head = torch.nn.Linear(16, 3)
+        self.body = torch.nn.Linear(6, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(x))) * self.scale
+
+
+MISORDERED_BUCKET_BYTES = 1000  # fp64: body.bias 128 + body.weight 768 + head.bias 24 < 1000 <= + head.weight 384
+
+
+def make_misordered() -> MisorderedNet:
+    torch.manual_seed(SEED)
+    return MisorderedNet().double()
+
+
 def make_data(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(SEED + 1)
     x = torch.randn(n, 6, generator=g, dtype=torch.float64)
@@ -89,9 +115,10 @@ def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in unwrap_model(model).named_parameters()}
 
 
-def reference(steps: int, n: int) -> dict[str, torch.Tensor]:
-    """One process, one full-batch SGD step per global batch, fp64: the ground truth."""
-    model = make_net()
+def reference(steps: int, n: int, make: Any = None) -> dict[str, torch.Tensor]:
+    """One process, one full-batch SGD step per global batch, fp64: the ground truth (``make()``'s net,
+    :func:`make_net`'s by default)."""
+    model = (make or make_net)()
     opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
     for _, rb in zip(range(steps), GlobalBatches(make_data(n), TARGET, seed=SEED).epoch(0)):
         opt.zero_grad(set_to_none=True)
@@ -100,11 +127,12 @@ def reference(steps: int, n: int) -> dict[str, torch.Tensor]:
     return _params(model)
 
 
-def _guard(kind: str, **options: Any) -> tuple[OverlapNet, torch.nn.Module, autoaccum.OOMGuard, DistributedSync]:
-    net = make_net()
+def _guard(kind: str, make: Any = None, bucket_bytes: int = BUCKET_BYTES,
+           **options: Any) -> tuple[Any, torch.nn.Module, autoaccum.OOMGuard, DistributedSync]:
+    net = (make or make_net)()
     model = wrap_model(net) if kind == "ddp" else net
     opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
-    sync = DistributedSync(model, bucket_bytes=BUCKET_BYTES)
+    sync = DistributedSync(model, bucket_bytes=bucket_bytes)
     return net, model, autoaccum.OOMGuard(model, opt, sync=sync, **options), sync
 
 
@@ -112,14 +140,16 @@ def _guard(kind: str, **options: Any) -> tuple[OverlapNet, torch.nn.Module, auto
 EXACT_STEPS = 5
 
 
-def _run(kind: str, overlap: str, rank: int, world_size: int, arm_first: bool = False) -> dict[str, Any]:
-    net, model, guard, sync = _guard(kind, target_batch=TARGET, micro_batch=MICRO, overlap=overlap)
+def _run(kind: str, overlap: str, rank: int, world_size: int, arm_first: bool = False, make: Any = None,
+         bucket_bytes: int = BUCKET_BYTES) -> dict[str, Any]:
+    net, model, guard, sync = _guard(kind, make, bucket_bytes, target_batch=TARGET, micro_batch=MICRO,
+                                     overlap=overlap)
     if arm_first:  # the mistake: send each bucket as soon as its gradients appear in the FIRST micro-batch
         def arming(micro_batches: Any, steps: int, agreement: Any, attempt: int) -> Any:
             guard._arm_last(agreement, attempt)
             yield from micro_batches
         guard._arming = arming  # type: ignore[method-assign]
-    overlapped, early, losses = [], [], []
+    overlapped, early, late, losses = [], [], [], []
     batches = GlobalBatches(make_data(TARGET * EXACT_STEPS), TARGET, seed=SEED, rank=rank, world_size=world_size)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -128,8 +158,14 @@ def _run(kind: str, overlap: str, rank: int, world_size: int, arm_first: bool = 
             overlapped.append(stats.overlapped)
             losses.append(stats.loss)
             early.append(sync._overlap.early if sync._overlap is not None else 0)
-    return {"params": _params(model), "overlapped": overlapped, "early": early, "losses": losses,
-            "never_grad": net.never.grad, "warnings": [str(w.message) for w in caught]}
+            late.append(sync._overlap.late if sync._overlap is not None else False)
+    names = {id(p): n for n, p in net.named_parameters()}
+    return {"params": _params(model), "overlapped": overlapped, "early": early, "late": late, "losses": losses,
+            "never_grad": getattr(net, "never", None) is not None and net.never.grad,
+            "warnings": [str(w.message) for w in caught],
+            # which parameters ever carried a post-accumulate-grad hook (the dictionary stays once made)
+            "hooked": sorted(n for n, p in net.named_parameters() if p._post_accumulate_grad_hooks is not None),
+            "watched": [] if sync._overlap is None else [sorted(names[id(p)] for p in w) for w in sync._overlap.watched]}
 
 
 def exact_runs(rank: int, world_size: int) -> dict[str, Any]:
@@ -142,18 +178,24 @@ def exact_runs(rank: int, world_size: int) -> dict[str, Any]:
     from autoaccum.distributed import overlap as overlap_module
 
     cls = overlap_module._OverlappedReduce
-    checked = cls._on_grad
+    checked, late_params = cls._on_grad, cls._late_params
 
     def unchecked(self: Any, p: torch.Tensor) -> None:
         if id(p) in self._fired:
             return  # a second accumulation, after its bucket may have left: ignored (the mistake goes unseen)
         checked(self, p)
 
+    for kind in ("ddp", "plain"):  # a bucket's watched parameter final before the others: learned
+        out[f"misordered/{kind}"] = _run(kind, "auto", rank, world_size, make=make_misordered,
+                                         bucket_bytes=MISORDERED_BUCKET_BYTES)
     cls._on_grad = unchecked  # type: ignore[method-assign]
+    cls._late_params = lambda self: []  # type: ignore[method-assign]  # gradients changed after leaving: unseen
     try:
         out["arm_first/unchecked"] = _run("ddp", "on", rank, world_size, arm_first=True)
+        out["misordered/unchecked"] = _run("ddp", "auto", rank, world_size, make=make_misordered,
+                                           bucket_bytes=MISORDERED_BUCKET_BYTES)
     finally:
-        cls._on_grad = checked  # type: ignore[method-assign]
+        cls._on_grad, cls._late_params = checked, late_params  # type: ignore[method-assign]
     return out
 
 
@@ -179,6 +221,9 @@ def test_overlapped_steps_equal_full_batch_steps_fp64(kind: str, exact: list[dic
         on, off = r[f"{kind}/auto"], r[f"{kind}/off"]
         assert on["overlapped"] == [True] * EXACT_STEPS and off["overlapped"] == [False] * EXACT_STEPS
         assert all(e > 0 for e in on["early"]), on["early"]  # really overlapped: buckets sent inside the backward
+        assert on["late"] == [False] * EXACT_STEPS, on["late"]  # each bucket's last parameter was its last final
+        # a hook only on each bucket sent during the backward's last parameter (none in the last bucket)
+        assert on["hooked"] == ["inp.weight", "out.weight"] and on["watched"] == [["out.weight"], ["inp.weight"]]
         assert on["never_grad"] is None and not [w for w in on["warnings"] if "overlapped" in w]
         for name, p in want.items():
             torch.testing.assert_close(on["params"][name], p, **FP64, msg=f"overlapped rank {rank} {name}")
@@ -208,6 +253,31 @@ def test_buckets_sent_before_the_gradients_are_final_are_caught(exact: list[dict
         assert any("no longer overlapped" in w for w in checked["warnings"]), checked["warnings"]
         for name, p in want.items():
             torch.testing.assert_close(checked["params"][name], p, **FP64, msg=name)
+
+
+@pytest.mark.parametrize("kind", ["ddp", "plain"])
+def test_a_bucket_sent_before_an_unwatched_gradient_was_final_is_caught_and_learned(
+        kind: str, exact: list[dict[str, Any]]) -> None:
+    """Only each bucket's last parameter is watched at first (a hook), on the assumption that a backward
+    makes gradients in the reverse of the parameters' order. MisorderedNet breaks it: its first bucket
+    leaves once head.weight is final, before the body's gradients of the last micro-batch are added.
+    After the backward the body's gradients are seen to have changed since (their version counters):
+    every rank drops that step's sums and reduces it the old way (exact), and the body's parameters are
+    watched from then on, so every later step overlaps with its bucket sent during the backward and
+    nothing late. No warning: it is not a fault. Negative control: with that check off, the same
+    buckets give wrong weights."""
+    want = reference(EXACT_STEPS, TARGET * EXACT_STEPS, make_misordered)
+    for rank, r in enumerate(exact):
+        run = r[f"misordered/{kind}"]
+        assert run["overlapped"] == [True] * EXACT_STEPS and run["early"] == [1] * EXACT_STEPS, run
+        assert run["late"] == [True] + [False] * (EXACT_STEPS - 1), run["late"]
+        assert run["watched"] == [["body.bias", "body.weight", "head.weight"]], run["watched"]
+        assert not [w for w in run["warnings"] if "overlapped" in w], run["warnings"]
+        for name, p in want.items():
+            torch.testing.assert_close(run["params"][name], p, **FP64, msg=f"rank {rank} {name}")
+        wrong = r["misordered/unchecked"]
+        assert wrong["late"] == [False] * EXACT_STEPS
+        assert not torch.allclose(wrong["params"]["body.weight"], want["body.weight"], rtol=1e-3, atol=1e-6)
 
 
 # -- the flag in the last bucket: its dtype ----------------------------------------------------------------
@@ -277,8 +347,9 @@ def test_the_flag_rides_in_a_float32_last_bucket_and_the_loss_stays_float64(dtyp
         on, off = r["torch.float32/auto"], r["torch.float32/off"]
         assert on["overlapped"] == [True] * EXACT_STEPS and off["overlapped"] == [False] * EXACT_STEPS
         p, buckets = on["num_params"], on["buckets"]
-        # status (2), late, chain, presence (p), then per rank 4 scalars and a cut row of CUT_FIELDS, x 3 pieces
-        row = 4 + p + 2 * (4 + CUT_FIELDS) * 3
+        # status (2), late, chain, twice, presence (p), then per rank 4 scalars and a cut row of CUT_FIELDS,
+        # x 3 pieces
+        row = 5 + p + 2 * (4 + CUT_FIELDS) * 3
         assert on["calls"] == [(n, "torch.float32", True) for n in buckets[:-1]] + \
             [(buckets[-1] + row, "torch.float32", True)], on["calls"]
         assert on["losses"] == off["losses"], (on["losses"], off["losses"])  # bit for bit
@@ -298,7 +369,7 @@ def test_a_bf16_last_bucket_sends_the_flag_in_an_exchange_of_its_own(dtypes: lis
         assert on["overlapped"] == [True] * EXACT_STEPS
         p = on["num_params"]
         assert on["calls"] == [(n, "torch.bfloat16", True) for n in on["buckets"]] + \
-            [(4 + p + 4 + 2 * CUT_FIELDS, "torch.float64", False)], on["calls"]
+            [(5 + p + 4 + 2 * CUT_FIELDS, "torch.float64", False)], on["calls"]
         assert on["losses"] == off["losses"], (on["losses"], off["losses"])
         for name, value in off["params"].items():
             torch.testing.assert_close(on["params"][name], value, rtol=1e-2, atol=1e-3, msg=name)
@@ -391,7 +462,7 @@ def test_the_flag_row_gathers_every_ranks_slots_exactly_at_any_world_size(world_
     Python, for a few ranks; with tensor operations, for many) at every size. Negative control: a
     rank writing into another rank's slot changes the rows read back."""
     import autoaccum.distributed.overlap as overlap
-    from autoaccum.distributed.overlap import STEP_SCALARS, _OverlappedReduce
+    from autoaccum.distributed.overlap import _COUNTS, STEP_SCALARS, _OverlappedReduce
 
     monkeypatch.setattr(overlap, "HOST_ROW_RANKS", 10**6 if on_host else 0)
 
@@ -399,13 +470,13 @@ def test_the_flag_row_gathers_every_ranks_slots_exactly_at_any_world_size(world_
     g = torch.Generator().manual_seed(world_size)
     scalars = [torch.randn(STEP_SCALARS, generator=g, dtype=torch.float64) * 1e3 for _ in range(world_size)]
     cut_rows = [tuple(int(v) for v in torch.randint(0, 2**40, (CUT_FIELDS,), generator=g)) for _ in range(world_size)]
-    flags = [[r % 2 == 0, False, r == 1, True] + [r < 2] * params for r in range(world_size)]
+    flags = [[r % 2 == 0, False, r == 1, True, r == 2] + [r < 2] * params for r in range(world_size)]
 
     def rank_view(rank: int) -> _OverlappedReduce:
         o = object.__new__(_OverlappedReduce)  # the row's parts only: no process group, no buckets
         o.rank, o.world_size = rank, world_size
         o.pieces = {torch.float32: 3, torch.float64: 1}[dtype]
-        o._flags = 4 + params
+        o._flags = _COUNTS + params
         o.row = o._flags + world_size * (STEP_SCALARS + CUT_FIELDS) * o.pieces
         o.flats = [torch.full((7 + o.row,), float("nan"), dtype=dtype)]  # the row's room starts as garbage
         return o
@@ -424,7 +495,7 @@ def test_the_flag_row_gathers_every_ranks_slots_exactly_at_any_world_size(world_
     exchanged(views)
     for o in views:
         counts, sums, rows = o._read_row(True, True)
-        assert counts == [float(sum(f[i] for f in flags)) for i in range(4 + params)]
+        assert counts == [float(sum(f[i] for f in flags)) for i in range(_COUNTS + params)]
         assert sums is not None and sums.dtype == torch.float64 and sums.tolist() == want
         assert rows == tuple(cut_rows)
     assert views[0]._read_row(False, False)[2] == ((0,) * CUT_FIELDS,) * world_size
@@ -505,10 +576,10 @@ def test_tight_memory_keeps_todays_protocol_ample_memory_overlaps(tmp_path: Path
         gather, loss = (2 * CUT_FIELDS, "torch.int64", True), (4, "torch.float64", False)
         # today's protocol: the cut, then the flag, which gradients exist, the gradients, the loss
         flag_head = [(1, "torch.int64", False), (p, "torch.int32", False)]
-        # overlapped: the buckets, the last one with the flag's row: status (2), late, chain, presence (p),
-        # then per rank the loss's 4 scalars and a cut row
+        # overlapped: the buckets, the last one with the flag's row: status (2), late, chain, twice,
+        # presence (p), then per rank the loss's 4 scalars and a cut row
         buckets = [(n, "torch.float64", True) for n in r["buckets"][:-1]] + \
-            [(r["buckets"][-1] + 4 + p + 2 * (4 + CUT_FIELDS), "torch.float64", True)]
+            [(r["buckets"][-1] + 5 + p + 2 * (4 + CUT_FIELDS), "torch.float64", True)]
         # step 2 overlaps after its exchange, and every rank proposes chaining; step 3 is chained (no
         # exchange), but memory is tight now: every rank sits it out (no micro-batch, zeros in every
         # bucket), the attempt is void and runs again with the exchange, waited for, and today's

@@ -8,7 +8,7 @@ meets the k-th of every other rank. The guard's protocol keeps that order in bot
   the OOM flag, then the gradients, once every rank has said OK;
 - **overlapped** (this module, where the guard found room for it): during the last micro-batch's
   backward each bucket of gradients but the last is all-reduced asynchronously as soon as every
-  gradient in it is final (post-accumulate-grad hooks), buckets strictly in their fixed order on
+  gradient in it is final (below), buckets strictly in their fixed order on
   every rank. After the micro-batches, whatever happened -- every backward done, or an OOM or error
   in any forward, loss or backward -- each rank issues the buckets it has not issued yet, in the
   same order (its local sums, or zeros after a failure), the last of them carrying the flag, and
@@ -17,8 +17,9 @@ meets the k-th of every other rank. The guard's protocol keeps that order in bot
   never meet a gradient all-reduce of another size, because it is part of the last one.
 
   **The flag in the last bucket.** After the last bucket's gradients comes a row: whether this
-  rank ran out of memory (or failed), whether a gradient was accumulated twice in the last backward
-  (below), whether it proposes chaining the next step, which parameters have a gradient, and the
+  rank ran out of memory (or failed), whether a bucket left before its gradients were final and
+  whether a watched gradient was accumulated twice in the last backward (below), whether it
+  proposes chaining the next step, which parameters have a gradient, and the
   step's loss sum and item count and, in a chained step, its row of the cut's exchange
   (``autoaccum.cut_agreement``), each rank's in a slot of its own (zeros in the others', so the SUM
   gathers them; every float64 and count written as three float32 pieces that add up to it exactly,
@@ -44,12 +45,23 @@ meets the k-th of every other rank. The guard's protocol keeps that order in bot
   not overlapped). If every rank said OK, the sums become the gradients as views of the flat
   buffers (as DDP's ``gradient_as_bucket_view``: no copy back), until the next step clears them.
 
-A parameter whose gradient is accumulated twice in one backward (a weight shared across two
-reentrant checkpointed regions) would have been sent before it was final: the flag exchange tells
-every rank, the sums are dropped, the step's gradients are reduced the old way (its local gradients
-are intact) and overlap is switched off for this sync, with a warning. A parameter that gets no
-gradient in the last micro-batch leaves its bucket waiting until after the backward (it is sent
-then, in order); a parameter no rank used keeps ``grad=None``, as in one process.
+**How a bucket is known to be final.** A hook (post-accumulate-grad) on one parameter per bucket the
+backward may send: at first the bucket's last, which a backward makes last where it makes gradients
+in about the reverse of the parameters' order (the order DDP's buckets assume). The bucket leaves
+once every watched parameter of it (and every earlier bucket) has its gradient for the step. What it
+held is then recorded: each gradient tensor and its version counter. After the backward, a gradient
+of a sent bucket that is another tensor now, or whose version moved (the backward added to it
+later), shows that the bucket left before it was final: the flag tells every rank, the sums are
+dropped and the step's gradients are reduced the old way (its local gradients are intact), and that
+parameter is watched from then on (the order is learned; no warning: it is not a fault). A parameter
+in the last bucket, sent after the backward, needs no hook; one never late carries none (a hook
+costs about 3 us a parameter to register and remove and, once registered, about 0.5 us in every
+later backward: ``benchmarks/host_costs.py``). A watched parameter whose gradient is accumulated
+twice in one backward (a weight shared across two reentrant checkpointed regions) cannot be
+watched at all: the step is reduced the old way and overlap is switched off for this sync, with a
+warning. A parameter that gets no gradient in the last micro-batch leaves its bucket waiting until
+after the backward (it is sent then, in order); a parameter no rank used keeps ``grad=None``, as in
+one process.
 """
 
 from __future__ import annotations
@@ -90,6 +102,8 @@ _PIECES = {torch.float32: 3, torch.float64: 1}
 #: faster than tensor operations); beyond, with tensor operations (host work that does not grow with the ranks).
 #: ``benchmarks/row_cost.py`` times both.
 HOST_ROW_RANKS = 8
+#: the counts at the row's start, before the presence bits: status (two: OOM, error), late, chain, twice
+_COUNTS = 5
 _TYPECODES = {torch.float32: "f", torch.float64: "d"}  # the row's dtypes as the array module names them
 _FLOAT32 = struct.Struct("f")
 
@@ -106,10 +120,16 @@ class _OverlappedReduce:
         #: the flag rides in the last bucket (its row after the gradients) where that bucket's dtype
         #: holds it exactly; else None: an exchange of its own after the buckets
         self.pieces = _PIECES.get(buckets[-1][0].dtype)
-        self._flags = 4 + len(params)  # status (2), late, chain, presence: the row's counts
+        self._flags = _COUNTS + len(params)  # status (2), late, chain, twice, presence: the row's counts
         self.row = 0 if self.pieces is None else self._flags + self.world_size * _SLOT * self.pieces
         #: the buckets the backward's hooks may send (all, or all but the last where it carries the flag)
         self._early_limit = len(buckets) - (self.pieces is not None)
+        #: per bucket the backward may send, the parameters whose hooks say it is final: at first its
+        #: last one (a backward makes gradients in about the reverse of the parameters' order, as DDP's
+        #: buckets assume, so a bucket's last parameter is the last to be final), then also every one
+        #: whose gradient changed after its bucket had left (:meth:`_late_params`). A parameter in the
+        #: last bucket (sent after the backward) or never late carries no hook.
+        self.watched: list[list[torch.nn.Parameter]] = [[bucket[-1]] for bucket in buckets[:self._early_limit]]
         self.nbytes = sum(p.numel() * p.element_size() for p in params) + self.row * buckets[-1][0].element_size()
         self.flats: list[torch.Tensor] | None = None
         self._views: list[list[torch.Tensor]] = []  # each parameter's place in its bucket's flat buffer
@@ -127,6 +147,8 @@ class _OverlappedReduce:
         self._stack = contextlib.ExitStack()
         self._keep: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._works: list[Any] = []
+        #: the buckets sent during the backward: index, each parameter's gradient then and its version
+        self._sent: list[tuple[int, list[torch.Tensor | None], list[int]]] = []
         self._waiting: list[int] = []
         self._fired: set[int] = set()
         self._next = 0
@@ -176,8 +198,8 @@ class _OverlappedReduce:
         if self.flats is None or self.active:
             raise RuntimeError("internal: an overlapped attempt needs its buffers and no attempt in flight")
         self.active, self.reduced, self.late, self.early, self.promised = True, None, False, 0, False
-        self._works, self._fired, self._next, self._late = [], set(), 0, False
-        self._waiting = [len(b) for b in self.buckets]
+        self._works, self._sent, self._fired, self._next, self._late = [], [], set(), 0, False
+        self._waiting = [len(watched) for watched in self.watched]
         self._stack = contextlib.ExitStack()
         self._keep = self._stack.enter_context(settled())
         return self._arm
@@ -185,7 +207,8 @@ class _OverlappedReduce:
     def _arm(self) -> None:
         if self._hooks or not self.active:
             return
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for watched in self.watched
+                       for p in watched]
 
     def _on_grad(self, p: torch.Tensor) -> None:
         """``p``'s gradient is final for the step (it is accumulated in the last backward)."""
@@ -196,24 +219,40 @@ class _OverlappedReduce:
         self._fired.add(key)
         self._waiting[self.where[key]] -= 1
         while self._next < self._early_limit and self._waiting[self._next] == 0:  # strictly in order
-            self._launch(self._next, copy=True)
+            self._launch(self._next, copy=True, during_backward=True)
             self.early += 1
 
-    def _launch(self, index: int, *, copy: bool) -> None:
+    def _launch(self, index: int, *, copy: bool, during_backward: bool = False) -> None:
         assert self.flats is not None and self._keep is not None
         flat = self.flats[index]
         # into the buffer (one call for the bucket): the gradient itself stays this rank's own sum
         into, grads = [], []
-        for p, part in zip(self.buckets[index], self._views[index]):
-            if copy and p.grad is not None:
+        current = [p.grad for p in self.buckets[index]]
+        for grad, part in zip(current, self._views[index]):
+            if copy and grad is not None:
                 into.append(part)
-                grads.append(p.grad)
+                grads.append(grad)
             else:
                 part.zero_()
         if into:
             torch._foreach_copy_(into, grads)
+        if during_backward:  # what was sent, to tell after the backward whether any of it changed since
+            self._sent.append((index, current, [-1 if grad is None else grad._version for grad in current]))
         self._works.append(dist.all_reduce(self._keep(flat), group=self.group, async_op=True))
         self._next = index + 1  # counted once issued: a failure before it leaves it to finish()
+
+    def _late_params(self) -> list[torch.nn.Parameter]:
+        """After the backward: the parameters of the buckets it sent whose gradient changed after its
+        bucket left (another tensor, or the same one accumulated into: its version counter moved; the
+        gradient it had then is held until here, so the comparison is by identity). Their bucket was
+        not final when it left: a parameter not watched was made after the watched ones."""
+        late = []
+        for index, grads, versions in self._sent:
+            for p, grad, version in zip(self.buckets[index], grads, versions):
+                now = p.grad
+                if now is not grad or (now is not None and now._version != version):
+                    late.append(p)
+        return late
 
     def finish(self, status: int, scalars: torch.Tensor | None = None, cut_row: tuple[int, ...] | None = None,
                chain_vote: bool = False) -> StepAgreement:
@@ -226,16 +265,25 @@ class _OverlappedReduce:
         (float64; None where none were given), whether every rank proposed to chain (and the step
         is OK), and every rank's cut row. Every rank gives scalars of the same length
         (:data:`STEP_SCALARS` where the flag rides in a bucket), or none."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
-        # status as two counts, the late flag, the chain proposals, the presence bits: counts of ranks,
-        # exact in every dtype the flag is exchanged in (float64, or a bucket's float32 up to 2**24 ranks)
-        flags = [status == 1, status == 2, self._late, chain_vote] + [p.grad is not None for p in self.params]
+        ok = status == 0
+        # a bucket sent before it was final: its sums are dropped on every rank (late), and the
+        # parameter that changed is watched from now on; after a failure the sums go anyway
+        changed = self._late_params() if ok else []
+        for p in changed:
+            watched = self.watched[self.where[id(p)]]
+            if all(w is not p for w in watched):  # a watched one that changed was accumulated twice (below)
+                watched.append(p)
+        if changed:
+            logger.debug("overlap: %d gradients changed after their bucket left; their parameters are watched now",
+                         len(changed))
+        # status as two counts, the late flag, the chain proposals, the watched gradient accumulated
+        # twice, the presence bits: counts of ranks, exact in every dtype the flag is exchanged in
+        # (float64, or a bucket's float32 up to 2**24 ranks)
+        flags = [status == 1, status == 2, self._late or bool(changed), chain_vote, self._late] + \
+            [p.grad is not None for p in self.params]
         if cut_row is not None and len(cut_row) != CUT_FIELDS:
             raise RuntimeError(f"internal: a cut row has {CUT_FIELDS} numbers, not {len(cut_row)}")
         try:
-            ok = status == 0
             if self.pieces is not None:
                 self._write_row(flags, scalars, cut_row)
             while self._next < len(self.buckets):
@@ -246,6 +294,10 @@ class _OverlappedReduce:
             else:
                 counts, sums, rows = self._exchange_flag(flags, scalars, cut_row)
         finally:
+            # the hooks go once the buckets are on their way (no backward is running now)
+            for handle in self._hooks:
+                handle.remove()
+            self._hooks, self._sent = [], []
             self._works = []  # a work handle holds its tensor: dropped before the settle below
             self._stack.close()  # returns once gloo's worker let go of every buffer (settle.py)
             self._keep, self.active = None, False
@@ -253,8 +305,8 @@ class _OverlappedReduce:
         late = False
         if agreed == 0:
             self.late = late = counts[2] > 0
-            self.reduced = [f > 0 for f in counts[4:]]
-            if self.late:
+            self.reduced = [f > 0 for f in counts[_COUNTS:]]
+            if counts[4] > 0:
                 self.disabled = ("a parameter's gradient was accumulated twice in one backward (e.g. a weight shared "
                                  "by two reentrant checkpointed regions)")
                 warnings.warn(f"autoaccum: the gradient all-reduce is no longer overlapped with the last backward: "
