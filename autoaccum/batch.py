@@ -98,12 +98,32 @@ def map_tensors(batch: Batch, fn: Callable[[torch.Tensor], torch.Tensor]) -> Bat
 
 def move_to(batch: Batch, device: torch.device, *, copy: bool = False) -> Batch:
     """``batch`` with every tensor on ``device`` (non-blocking where the source is pinned); ``copy``
-    copies tensors already there too (as a transfer to a device would allocate them)."""
+    copies tensors already there too (as a transfer to a device would allocate them). A tensor, or a
+    plain tuple, list or dict of tensors, already all on ``device`` is returned as it is (the common
+    case, once per micro-batch: no containers rebuilt)."""
+    if not copy and _all_on(batch, device):
+        return batch
+
     def move(t: torch.Tensor) -> torch.Tensor:
         if t.device != device or copy:
             return t.to(device, non_blocking=t.is_pinned(), copy=copy)
         return t
     return map_tensors(batch, move)
+
+
+def _all_on(batch: Batch, device: torch.device) -> bool:
+    """``batch`` is a tensor, or a plain tuple, list or dict of tensors, all on ``device`` (False for
+    anything else: then :func:`move_to` walks it)."""
+    if type(batch) is torch.Tensor:
+        return batch.device == device
+    kind = type(batch)
+    if kind is tuple or kind is list:
+        items = batch
+    elif kind is dict:
+        items = batch.values()  # type: ignore[union-attr]
+    else:
+        return False
+    return all(type(t) is torch.Tensor and t.device == device for t in items)  # type: ignore[union-attr]
 
 
 def own_rows(batch: Batch) -> Batch:

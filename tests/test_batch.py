@@ -127,6 +127,26 @@ def test_move_to_keeps_structure_and_skips_tensors_already_there():
     assert moved.device.type == "meta" and moved.shape == x.shape
 
 
+@pytest.mark.parametrize("make", [tuple, list, lambda ts: dict(enumerate(ts))], ids=["tuple", "list", "dict"])
+def test_move_to_returns_a_flat_batch_already_there_as_it_is_and_moves_the_rest(make):
+    """The fast path (once per micro-batch): a plain container of tensors all on the device comes back
+    as it is; one tensor elsewhere, or copy=True, and every tensor is moved or copied into a new one."""
+    cpu = [torch.ones(3, 2), torch.zeros(3, dtype=torch.int64)]
+    batch = make(cpu)
+    assert move_to(batch, torch.device("cpu")) is batch
+    copied = move_to(batch, torch.device("cpu"), copy=True)
+    assert copied is not batch and all(c is not t and torch.equal(c, t) for c, t in zip(_values(copied), cpu))
+    mixed = make([cpu[0], torch.ones(3, 2, device="meta")])
+    moved = move_to(mixed, torch.device("meta"))
+    assert moved is not mixed and [t.device.type for t in _values(moved)] == ["meta", "meta"]
+    moved = move_to(make(cpu), torch.device("meta"))
+    assert [t.device.type for t in _values(moved)] == ["meta", "meta"]  # all elsewhere: moved too
+
+
+def _values(batch):
+    return list(batch.values()) if isinstance(batch, dict) else list(batch)
+
+
 def test_describe_batch_lists_per_sample_shapes():
     assert describe_batch((torch.ones(4, 3), torch.zeros(4, dtype=torch.int64))) == \
         [[[3], "torch.float32"], [[], "torch.int64"]]
