@@ -16,7 +16,8 @@ the hand loop, and the current guard against the baseline (the median per-turn r
 bootstrap interval; above 1: the current one is faster). Prints a table, then one JSON document.
 Not part of the test run.
 
-    python benchmarks/ddp_versions.py --baseline REV [--hidden 16] [--depth 1] [--turns 400] [--instances 4]
+    python benchmarks/ddp_versions.py --baseline REV [--hidden 16] [--depth 1] [--bucket-bytes N] [--turns 400]
+                                      [--instances 4]
 """
 
 from __future__ import annotations
@@ -71,21 +72,28 @@ def export_baseline(revision: str, into: Path) -> str:
     return commit
 
 
+def _ddp(args: argparse.Namespace) -> torch.nn.parallel.DistributedDataParallel:
+    """The model in DDP, its buckets capped at ``--bucket-bytes`` where given."""
+    caps = {} if args.bucket_bytes is None else {"bucket_cap_mb": args.bucket_bytes / 2**20}
+    return torch.nn.parallel.DistributedDataParallel(ddp_bench._model(args.hidden, args.depth), **caps)
+
+
 def _guard_step(package: str, rank: int, args: argparse.Namespace) -> Any:
     """One guard (``ddp_bench``'s ``autoaccum_overlap``) of ``package``; returns ``step()``."""
     module = __import__(package)
     distributed = __import__(f"{package}.distributed", fromlist=["DistributedSync"])
-    model = torch.nn.parallel.DistributedDataParallel(ddp_bench._model(args.hidden, args.depth))
+    model = _ddp(args)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = ddp_bench._data(rank, args)
+    caps = {} if args.bucket_bytes is None else {"bucket_bytes": args.bucket_bytes}
     guard = module.OOMGuard(model, opt, target_batch=len(x) * 2, micro_batch=args.micro,
-                            sync=distributed.DistributedSync(model), overlap="auto", nonfinite="stop")
+                            sync=distributed.DistributedSync(model, **caps), overlap="auto", nonfinite="stop")
     return lambda: guard.step((x, y), ddp_bench._loss)
 
 
 def _hand_step(rank: int, args: argparse.Namespace) -> Any:
     """The hand loop (``ddp_bench``'s ``ddp_no_sync_last``) on the same model."""
-    model = torch.nn.parallel.DistributedDataParallel(ddp_bench._model(args.hidden, args.depth))
+    model = _ddp(args)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = ddp_bench._data(rank, args)
     return lambda: ddp_bench._hand_step(model, opt, x, y, args, quiet_but_last=True)
@@ -123,6 +131,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024, help="MLP width, as ddp_bench's (16: the fixed cost)")
     parser.add_argument("--depth", type=int, default=1,
                         help="hidden-to-hidden layers (1: ddp_bench's model; more: more parameters per step)")
+    parser.add_argument("--bucket-bytes", type=int, default=None,
+                        help="gradient bucket size of both guards and the hand loop's DDP (default: theirs, 25 MiB; "
+                             "smaller: more buckets sent during the backward, as a large model has)")
     parser.add_argument("--turns", type=int, default=400)
     parser.add_argument("--instances", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=5)
@@ -131,6 +142,8 @@ def main() -> None:
     for name in ("turns", "instances", "hidden", "depth"):
         if getattr(args, name) < 1:
             sys.exit(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.bucket_bytes is not None and args.bucket_bytes < 1:
+        sys.exit(f"--bucket-bytes must be at least 1, got {args.bucket_bytes}")
     args.accum, args.micro = 8, 8  # ddp_bench's defaults
     with tempfile.TemporaryDirectory() as folder:
         commit = export_baseline(args.baseline, Path(folder))
@@ -141,7 +154,7 @@ def main() -> None:
                                 text=True).stdout.strip())
     result = {
         "baseline": commit, "current": current + (" (with uncommitted changes)" if dirty else ""),
-        "hidden": args.hidden, "depth": args.depth,
+        "hidden": args.hidden, "depth": args.depth, "bucket_bytes": args.bucket_bytes,
         "parameters": sum(1 for _ in ddp_bench._model(args.hidden, args.depth).parameters()),
         "turns": args.turns, "instances": args.instances,
         "median_step_ms": {mode: ddp_bench._per_step_ratio(times, mode, mode)["median_ms"] for mode in MODES},
@@ -151,7 +164,9 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     if not args.json_only:
         steps = result["median_step_ms"]
-        print(f"2 gloo ranks, hidden {args.hidden}, depth {args.depth} ({result['parameters']} parameter tensors), {args.turns} turns over {args.instances} instances of each; "
+        buckets = "" if args.bucket_bytes is None else f", buckets of {args.bucket_bytes} bytes"
+        print(f"2 gloo ranks, hidden {args.hidden}, depth {args.depth} ({result['parameters']} parameter tensors"
+              f"{buckets}), {args.turns} turns over {args.instances} instances of each; "
               f"baseline {commit[:9]}, current {result['current'][:9]}")
         print(f"{'mode':<12}{'median step ms':>16}{'vs hand loop':>14}{'95% interval':>16}")
         print(f"{'hand_loop':<12}{steps['hand_loop']:>16.3f}")
