@@ -15,6 +15,9 @@ side with what each would replace:
   ``backward_hook_dict_reset`` with that dictionary set back to None as well;
 - ``copy_back_checked`` / ``copy_back_assign``: handing a summed gradient over as a view of the flat
   buffer, with the stride check ``copy_back`` makes, and the assignment alone;
+- ``version_record_check``: what replaced most hooks (sixth session's lead, built in the seventh):
+  each gradient of a bucket sent during the backward and its version counter recorded at the send,
+  and compared after the backward (``_OverlappedReduce._late_params``);
 - ``random_getstate``: Python's RNG state, captured once a step for an exact replay.
 
 Medians of ``--repeats`` timings, alternating the compared variants. Prints a table, then one JSON
@@ -108,6 +111,15 @@ def main() -> None:
         for p, v in zip(params, views):
             p.grad = v
 
+    def version_record_check() -> None:
+        current = [p.grad for p in params]
+        versions = [-1 if g is None else g._version for g in current]
+        late = []
+        for p, g, v in zip(params, current, versions):
+            now = p.grad
+            if now is not g or (now is not None and now._version != v):
+                late.append(p)
+
     nothing: Callable[[], None] = lambda: None  # noqa: E731
     hooks = _alternating({"hook_register_remove": register_remove}, {"hook_register_remove": nothing},
                          args.repeats, 200)
@@ -120,6 +132,8 @@ def main() -> None:
     # each timed call re-assigns the same views; the local gradients are put back before each timing
     copy_back = _alternating({"checked": checked, "assign": assign},
                              {"checked": set_local_grads, "assign": set_local_grads}, args.repeats, 200)
+    versions = _alternating({"version_record_check": version_record_check},
+                            {"version_record_check": set_local_grads}, args.repeats, 200)
     rng = _alternating({"random_getstate": random.getstate}, {"random_getstate": nothing}, args.repeats, 2000)
     per_tensor = {
         "hook_register_remove": hooks["hook_register_remove"] / n,
@@ -128,6 +142,7 @@ def main() -> None:
         "backward_hook_dict_reset": (empty["hook_dict_reset"] - empty["never_hooked"]) / n,
         "copy_back_checked": copy_back["checked"] / n,
         "copy_back_assign": copy_back["assign"] / n,
+        "version_record_check": versions["version_record_check"] / n,
     }
     result = {"benchmark": "host_costs", "tensors": n, "repeats": args.repeats,
               "us_per_tensor": per_tensor, "random_getstate_us": rng["random_getstate"],
