@@ -141,9 +141,11 @@ EXACT_STEPS = 5
 
 
 def _run(kind: str, overlap: str, rank: int, world_size: int, arm_first: bool = False, make: Any = None,
-         bucket_bytes: int = BUCKET_BYTES) -> dict[str, Any]:
+         bucket_bytes: int = BUCKET_BYTES, setup: Any = None) -> dict[str, Any]:
     net, model, guard, sync = _guard(kind, make, bucket_bytes, target_batch=TARGET, micro_batch=MICRO,
                                      overlap=overlap)
+    if setup is not None:
+        setup(net)
     if arm_first:  # the mistake: send each bucket as soon as its gradients appear in the FIRST micro-batch
         def arming(micro_batches: Any, steps: int, agreement: Any, attempt: int) -> Any:
             guard._arm_last(agreement, attempt)
@@ -185,6 +187,15 @@ def exact_runs(rank: int, world_size: int) -> dict[str, Any]:
             return  # a second accumulation, after its bucket may have left: ignored (the mistake goes unseen)
         checked(self, p)
 
+    def rewrite_out_weight(net: OverlapNet) -> None:
+        # a user's hook on inp.weight (final after out.weight, whose bucket has left by then) that writes
+        # out.weight's gradient in place, values unchanged: its version moves after its own hook fired
+        def hook(_p: torch.Tensor) -> None:
+            net.out.weight.grad.mul_(1.0)
+
+        net.inp.weight.register_post_accumulate_grad_hook(hook)
+
+    out["watched_written"] = _run("ddp", "auto", rank, world_size, setup=rewrite_out_weight)
     for kind in ("ddp", "plain"):  # a bucket's watched parameter final before the others: learned
         out[f"misordered/{kind}"] = _run(kind, "auto", rank, world_size, make=make_misordered,
                                          bucket_bytes=MISORDERED_BUCKET_BYTES)
@@ -278,6 +289,22 @@ def test_a_bucket_sent_before_an_unwatched_gradient_was_final_is_caught_and_lear
         wrong = r["misordered/unchecked"]
         assert wrong["late"] == [False] * EXACT_STEPS
         assert not torch.allclose(wrong["params"]["body.weight"], want["body.weight"], rtol=1e-3, atol=1e-6)
+
+
+def test_a_watched_gradient_written_after_its_hook_switches_overlap_off(exact: list[dict[str, Any]]) -> None:
+    """A watched parameter's gradient that changes after its hook fired cannot be watched: a user's hook
+    on a later parameter writes out.weight's gradient in place (values unchanged, version moved). The
+    first step is seen on every rank and reduced the old way (exact), overlap is switched off with a
+    warning, and the later steps run today's protocol. (Learning it instead, as for an unwatched
+    parameter, would send and drop the buckets of every step without end.)"""
+    want = reference(EXACT_STEPS, TARGET * EXACT_STEPS)
+    for r in exact:
+        run = r["watched_written"]
+        assert run["overlapped"] == [True] + [False] * (EXACT_STEPS - 1), run["overlapped"]
+        assert run["late"][0] is True
+        assert any("written by a later hook" in w for w in run["warnings"]), run["warnings"]
+        for name, p in want.items():
+            torch.testing.assert_close(run["params"][name], p, **FP64, msg=name)
 
 
 # -- the flag in the last bucket: its dtype ----------------------------------------------------------------

@@ -254,7 +254,8 @@ class DistributedSync:
     # -- the overlapped all-reduce (DDP and plain modules; autoaccum.distributed.overlap) ---------------
     def overlap_bytes(self, params: list[torch.nn.Parameter]) -> int | None:
         """The memory an overlapped attempt would add now (its flat buffers, 0 once they are held), or
-        None where this sync does not overlap (FSDP2; switched off after a gradient came late)."""
+        None where this sync does not overlap (FSDP2; switched off after a watched gradient changed after its
+        hook, ``autoaccum.distributed.overlap``)."""
         overlap = self._overlap_for(params)
         if overlap is None:
             return None

@@ -54,14 +54,18 @@ of a sent bucket that is another tensor now, or whose version moved (the backwar
 later), shows that the bucket left before it was final: the flag tells every rank, the sums are
 dropped and the step's gradients are reduced the old way (its local gradients are intact), and that
 parameter is watched from then on (the order is learned; no warning: it is not a fault). A parameter
-in the last bucket, sent after the backward, needs no hook; one never late carries none (a hook
-costs about 3 us a parameter to register and remove and, once registered, about 0.5 us in every
-later backward: ``benchmarks/host_costs.py``). A watched parameter whose gradient is accumulated
-twice in one backward (a weight shared across two reentrant checkpointed regions) cannot be
-watched at all: the step is reduced the old way and overlap is switched off for this sync, with a
-warning. A parameter that gets no gradient in the last micro-batch leaves its bucket waiting until
-after the backward (it is sent then, in order); a parameter no rank used keeps ``grad=None``, as in
-one process.
+in a last bucket that carries the flag (sent after the backward) needs no hook; one never late
+carries none (a hook costs about 3 us a parameter to register and remove and, once registered,
+about 0.5 us in every later backward: ``benchmarks/host_costs.py``). A watched parameter whose
+gradient changes after its hook fired -- accumulated twice in one backward (a weight shared across
+two reentrant checkpointed regions), or written by a later hook -- cannot be watched at all: the step
+is reduced the old way and overlap is switched off for this sync, with a warning (an unwatched one
+is first learned, as above, then caught so on the next step). Not seen: a write to a sent gradient
+that bypasses its version counter (``p.grad.data.mul_()`` in another parameter's hook, a numpy
+alias); such a hook needs ``overlap="off"``. A watched parameter that gets no gradient in the last
+micro-batch leaves its bucket waiting until after the backward (it is sent then, in order); an
+unwatched one's gradient is final already; a parameter no rank used keeps ``grad=None``, as in one
+process.
 """
 
 from __future__ import annotations
@@ -127,8 +131,8 @@ class _OverlappedReduce:
         #: per bucket the backward may send, the parameters whose hooks say it is final: at first its
         #: last one (a backward makes gradients in about the reverse of the parameters' order, as DDP's
         #: buckets assume, so a bucket's last parameter is the last to be final), then also every one
-        #: whose gradient changed after its bucket had left (:meth:`_late_params`). A parameter in the
-        #: last bucket (sent after the backward) or never late carries no hook.
+        #: whose gradient changed after its bucket had left (:meth:`_late_params`). A parameter never
+        #: late, or in a last bucket that carries the flag (sent after the backward), carries no hook.
         self.watched: list[list[torch.nn.Parameter]] = [[bucket[-1]] for bucket in buckets[:self._early_limit]]
         self.nbytes = sum(p.numel() * p.element_size() for p in params) + self.row * buckets[-1][0].element_size()
         self.flats: list[torch.Tensor] | None = None
@@ -228,6 +232,9 @@ class _OverlappedReduce:
         # into the buffer (one call for the bucket): the gradient itself stays this rank's own sum
         into, grads = [], []
         current = [p.grad for p in self.buckets[index]]
+        if during_backward:  # what is sent, to tell after the backward whether any of it changed since (the
+            # versions read before the copy: a change while it runs, from another device's thread, is seen)
+            self._sent.append((index, current, [-1 if grad is None else grad._version for grad in current]))
         for grad, part in zip(current, self._views[index]):
             if copy and grad is not None:
                 into.append(part)
@@ -236,8 +243,6 @@ class _OverlappedReduce:
                 part.zero_()
         if into:
             torch._foreach_copy_(into, grads)
-        if during_backward:  # what was sent, to tell after the backward whether any of it changed since
-            self._sent.append((index, current, [-1 if grad is None else grad._version for grad in current]))
         self._works.append(dist.all_reduce(self._keep(flat), group=self.group, async_op=True))
         self._next = index + 1  # counted once issued: a failure before it leaves it to finish()
 
@@ -245,7 +250,10 @@ class _OverlappedReduce:
         """After the backward: the parameters of the buckets it sent whose gradient changed after its
         bucket left (another tensor, or the same one accumulated into: its version counter moved; the
         gradient it had then is held until here, so the comparison is by identity). Their bucket was
-        not final when it left: a parameter not watched was made after the watched ones."""
+        not final when it left: an unwatched parameter's gradient was made after the watched ones'; a
+        watched one's was accumulated twice or changed by a hook. A write that bypasses the version
+        counter (``p.grad.data.mul_()`` on another parameter's gradient in a hook, a numpy alias) is
+        not seen."""
         late = []
         for index, grads, versions in self._sent:
             for p, grad, version in zip(self.buckets[index], grads, versions):
@@ -265,25 +273,29 @@ class _OverlappedReduce:
         (float64; None where none were given), whether every rank proposed to chain (and the step
         is OK), and every rank's cut row. Every rank gives scalars of the same length
         (:data:`STEP_SCALARS` where the flag rides in a bucket), or none."""
-        ok = status == 0
-        # a bucket sent before it was final: its sums are dropped on every rank (late), and the
-        # parameter that changed is watched from now on; after a failure the sums go anyway
-        changed = self._late_params() if ok else []
-        for p in changed:
-            watched = self.watched[self.where[id(p)]]
-            if all(w is not p for w in watched):  # a watched one that changed was accumulated twice (below)
-                watched.append(p)
-        if changed:
-            logger.debug("overlap: %d gradients changed after their bucket left; their parameters are watched now",
-                         len(changed))
-        # status as two counts, the late flag, the chain proposals, the watched gradient accumulated
-        # twice, the presence bits: counts of ranks, exact in every dtype the flag is exchanged in
-        # (float64, or a bucket's float32 up to 2**24 ranks)
-        flags = [status == 1, status == 2, self._late or bool(changed), chain_vote, self._late] + \
-            [p.grad is not None for p in self.params]
-        if cut_row is not None and len(cut_row) != CUT_FIELDS:
-            raise RuntimeError(f"internal: a cut row has {CUT_FIELDS} numbers, not {len(cut_row)}")
         try:
+            ok = status == 0
+            # a bucket sent before it was final: its sums are dropped on every rank (late), and an
+            # unwatched parameter that changed is watched from now on. A watched one that changed (its
+            # hook fired twice, or something wrote to its gradient after its hook) cannot be watched:
+            # overlap goes off (twice). After a failure the sums go anyway.
+            changed = self._late_params() if ok else []
+            twice = self._late
+            for p in changed:
+                watched = self.watched[self.where[id(p)]]
+                if any(w is p for w in watched):
+                    twice = True
+                else:
+                    watched.append(p)
+            if changed:
+                logger.debug("overlap: %d gradients changed after their bucket left", len(changed))
+            # status as two counts, the late flag, the chain proposals, the watched gradient changed
+            # after its hook, the presence bits: counts of ranks, exact in every dtype the flag is
+            # exchanged in (float64, or a bucket's float32 up to 2**24 ranks)
+            flags = [status == 1, status == 2, twice or bool(changed), chain_vote, twice] + \
+                [p.grad is not None for p in self.params]
+            if cut_row is not None and len(cut_row) != CUT_FIELDS:
+                raise RuntimeError(f"internal: a cut row has {CUT_FIELDS} numbers, not {len(cut_row)}")
             if self.pieces is not None:
                 self._write_row(flags, scalars, cut_row)
             while self._next < len(self.buckets):
@@ -294,7 +306,7 @@ class _OverlappedReduce:
             else:
                 counts, sums, rows = self._exchange_flag(flags, scalars, cut_row)
         finally:
-            # the hooks go once the buckets are on their way (no backward is running now)
+            # the hooks go once the buckets are on their way (no backward is running now), or on any error
             for handle in self._hooks:
                 handle.remove()
             self._hooks, self._sent = [], []
@@ -307,8 +319,9 @@ class _OverlappedReduce:
             self.late = late = counts[2] > 0
             self.reduced = [f > 0 for f in counts[_COUNTS:]]
             if counts[4] > 0:
-                self.disabled = ("a parameter's gradient was accumulated twice in one backward (e.g. a weight shared "
-                                 "by two reentrant checkpointed regions)")
+                self.disabled = ("a watched parameter's gradient changed after its hook fired: it was accumulated twice "
+                                 "in one backward (e.g. a weight shared by two reentrant checkpointed regions) or "
+                                 "written by a later hook")
                 warnings.warn(f"autoaccum: the gradient all-reduce is no longer overlapped with the last backward: "
                               f"{self.disabled}; this step's gradients were reduced after the backward instead",
                               stacklevel=user_stacklevel())
