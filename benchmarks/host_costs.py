@@ -18,7 +18,10 @@ side with what each would replace:
 - ``version_record_check``: what replaced most hooks (sixth session's lead, built in the seventh):
   each gradient of a bucket sent during the backward and its version counter recorded at the send,
   and compared after the backward (``_OverlappedReduce._late_params``);
-- ``random_getstate``: Python's RNG state, captured once a step for an exact replay.
+- ``random_getstate``: Python's RNG state, captured once a step for an exact replay;
+- ``move_to_pair`` / ``map_tensors_pair``: a micro-batch of two tensors already on the device through
+  ``autoaccum.batch.move_to`` (returned as it is) and through the walk it did before (the containers
+  rebuilt), once per micro-batch.
 
 Medians of ``--repeats`` timings, alternating the compared variants. Prints a table, then one JSON
 document. Not part of the test run.
@@ -38,6 +41,8 @@ import timeit
 from collections.abc import Callable
 
 import torch
+
+from autoaccum.batch import map_tensors, move_to
 
 
 def _params(n: int) -> list[torch.nn.Parameter]:
@@ -134,6 +139,11 @@ def main() -> None:
                              {"checked": set_local_grads, "assign": set_local_grads}, args.repeats, 200)
     versions = _alternating({"version_record_check": version_record_check},
                             {"version_record_check": set_local_grads}, args.repeats, 200)
+    cpu = torch.device("cpu")
+    pair = (torch.randn(8, 64), torch.randint(0, 10, (8,)))
+    moves = _alternating({"move_to_pair": lambda: move_to(pair, cpu),
+                          "map_tensors_pair": lambda: map_tensors(pair, lambda t: t if t.device == cpu else t.to(cpu))},
+                         {"move_to_pair": nothing, "map_tensors_pair": nothing}, args.repeats, 2000)
     rng = _alternating({"random_getstate": random.getstate}, {"random_getstate": nothing}, args.repeats, 2000)
     per_tensor = {
         "hook_register_remove": hooks["hook_register_remove"] / n,
@@ -146,6 +156,7 @@ def main() -> None:
     }
     result = {"benchmark": "host_costs", "tensors": n, "repeats": args.repeats,
               "us_per_tensor": per_tensor, "random_getstate_us": rng["random_getstate"],
+              "move_us": moves,
               "backward_us": {**idle, **empty}, "torch": torch.__version__, "python": platform.python_version(),
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     if not args.json_only:
@@ -153,6 +164,8 @@ def main() -> None:
         for name, us in per_tensor.items():
             print(f"  {name:<28}{us:8.3f} us a tensor")
         print(f"  {'random.getstate()':<28}{rng['random_getstate']:8.3f} us a call")
+        for name, us in moves.items():
+            print(f"  {name:<28}{us:8.3f} us a micro-batch")
         print("  backward of all layers (us): " + ", ".join(f"{k} {v:.1f}" for k, v in result["backward_us"].items()))
     print(json.dumps(result, indent=1))
 

@@ -2,7 +2,7 @@
 
 - exact: the overlapped steps equal one process's full-batch steps in fp64 (DDP and a plain module),
   and so do the steps of today's protocol (overlap='off'); negative control: buckets sent before the
-  gradients are final (armed at the first micro-batch, the double-accumulation check switched off)
+  gradients are final (armed at the first micro-batch, the check after the backward switched off)
   are caught by the same comparison; with the check on, the same mistake falls back to the old
   reduction, exactly, with a warning, and switches overlap off;
 - the protocol: the collectives each rank issues, in order, when memory is tight (today's, unchanged)
@@ -176,17 +176,6 @@ def exact_runs(rank: int, world_size: int) -> dict[str, Any]:
         for overlap in ("auto", "off"):
             out[f"{kind}/{overlap}"] = _run(kind, overlap, rank, world_size)
     out["arm_first/checked"] = _run("ddp", "on", rank, world_size, arm_first=True)
-    # negative control: the same mistake with the check for a gradient accumulated twice switched off
-    from autoaccum.distributed import overlap as overlap_module
-
-    cls = overlap_module._OverlappedReduce
-    checked, late_params = cls._on_grad, cls._late_params
-
-    def unchecked(self: Any, p: torch.Tensor) -> None:
-        if id(p) in self._fired:
-            return  # a second accumulation, after its bucket may have left: ignored (the mistake goes unseen)
-        checked(self, p)
-
     def rewrite_out_weight(net: OverlapNet) -> None:
         # a user's hook on inp.weight (final after out.weight, whose bucket has left by then) that writes
         # out.weight's gradient in place, values unchanged: its version moves after its own hook fired
@@ -199,14 +188,19 @@ def exact_runs(rank: int, world_size: int) -> dict[str, Any]:
     for kind in ("ddp", "plain"):  # a bucket's watched parameter final before the others: learned
         out[f"misordered/{kind}"] = _run(kind, "auto", rank, world_size, make=make_misordered,
                                          bucket_bytes=MISORDERED_BUCKET_BYTES)
-    cls._on_grad = unchecked  # type: ignore[method-assign]
-    cls._late_params = lambda self: []  # type: ignore[method-assign]  # gradients changed after leaving: unseen
+    # negative controls: the same mistakes with the check after the backward switched off (gradients
+    # changed since their bucket left, a second accumulation among them, go unseen)
+    from autoaccum.distributed import overlap as overlap_module
+
+    cls = overlap_module._OverlappedReduce
+    late_params = cls._late_params
+    cls._late_params = lambda self: []  # type: ignore[method-assign]
     try:
         out["arm_first/unchecked"] = _run("ddp", "on", rank, world_size, arm_first=True)
         out["misordered/unchecked"] = _run("ddp", "auto", rank, world_size, make=make_misordered,
                                            bucket_bytes=MISORDERED_BUCKET_BYTES)
     finally:
-        cls._on_grad, cls._late_params = checked, late_params  # type: ignore[method-assign]
+        cls._late_params = late_params  # type: ignore[method-assign]
     return out
 
 

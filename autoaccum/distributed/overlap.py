@@ -120,6 +120,8 @@ class _OverlappedReduce:
         self.params, self.buckets, self.group = params, buckets, group
         self.ids = tuple(map(id, params))  # which parameters, in order: the sync builds a new one where they change
         self.where = {id(p): i for i, bucket in enumerate(buckets) for p in bucket}
+        position = {id(p): i for i, p in enumerate(params)}
+        self._positions = [[position[id(p)] for p in bucket] for bucket in buckets]  # each one's place in params
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         #: the flag rides in the last bucket (its row after the gradients) where that bucket's dtype
         #: holds it exactly; else None: an exchange of its own after the buckets
@@ -156,7 +158,6 @@ class _OverlappedReduce:
         self._waiting: list[int] = []
         self._fired: set[int] = set()
         self._next = 0
-        self._late = False
 
     # -- the buffers -------------------------------------------------------------------------------
     def allocate(self) -> bool:
@@ -202,7 +203,7 @@ class _OverlappedReduce:
         if self.flats is None or self.active:
             raise RuntimeError("internal: an overlapped attempt needs its buffers and no attempt in flight")
         self.active, self.reduced, self.late, self.early, self.promised = True, None, False, 0, False
-        self._works, self._sent, self._fired, self._next, self._late = [], [], set(), 0, False
+        self._works, self._sent, self._fired, self._next = [], [], set(), 0
         self._waiting = [len(watched) for watched in self.watched]
         self._stack = contextlib.ExitStack()
         self._keep = self._stack.enter_context(settled())
@@ -217,9 +218,8 @@ class _OverlappedReduce:
     def _on_grad(self, p: torch.Tensor) -> None:
         """``p``'s gradient is final for the step (it is accumulated in the last backward)."""
         key = id(p)
-        if key in self._fired:  # a second accumulation in one backward: its bucket may have gone already
-            self._late = True
-            return
+        if key in self._fired:  # a second accumulation in one backward: counted once; if its bucket had left,
+            return  # the gradient's version moved since, which finish() sees (_late_params)
         self._fired.add(key)
         self._waiting[self.where[key]] -= 1
         while self._next < self._early_limit and self._waiting[self._next] == 0:  # strictly in order
@@ -276,11 +276,11 @@ class _OverlappedReduce:
         try:
             ok = status == 0
             # a bucket sent before it was final: its sums are dropped on every rank (late), and an
-            # unwatched parameter that changed is watched from now on. A watched one that changed (its
-            # hook fired twice, or something wrote to its gradient after its hook) cannot be watched:
-            # overlap goes off (twice). After a failure the sums go anyway.
+            # unwatched parameter that changed is watched from now on. A watched one that changed (added
+            # to again after its hook fired, or written by a later hook) cannot be watched: overlap goes
+            # off (twice). After a failure the sums go anyway.
             changed = self._late_params() if ok else []
-            twice = self._late
+            twice = False
             for p in changed:
                 watched = self.watched[self.where[id(p)]]
                 if any(w is p for w in watched):
@@ -461,11 +461,10 @@ class _OverlappedReduce:
         flat view's (e.g. channels_last) gets the sum copied into it instead."""
         reduced, self.reduced = self.reduced, None
         assert reduced is not None and self.flats is not None
-        used = dict(zip((id(p) for p in self.params), reduced))
         with torch.no_grad():
-            for bucket, views in zip(self.buckets, self._views):
-                for p, summed in zip(bucket, views):
-                    if not used[id(p)]:
+            for bucket, views, positions in zip(self.buckets, self._views, self._positions):
+                for p, summed, at in zip(bucket, views, positions):
+                    if not reduced[at]:
                         continue
                     if p.grad is not None and p.grad.stride() != summed.stride():
                         p.grad.copy_(summed)  # copy_ keeps the gradient's own layout
