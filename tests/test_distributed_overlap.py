@@ -99,6 +99,41 @@ def make_misordered() -> MisorderedNet:
     return MisorderedNet().double()
 
 
+class SharedNet(torch.nn.Module):
+    """``shared`` used in two reentrant checkpointed regions: its gradient is accumulated twice in every
+    backward (each region's backward is one of its own). It sits in the first bucket with ``inp``
+    (SHARED_BUCKET_BYTES), whose weight, the bucket's last parameter and so the one watched, is final
+    after both: the bucket leaves once the shared gradient is final. ``scale`` is the last bucket.
+    ``accumulations`` counts the shared weight's accumulations (a hook set by the test's run)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(3))
+        self.inp = torch.nn.Linear(6, 16)
+        self.shared = torch.nn.Linear(16, 16)
+        self.out = torch.nn.Linear(16, 3)
+        self.accumulations = 0
+
+    def _region(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.shared(h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.inp(x)
+        h = checkpoint(self._region, h, use_reentrant=True)
+        h = checkpoint(self._region, h, use_reentrant=True)
+        return self.out(h) * self.scale
+
+
+SHARED_BUCKET_BYTES = 3400  # fp64: every layer's parameters (3480 bytes) close the first bucket; scale is the last
+
+
+def make_shared() -> SharedNet:
+    torch.manual_seed(SEED)
+    return SharedNet().double()
+
+
 def make_data(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(SEED + 1)
     x = torch.randn(n, 6, generator=g, dtype=torch.float64)
@@ -164,6 +199,7 @@ def _run(kind: str, overlap: str, rank: int, world_size: int, arm_first: bool = 
     names = {id(p): n for n, p in net.named_parameters()}
     return {"params": _params(model), "overlapped": overlapped, "early": early, "late": late, "losses": losses,
             "never_grad": getattr(net, "never", None) is not None and net.never.grad,
+            "accumulations": getattr(net, "accumulations", None),
             "warnings": [str(w.message) for w in caught],
             # which parameters ever carried a post-accumulate-grad hook (the dictionary stays once made)
             "hooked": sorted(n for n, p in net.named_parameters() if p._post_accumulate_grad_hooks is not None),
@@ -185,6 +221,15 @@ def exact_runs(rank: int, world_size: int) -> dict[str, Any]:
         net.inp.weight.register_post_accumulate_grad_hook(hook)
 
     out["watched_written"] = _run("ddp", "auto", rank, world_size, setup=rewrite_out_weight)
+
+    def count_shared(net: SharedNet) -> None:
+        def hook(_p: torch.Tensor) -> None:
+            net.accumulations += 1
+
+        net.shared.weight.register_post_accumulate_grad_hook(hook)
+
+    out["shared"] = _run("ddp", "auto", rank, world_size, make=make_shared, bucket_bytes=SHARED_BUCKET_BYTES,
+                         setup=count_shared)
     for kind in ("ddp", "plain"):  # a bucket's watched parameter final before the others: learned
         out[f"misordered/{kind}"] = _run(kind, "auto", rank, world_size, make=make_misordered,
                                          bucket_bytes=MISORDERED_BUCKET_BYTES)
@@ -283,6 +328,25 @@ def test_a_bucket_sent_before_an_unwatched_gradient_was_final_is_caught_and_lear
         wrong = r["misordered/unchecked"]
         assert wrong["late"] == [False] * EXACT_STEPS
         assert not torch.allclose(wrong["params"]["body.weight"], want["body.weight"], rtol=1e-3, atol=1e-6)
+
+
+def test_a_gradient_accumulated_twice_before_its_bucket_leaves_keeps_overlap_on(
+        exact: list[dict[str, Any]]) -> None:
+    """A weight shared by two reentrant checkpointed regions is accumulated twice in every backward, both
+    times before its bucket's watched parameter (the first layer's weight) is final: the bucket leaves
+    with the final gradient, nothing is late, overlap stays on without a warning, every step sends the
+    bucket during the backward, and the weights equal one process's full-batch steps (fp64). (Before, a
+    second accumulation of any parameter switched overlap off.)"""
+    want = reference(EXACT_STEPS, TARGET * EXACT_STEPS, make_shared)
+    for rank, r in enumerate(exact):
+        run = r["shared"]
+        # two accumulations per backward: 2 micro-batches per rank and step (TARGET / 2 ranks / MICRO)
+        assert run["accumulations"] == 2 * 2 * EXACT_STEPS, run["accumulations"]
+        assert run["overlapped"] == [True] * EXACT_STEPS and run["early"] == [1] * EXACT_STEPS, run
+        assert run["late"] == [False] * EXACT_STEPS and run["watched"] == [["inp.weight"]], run
+        assert not [w for w in run["warnings"] if "overlapped" in w], run["warnings"]
+        for name, p in want.items():
+            torch.testing.assert_close(run["params"][name], p, **FP64, msg=f"rank {rank} {name}")
 
 
 def test_a_watched_gradient_written_after_its_hook_switches_overlap_off(exact: list[dict[str, Any]]) -> None:
