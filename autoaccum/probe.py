@@ -29,7 +29,8 @@ from autoaccum.batch import Batch
 from autoaccum.batchnorm import smallest_micro_batch
 from autoaccum.estimate import cuda_library_bytes, fake_setup, with_offset
 from autoaccum.memory import (
-    CudaMeter, TrackedMemory, device_capacity, is_compiled, refuse_compiled, resolve_budget, usable_bytes,
+    CudaMeter, TrackedMemory, cuda_available_bytes, device_capacity, is_compiled, refuse_compiled, resolve_budget,
+    usable_bytes,
 )
 from autoaccum.memory_model import MemoryModel, TokenMemoryModel
 from autoaccum.plan import Plan, TokenBudget
@@ -38,7 +39,8 @@ from autoaccum.report import Candidate, ProbeReport
 from autoaccum.size_search import search_sizes
 from autoaccum.length_search import search_lengths
 from autoaccum.lengths import LengthProfile
-from autoaccum.stepper import Stepper
+from autoaccum.state import WeightsCopy
+from autoaccum.stepper import HostSnapshotNeeded, Stepper
 from autoaccum.task import LossFn, Task, default_optimizer, resolve_task, trainable_parameters
 from autoaccum.validate import check_positive_int
 
@@ -293,16 +295,60 @@ def _token_plan(token_model: TokenMemoryModel, profile: LengthProfile, plan: Pla
     return dataclasses.replace(plan.with_micro_batch(cap), tokens=tokens)
 
 
+#: the probe copies the weights on their device for its warm-up only where the room left under the usable budget
+#: (and, on CUDA, on the device) holds the copy and this many times the trainable weights' bytes besides: the
+#: warm-up's gradients, AdamW's two moments and a set of temporaries; otherwise the copy goes to host memory
+WARM_UP_ROOM = 4
+
+
+def _room_for_weights_copy(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device,
+                           usable: int) -> bool:
+    """Whether a :class:`~autoaccum.state.WeightsCopy` of ``model`` fits beside the warm-up (WARM_UP_ROOM)."""
+    if not WeightsCopy.usable(model):
+        return False
+    trainable = sum(p.numel() * p.element_size() for p in trainable_parameters(model))
+    need = WeightsCopy.nbytes(model) + WARM_UP_ROOM * trainable
+    if device.type == "cuda":
+        live = torch.cuda.memory_allocated(device)
+        return need <= min(usable, cuda_available_bytes(device)) - live
+    counter = TrackedMemory().track(model, optimizer)  # what the probe's counter will start from
+    live = counter.current_bytes
+    counter.close()
+    return need <= usable - live
+
+
 def _measure(task: Task, optimizer: Any, precision: Precision, budget_bytes: int, headroom: float, *,
              estimate: bool, share: int, smallest: int, upper: int, passes: int, max_candidates: int,
              profile: LengthProfile | None) -> _Measured:
     """Run the measurements (on fake tensors for an estimate) and choose the size (timing again where it
-    matters); the task's state is restored after both."""
+    matters); the task's state is restored after both. The weights are copied on their device for the
+    warm-up where there is room (:data:`WARM_UP_ROOM`); where that copy did not do
+    (:class:`~autoaccum.stepper.HostSnapshotNeeded`), everything is measured again with them copied to host
+    memory, and the passes and OOMs of the first try count in the report."""
+    kwargs: dict[str, Any] = {"estimate": estimate, "share": share, "smallest": smallest, "upper": upper,
+                              "passes": passes, "max_candidates": max_candidates, "profile": profile}
+    try:
+        return _measure_once(task, optimizer, precision, budget_bytes, headroom, copy_weights=not estimate, **kwargs)
+    except HostSnapshotNeeded as first:
+        logger.info("probe: %s; measuring again with the weights copied to host memory", first)
+        measured = _measure_once(task, optimizer, precision, budget_bytes, headroom, copy_weights=False, **kwargs)
+        measured.stepper.steps += first.steps
+        measured.stepper.ooms += first.ooms
+        return measured
+
+
+def _measure_once(task: Task, optimizer: Any, precision: Precision, budget_bytes: int, headroom: float, *,
+                  copy_weights: bool, estimate: bool, share: int, smallest: int, upper: int, passes: int,
+                  max_candidates: int, profile: LengthProfile | None) -> _Measured:
     device = trainable_parameters(task.model)[0].device
     run_model, make_optimizer = task.model, task.make_optimizer
     run_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+    usable = usable_bytes(budget_bytes, headroom)
+    copy_weights = copy_weights and _room_for_weights_copy(task.model, run_optimizer, device, usable)
     # an estimate runs on fake copies: of the real state only the generators can change
-    snapshot: Any = training_state.capture_rng() if estimate else training_state.capture(task.model, run_optimizer)
+    snapshot: Any = training_state.capture_rng() if estimate else \
+        training_state.capture(task.model, run_optimizer, parameters=not copy_weights)
+    weights_copy: WeightsCopy | None = None
     fake_mode: Any = None
     if estimate:  # fake cpu tensors: see autoaccum.estimate
         fake_mode, run_model, make_optimizer = fake_setup(task.model, optimizer, make_optimizer)
@@ -316,10 +362,15 @@ def _measure(task: Task, optimizer: Any, precision: Precision, budget_bytes: int
             if isinstance(meter, TrackedMemory):
                 meter.track(run_model, run_optimizer)
             with meter:
-                stepper = Stepper(run_model, run_optimizer, task.loss_fn, task.batch, device, meter,
-                                  usable_bytes(budget_bytes, headroom),
+                copy_bytes = 0
+                if copy_weights:  # inside the meter: it counts against the budget as it would on the device
+                    before = meter.read().current_bytes
+                    weights_copy = WeightsCopy(task.model)
+                    copy_bytes = meter.read().current_bytes - before
+                stepper = Stepper(run_model, run_optimizer, task.loss_fn, task.batch, device, meter, usable,
                                   share=share, passes=passes, autocast_dtype=autocast_dtype(precision),
-                                  scaler=None if estimate else make_scaler(precision, device), own_inputs=estimate)
+                                  scaler=None if estimate else make_scaler(precision, device), own_inputs=estimate,
+                                  weights_copy=weights_copy, copy_bytes=copy_bytes)
                 token_model = None
                 if profile is None:
                     model_fit, note = search_sizes(stepper, smallest, upper, budget_bytes, headroom, max_candidates)
@@ -330,6 +381,9 @@ def _measure(task: Task, optimizer: Any, precision: Precision, budget_bytes: int
                 best = max(c.micro_batch for c in stepper.current.values() if c.status == "ok") \
                     if estimate or token_model is not None else _choose(stepper, share, smallest)
     finally:
+        if weights_copy is not None:
+            weights_copy.put_back()  # (done when the warm-up ended, unless it never ran)
+            del weights_copy
         if isinstance(meter, TrackedMemory):
             meter.close()
         if estimate:
@@ -337,6 +391,6 @@ def _measure(task: Task, optimizer: Any, precision: Precision, budget_bytes: int
         else:
             training_state.restore(snapshot, task.model, run_optimizer if isinstance(optimizer, torch.optim.Optimizer)
                                    else None)
-            del snapshot  # its page-locked host copies go back (the size of the model's weights, or up to twice it)
+            del snapshot  # its page-locked host copies go back
             training_state.release_pinned_memory()
     return _Measured(stepper, model_fit, token_model, note, best)

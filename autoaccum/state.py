@@ -10,8 +10,8 @@ from typing import Any
 import psutil
 import torch
 
-__all__ = ["BufferSnapshot", "RngState", "TrainingSnapshot", "capture", "capture_buffers", "capture_rng",
-           "release_pinned_memory", "restore", "restore_buffers", "restore_rng", "state_buffers"]
+__all__ = ["BufferSnapshot", "RngState", "TrainingSnapshot", "WeightsCopy", "capture", "capture_buffers",
+           "capture_rng", "release_pinned_memory", "restore", "restore_buffers", "restore_rng", "state_buffers"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,12 @@ def restore_rng(state: RngState) -> None:
 PINNED_SHARE = 0.25
 
 
+def _pinnable(t: torch.Tensor) -> bool:
+    """Whether ``t`` is copied to page-locked memory: a dense CUDA tensor, a parameter too (a plain tensor once
+    detached), not a subclass such as DTensor."""
+    return t.device.type == "cuda" and type(t.detach()) is torch.Tensor
+
+
 def _host_copy(t: torch.Tensor, queued: set[int] | None) -> torch.Tensor:
     """A host copy of ``t``. With ``queued`` (a set), a CUDA tensor goes to page-locked memory without waiting and
     its device is added to ``queued``; the caller synchronises once (:func:`_synchronize`). A copy to pageable
@@ -49,7 +55,7 @@ def _host_copy(t: torch.Tensor, queued: set[int] | None) -> torch.Tensor:
     ms against 10 ms (benchmarks/RESULTS.md, "Cold probe on a GPU"). Where pinning fails, and for tensor
     subclasses (DTensor), the copy is pageable and done on return."""
     t = t.detach()
-    if queued is not None and t.device.type == "cuda" and type(t) is torch.Tensor:
+    if queued is not None and _pinnable(t):
         try:
             copied = torch.empty_like(t, device="cpu", pin_memory=True).copy_(t, non_blocking=True)
         except RuntimeError:  # no page-locked memory to be had, or a layout that cannot be pinned (sparse)
@@ -119,7 +125,8 @@ def _to_cpu(obj: Any, queued: set[int] | None) -> Any:
 
 @dataclass(frozen=True)
 class TrainingSnapshot:
-    """Host copies of parameters, gradients, buffers, optimizer/scheduler/scaler state and RNG."""
+    """Host copies of parameters (unless captured without them), gradients, buffers, optimizer/scheduler/scaler
+    state and RNG."""
 
     tensors: dict[str, torch.Tensor]
     grads: dict[str, torch.Tensor | None]
@@ -127,17 +134,21 @@ class TrainingSnapshot:
     scheduler: dict | None
     scaler: dict | None
     rng: RngState
+    parameters: bool = True  # whether ``tensors`` holds the parameters' values
 
 
-def _named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    named = {f"param:{n}": p for n, p in model.named_parameters(remove_duplicate=False)}
+def _named_tensors(model: torch.nn.Module, parameters: bool = True) -> dict[str, torch.Tensor]:
+    named = {f"param:{n}": p for n, p in model.named_parameters(remove_duplicate=False)} if parameters else {}
     named.update({f"buffer:{n}": b for n, b in model.named_buffers(remove_duplicate=False)})
     return named
 
 
 def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
-            scaler: Any = None, *, pinned: bool = True) -> TrainingSnapshot:
+            scaler: Any = None, *, pinned: bool = True, parameters: bool = True) -> TrainingSnapshot:
     """Copy everything a training step changes to host memory (the device's memory is left as it is).
+
+    ``parameters=False``: the parameters' values are left out (a :class:`WeightsCopy` keeps them), and
+    :func:`restore` leaves them as they are; their gradients are in.
 
     ``pinned``: CUDA tensors go to page-locked memory (faster both ways; one wait per device), where
     it takes at most PINNED_SHARE of the host memory available. The blocks stay cached in torch after
@@ -146,10 +157,10 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     grads = {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
     states = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
     dicts = {k: None if v is None else v.state_dict() for k, v in states.items()}
-    named = _named_tensors(model)
+    named = _named_tensors(model, parameters)
     copied = _tensors([list(named.values()), [g for g in grads.values() if g is not None], list(dicts.values())])
     queued: set[int] | None = set() if pinned and torch.cuda.is_initialized() and _room_to_pin(
-        [t for t in copied if t.device.type == "cuda" and type(t) is torch.Tensor]) else None
+        [t for t in copied if _pinnable(t)]) else None
     snapshot = TrainingSnapshot(
         tensors={n: _host_copy(t, queued) for n, t in named.items()},
         grads={n: None if g is None else _host_copy(g, queued) for n, g in grads.items()},
@@ -157,6 +168,7 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         scheduler=None if dicts["scheduler"] is None else _to_cpu(dicts["scheduler"], queued),
         scaler=None if dicts["scaler"] is None else _to_cpu(dicts["scaler"], queued),
         rng=capture_rng(),
+        parameters=parameters,
     )
     if queued:
         _synchronize(queued)  # the copies were queued; the snapshot is whole once they are done
@@ -168,7 +180,7 @@ def restore(snapshot: TrainingSnapshot, model: torch.nn.Module, optimizer: torch
     """Put back what :func:`capture` copied; values come back bit-identical."""
     queued: set[int] = set()
     with torch.no_grad():
-        for name, t in _named_tensors(model).items():
+        for name, t in _named_tensors(model, snapshot.parameters).items():
             saved = snapshot.tensors[name]
             t.copy_(saved, non_blocking=_queue(saved, t.device, queued))
         for name, p in model.named_parameters(remove_duplicate=False):
@@ -184,6 +196,57 @@ def restore(snapshot: TrainingSnapshot, model: torch.nn.Module, optimizer: torch
     if scaler is not None and snapshot.scaler is not None:
         scaler.load_state_dict(copy.deepcopy(snapshot.scaler))
     restore_rng(snapshot.rng)
+
+
+class WeightsCopy:
+    """A copy of a model's parameters made where they are (on their device), for the probe's warm-up: its two
+    optimizer steps change the weights, and nothing after it does (forward and backward passes only), so the
+    copy is put back when the warm-up ends and given up. On a GPU this is a device-to-device copy (about a
+    millisecond for 537 MB on an H200) instead of pinning the weights' size of host memory and giving it back
+    (0.6 and 0.16 of a 0.29 s step; benchmarks/RESULTS.md, "Cold probe on a GPU"). It takes device memory
+    while it lives, which the probe subtracts from its readings (``autoaccum.stepper``).
+
+    Only for parameters that are plain tensors (not DTensor or other subclasses): :meth:`usable` says so.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        unique = {id(p): p for p in model.parameters()}  # tied weights once
+        self.parameters = list(unique.values())
+        with torch.no_grad():
+            self.copies: list[torch.Tensor] | None = [p.detach().clone() for p in self.parameters]
+        self.versions = self._versions()
+
+    @staticmethod
+    def usable(model: torch.nn.Module) -> bool:
+        """Whether every parameter is a plain dense tensor (a copy of each can be made and put back in place)."""
+        return all(type(p.detach()) is torch.Tensor and p.layout == torch.strided for p in model.parameters())
+
+    @staticmethod
+    def nbytes(model: torch.nn.Module) -> int:
+        """The bytes a copy of ``model``'s parameters takes (tied weights once)."""
+        unique = {id(p): p for p in model.parameters()}
+        return sum(p.numel() * p.element_size() for p in unique.values())
+
+    def _versions(self) -> list[int]:
+        return [p._version for p in self.parameters]
+
+    def written(self) -> bool:
+        """Whether a parameter was written in place since the copy was made (its version counter moved; writes
+        through ``.data`` are not seen)."""
+        return self._versions() != self.versions
+
+    @property
+    def held(self) -> bool:
+        return self.copies is not None
+
+    def put_back(self) -> None:
+        """Copy the saved values into the parameters (bit for bit) and give the copy up. Again: nothing."""
+        if self.copies is None:
+            return
+        with torch.no_grad():
+            for p, saved in zip(self.parameters, self.copies):
+                p.copy_(saved)
+        self.copies = None
 
 
 # -- buffers a forward updates (BatchNorm running statistics): a replayed step starts from them -------

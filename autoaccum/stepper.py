@@ -6,7 +6,13 @@ measured once, and every candidate size only runs forward and backward:
 
 - :meth:`Stepper.warm_up` runs two complete training steps at the smallest size (the optimizer
   creates its state in the first, so the peak of the optimizer phase is known after the second)
-  and times the optimizer step;
+  and times the optimizer step. These are the only steps that change the weights: given a
+  :class:`~autoaccum.state.WeightsCopy` (made on the device), the stepper puts it back when the
+  warm-up ends and gives it up, and until then subtracts the bytes it holds from every reading. Where
+  the copy may have changed the outcome -- the warm-up ran out of memory while it was held, or a pass
+  wrote the parameters in place (then the weights the later passes leave are not the copy's) -- it
+  raises :class:`HostSnapshotNeeded` after putting it back: the probe starts again with the weights
+  copied to host memory.
 - :meth:`Stepper.measure` runs ``passes`` forward/backward passes at one size. A size smaller
   than the rank's share will accumulate, so it runs as a real accumulation's later micro-batches
   do: with the summed gradients of earlier ones in memory (and the optimizer state; where none are
@@ -36,11 +42,21 @@ from autoaccum.memory import Meter
 from autoaccum.precision import autocast
 from autoaccum.recovery import catch_oom, release_memory
 from autoaccum.report import Candidate, Status
+from autoaccum.state import WeightsCopy
 from autoaccum.task import LossFn, check_loss
 
-__all__ = ["Stepper"]
+__all__ = ["HostSnapshotNeeded", "Stepper"]
 
 logger = logging.getLogger("autoaccum.probe")
+
+
+class HostSnapshotNeeded(Exception):
+    """The weights' copy on the device did not do (see the module docstring); the message says why. Carries
+    the passes and OOMs run so far, which count in the probe's report."""
+
+    def __init__(self, reason: str, steps: int, ooms: int) -> None:
+        super().__init__(reason)
+        self.steps, self.ooms = steps, ooms
 
 
 class Stepper:
@@ -59,7 +75,8 @@ class Stepper:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
                  make_batch: Callable[[int], Batch], device: torch.device, meter: Meter, usable_bytes: int, *,
                  share: int, passes: int = 1, autocast_dtype: torch.dtype | None = None,
-                 scaler: torch.amp.GradScaler | None = None, own_inputs: bool = False) -> None:
+                 scaler: torch.amp.GradScaler | None = None, own_inputs: bool = False,
+                 weights_copy: WeightsCopy | None = None, copy_bytes: int = 0) -> None:
         self.model, self.optimizer, self.loss_fn, self.make_batch = model, optimizer, loss_fn, make_batch
         self.device, self.meter, self.usable_bytes, self.passes = device, meter, usable_bytes, passes
         self.share = share  # a micro-batch smaller than this rank's share accumulates
@@ -76,6 +93,8 @@ class Stepper:
         self.batch_bytes: dict[tuple[int, int | None], int] = {}  # bytes of the inputs of a batch of each size
         self.smallest = 1  # the size warmed up at: the cheapest pass that makes gradients
         self.holding_grads = False  # gradients of earlier passes are in memory (as in an accumulation)
+        self.weights_copy = weights_copy  # put back after the warm-up
+        self.copy_bytes = copy_bytes if weights_copy is not None else 0  # what it takes on the meter, while held
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -83,7 +102,7 @@ class Stepper:
 
     def _peak(self) -> int:
         reading = self.meter.read()
-        return 0 if reading is None else reading.peak_bytes
+        return 0 if reading is None else reading.peak_bytes - self.copy_bytes
 
     def _pass(self, batch: Batch) -> tuple[int, float]:
         """One forward/backward pass: (its peak, its time)."""
@@ -91,7 +110,7 @@ class Stepper:
         started = time.perf_counter()
         self.meter.reset_peak()
         reading = self.meter.read()
-        self.start_bytes = 0 if reading is None else reading.current_bytes
+        self.start_bytes = 0 if reading is None else reading.current_bytes - self.copy_bytes
         with autocast(self.device, self.autocast_dtype):
             loss, _ = check_loss(self.loss_fn(self.model, batch))
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
@@ -149,6 +168,9 @@ class Stepper:
             if step == 0 or size >= self.share:
                 self._zero_grad()
             peak, seconds = self._pass(batch)
+            if step == 0 and self.weights_copy is not None and self.weights_copy.written():  # before any step
+                raise HostSnapshotNeeded("a forward/backward pass wrote the parameters in place", self.steps,
+                                         self.ooms)
             peaks.append(peak)
             times.append(seconds)
             self._optimizer_step()
@@ -172,8 +194,19 @@ class Stepper:
                          self.length)
 
     def warm_up(self, size: int) -> Candidate:
-        """Two complete training steps at ``size``: the optimizer's state and its peak; ``size`` measured too."""
-        return self._record(size, self._warm_up)
+        """Two complete training steps at ``size``: the optimizer's state and its peak; ``size`` measured too.
+        The weights' copy, if any, is put back and given up when it ends."""
+        copy = self.weights_copy
+        try:
+            candidate = self._record(size, self._warm_up)
+        finally:
+            if copy is not None:
+                copy.put_back()
+                self.weights_copy, self.copy_bytes = None, 0
+        if copy is not None and candidate.status == "oom":
+            raise HostSnapshotNeeded(f"micro-batch {size} ran out of memory beside the weights' copy on the device",
+                                     self.steps, self.ooms)
+        return candidate
 
     def measure(self, size: int) -> Candidate:
         """``passes`` forward/backward passes at ``size`` (once per size: a repeated size returns its result)."""

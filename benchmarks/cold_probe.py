@@ -19,7 +19,7 @@ Each step is timed alone (synchronised). The *steady step* is the median of the 
 - **the probe's added time**: probe wall + the first two steps after it - plain's first two steps, in
   steady steps: how much later the third step ends because of the probe;
 - where the cold probe's time goes, by wrapping the probe's parts: the snapshot (``state.capture``,
-  ``state.restore`` and ``state.release_pinned_memory``), the batches (``Stepper._batch``: slicing the data
+  ``state.restore``, ``state.release_pinned_memory`` and the weights' copy on the device, ``state.WeightsCopy``), the batches (``Stepper._batch``: slicing the data
   and the copy to the device), the forward/backward passes (``Stepper._pass``), the optimizer steps (``Stepper._optimizer_step``) and the
   rest (fitting, planning, the meter);
 - the snapshot alone: ``state.capture``, ``state.restore`` and ``state.release_pinned_memory`` of the model
@@ -67,8 +67,10 @@ from call_timers import time_calls  # noqa: E402
 from results_md import markdown_table, write_subsection  # noqa: E402
 
 #: the probe's parts whose time is summed (what each wraps: the module docstring)
+_WEIGHTS_COPY = getattr(training_state, "WeightsCopy", None)  # (a checkout before it: host snapshots only)
 PARTS = {"snapshot": [(training_state, "capture"), (training_state, "restore"),
-                      (training_state, "release_pinned_memory")],
+                      (training_state, "release_pinned_memory")]
+         + [(_WEIGHTS_COPY, name) for name in ("__init__", "put_back") if _WEIGHTS_COPY is not None],
          "batches": [(Stepper, "_batch")], "passes": [(Stepper, "_pass")],
          "optimizer": [(Stepper, "_optimizer_step")]}
 FIRST = 2  # the first steps, which pay the start-up (AdamW creates its state in the first)

@@ -239,11 +239,12 @@ def _trained(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, optimizer
 
 
-def _probe_keeping(model, optimizer, budget, loss_fn=mlp_loss, **kwargs) -> tuple[list[str], object]:
+def _probe_keeping(model, optimizer, budget, loss_fn=mlp_loss, make_batch=stateful_batch,
+                   **kwargs) -> tuple[list[str], object]:
     before = _state(model, optimizer)
     result: object
     try:
-        result = probe(model=model, loss_fn=loss_fn, make_batch=stateful_batch, optimizer=optimizer,
+        result = probe(model=model, loss_fn=loss_fn, make_batch=make_batch, optimizer=optimizer,
                        target_batch=TARGET, budget=budget, **kwargs)
     except Exception as exc:  # noqa: BLE001 -- the test looks at which one
         result = type(exc)
@@ -324,11 +325,127 @@ def test_probe_with_an_optimizer_factory_leaves_no_trace():
 
 def test_negative_control_without_the_restore_the_probe_leaves_traces(monkeypatch):
     monkeypatch.setattr(autoaccum.state, "restore", lambda *args, **kwargs: None)
+    monkeypatch.setattr(autoaccum.state.WeightsCopy, "put_back", lambda self: None)
     model, optimizer = _trained()
     differences, report = _probe_keeping(model, optimizer, 1_000_000)
     assert isinstance(report, ProbeReport)
     kinds = {d.split("/")[1] for d in differences}
     assert kinds == {"params", "buffers", "grads", "optimizer", "torch_rng"}, differences
+
+
+# -- the weights' copy on the device for the warm-up (autoaccum.state.WeightsCopy) -----------------
+
+def _copies_made(monkeypatch) -> list[int]:
+    """Record the bytes of every WeightsCopy the probe makes."""
+    made: list[int] = []
+    init = autoaccum.state.WeightsCopy.__init__
+
+    def recording(self, model):
+        init(self, model)
+        made.append(sum(c.numel() * c.element_size() for c in self.copies))
+
+    monkeypatch.setattr(autoaccum.state.WeightsCopy, "__init__", recording)
+    return made
+
+
+def test_with_room_the_weights_are_copied_on_the_device_and_put_back_by_the_copy(monkeypatch):
+    """The parameters come back from the copy (not from the host snapshot, which leaves them out): without
+    its put_back, they alone stay moved (the warm-up's two optimizer steps)."""
+    made = _copies_made(monkeypatch)
+    model, optimizer = _trained()
+    differences, report = _probe_keeping(model, optimizer, 1_000_000)
+    assert isinstance(report, ProbeReport) and report.probe_ooms == 0 and differences == []
+    assert made == [autoaccum.state.WeightsCopy.nbytes(model)]
+    monkeypatch.setattr(autoaccum.state.WeightsCopy, "put_back", lambda self: None)
+    model, optimizer = _trained()
+    differences, _ = _probe_keeping(model, optimizer, 1_000_000)
+    assert differences and {d.split("/")[1] for d in differences} == {"params"}, differences
+
+
+def _probe_on_mlp(budget: int, **kwargs) -> ProbeReport:
+    return probe(model=mlp(), loss_fn=mlp_loss, make_batch=mlp_batch(), target_batch=TARGET, budget=budget,
+                 headroom=HEADROOM, **kwargs)
+
+
+def test_the_copy_changes_no_reading_and_no_plan(monkeypatch):
+    """The copy's bytes are live through the warm-up and subtracted from its readings: every candidate, the
+    fitted model and the plan are those of the probe that copies to host memory. Negative control: not
+    subtracted, the warm-up's peaks (and the optimizer's) read the copy's bytes higher."""
+    made = _copies_made(monkeypatch)
+    budget = 500_000
+    with_copy = _probe_on_mlp(budget)
+    assert len(made) == 1 and made[0] > 0
+    monkeypatch.setattr(importlib.import_module("autoaccum.probe"), "WARM_UP_ROOM", 10 ** 9)  # no room: host
+    on_host = _probe_on_mlp(budget)
+    assert len(made) == 1  # no copy the second time
+    peaks = [(c.micro_batch, c.status, c.peak_bytes, c.fwd_bwd_peak_bytes, c.opt_peak_bytes)
+             for c in with_copy.candidates]
+    assert peaks == [(c.micro_batch, c.status, c.peak_bytes, c.fwd_bwd_peak_bytes, c.opt_peak_bytes)
+                     for c in on_host.candidates]
+    assert with_copy.plan == on_host.plan and with_copy.model == on_host.model
+    monkeypatch.setattr(importlib.import_module("autoaccum.probe"), "WARM_UP_ROOM", 4)
+    init = Stepper.__init__
+    monkeypatch.setattr(Stepper, "__init__", lambda self, *a, **k: init(self, *a, **{**k, "copy_bytes": 0}))
+    unsubtracted = _probe_on_mlp(budget)
+    assert unsubtracted.candidates[0].opt_peak_bytes == on_host.candidates[0].opt_peak_bytes + made[0]
+
+
+def test_a_warm_up_that_runs_out_beside_the_copy_is_measured_again_from_host_memory(monkeypatch):
+    """A budget between the warm-up's peak and that peak plus the copy (the room check made to pass): the
+    warm-up runs out of memory beside the copy, and the probe measures again with the weights on the host --
+    one OOM counted, the reading of a probe that never copied, no trace. Negative control: without the second
+    try the probe fails."""
+    probe_module = importlib.import_module("autoaccum.probe")
+    model, optimizer = _trained()
+    monkeypatch.setattr(probe_module, "WARM_UP_ROOM", 10 ** 9)
+    on_host = probe(model=model, loss_fn=mlp_loss, make_batch=stateful_batch, optimizer=optimizer, target_batch=64,
+                    budget=1_000_000, headroom=0.0)
+    warm_up_peak = on_host.candidates[0].peak_bytes
+    budget = warm_up_peak + autoaccum.state.WeightsCopy.nbytes(model) // 2
+    monkeypatch.setattr(probe_module, "WARM_UP_ROOM", 0)  # the check lets the copy be made
+    made = _copies_made(monkeypatch)
+    differences, report = _probe_keeping(model, optimizer, budget, headroom=0.0)
+    assert len(made) == 1 and isinstance(report, ProbeReport), report
+    assert report.probe_ooms == 1 and report.candidates[0].status == "ok"
+    assert report.candidates[0].peak_bytes == warm_up_peak
+    assert differences == []
+    monkeypatch.setattr(probe_module, "_measure", lambda *a, **k: probe_module._measure_once(
+        *a, copy_weights=True, **k))
+    _, result = _probe_keeping(model, optimizer, budget, headroom=0.0)
+    assert result is autoaccum.stepper.HostSnapshotNeeded
+
+
+class _MaxNorm(torch.nn.Linear):
+    """A max-norm constraint applied in forward (as some vision and EEG models do): the weight's rows are
+    rescaled in place to norm 1 before use."""
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.weight.renorm_(2, 0, 1.0)
+        return super().forward(x)
+
+
+def test_a_model_that_writes_its_parameters_in_forward_is_measured_from_host_memory(monkeypatch):
+    """The later passes would write the weights the copy put back: the first pass's write is seen (the
+    parameters' version counters), and the probe measures again with the weights on the host. Negative
+    control: unseen, the probe leaves the renormalised weights behind."""
+    made = _copies_made(monkeypatch)
+
+    def make():
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(_MaxNorm(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+        with torch.no_grad():
+            net[0].weight.mul_(10.0)  # rows far over norm 1: the first forward changes them
+        return net, torch.optim.AdamW(net.parameters(), lr=1e-2)
+
+    model, optimizer = make()
+    differences, report = _probe_keeping(model, optimizer, 1_000_000, make_batch=mlp_batch())
+    assert len(made) == 1 and isinstance(report, ProbeReport), report
+    assert differences == []
+    monkeypatch.setattr(autoaccum.state.WeightsCopy, "written", lambda self: False)
+    model, optimizer = make()
+    differences, _ = _probe_keeping(model, optimizer, 1_000_000, make_batch=mlp_batch())
+    assert {d.split("/")[1] for d in differences} == {"params"}, differences
 
 
 # -- does not fit ---------------------------------------------------------------------------------
@@ -580,3 +697,28 @@ def test_report_round_trips_through_its_dict():
         ProbeReport.from_dict({**report.to_dict(), "version": 99})
     with pytest.raises(ValueError, match="malformed"):
         ProbeReport.from_dict({k: v for k, v in report.to_dict().items() if k != "candidates"})
+
+
+@pytest.mark.gpu
+def test_cuda_probe_copies_the_weights_on_the_device_and_reads_as_from_host_memory(monkeypatch):
+    """On CUDA the warm-up's copy is made on the device (allocator bytes, subtracted from the readings): the
+    sizes measured and their peaks are those of the probe that copies to host memory, and the weights come back
+    bit for bit."""
+    probe_module = importlib.import_module("autoaccum.probe")
+    model = mlp(in_dim=512, hidden=2048, out_dim=16).cuda()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def run() -> ProbeReport:
+        return probe(model=model, loss_fn=mlp_loss, make_batch=mlp_batch(512, 16), target_batch=1024,
+                     budget="256MiB", headroom=HEADROOM)
+
+    monkeypatch.setattr(probe_module, "WARM_UP_ROOM", 10 ** 9)
+    run()  # the CUDA libraries' first use (cuBLAS's workspace) before the readings compared
+    on_host = run()
+    monkeypatch.setattr(probe_module, "WARM_UP_ROOM", 4)
+    made = _copies_made(monkeypatch)
+    with_copy = run()
+    assert made == [autoaccum.state.WeightsCopy.nbytes(model)]
+    assert [(c.micro_batch, c.status, c.fwd_bwd_peak_bytes, c.opt_peak_bytes) for c in with_copy.candidates] == \
+        [(c.micro_batch, c.status, c.fwd_bwd_peak_bytes, c.opt_peak_bytes) for c in on_host.candidates]
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())

@@ -160,3 +160,65 @@ def test_released_snapshot_gives_its_page_locked_memory_back():
     assert held() - start >= 4 * 2**20  # freed blocks stay cached: the negative control
     state.release_pinned_memory()
     assert held() - start < 4 * 2**20
+
+
+# -- the weights' copy on their device (the probe's warm-up) ------------------------------------------
+
+def _tied(device: str) -> nn.Module:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16, bias=False)).to(device)
+    net[1].weight = net[0].weight  # tied: one parameter, two names
+    return net
+
+
+def _weights_copy_roundtrip(device: str) -> None:
+    model = _tied(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    before = {n: p.detach().cpu().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    copy = state.WeightsCopy(model)
+    assert copy.held and len(copy.copies) == 1 and all(c.device == p.device for c, p in zip(copy.copies, copy.parameters))
+    assert state.WeightsCopy.nbytes(model) == 16 * 8 * 4  # the tied weight once
+    assert not copy.written()
+    model(torch.arange(4, device=device)).square().mean().backward()
+    assert not copy.written()  # a forward and backward leave the weights alone
+    optimizer.step()
+    assert copy.written()
+    assert any(not torch.equal(p.detach().cpu(), before[n]) for n, p in model.named_parameters())  # it changed them
+    copy.put_back()
+    assert not copy.held
+    assert all(torch.equal(p.detach().cpu(), before[n]) for n, p in model.named_parameters(remove_duplicate=False))
+    assert model[1].weight is model[0].weight  # put back in place: still tied
+    copy.put_back()  # again: nothing
+
+
+def test_weights_copy_puts_the_parameters_back_bit_for_bit_and_sees_in_place_writes():
+    _weights_copy_roundtrip("cpu")
+
+
+def test_snapshot_without_parameters_leaves_them_as_they_are():
+    model = _model("cpu")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _train(model, optimizer, "cpu")
+    before = _everything(model, optimizer)
+    snapshot = state.capture(model, optimizer, parameters=False)
+    assert not snapshot.parameters and not any(n.startswith("param:") for n in snapshot.tensors)
+    _train(model, optimizer, "cpu")
+    state.restore(snapshot, model, optimizer)
+    after = _differences(before, _everything(model, optimizer))
+    parameter_names = {f"t/{n}" for n, _ in model.named_parameters()}
+    assert after and set(after) == parameter_names  # the buffers, gradients and optimizer came back; weights not
+
+
+def test_weights_copy_is_refused_for_tensor_subclasses():
+    class Sub(torch.Tensor):
+        pass
+
+    model = nn.Linear(4, 4)
+    assert state.WeightsCopy.usable(model)
+    model.weight = nn.Parameter(model.weight.detach().as_subclass(Sub))
+    assert not state.WeightsCopy.usable(model)
+
+
+@pytest.mark.gpu
+def test_cuda_weights_copy_stays_on_the_device_and_is_exact():
+    _weights_copy_roundtrip("cuda")
