@@ -95,6 +95,7 @@ class Stepper:
         self.holding_grads = False  # gradients of earlier passes are in memory (as in an accumulation)
         self.weights_copy = weights_copy  # put back after the warm-up
         self.copy_bytes = copy_bytes if weights_copy is not None else 0  # what it takes on the meter, while held
+        self.copy_given_up = False  # the copy was put back: the weights may not change again
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -197,12 +198,14 @@ class Stepper:
         """Two complete training steps at ``size``: the optimizer's state and its peak; ``size`` measured too.
         The weights' copy, if any, is put back and given up when it ends."""
         copy = self.weights_copy
+        if copy is None and self.copy_given_up:  # its steps would change weights no snapshot holds
+            raise RuntimeError("Stepper.warm_up ran twice after the weights' copy was put back: one warm-up a stepper")
         try:
             candidate = self._record(size, self._warm_up)
         finally:
             if copy is not None:
                 copy.put_back()
-                self.weights_copy, self.copy_bytes = None, 0
+                self.weights_copy, self.copy_bytes, self.copy_given_up = None, 0, True
         if copy is not None and candidate.status == "oom":
             raise HostSnapshotNeeded(f"micro-batch {size} ran out of memory beside the weights' copy on the device",
                                      self.steps, self.ooms)

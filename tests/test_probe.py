@@ -362,6 +362,24 @@ def test_with_room_the_weights_are_copied_on_the_device_and_put_back_by_the_copy
     assert differences and {d.split("/")[1] for d in differences} == {"params"}, differences
 
 
+def test_a_stepper_puts_the_copy_back_after_its_one_warm_up_and_refuses_a_second():
+    """A second warm-up would change weights that neither the copy (given up) nor the host snapshot (without
+    them) holds."""
+    model = mlp()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    with TrackedMemory(budget_bytes=None).track(model, optimizer) as meter:
+        held = meter.current_bytes
+        weights = autoaccum.state.WeightsCopy(model)
+        stepper = Stepper(model, optimizer, mlp_loss, mlp_batch(), torch.device("cpu"), meter, 10**9, share=64,
+                          weights_copy=weights, copy_bytes=meter.current_bytes - held)
+        assert stepper.warm_up(1).status == "ok"
+        assert not weights.held and stepper.copy_bytes == 0
+        assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+        with pytest.raises(RuntimeError, match="twice"):
+            stepper.warm_up(1)
+
+
 def _probe_on_mlp(budget: int, **kwargs) -> ProbeReport:
     return probe(model=mlp(), loss_fn=mlp_loss, make_batch=mlp_batch(), target_batch=TARGET, budget=budget,
                  headroom=HEADROOM, **kwargs)
