@@ -244,3 +244,54 @@ def test_an_hf_model_moved_with_copy_keeps_its_loss_kind():
             self.module = module
 
     assert predicted_tokens(Wrapper(copy.deepcopy(model)), batch) == shifted
+
+
+def _probe_leaves_no_trace(model: torch.nn.Module, make_batch, device: str, budget: str) -> None:
+    """The probe on ``model`` (AdamW with state from one step, gradients held, buffers moved) copies the weights
+    on their device for the warm-up, and leaves weights, gradients, buffers and optimizer state bit for bit."""
+    from autoaccum import state as training_state
+
+    model = model.to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batch = {k: v.to(device) for k, v in make_batch(4).items()}
+    model(**batch).loss.backward()
+    optimizer.step()
+    model(**batch).loss.backward()  # gradients held, as mid-accumulation
+
+    def everything() -> dict[str, torch.Tensor]:
+        out = {f"p/{n}": p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+        out |= {f"g/{n}": p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        out |= {f"b/{n}": b.clone() for n, b in model.named_buffers()}
+        out |= {f"o/{i}/{k}": v.clone() for i, s in enumerate(optimizer.state.values()) for k, v in s.items()}
+        return out
+
+    before = everything()
+    made: list[int] = []
+    init = training_state.WeightsCopy.__init__
+
+    def recording(self, m):
+        init(self, m)
+        made.append(len(self.copies))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(training_state.WeightsCopy, "__init__", recording)
+        report = autoaccum.probe(model=model, loss_fn=default_loss, make_batch=make_batch, optimizer=optimizer,
+                                 target_batch=64, budget=budget)
+    assert report.probe_ooms == 0 and report.optimizer_steps == 2
+    assert made == [len({id(p) for p in model.parameters()})]  # one copy, tied weights once
+    after = everything()
+    assert before.keys() == after.keys()
+    assert [k for k in before if not torch.equal(before[k], after[k])] == []
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_probe_of_gpt2_with_tied_weights_and_of_a_batchnorm_resnet_leaves_no_trace(device):
+    """GPT-2 ties its output layer to the token embedding (one parameter, two names); ResNet's BatchNorm
+    statistics move in every forward: the weights come back from the copy on the device, the rest from the
+    host snapshot."""
+    gpt = gpt2()
+    assert gpt.lm_head.weight is gpt.transformer.wte.weight
+    _probe_leaves_no_trace(gpt, lambda b: padded_tokens(b, seed=b), device, "64MiB")
+    g = torch.Generator().manual_seed(0)
+    images = {"pixel_values": torch.randn(64, 3, 32, 32, generator=g), "labels": torch.randint(0, 10, (64,), generator=g)}
+    _probe_leaves_no_trace(resnet(), lambda b: {k: v[:b] for k, v in images.items()}, device, "64MiB")
