@@ -35,6 +35,7 @@ from autoaccum.memory import (
 from autoaccum.memory_model import MemoryModel, TokenMemoryModel
 from autoaccum.plan import Plan, TokenBudget
 from autoaccum.precision import Precision, autocast_dtype, check_precision, make_scaler
+from autoaccum.recovery import catch_oom, release_memory
 from autoaccum.report import Candidate, ProbeReport
 from autoaccum.size_search import search_sizes
 from autoaccum.length_search import search_lengths
@@ -334,6 +335,7 @@ def _measure(task: Task, optimizer: Any, precision: Precision, budget_bytes: int
         measured = _measure_once(task, optimizer, precision, budget_bytes, headroom, copy_weights=False, **kwargs)
         measured.stepper.steps += first.steps
         measured.stepper.ooms += first.ooms
+        measured.stepper.optimizer_steps += first.optimizer_steps
         return measured
 
 
@@ -365,7 +367,10 @@ def _measure_once(task: Task, optimizer: Any, precision: Precision, budget_bytes
                 copy_bytes = 0
                 if copy_weights:  # inside the meter: it counts against the budget as it would on the device
                     before = meter.read().current_bytes
-                    weights_copy = WeightsCopy(task.model)
+                    weights_copy, failed = catch_oom(WeightsCopy, task.model)
+                    if failed:  # the room was not there after all (fragmentation, another process): from the host
+                        release_memory(device)
+                        raise HostSnapshotNeeded("no device memory for the weights' copy")
                     copy_bytes = meter.read().current_bytes - before
                 stepper = Stepper(run_model, run_optimizer, task.loss_fn, task.batch, device, meter, usable,
                                   share=share, passes=passes, autocast_dtype=autocast_dtype(precision),

@@ -199,19 +199,28 @@ def restore(snapshot: TrainingSnapshot, model: torch.nn.Module, optimizer: torch
 
 
 class WeightsCopy:
-    """A copy of a model's parameters made where they are (on their device), for the probe's warm-up: its two
-    optimizer steps change the weights, and nothing after it does (forward and backward passes only), so the
-    copy is put back when the warm-up ends and given up. On a GPU this is a device-to-device copy (about a
-    millisecond for 537 MB on an H200) instead of pinning the weights' size of host memory and giving it back
-    (0.6 and 0.16 of a 0.29 s step; benchmarks/RESULTS.md, "Cold probe on a GPU"). It takes device memory
-    while it lives, which the probe subtracts from its readings (``autoaccum.stepper``).
+    """A copy of a model's trainable parameters made where they are (on their device), for the probe's warm-up:
+    its two optimizer steps change them, and nothing after it should (forward and backward passes only), so
+    the copy is put back when the warm-up ends and given up. On a GPU this is a device-to-device copy (about a
+    millisecond for 537 MB) instead of pinning the weights' size of host memory and giving it back (0.8-1.2 of
+    a 0.29 s step on an H100; benchmarks/RESULTS.md, "Cold probe on a GPU"). It takes device memory while it
+    lives, which the probe subtracts from its readings (``autoaccum.stepper``). Frozen parameters
+    (``requires_grad=False``) get no gradient, so no optimizer step changes them: they are not copied, only
+    watched.
 
-    Only for parameters that are plain tensors (not DTensor or other subclasses): :meth:`usable` says so.
+    A model's forward may write its own parameters (a max-norm constraint, weight clipping). Such writes are
+    seen two ways: :meth:`differs` compares the values with the copy while it is held (exact, writes through
+    ``.data`` too), and :meth:`written` compares every parameter's version counter with its reading at the
+    copy or at :meth:`put_back` (in-place writes, not those through ``.data``).
+
+    Only for parameters that are plain dense tensors (not DTensor or other subclasses): :meth:`usable` says so.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
-        unique = {id(p): p for p in model.parameters()}  # tied weights once
-        self.parameters = list(unique.values())
+        unique = {id(p): (n, p) for n, p in model.named_parameters()}  # tied weights once
+        self.names = [n for n, _ in unique.values()]
+        self.watched = [p for _, p in unique.values()]
+        self.parameters = [p for p in self.watched if p.requires_grad]
         with torch.no_grad():
             self.copies: list[torch.Tensor] | None = [p.detach().clone() for p in self.parameters]
         self.versions = self._versions()
@@ -223,30 +232,41 @@ class WeightsCopy:
 
     @staticmethod
     def nbytes(model: torch.nn.Module) -> int:
-        """The bytes a copy of ``model``'s parameters takes (tied weights once)."""
-        unique = {id(p): p for p in model.parameters()}
+        """The bytes a copy of ``model``'s trainable parameters takes (tied weights once)."""
+        unique = {id(p): p for p in model.parameters() if p.requires_grad}
         return sum(p.numel() * p.element_size() for p in unique.values())
 
     def _versions(self) -> list[int]:
-        return [p._version for p in self.parameters]
+        return [p._version for p in self.watched]
 
-    def written(self) -> bool:
-        """Whether a parameter was written in place since the copy was made (its version counter moved; writes
-        through ``.data`` are not seen)."""
-        return self._versions() != self.versions
+    def written(self) -> str | None:
+        """The name of a parameter written in place since the copy was made or put back (its version counter
+        moved), or None."""
+        versions = self._versions()
+        if versions == self.versions:
+            return None
+        return next(n for n, now, then in zip(self.names, versions, self.versions) if now != then)
+
+    def differs(self) -> bool:
+        """Whether a copied parameter's value differs from its copy (False once the copy is given up)."""
+        if self.copies is None:
+            return False
+        return not all(torch.equal(p, saved) for p, saved in zip(self.parameters, self.copies))
 
     @property
     def held(self) -> bool:
         return self.copies is not None
 
     def put_back(self) -> None:
-        """Copy the saved values into the parameters (bit for bit) and give the copy up. Again: nothing."""
+        """Copy the saved values into the parameters (bit for bit), give the copy up, and watch the version
+        counters from here. Again: nothing."""
         if self.copies is None:
             return
         with torch.no_grad():
             for p, saved in zip(self.parameters, self.copies):
                 p.copy_(saved)
         self.copies = None
+        self.versions = self._versions()
 
 
 # -- buffers a forward updates (BatchNorm running statistics): a replayed step starts from them -------

@@ -37,6 +37,7 @@ from collections.abc import Callable
 import torch
 
 from autoaccum.batch import Batch, move_to, own_rows, tensors
+from autoaccum.errors import AutoAccumError
 from autoaccum.log import rank_level
 from autoaccum.memory import Meter
 from autoaccum.precision import autocast
@@ -54,9 +55,9 @@ class HostSnapshotNeeded(Exception):
     """The weights' copy on the device did not do (see the module docstring); the message says why. Carries
     the passes and OOMs run so far, which count in the probe's report."""
 
-    def __init__(self, reason: str, steps: int, ooms: int) -> None:
+    def __init__(self, reason: str, steps: int = 0, ooms: int = 0, optimizer_steps: int = 0) -> None:
         super().__init__(reason)
-        self.steps, self.ooms = steps, ooms
+        self.steps, self.ooms, self.optimizer_steps = steps, ooms, optimizer_steps
 
 
 class Stepper:
@@ -95,7 +96,7 @@ class Stepper:
         self.holding_grads = False  # gradients of earlier passes are in memory (as in an accumulation)
         self.weights_copy = weights_copy  # put back after the warm-up
         self.copy_bytes = copy_bytes if weights_copy is not None else 0  # what it takes on the meter, while held
-        self.copy_given_up = False  # the copy was put back: the weights may not change again
+        self.watching: WeightsCopy | None = None  # the copy once put back: the weights may not change again
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -120,7 +121,21 @@ class Stepper:
         self._sync()
         self.steps += 1
         self.holding_grads = True
+        if self.watching is not None:
+            self._check_unwritten(batch)
         return peak, time.perf_counter() - started
+
+    def _check_unwritten(self, batch: Batch) -> None:
+        """After the warm-up's copy was put back, no pass may write the weights: nothing could restore them."""
+        name = self.watching.written() if self.watching is not None else None
+        if name is not None:
+            size = tensors(batch)[0].shape[0] if tensors(batch) else "?"
+            raise AutoAccumError(
+                f"the model wrote its parameter {name!r} in place during a forward/backward pass of the probe (at "
+                f"micro-batch {size}), after the warm-up's copy of the weights was put back, so the probe cannot "
+                f"leave the weights as they were. The model's forward changes its own weights on some calls but "
+                f"not on the first (a constraint switched on later, or one that depends on the batch): apply it "
+                f"after optimizer.step() instead, or make it act from the first call.")
 
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -169,9 +184,10 @@ class Stepper:
             if step == 0 or size >= self.share:
                 self._zero_grad()
             peak, seconds = self._pass(batch)
-            if step == 0 and self.weights_copy is not None and self.weights_copy.written():  # before any step
-                raise HostSnapshotNeeded("a forward/backward pass wrote the parameters in place", self.steps,
-                                         self.ooms)
+            copy = self.weights_copy
+            if step == 0 and copy is not None and (copy.written() or copy.differs()):  # before any optimizer step
+                raise HostSnapshotNeeded("a forward/backward pass wrote the parameters", self.steps, self.ooms,
+                                         self.optimizer_steps)
             peaks.append(peak)
             times.append(seconds)
             self._optimizer_step()
@@ -198,17 +214,17 @@ class Stepper:
         """Two complete training steps at ``size``: the optimizer's state and its peak; ``size`` measured too.
         The weights' copy, if any, is put back and given up when it ends."""
         copy = self.weights_copy
-        if copy is None and self.copy_given_up:  # its steps would change weights no snapshot holds
+        if copy is None and self.watching is not None:  # its steps would change weights no snapshot holds
             raise RuntimeError("Stepper.warm_up ran twice after the weights' copy was put back: one warm-up a stepper")
         try:
             candidate = self._record(size, self._warm_up)
         finally:
             if copy is not None:
                 copy.put_back()
-                self.weights_copy, self.copy_bytes, self.copy_given_up = None, 0, True
+                self.weights_copy, self.copy_bytes, self.watching = None, 0, copy
         if copy is not None and candidate.status == "oom":
             raise HostSnapshotNeeded(f"micro-batch {size} ran out of memory beside the weights' copy on the device",
-                                     self.steps, self.ooms)
+                                     self.steps, self.ooms, self.optimizer_steps)
         return candidate
 
     def measure(self, size: int) -> Candidate:

@@ -323,9 +323,17 @@ def test_probe_with_an_optimizer_factory_leaves_no_trace():
     assert _differences(before, _state(model, spare)) == []
 
 
+def _give_up_without_putting_back(monkeypatch) -> None:
+    """WeightsCopy.put_back as a broken one would be: the copy given up, the values not copied back."""
+    def give_up(self):
+        self.copies, self.versions = None, self._versions()
+
+    monkeypatch.setattr(autoaccum.state.WeightsCopy, "put_back", give_up)
+
+
 def test_negative_control_without_the_restore_the_probe_leaves_traces(monkeypatch):
     monkeypatch.setattr(autoaccum.state, "restore", lambda *args, **kwargs: None)
-    monkeypatch.setattr(autoaccum.state.WeightsCopy, "put_back", lambda self: None)
+    _give_up_without_putting_back(monkeypatch)
     model, optimizer = _trained()
     differences, report = _probe_keeping(model, optimizer, 1_000_000)
     assert isinstance(report, ProbeReport)
@@ -356,7 +364,7 @@ def test_with_room_the_weights_are_copied_on_the_device_and_put_back_by_the_copy
     differences, report = _probe_keeping(model, optimizer, 1_000_000)
     assert isinstance(report, ProbeReport) and report.probe_ooms == 0 and differences == []
     assert made == [autoaccum.state.WeightsCopy.nbytes(model)]
-    monkeypatch.setattr(autoaccum.state.WeightsCopy, "put_back", lambda self: None)
+    _give_up_without_putting_back(monkeypatch)
     model, optimizer = _trained()
     differences, _ = _probe_keeping(model, optimizer, 1_000_000)
     assert differences and {d.split("/")[1] for d in differences} == {"params"}, differences
@@ -386,8 +394,8 @@ def _probe_on_mlp(budget: int, **kwargs) -> ProbeReport:
 
 
 def test_the_copy_changes_no_reading_and_no_plan(monkeypatch):
-    """The copy's bytes are live through the warm-up and subtracted from its readings: every candidate, the
-    fitted model and the plan are those of the probe that copies to host memory. Negative control: not
+    """The copy's bytes are live through the warm-up and subtracted from its readings: every candidate and the
+    fitted model are those of the probe that copies to host memory. Negative control: not
     subtracted, the warm-up's peaks (and the optimizer's) read the copy's bytes higher."""
     made = _copies_made(monkeypatch)
     budget = 500_000
@@ -400,7 +408,7 @@ def test_the_copy_changes_no_reading_and_no_plan(monkeypatch):
              for c in with_copy.candidates]
     assert peaks == [(c.micro_batch, c.status, c.peak_bytes, c.fwd_bwd_peak_bytes, c.opt_peak_bytes)
                      for c in on_host.candidates]
-    assert with_copy.plan == on_host.plan and with_copy.model == on_host.model
+    assert with_copy.model == on_host.model  # (the plan is chosen by measured speed: it may differ by timing)
     monkeypatch.setattr(importlib.import_module("autoaccum.probe"), "WARM_UP_ROOM", 4)
     init = Stepper.__init__
     monkeypatch.setattr(Stepper, "__init__", lambda self, *a, **k: init(self, *a, **{**k, "copy_bytes": 0}))
@@ -435,35 +443,91 @@ def test_a_warm_up_that_runs_out_beside_the_copy_is_measured_again_from_host_mem
 
 class _MaxNorm(torch.nn.Linear):
     """A max-norm constraint applied in forward (as some vision and EEG models do): the weight's rows are
-    rescaled in place to norm 1 before use."""
+    rescaled in place to norm 1 before use -- from call ``start`` on, and through ``.data`` where asked (a write
+    the version counter does not see)."""
+
+    def __init__(self, *args, start: int = 1, through_data: bool = False):
+        super().__init__(*args)
+        self.calls, self.start, self.through_data = 0, start, through_data
 
     def forward(self, x):
-        with torch.no_grad():
-            self.weight.renorm_(2, 0, 1.0)
+        self.calls += 1
+        if self.calls >= self.start:
+            if self.through_data:
+                self.weight.data.renorm_(2, 0, 1.0)
+            else:
+                with torch.no_grad():
+                    self.weight.renorm_(2, 0, 1.0)
         return super().forward(x)
 
 
-def test_a_model_that_writes_its_parameters_in_forward_is_measured_from_host_memory(monkeypatch):
-    """The later passes would write the weights the copy put back: the first pass's write is seen (the
-    parameters' version counters), and the probe measures again with the weights on the host. Negative
-    control: unseen, the probe leaves the renormalised weights behind."""
+def _max_norm_net(**kwargs):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(_MaxNorm(32, 64, **kwargs), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    with torch.no_grad():
+        net[0].weight.mul_(10.0)  # rows far over norm 1: the constraint changes them
+    return net, torch.optim.AdamW(net.parameters(), lr=1e-2)
+
+
+def _probe_steps_from_host(monkeypatch, **kwargs) -> ProbeReport:
+    probe_module = importlib.import_module("autoaccum.probe")
+    with monkeypatch.context() as patch:
+        patch.setattr(probe_module, "WARM_UP_ROOM", 10 ** 9)
+        model, optimizer = _max_norm_net(**kwargs)
+        _, report = _probe_keeping(model, optimizer, 1_000_000, make_batch=mlp_batch())
+    assert isinstance(report, ProbeReport)
+    return report
+
+
+@pytest.mark.parametrize("through_data", [False, True], ids=["in-place", "through-data"])
+def test_a_model_that_writes_its_parameters_in_every_forward_is_measured_from_host_memory(monkeypatch, through_data):
+    """The later passes would write the weights the copy put back: the first pass's write is seen (the version
+    counters; through ``.data``, the values against the copy), and the probe measures again with the weights in
+    host memory -- no trace, and the first try's pass counted. Negative control: unseen, the probe leaves the
+    renormalised weights behind."""
+    monkeypatch.setattr(importlib.import_module("autoaccum.probe"), "RETIME_ROUNDS", 0)  # passes by memory alone
+    on_host = _probe_steps_from_host(monkeypatch, through_data=through_data)
     made = _copies_made(monkeypatch)
-
-    def make():
-        torch.manual_seed(0)
-        net = torch.nn.Sequential(_MaxNorm(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
-        with torch.no_grad():
-            net[0].weight.mul_(10.0)  # rows far over norm 1: the first forward changes them
-        return net, torch.optim.AdamW(net.parameters(), lr=1e-2)
-
-    model, optimizer = make()
+    model, optimizer = _max_norm_net(through_data=through_data)
     differences, report = _probe_keeping(model, optimizer, 1_000_000, make_batch=mlp_batch())
     assert len(made) == 1 and isinstance(report, ProbeReport), report
     assert differences == []
-    monkeypatch.setattr(autoaccum.state.WeightsCopy, "written", lambda self: False)
-    model, optimizer = make()
+    assert report.probe_steps == on_host.probe_steps + 1 and report.optimizer_steps == on_host.optimizer_steps == 2
+    monkeypatch.setattr(autoaccum.state.WeightsCopy, "written", lambda self: None)
+    monkeypatch.setattr(autoaccum.state.WeightsCopy, "differs", lambda self: False)
+    model, optimizer = _max_norm_net(through_data=through_data)
     differences, _ = _probe_keeping(model, optimizer, 1_000_000, make_batch=mlp_batch())
     assert {d.split("/")[1] for d in differences} == {"params"}, differences
+
+
+def test_a_write_to_the_parameters_that_starts_after_the_warm_up_is_refused_by_name(monkeypatch):
+    """A constraint that acts from the fourth call on writes weights the copy no longer holds: the probe stops at
+    that pass with an error that names the parameter and the fix. Negative control: unseen, the probe reports a
+    plan and leaves the weights written."""
+    model, optimizer = _max_norm_net(start=4)
+    with pytest.raises(AutoAccumError, match=r"parameter '0.weight'.*after optimizer.step\(\)"):
+        probe(model=model, loss_fn=mlp_loss, make_batch=mlp_batch(), optimizer=optimizer, target_batch=TARGET,
+              budget=1_000_000)
+    monkeypatch.setattr(autoaccum.state.WeightsCopy, "written", lambda self: None)
+    model, optimizer = _max_norm_net(start=4)
+    differences, report = _probe_keeping(model, optimizer, 1_000_000, make_batch=mlp_batch())
+    assert isinstance(report, ProbeReport) and {d.split("/")[1] for d in differences} == {"params"}, differences
+
+
+def test_a_copy_that_runs_out_of_memory_itself_is_made_in_host_memory_instead(monkeypatch):
+    """The room check passed, yet the copy's allocation failed (fragmentation, another process): the probe
+    goes on from a host snapshot. Negative control: not caught, the OOM ends the probe."""
+    def no_room(self, model):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB (injected by the test)")
+
+    monkeypatch.setattr(autoaccum.state.WeightsCopy, "__init__", no_room)
+    model, optimizer = _trained()
+    differences, report = _probe_keeping(model, optimizer, 1_000_000)
+    assert isinstance(report, ProbeReport) and report.probe_ooms == 0, report
+    assert differences == []
+    monkeypatch.setattr(importlib.import_module("autoaccum.probe"), "catch_oom", lambda fn, *a: (fn(*a), False))
+    _, result = _probe_keeping(model, optimizer, 1_000_000)
+    assert result is torch.OutOfMemoryError
 
 
 # -- does not fit ---------------------------------------------------------------------------------

@@ -222,3 +222,17 @@ def test_weights_copy_is_refused_for_tensor_subclasses():
 @pytest.mark.gpu
 def test_cuda_weights_copy_stays_on_the_device_and_is_exact():
     _weights_copy_roundtrip("cuda")
+
+
+def test_weights_copy_leaves_frozen_parameters_out_but_watches_them():
+    """A frozen parameter gets no gradient, so no optimizer step changes it: it is not copied (a large frozen
+    base beside small adapters would double the memory for nothing), but a write to it is still seen."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    model[0].requires_grad_(False)
+    copy = state.WeightsCopy(model)
+    assert len(copy.copies) == 2 and state.WeightsCopy.nbytes(model) == (8 * 2 + 2) * 4
+    copy.put_back()
+    assert copy.written() is None
+    with torch.no_grad():
+        model[0].weight.mul_(2.0)
+    assert copy.written() == "0.weight"
