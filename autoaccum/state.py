@@ -199,19 +199,20 @@ def restore(snapshot: TrainingSnapshot, model: torch.nn.Module, optimizer: torch
 
 
 class WeightsCopy:
-    """A copy of a model's trainable parameters made where they are (on their device), for the probe's warm-up:
-    its two optimizer steps change them, and nothing after it should (forward and backward passes only), so
-    the copy is put back when the warm-up ends and given up. On a GPU this is a device-to-device copy (about a
+    """A copy of a model's parameters made where they are (on their device), for the probe's warm-up: its two
+    optimizer steps change them, and nothing after it should (forward and backward passes only), so the copy
+    is put back when the warm-up ends and given up. On a GPU this is a device-to-device copy (about a
     millisecond for 537 MB) instead of pinning the weights' size of host memory and giving it back (0.8-1.2 of
     a 0.29 s step on an H100; benchmarks/RESULTS.md, "Cold probe on a GPU"). It takes device memory while it
-    lives, which the probe subtracts from its readings (``autoaccum.stepper``). Frozen parameters
-    (``requires_grad=False``) get no gradient, so no optimizer step changes them: they are not copied, only
-    watched.
+    lives, which the probe subtracts from its readings (``autoaccum.stepper``). Frozen parameters are copied
+    too: a forward may write them (``nn.Embedding(max_norm=...)`` renormalises its rows in place), and nothing
+    else holds them.
 
     A model's forward may write its own parameters (a max-norm constraint, weight clipping). Such writes are
-    seen two ways: :meth:`differs` compares the values with the copy while it is held (exact, writes through
-    ``.data`` too), and :meth:`written` compares every parameter's version counter with its reading at the
-    copy or at :meth:`put_back` (in-place writes, not those through ``.data``).
+    seen two ways: :meth:`differs` compares the values with the copy while it is held, bit for bit (writes
+    through ``.data`` too), and :meth:`written` compares every parameter's version counter and storage with
+    their readings at the copy or at :meth:`put_back` (in-place writes and ``.data = ...`` assignments; not
+    in-place writes through ``.data``).
 
     Only for parameters that are plain dense tensors (not DTensor or other subclasses): :meth:`usable` says so.
     """
@@ -219,11 +220,10 @@ class WeightsCopy:
     def __init__(self, model: torch.nn.Module) -> None:
         unique = {id(p): (n, p) for n, p in model.named_parameters()}  # tied weights once
         self.names = [n for n, _ in unique.values()]
-        self.watched = [p for _, p in unique.values()]
-        self.parameters = [p for p in self.watched if p.requires_grad]
+        self.parameters = [p for _, p in unique.values()]
         with torch.no_grad():
             self.copies: list[torch.Tensor] | None = [p.detach().clone() for p in self.parameters]
-        self.versions = self._versions()
+        self.readings = self._readings()
 
     @staticmethod
     def usable(model: torch.nn.Module) -> bool:
@@ -232,26 +232,27 @@ class WeightsCopy:
 
     @staticmethod
     def nbytes(model: torch.nn.Module) -> int:
-        """The bytes a copy of ``model``'s trainable parameters takes (tied weights once)."""
-        unique = {id(p): p for p in model.parameters() if p.requires_grad}
+        """The bytes a copy of ``model``'s parameters takes (tied weights once)."""
+        unique = {id(p): p for p in model.parameters()}
         return sum(p.numel() * p.element_size() for p in unique.values())
 
-    def _versions(self) -> list[int]:
-        return [p._version for p in self.watched]
+    def _readings(self) -> list[tuple[int, int]]:
+        return [(p._version, p.data_ptr()) for p in self.parameters]
 
     def written(self) -> str | None:
-        """The name of a parameter written in place since the copy was made or put back (its version counter
-        moved), or None."""
-        versions = self._versions()
-        if versions == self.versions:
+        """The name of a parameter written in place, or given new storage (``p.data = ...``), since the copy was
+        made or put back, or None."""
+        readings = self._readings()
+        if readings == self.readings:
             return None
-        return next(n for n, now, then in zip(self.names, versions, self.versions) if now != then)
+        return next(n for n, now, then in zip(self.names, readings, self.readings) if now != then)
 
     def differs(self) -> bool:
-        """Whether a copied parameter's value differs from its copy (False once the copy is given up)."""
+        """Whether a parameter's value differs from its copy, bit for bit (a NaN equals the same NaN; -0.0 is not
+        0.0), or its dtype or shape does. False once the copy is given up."""
         if self.copies is None:
             return False
-        return not all(torch.equal(p, saved) for p, saved in zip(self.parameters, self.copies))
+        return not all(_same_bits(p.detach(), saved) for p, saved in zip(self.parameters, self.copies))
 
     @property
     def held(self) -> bool:
@@ -266,7 +267,17 @@ class WeightsCopy:
             for p, saved in zip(self.parameters, self.copies):
                 p.copy_(saved)
         self.copies = None
-        self.versions = self._versions()
+        self.readings = self._readings()
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold the same bits (same dtype and shape): compared as bytes where their memory is
+    laid out alike, by value otherwise (then a NaN differs from itself: reported as changed, the safe side)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.is_contiguous() and b.is_contiguous() and a.numel():
+        return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    return torch.equal(a, b)
 
 
 # -- buffers a forward updates (BatchNorm running statistics): a replayed step starts from them -------

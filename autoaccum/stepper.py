@@ -129,7 +129,7 @@ class Stepper:
         """After the warm-up's copy was put back, no pass may write the weights: nothing could restore them."""
         name = self.watching.written() if self.watching is not None else None
         if name is not None:
-            size = tensors(batch)[0].shape[0] if tensors(batch) else "?"
+            size = next((t.shape[0] for t in tensors(batch) if t.dim()), "?")
             raise AutoAccumError(
                 f"the model wrote its parameter {name!r} in place during a forward/backward pass of the probe (at "
                 f"micro-batch {size}), after the warm-up's copy of the weights was put back, so the probe cannot "

@@ -326,7 +326,7 @@ def test_probe_with_an_optimizer_factory_leaves_no_trace():
 def _give_up_without_putting_back(monkeypatch) -> None:
     """WeightsCopy.put_back as a broken one would be: the copy given up, the values not copied back."""
     def give_up(self):
-        self.copies, self.versions = None, self._versions()
+        self.copies, self.readings = None, self._readings()
 
     monkeypatch.setattr(autoaccum.state.WeightsCopy, "put_back", give_up)
 
@@ -498,6 +498,41 @@ def test_a_model_that_writes_its_parameters_in_every_forward_is_measured_from_ho
     model, optimizer = _max_norm_net(through_data=through_data)
     differences, _ = _probe_keeping(model, optimizer, 1_000_000, make_batch=mlp_batch())
     assert {d.split("/")[1] for d in differences} == {"params"}, differences
+
+
+class _FrozenEmbeddingNet(torch.nn.Module):
+    """A frozen pretrained embedding with ``max_norm`` (renormalises the rows it looks up, in place, in every
+    forward) under a trainable head."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding.from_pretrained(torch.randn(50, 16) * 10.0, freeze=True, max_norm=1.0)
+        self.head = torch.nn.Linear(16, 8)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids).mean(dim=1))
+
+
+def _ids_batch(b: int):
+    g = torch.Generator().manual_seed(b)
+    return torch.randint(0, 50, (b, 6), generator=g), torch.randint(0, 8, (b,), generator=g)
+
+
+def test_a_frozen_embedding_that_renormalises_in_forward_is_left_as_it_was(monkeypatch):
+    """Frozen parameters get no gradient, but a forward may write them: they are copied and watched like the
+    rest, and the first pass's write sends the probe to host memory. Negative control: unseen, the frozen
+    embedding's rows stay renormalised."""
+    model = _FrozenEmbeddingNet()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    differences, report = _probe_keeping(model, optimizer, 1_000_000, make_batch=_ids_batch)
+    assert isinstance(report, ProbeReport) and differences == [], (report, differences)
+    monkeypatch.setattr(autoaccum.state.WeightsCopy, "written", lambda self: None)
+    monkeypatch.setattr(autoaccum.state.WeightsCopy, "differs", lambda self: False)
+    model = _FrozenEmbeddingNet()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    differences, _ = _probe_keeping(model, optimizer, 1_000_000, make_batch=_ids_batch)
+    assert differences == ["/params/emb.weight"], differences
 
 
 def test_a_write_to_the_parameters_that_starts_after_the_warm_up_is_refused_by_name(monkeypatch):

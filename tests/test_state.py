@@ -224,15 +224,27 @@ def test_cuda_weights_copy_stays_on_the_device_and_is_exact():
     _weights_copy_roundtrip("cuda")
 
 
-def test_weights_copy_leaves_frozen_parameters_out_but_watches_them():
-    """A frozen parameter gets no gradient, so no optimizer step changes it: it is not copied (a large frozen
-    base beside small adapters would double the memory for nothing), but a write to it is still seen."""
-    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+def test_weights_copy_holds_frozen_parameters_too_and_sees_data_assignments_and_nan_bits():
+    """A frozen parameter gets no gradient, but a forward may write it (``nn.Embedding(max_norm=...)``): it is
+    copied and put back like the rest. ``p.data = ...`` (no version bump) is seen by its new storage, and the
+    value check compares bits: an unchanged NaN is unchanged, a -0.0 written over 0.0 is a change."""
+    model = nn.Sequential(nn.Embedding(8, 4, max_norm=1.0), nn.Linear(4, 2))
     model[0].requires_grad_(False)
-    copy = state.WeightsCopy(model)
-    assert len(copy.copies) == 2 and state.WeightsCopy.nbytes(model) == (8 * 2 + 2) * 4
-    copy.put_back()
-    assert copy.written() is None
     with torch.no_grad():
-        model[0].weight.mul_(2.0)
-    assert copy.written() == "0.weight"
+        model[0].weight.mul_(10.0)
+        model[1].bias[0] = float("nan")
+        model[1].bias[1] = 0.0
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    copy = state.WeightsCopy(model)
+    assert len(copy.copies) == 3 and state.WeightsCopy.nbytes(model) == (8 * 4 + 4 * 2 + 2) * 4
+    assert not copy.differs()  # the NaN equals its own bits
+    model(torch.arange(4))  # max_norm renormalises the rows it looks up, in place
+    assert copy.written() == "0.weight" and copy.differs()
+    copy.put_back()
+    assert all(torch.equal(p.view(torch.uint8), before[n].view(torch.uint8)) for n, p in model.named_parameters())
+    model[1].weight.data = model[1].weight.data.clone()  # the same values, new storage, no version bump
+    assert copy.written() == "1.weight"
+    again = state.WeightsCopy(model)
+    with torch.no_grad():
+        model[1].bias.data[1] = -0.0  # through .data: no version bump; equal by value, not by bits
+    assert again.written() is None and again.differs()
