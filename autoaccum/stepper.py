@@ -9,10 +9,11 @@ measured once, and every candidate size only runs forward and backward:
   and times the optimizer step. These are the only steps that change the weights: given a
   :class:`~autoaccum.state.WeightsCopy` (made on the device), the stepper puts it back when the
   warm-up ends and gives it up, and until then subtracts the bytes it holds from every reading. Where
-  the copy may have changed the outcome -- the warm-up ran out of memory while it was held, or a pass
-  wrote the parameters in place (then the weights the later passes leave are not the copy's) -- it
-  raises :class:`HostSnapshotNeeded` after putting it back: the probe starts again with the weights
-  copied to host memory.
+  the copy may have changed the outcome -- the warm-up ran out of memory while it was held, or its
+  first pass wrote the parameters (then the later passes would write them too, after the copy is
+  gone) -- it raises :class:`HostSnapshotNeeded` after putting it back: the probe starts again with
+  the weights copied to host memory. A write first seen after the copy is gone raises
+  :class:`~autoaccum.errors.AutoAccumError` naming the parameter: nothing could restore it.
 - :meth:`Stepper.measure` runs ``passes`` forward/backward passes at one size. A size smaller
   than the rank's share will accumulate, so it runs as a real accumulation's later micro-batches
   do: with the summed gradients of earlier ones in memory (and the optimizer state; where none are
@@ -131,7 +132,8 @@ class Stepper:
         if name is not None:
             size = next((t.shape[0] for t in tensors(batch) if t.dim()), "?")
             raise AutoAccumError(
-                f"the model wrote its parameter {name!r} in place during a forward/backward pass of the probe (at "
+                f"the model wrote its parameter {name!r} (in place, or a new .data) during a forward/backward pass "
+                f"of the probe (at "
                 f"micro-batch {size}), after the warm-up's copy of the weights was put back, so the probe cannot "
                 f"leave the weights as they were. The model's forward changes its own weights on some calls but "
                 f"not on the first (a constraint switched on later, or one that depends on the batch): apply it "
