@@ -133,11 +133,10 @@ class Stepper:
             size = next((t.shape[0] for t in tensors(batch) if t.dim()), "?")
             raise AutoAccumError(
                 f"the model wrote its parameter {name!r} (in place, or a new .data) during a forward/backward pass "
-                f"of the probe (at "
-                f"micro-batch {size}), after the warm-up's copy of the weights was put back, so the probe cannot "
-                f"leave the weights as they were. The model's forward changes its own weights on some calls but "
-                f"not on the first (a constraint switched on later, or one that depends on the batch): apply it "
-                f"after optimizer.step() instead, or make it act from the first call.")
+                f"of the probe (at micro-batch {size}), after the warm-up's copy of the weights was put back, so the "
+                f"probe cannot leave the weights as they were. The model's forward changes its own weights on some "
+                f"calls but not on the first (a constraint switched on later, or one that depends on the batch): "
+                f"apply it after optimizer.step() instead, or make it act from the first call.")
 
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
