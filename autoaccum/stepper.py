@@ -123,12 +123,13 @@ class Stepper:
         self.steps += 1
         self.holding_grads = True
         if self.watching is not None:
-            self._check_unwritten(batch)
+            self._check_unwritten(self.watching, batch)
         return peak, time.perf_counter() - started
 
-    def _check_unwritten(self, batch: Batch) -> None:
+    @staticmethod
+    def _check_unwritten(watching: WeightsCopy, batch: Batch) -> None:
         """After the warm-up's copy was put back, no pass may write the weights: nothing could restore them."""
-        name = self.watching.written() if self.watching is not None else None
+        name = watching.written()
         if name is not None:
             size = next((t.shape[0] for t in tensors(batch) if t.dim()), "?")
             raise AutoAccumError(
