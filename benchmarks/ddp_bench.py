@@ -46,6 +46,12 @@ benchmark reads where nothing differs, the resolution of that run (two instances
 2 shared cores read 0.965-1.05 of each other in single runs; ``--instances K`` averages over K of each),
 and every mode is also compared with both hand loops at once (per turn, the mean of their two step times).
 
+Every mode's CPU time per step is reported too (rank 0, per turn: the whole process, gloo's threads
+included, and the thread that ran the step), each against the hand loop's in the same turn. On this
+2-core machine the two ranks and gloo's threads keep both cores busy through the step, so host work
+costs its CPU time whatever it overlaps: the CPU difference is the guard's host work, steadier
+than the wall-clock ratio (``benchmarks/RESULTS.md``, "CPU time per step").
+
 Every mode's minor page faults per step are reported too (rank 0, all its threads; the
 ``--single-process`` part's in the launching process). With glibc's default malloc, memory one step
 frees can go back to the system and the next allocation faults it in again, page by page;
@@ -145,23 +151,31 @@ def _minor_faults() -> int:
     return 0 if resource is None else resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def _turns(steps: dict[str, Any], turns: int,
-           before: Any = None) -> tuple[dict[str, list[float]], dict[str, float]]:
+def _turns(steps: dict[str, Any], turns: int, before: Any = None,
+           cpu: dict[str, dict[str, list[float]]] | None = None) -> tuple[dict[str, list[float]], dict[str, float]]:
     """``turns`` turns of one step of each in ``steps``, in a shuffled order per turn (the same on
     every rank: a fixed seed), each timed alone (after ``before()``, a barrier across ranks). Returns
-    each one's step times and its minor page faults per step."""
+    each one's step times and its minor page faults per step. ``cpu``, where given, gets each step's
+    CPU time too: ``cpu["process"][mode]`` (every thread of this process: the caller's and gloo's)
+    and ``cpu["thread"][mode]`` (the calling thread's alone)."""
     order, shuffle = list(steps), random.Random(0)
     times: dict[str, list[float]] = {mode: [] for mode in steps}
     faults = dict.fromkeys(steps, 0)
+    if cpu is not None:
+        cpu.update({"process": {mode: [] for mode in steps}, "thread": {mode: [] for mode in steps}})
     for _ in range(turns):
         shuffle.shuffle(order)
         for mode in order:
             if before is not None:
                 before()
             touched = _minor_faults()
+            process, thread = time.process_time(), time.thread_time()
             started = time.perf_counter()
             steps[mode]()
             times[mode].append(time.perf_counter() - started)
+            if cpu is not None:
+                cpu["process"][mode].append(time.process_time() - process)
+                cpu["thread"][mode].append(time.thread_time() - thread)
             faults[mode] += _minor_faults() - touched
     return times, {mode: count / turns for mode, count in faults.items()}
 
@@ -244,11 +258,13 @@ def _interleaved(rank: int, args: argparse.Namespace) -> dict[str, Any]:
         turn = itertools.count()
         return lambda: built[(mode, next(turn) % args.instances)][0]()
 
-    times, faults = _turns({mode: rotating(mode) for mode in _modes(args)}, args.interleaved, before=dist.barrier)
+    cpu: dict[str, dict[str, list[float]]] = {}
+    times, faults = _turns({mode: rotating(mode) for mode in _modes(args)}, args.interleaved, before=dist.barrier,
+                           cpu=cpu)
     overlapped = {mode: sum(sum(built[(mode, k)][1][args.warmup:]) for k in range(args.instances))
                   for mode in _modes(args) if built[(mode, 0)][1]}
     return {"times": times, "overlapped": overlapped,
-            "faults_per_step": faults}
+            "faults_per_step": faults, "cpu": cpu}
 
 
 def _single_process(args: argparse.Namespace) -> dict[str, Any]:
@@ -341,6 +357,23 @@ def _per_step_ratio(times: dict[str, list[float]], mode: str, base: str) -> dict
             "low": medians[25], "high": medians[974]}
 
 
+def _cpu_per_step(cpu: dict[str, dict[str, list[float]]], mode: str, base: str) -> dict[str, Any]:
+    """Rank 0's CPU time per step of ``mode``: medians over the turns, for the whole process (every thread:
+    the caller's and gloo's) and for the thread that ran the step, and the median over the turns of the
+    difference to ``base``'s in the same turn (ms; above 0: ``mode`` used more CPU), with a 95% bootstrap
+    interval. On a machine whose cores the ranks and gloo's threads keep busy, CPU time is what a step's
+    host work costs, whatever waits overlap it (``benchmarks/RESULTS.md``, "CPU time per step")."""
+    report: dict[str, Any] = {}
+    for kind in ("process", "thread"):
+        mine, theirs = cpu[kind][mode], cpu[kind][base]
+        diffs = sorted((m - b) * 1e3 for m, b in zip(mine, theirs))
+        draw = random.Random(1)
+        medians = sorted(statistics.median(draw.choices(diffs, k=len(diffs))) for _ in range(1000))
+        report[kind] = {"median_ms": statistics.median(mine) * 1e3, "minus_base_ms": statistics.median(diffs),
+                        "low": medians[25], "high": medians[974]}
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--accum", type=int, default=8, help="micro-batches per optimizer step")
@@ -414,6 +447,7 @@ def main() -> None:
             r["per_step"] = _per_step_ratio(per_step["times"], r["mode"], "ddp_no_sync_last")
             r["per_step"]["overlapped_steps"] = per_step["overlapped"].get(r["mode"])
             r["per_step"]["faults_per_step"] = per_step["faults_per_step"][r["mode"]]
+            r["per_step"]["cpu"] = _cpu_per_step(per_step["cpu"], r["mode"], "ddp_no_sync_last")
         if args.control:  # against both hand loops at once: the mean of their step times in the same turn
             times = dict(per_step["times"])
             times["hand_loops"] = [(a + b) / 2 for a, b in zip(times["ddp_no_sync_last"],
@@ -448,6 +482,14 @@ def main() -> None:
                 extra = f"{vs['ratio']:>10.3f}x {vs['low']:.3f}-{vs['high']:.3f}" if vs else ""
                 print(f"{r['mode']:<27}{ps['median_ms']:>16.2f}{ps['faults_per_step']:>13.0f}{ps['ratio']:>13.3f}x"
                       f"{ps['low']:>10.3f}-{ps['high']:.3f}{extra}")
+            print("rank 0's CPU time per step (ms; median over the turns, and the mode's minus the hand loop's in the "
+                  "same turn, 95% interval)")
+            print(f"{'mode':<27}{'process':>10}{'minus hand loop':>28}{'main thread':>13}{'minus hand loop':>28}")
+            for r in report["results"]:
+                c = r["per_step"]["cpu"]
+                print(f"{r['mode']:<27}" + "".join(
+                    f"{c[kind]['median_ms']:>10.2f}{c[kind]['minus_base_ms']:>+12.2f} ({c[kind]['low']:+.2f} to "
+                    f"{c[kind]['high']:+.2f})" for kind in ("process", "thread")))
             if args.unchained:
                 gain = report["chained_vs_unchained"]
                 print(f"chained steps against unchained, paired per turn: {gain['ratio']:.3f}x "

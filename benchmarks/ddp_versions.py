@@ -13,7 +13,9 @@ The model, plan and modes are ``ddp_bench.py``'s: the MLP (``--hidden``; ``--dep
 times and the turns rotate over them (``ddp_bench``'s ``--instances``); each step is timed alone after
 a barrier, in a shuffled order per turn. Reported: each mode's median step time, each guard against
 the hand loop, and the current guard against the baseline (the median per-turn ratio with its 95%
-bootstrap interval; above 1: the current one is faster). Prints a table, then one JSON document.
+bootstrap interval; above 1: the current one is faster), and rank 0's CPU time per step, paired the same
+way (``ddp_bench``'s CPU columns: on this 2-core machine the steadier measure of host work). Prints a
+table, then one JSON document.
 Not part of the test run.
 
     python benchmarks/ddp_versions.py --baseline REV [--hidden 16] [--depth 1] [--bucket-bytes N] [--turns 400]
@@ -117,9 +119,10 @@ def _worker(rank: int, port: int, out: str, args: argparse.Namespace) -> None:
         turn = itertools.count()
         return lambda: built[(mode, next(turn) % args.instances)]()
 
-    times, _ = ddp_bench._turns({mode: rotating(mode) for mode in MODES}, args.turns, before=dist.barrier)
+    cpu: dict[str, dict[str, list[float]]] = {}
+    times, _ = ddp_bench._turns({mode: rotating(mode) for mode in MODES}, args.turns, before=dist.barrier, cpu=cpu)
     if rank == 0:
-        Path(out).write_text(json.dumps({"times": times}))
+        Path(out).write_text(json.dumps({"times": times, "cpu": cpu}))
     built.clear()  # the DDP wrappers go before the group (README, "At exit")
     gc.collect()
     dist.destroy_process_group()
@@ -148,7 +151,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         commit = export_baseline(args.baseline, Path(folder))
         args.baseline_dir = folder
-        times = ddp_bench.run_two_ranks(_worker, args)["times"]
+        measured = ddp_bench.run_two_ranks(_worker, args)
+    times, cpu = measured["times"], measured["cpu"]
     current = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "autoaccum"], cwd=ROOT, capture_output=True,
                                 text=True).stdout.strip())
@@ -160,6 +164,8 @@ def main() -> None:
         "median_step_ms": {mode: ddp_bench._per_step_ratio(times, mode, mode)["median_ms"] for mode in MODES},
         "vs_hand_loop": {mode: ddp_bench._per_step_ratio(times, mode, "hand_loop") for mode in ("baseline", "current")},
         "current_vs_baseline": ddp_bench._per_step_ratio(times, "current", "baseline"),
+        "cpu": {"vs_hand_loop": {mode: ddp_bench._cpu_per_step(cpu, mode, "hand_loop") for mode in ("baseline", "current")},
+                "current_vs_baseline": ddp_bench._cpu_per_step(cpu, "current", "baseline")},
         "torch": torch.__version__, "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     if not args.json_only:
@@ -176,6 +182,14 @@ def main() -> None:
         r = result["current_vs_baseline"]
         print(f"current vs baseline: {r['ratio']:.3f}x ({r['low']:.3f}-{r['high']:.3f}); median step "
               f"{steps['current'] - steps['baseline']:+.3f} ms")
+        print("rank 0's CPU time per step, the first minus the second in the same turn (median, 95% interval), ms:")
+        for kind in ("process", "thread"):
+            pairs = [("baseline", "hand loop", result["cpu"]["vs_hand_loop"]["baseline"]),
+                     ("current", "hand loop", result["cpu"]["vs_hand_loop"]["current"]),
+                     ("current", "baseline", result["cpu"]["current_vs_baseline"])]
+            print(f"  {'whole process' if kind == 'process' else 'main thread':<14}" + "   ".join(
+                f"{a} - {b} {c[kind]['minus_base_ms']:+.3f} ({c[kind]['low']:+.3f} to {c[kind]['high']:+.3f})"
+                for a, b, c in pairs))
     print(json.dumps(result, indent=1))
 
 
