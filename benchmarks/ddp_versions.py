@@ -164,7 +164,8 @@ def main() -> None:
         "median_step_ms": {mode: ddp_bench._per_step_ratio(times, mode, mode)["median_ms"] for mode in MODES},
         "vs_hand_loop": {mode: ddp_bench._per_step_ratio(times, mode, "hand_loop") for mode in ("baseline", "current")},
         "current_vs_baseline": ddp_bench._per_step_ratio(times, "current", "baseline"),
-        "cpu": {"vs_hand_loop": {mode: ddp_bench._cpu_per_step(cpu, mode, "hand_loop") for mode in ("baseline", "current")},
+        "cpu": {"vs_hand_loop": {mode: ddp_bench._cpu_per_step(cpu, mode, "hand_loop")
+                                 for mode in ("baseline", "current")},
                 "current_vs_baseline": ddp_bench._cpu_per_step(cpu, "current", "baseline")},
         "torch": torch.__version__, "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
