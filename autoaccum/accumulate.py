@@ -42,7 +42,8 @@ from autoaccum.recovery import drop_frames
 from autoaccum.sync import GradSync, LocalSync
 from autoaccum.task import LossFn, check_loss
 
-__all__ = ["Accumulated", "Failed", "LossKind", "StepTotals", "accumulate", "reduce_gradients", "step_scalars", "sum_dtype"]
+__all__ = ["Accumulated", "Failed", "LossKind", "StepTotals", "accumulate", "reduce_gradients", "step_scalars",
+           "step_values", "sum_dtype"]
 
 LossKind = Literal["mean", "sum", "normalized"]
 
@@ -187,12 +188,10 @@ def accumulate(model: torch.nn.Module, micro_batches: Iterable[MicroBatch], loss
     return Accumulated(loss_sum, items, kind)
 
 
-def step_scalars(result: Accumulated | None, device: torch.device) -> torch.Tensor:
+def step_scalars(result: Accumulated) -> torch.Tensor:
     """This rank's scalars of the step, summed over ranks in one exchange: loss sum, item count, and
-    which kind of loss it saw (a rank with an empty share of the last batch saw none). Zeros for a
-    failed attempt (they are exchanged with its flag and dropped)."""
-    if result is None:
-        return torch.zeros(4, dtype=sum_dtype(device), device=device)
+    which kind of loss it saw (a rank with an empty share of the last batch saw none), on the loss
+    sum's device (no read of it: the exchange runs where it is)."""
     loss_sum = result.loss_sum
     kinds = [float(result.kind == "mean"), float(result.kind == "sum")]
     if isinstance(result.num_items, int):  # counted on the host: one tensor made, the loss sum put in place
@@ -203,16 +202,26 @@ def step_scalars(result: Accumulated | None, device: torch.device) -> torch.Tens
     return torch.stack([loss_sum, count, loss_sum.new_tensor(kinds[0]), loss_sum.new_tensor(kinds[1])])
 
 
+def step_values(result: Accumulated | None) -> list[float]:
+    """:func:`step_scalars` as numbers on the host, for an overlapped step's flag, which carries them in
+    its row (``autoaccum.distributed.overlap``): the loss sum read once (the row is written on the host
+    anyway), no tensor made; the item count exact below 2**53. Zeros for a failed attempt (they are
+    exchanged with its flag and dropped)."""
+    if result is None:
+        return [0.0] * 4
+    return [float(result.loss_sum), float(result.num_items), float(result.kind == "mean"), float(result.kind == "sum")]
+
+
 def reduce_gradients(params: Sequence[torch.nn.Parameter], result: Accumulated, *, num_samples: int,
                      sync: GradSync | None = None, num_items_in_batch: int | None = None,
-                     summed: torch.Tensor | None = None) -> StepTotals:
+                     summed: Sequence[float] | None = None) -> StepTotals:
     """Sum gradients over ranks once, add up the step's scalars, normalise token-level gradients.
 
     Returns the step's totals; afterwards each parameter's ``.grad`` is the gradient of the
     global batch (for an optimizer step, clipping or a trainer's own step).
 
     Args:
-        summed: the step's :func:`step_scalars` summed over ranks already (an overlapped step's flag
+        summed: the step's :func:`step_values` summed over ranks already (an overlapped step's flag
             exchange carries them); None: summed here, after the gradients.
 
     Raises:
@@ -236,8 +245,8 @@ def reduce_gradients(params: Sequence[torch.nn.Parameter], result: Accumulated, 
     else:
         # One exchange for every scalar of the step (or none here: an overlapped step's flag carried them)
         if summed is None:
-            summed = sync.sum_items(step_scalars(result, result.loss_sum.device))
-        loss_total, item_total, means, sums = summed.tolist()
+            summed = sync.sum_items(step_scalars(result)).tolist()
+        loss_total, item_total, means, sums = summed
     if means and sums:
         raise TaskError("loss_fn returned mean losses on some ranks and (loss_sum, num_items) on others")
     if not sums:

@@ -18,6 +18,8 @@ SplitFn = Callable[[Batch, Sequence[int]], Sequence[Batch]]
 def tensors(batch: Batch) -> list[torch.Tensor]:
     if isinstance(batch, torch.Tensor):
         return [batch]
+    if type(batch) is tuple or type(batch) is list:  # the common case first: no Mapping check (an ABC's is slow)
+        return [t for v in batch for t in tensors(v)]
     if isinstance(batch, Mapping):
         return [t for v in batch.values() for t in tensors(v)]
     if isinstance(batch, (list, tuple)):
@@ -136,7 +138,11 @@ def own_rows(batch: Batch) -> Batch:
 
 def _split(batch: Batch, sizes: Sequence[int]) -> list[Batch]:
     if isinstance(batch, torch.Tensor):
-        return list(torch.split(batch, list(sizes), dim=0)) if batch.dim() > 0 else [batch] * len(sizes)
+        # split_with_sizes: torch.split's own work, without its Python wrapper (once per tensor per step)
+        return list(batch.split_with_sizes(list(sizes))) if batch.dim() > 0 else [batch] * len(sizes)
+    if type(batch) is tuple or type(batch) is list:  # the common case first: no Mapping check (an ABC's is slow)
+        parts = [_split(v, sizes) for v in batch]
+        return [type(batch)(p[i] for p in parts) for i in range(len(sizes))]
     if isinstance(batch, Mapping):
         parts = {k: _split(v, sizes) for k, v in batch.items()}
         return [like(batch, ((k, parts[k][i]) for k in batch)) for i in range(len(sizes))]

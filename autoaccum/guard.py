@@ -31,7 +31,7 @@ from typing import Any, cast
 
 import torch
 
-from autoaccum.accumulate import Accumulated, Failed, StepTotals, accumulate, reduce_gradients, step_scalars
+from autoaccum.accumulate import Accumulated, Failed, StepTotals, accumulate, reduce_gradients, step_values
 from autoaccum.batch import Batch, SplitFn
 from autoaccum.batchnorm import batchnorm_layers, warn_batchnorm
 from autoaccum.cut import Cutter, SampleCut
@@ -511,7 +511,7 @@ class OOMGuard:
         nothing: OK, its row voids the attempt), the step's scalars, a chained attempt's cut row,
         and this rank's proposal to chain the next step: a first attempt whose terms it guessed
         alone and voted to overlap."""
-        scalars = step_scalars(result if isinstance(result, Accumulated) else None, self.device)
+        scalars = step_values(result if isinstance(result, Accumulated) else None)
         propose = attempt == 1 and agreement.guessed and self._last_vote
         return self.sync.agree_step(OK if result is None else _status(result), scalars,  # type: ignore[attr-defined]
                                     cut_row=agreement.row if agreement.chained else None, chain_vote=propose)

@@ -33,7 +33,7 @@ the step stands (``autoaccum.cut_agreement``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -53,7 +53,7 @@ class StepAgreement:
     """What an overlapped attempt's flag brought back, the same on every rank."""
 
     status: int  # the worst over the ranks (OK < OOM < ERROR)
-    sums: torch.Tensor | None  # the step's scalars summed over the ranks (float64), where given
+    sums: tuple[float, ...] | None  # the step's scalars summed over the ranks (in float64), where given
     chain: bool  # every rank proposed chaining the next step, and this one ended OK
     cut_rows: tuple[tuple[int, ...], ...]  # every rank's row of the cut's exchange (zeros where none was given)
 
@@ -78,7 +78,7 @@ class OverlapSync(Protocol):
     def prepare_overlap(self, params: list[torch.nn.Parameter]) -> bool: ...
     def release_overlap(self, *, force: bool = False) -> None: ...
     def overlapped(self, params: list[torch.nn.Parameter]) -> Callable[[], None]: ...
-    def agree_step(self, status: int, scalars: torch.Tensor, *, cut_row: tuple[int, ...] | None = None,
+    def agree_step(self, status: int, scalars: Sequence[float], *, cut_row: tuple[int, ...] | None = None,
                    chain_vote: bool = False) -> StepAgreement: ...
     def gradient_buffers(self) -> list[torch.Tensor] | None: ...
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -207,7 +207,7 @@ class DistributedSync:
             return False
         return not (self.kind == "ddp" and self.model.will_sync_module_buffers())  # DDP's own test, per attempt
 
-    def agree_step(self, status: int, scalars: torch.Tensor, *, cut_row: tuple[int, ...] | None = None,
+    def agree_step(self, status: int, scalars: Sequence[float], *, cut_row: tuple[int, ...] | None = None,
                    chain_vote: bool = False) -> StepAgreement:
         """:meth:`agree`, and where the same exchange can carry them (an overlapped attempt), the
         step's scalars (loss sum, item count, kinds of loss) summed over ranks, every rank's

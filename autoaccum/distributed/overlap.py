@@ -76,7 +76,7 @@ import math
 import struct
 import warnings
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -92,7 +92,7 @@ __all__: list[str] = []  # internal: DistributedSync drives it
 
 logger = logging.getLogger(__name__)
 
-#: the step's scalars the flag carries (``autoaccum.accumulate.step_scalars``: the loss sum, the item
+#: the step's scalars the flag carries (``autoaccum.accumulate.step_values``: the loss sum, the item
 #: count, and which kind of loss each rank saw)
 STEP_SCALARS = 4
 #: the numbers each rank has in the row: its scalars, and its row of the cut's exchange (a chained
@@ -141,6 +141,7 @@ class _OverlappedReduce:
         self._views: list[list[torch.Tensor]] = []  # each parameter's place in its bucket's flat buffer
         #: every bucket's gradients, flat (the last bucket without the flag's row); see :attr:`gradients`
         self.gradients: list[torch.Tensor] = []
+        self._row_view: torch.Tensor | None = None  # the last bucket's room after its gradients: the flag's row
         self.disabled: str | None = None  # why overlap is off for good on this sync
         #: the last attempt agreed to chain the next step: every rank will send that step's buckets,
         #: so the buffers are kept until it starts (a release asked for meanwhile is declined)
@@ -150,7 +151,7 @@ class _OverlappedReduce:
         self.late = False  # after an agreed OK: a gradient was late on some rank; reduce the old way
         self.early = 0  # buckets of the last attempt sent from inside its backward (the overlap itself)
         self._hooks: list[Any] = []
-        self._stack = contextlib.ExitStack()
+        self._settle: contextlib.AbstractContextManager[Callable[[torch.Tensor], torch.Tensor]] | None = None
         self._keep: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._works: list[Any] = []
         #: the buckets sent during the backward: index, each parameter's gradient then and its version
@@ -181,6 +182,7 @@ class _OverlappedReduce:
             return False
         self._views = []
         self.gradients = [flat[:flat.numel() - self.row] if i == last else flat for i, flat in enumerate(self.flats)]
+        self._row_view = self.flats[-1][self.flats[-1].numel() - self.row:]  # sliced once: a view costs microseconds
         for flat, bucket in zip(self.flats, self.buckets):
             start, views = 0, []
             for p in bucket:
@@ -194,7 +196,7 @@ class _OverlappedReduce:
         Declined while a chained step is promised, unless ``force``: the guard forces it where every
         rank dropped the chain alike."""
         if not self.promised or force:
-            self.flats, self._views, self.gradients, self.promised = None, [], [], False
+            self.flats, self._views, self.gradients, self._row_view, self.promised = None, [], [], None, False
 
     # -- one overlapped attempt ------------------------------------------------------------------------
     def start(self) -> Callable[[], None]:
@@ -205,8 +207,8 @@ class _OverlappedReduce:
         self.active, self.reduced, self.late, self.early, self.promised = True, None, False, 0, False
         self._works, self._sent, self._fired, self._next = [], [], set(), 0
         self._waiting = [len(watched) for watched in self.watched]
-        self._stack = contextlib.ExitStack()
-        self._keep = self._stack.enter_context(settled())
+        self._settle = settled()
+        self._keep = self._settle.__enter__()  # left in finish(), whatever happens there
         return self._arm
 
     def _arm(self) -> None:
@@ -262,7 +264,7 @@ class _OverlappedReduce:
                     late.append(p)
         return late
 
-    def finish(self, status: int, scalars: torch.Tensor | None = None, cut_row: tuple[int, ...] | None = None,
+    def finish(self, status: int, scalars: Sequence[float] | None = None, cut_row: tuple[int, ...] | None = None,
                chain_vote: bool = False) -> StepAgreement:
         """After the micro-batches, on every rank, whatever they did: the buckets not sent yet, in
         order, the flag (whether this rank failed, which gradients exist, whether one was late, its
@@ -311,7 +313,9 @@ class _OverlappedReduce:
                 handle.remove()
             self._hooks, self._sent = [], []
             self._works = []  # a work handle holds its tensor: dropped before the settle below
-            self._stack.close()  # returns once gloo's worker let go of every buffer (settle.py)
+            settle, self._settle = self._settle, None
+            if settle is not None:
+                settle.__exit__(None, None, None)  # returns once gloo's worker let go of every buffer (settle.py)
             self._keep, self.active = None, False
         agreed = 2 if counts[1] > 0 else 1 if counts[0] > 0 else 0
         late = False
@@ -329,8 +333,8 @@ class _OverlappedReduce:
         self.promised = chain
         return StepAgreement(agreed, sums, chain, rows)
 
-    def _exchange_flag(self, flags: list[bool], scalars: torch.Tensor | None,
-                       cut_row: tuple[int, ...] | None) -> tuple[list[float], torch.Tensor | None,
+    def _exchange_flag(self, flags: list[bool], scalars: Sequence[float] | None,
+                       cut_row: tuple[int, ...] | None) -> tuple[list[float], tuple[float, ...] | None,
                                                                  tuple[tuple[int, ...], ...]]:
         """The flag in an exchange of its own (the last bucket's dtype cannot hold it exactly): no
         gradient collective is in flight now (DESIGN.md, Scale). One SUM in float64 -- exact for the
@@ -343,11 +347,11 @@ class _OverlappedReduce:
             rows[self.rank] = torch.tensor(cut_row, dtype=torch.float64)
         parts = [torch.tensor(flags, dtype=torch.float64, device=device)]
         if scalars is not None:
-            parts.append(scalars.detach().reshape(-1).to(device, torch.float64))
+            parts.append(torch.tensor(list(scalars), dtype=torch.float64, device=device))
         parts.append(rows.reshape(-1))
         summed = _all_reduce(torch.cat(parts), dist.ReduceOp.SUM, self.group)
         count = len(flags)
-        sums = summed[count:count + scalars.numel()] if scalars is not None else None
+        sums = tuple(summed[count:count + len(scalars)].tolist()) if scalars is not None else None
         gathered = summed[summed.numel() - rows.numel():].reshape(self.world_size, CUT_FIELDS).tolist()
         return summed[:count].tolist(), sums, tuple(tuple(int(v) for v in r) for r in gathered)
 
@@ -358,11 +362,10 @@ class _OverlappedReduce:
     # -- the flag in the last bucket -------------------------------------------------------------------
     def _tail(self) -> torch.Tensor:
         """The last bucket's room after its gradients: the flag's row."""
-        assert self.flats is not None
-        flat = self.flats[-1]
-        return flat[flat.numel() - self.row:]
+        assert self._row_view is not None
+        return self._row_view
 
-    def _write_row(self, flags: list[bool], scalars: torch.Tensor | None, cut_row: tuple[int, ...] | None) -> None:
+    def _write_row(self, flags: list[bool], scalars: Sequence[float] | None, cut_row: tuple[int, ...] | None) -> None:
         """This rank's row: the flags (summed over the ranks: counts), then one slot per rank for its
         scalars, then one per rank for its cut row, each number (a float64, or an integer below
         2**53) as :attr:`pieces` numbers of the bucket's dtype that add up to it exactly
@@ -373,7 +376,7 @@ class _OverlappedReduce:
         that the host's work does not grow with the number of ranks."""
         assert self.pieces is not None
         if scalars is not None:
-            values = scalars.detach().reshape(-1).tolist()
+            values = [float(v) for v in scalars]
             if len(values) != STEP_SCALARS:
                 raise RuntimeError(f"internal: the overlapped flag carries {STEP_SCALARS} scalars, not {len(values)}")
         else:
@@ -404,7 +407,7 @@ class _OverlappedReduce:
         return self._flags + self.world_size * STEP_SCALARS * self.pieces
 
     def _read_row(self, with_scalars: bool,
-                  with_rows: bool) -> tuple[list[float], torch.Tensor | None, tuple[tuple[int, ...], ...]]:
+                  with_rows: bool) -> tuple[list[float], tuple[float, ...] | None, tuple[tuple[int, ...], ...]]:
         """The summed row: the flags' counts, the scalars summed over the ranks (float64; the same on
         every rank), and every rank's cut row where one was sent (a chained step; zeros otherwise).
         Each number's pieces are added largest first (every addition exact, :func:`_split`), then the
@@ -424,7 +427,7 @@ class _OverlappedReduce:
             each = slots[..., 0]
             for k in range(1, pieces):
                 each = each + slots[..., k]
-            sums = each.cumsum(dim=0)[-1]  # rank by rank, as a loop would: the same bits on every rank and host
+            sums = tuple(each.cumsum(dim=0)[-1].tolist())  # rank by rank, as a loop would: the same bits everywhere
         if with_rows:
             gathered = row[rows_at:].view(self.world_size, CUT_FIELDS, pieces).sum(dim=2).round().to(torch.int64)
             rows = tuple(tuple(r) for r in gathered.tolist())
@@ -433,7 +436,7 @@ class _OverlappedReduce:
         return row[:count].tolist(), sums, rows
 
     def _read_row_on_host(self, with_scalars: bool,
-                          with_rows: bool) -> tuple[list[float], torch.Tensor | None, tuple[tuple[int, ...], ...]]:
+                          with_rows: bool) -> tuple[list[float], tuple[float, ...] | None, tuple[tuple[int, ...], ...]]:
         """:meth:`_read_row` for a few ranks: one ``.tolist()``, the same float64 additions in Python."""
         assert self.pieces is not None
         count, rows_at, pieces = self._flags, self._rows_at(), self.pieces
@@ -444,7 +447,7 @@ class _OverlappedReduce:
             total = numbers[:STEP_SCALARS]
             for at in range(STEP_SCALARS, len(numbers), STEP_SCALARS):  # rank by rank
                 total = [t + v for t, v in zip(total, numbers[at:at + STEP_SCALARS])]
-            sums = torch.tensor(total, dtype=torch.float64)
+            sums = tuple(total)
         if with_rows:
             numbers = [int(round(v)) for v in _joined(row[rows_at:], pieces)]
             rows = tuple(tuple(numbers[at:at + CUT_FIELDS]) for at in range(0, len(numbers), CUT_FIELDS))
