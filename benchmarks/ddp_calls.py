@@ -67,10 +67,15 @@ def _count(step: Any, steps: int) -> dict[str, Any]:
     """``steps`` steps of ``step`` with every Python call and C call counted, then ``steps`` more with every
     tensor operation counted (apart: the dispatch mode's own Python calls are not the step's); per step."""
     calls: collections.Counter[tuple[str, str]] = collections.Counter()
+    ours: collections.Counter[str] = collections.Counter()  # autoaccum's Python calls, by function
 
     def profile(frame: Any, event: str, arg: Any) -> None:
         if event in ("call", "c_call"):
-            calls[(event, _module_of(frame, event, arg))] += 1
+            module = _module_of(frame, event, arg)
+            calls[(event, module)] += 1
+            if module == "autoaccum" and event == "call":
+                code = frame.f_code
+                ours[f"{code.co_filename.rsplit('/autoaccum/', 1)[-1]}:{code.co_name}"] += 1
 
     sys.setprofile(profile)
     try:
@@ -85,7 +90,10 @@ def _count(step: Any, steps: int) -> dict[str, Any]:
     by_kind: dict[str, dict[str, float]] = {"python_calls": {}, "c_calls": {}}
     for (event, module), n in calls.items():
         by_kind["python_calls" if event == "call" else "c_calls"][module] = n / steps
-    return {**{kind: {"total": sum(v.values()), "by_module": v} for kind, v in by_kind.items()},
+    by_kind["python_calls_in_autoaccum"] = {name: n / steps for name, n in ours.items()}
+    return {**{kind: {"total": sum(v.values()), "by_module": v} for kind, v in by_kind.items()
+               if kind != "python_calls_in_autoaccum"},
+            "python_calls_in_autoaccum": by_kind["python_calls_in_autoaccum"],
             "tensor_ops": {"total": sum(ops.counts.values()) / steps,
                            "by_op": {k: v / steps for k, v in ops.counts.items()}}}
 
@@ -139,6 +147,10 @@ def main() -> None:
                 for m in modules:
                     g, h = guard[kind]["by_module"].get(m, 0.0), hand[kind]["by_module"].get(m, 0.0)
                     print(f"  {m:<22}{g:>10.1f}{h:>12.1f}{g - h:>+12.1f}")
+        print("the guard's most frequent Python calls in autoaccum (a generator expression or comprehension counts "
+              "once per item it yields):")
+        for name, n in sorted(guard["python_calls_in_autoaccum"].items(), key=lambda kv: -kv[1])[:args.top]:
+            print(f"  {name:<46}{n:>8.1f}")
         g_ops, h_ops = guard["tensor_ops"]["by_op"], hand["tensor_ops"]["by_op"]
         diff = sorted(set(g_ops) | set(h_ops), key=lambda k: -abs(g_ops.get(k, 0.0) - h_ops.get(k, 0.0)))
         print("tensor operations that differ most:")
