@@ -138,6 +138,7 @@ def accumulate(model: torch.nn.Module, micro_batches: Iterable[MicroBatch], loss
     kind: LossKind | None = None
     where = "forward/loss"
     window = sync.no_sync() if backward else torch.no_grad()
+    cast = autocast(device, autocast_dtype)  # entered once per micro-batch, one after the other (never nested)
     try:
         with window:
             for micro in micro_batches:
@@ -147,7 +148,7 @@ def accumulate(model: torch.nn.Module, micro_batches: Iterable[MicroBatch], loss
                 part = move_to(micro.batch, device, copy=copy_inputs)
                 micro = None  # type: ignore[assignment]  # the moved copy is the only reference
                 where = "forward/loss"
-                with autocast(device, autocast_dtype):
+                with cast:
                     if num_items_in_batch is None:
                         output = loss_fn(model, part)
                     else:

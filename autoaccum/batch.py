@@ -125,7 +125,10 @@ def _all_on(batch: Batch, device: torch.device) -> bool:
         items = batch.values()  # type: ignore[union-attr]
     else:
         return False
-    return all(type(t) is torch.Tensor and t.device == device for t in items)  # type: ignore[union-attr]
+    for t in items:  # a loop, not all() over a generator: once per micro-batch
+        if type(t) is not torch.Tensor or t.device != device:
+            return False
+    return True
 
 
 def own_rows(batch: Batch) -> Batch:
@@ -142,7 +145,7 @@ def _split(batch: Batch, sizes: Sequence[int]) -> list[Batch]:
         return list(batch.split_with_sizes(list(sizes))) if batch.dim() > 0 else [batch] * len(sizes)
     if type(batch) is tuple or type(batch) is list:  # the common case first: no Mapping check (an ABC's is slow)
         parts = [_split(v, sizes) for v in batch]
-        return [type(batch)(p[i] for p in parts) for i in range(len(sizes))]
+        return [type(batch)([p[i] for p in parts]) for i in range(len(sizes))]
     if isinstance(batch, Mapping):
         parts = {k: _split(v, sizes) for k, v in batch.items()}
         return [like(batch, ((k, parts[k][i]) for k in batch)) for i in range(len(sizes))]
@@ -173,7 +176,7 @@ def split_batch(batch: Batch, sizes: Sequence[int], split_fn: SplitFn | None = N
             raise ValueError(f"split_fn returned {len(parts)} parts for {len(sizes)} sizes {list(sizes)}")
         return parts
     total = batch_size(batch)
-    if sum(sizes) != total or any(s < 0 for s in sizes):
+    if sum(sizes) != total or (len(sizes) > 0 and min(sizes) < 0):
         raise ValueError(f"micro-batch sizes {list(sizes)} must be >= 0 and add up to the batch size {total}")
     return _split(batch, sizes)
 

@@ -514,7 +514,10 @@ def _split(values: list[float], pieces: int) -> list[float]:
     for _ in range(pieces):
         rounded = array("f", rest).tolist()
         parts.append(rounded)
-        rest = [v - p if math.isfinite(p) else 0.0 for v, p in zip(rest, rounded)]
+        if math.isfinite(sum(rounded)):  # float32 values: their float64 sum cannot overflow, so it is finite
+            rest = [v - p for v, p in zip(rest, rounded)]  # exactly where every piece is (one check, not one each)
+        else:
+            rest = [v - p if math.isfinite(p) else 0.0 for v, p in zip(rest, rounded)]
     return [piece for number in zip(*parts) for piece in number]
 
 
