@@ -18,12 +18,10 @@ SplitFn = Callable[[Batch, Sequence[int]], Sequence[Batch]]
 def tensors(batch: Batch) -> list[torch.Tensor]:
     if isinstance(batch, torch.Tensor):
         return [batch]
-    if type(batch) is tuple or type(batch) is list:  # the common case first: no Mapping check (an ABC's is slow)
+    if isinstance(batch, (list, tuple)):  # before the Mapping check: an ABC's isinstance is slow
         return [t for v in batch for t in tensors(v)]
     if isinstance(batch, Mapping):
         return [t for v in batch.values() for t in tensors(v)]
-    if isinstance(batch, (list, tuple)):
-        return [t for v in batch for t in tensors(v)]
     return []
 
 
@@ -143,18 +141,14 @@ def _split(batch: Batch, sizes: Sequence[int]) -> list[Batch]:
     if isinstance(batch, torch.Tensor):
         # split_with_sizes: torch.split's own work, without its Python wrapper (once per tensor per step)
         return list(batch.split_with_sizes(list(sizes))) if batch.dim() > 0 else [batch] * len(sizes)
-    if type(batch) is tuple or type(batch) is list:  # the common case first: no Mapping check (an ABC's is slow)
+    if isinstance(batch, (list, tuple)):  # before the Mapping check: an ABC's isinstance is slow
         parts = [_split(v, sizes) for v in batch]
+        if hasattr(batch, "_fields"):  # namedtuple
+            return [type(batch)(*[p[i] for p in parts]) for i in range(len(sizes))]
         return [type(batch)([p[i] for p in parts]) for i in range(len(sizes))]
     if isinstance(batch, Mapping):
         parts = {k: _split(v, sizes) for k, v in batch.items()}
         return [like(batch, ((k, parts[k][i]) for k in batch)) for i in range(len(sizes))]
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        parts = [_split(v, sizes) for v in batch]
-        return [type(batch)(*(p[i] for p in parts)) for i in range(len(sizes))]
-    if isinstance(batch, (list, tuple)):
-        parts = [_split(v, sizes) for v in batch]
-        return [type(batch)(p[i] for p in parts) for i in range(len(sizes))]
     return [batch] * len(sizes)  # non-tensor leaves (flags, names) go to every micro-batch
 
 

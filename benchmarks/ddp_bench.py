@@ -350,11 +350,15 @@ def _median_ratio(rows: list[dict[str, Any]], mode: str, base: str) -> float:
 def _per_step_ratio(times: dict[str, list[float]], mode: str, base: str) -> dict[str, float]:
     """The median over turns of ``base``'s step time over ``mode``'s in the same turn (above 1: faster
     than ``base``), with a 95% bootstrap interval of that median, and the mode's median step time."""
-    ratios = sorted(b / m for m, b in zip(times[mode], times[base]))
-    draw = random.Random(1)
-    medians = sorted(statistics.median(draw.choices(ratios, k=len(ratios))) for _ in range(1000))
-    return {"median_ms": statistics.median(times[mode]) * 1e3, "ratio": statistics.median(ratios),
-            "low": medians[25], "high": medians[974]}
+    ratio, low, high = _median_interval([b / m for m, b in zip(times[mode], times[base])])
+    return {"median_ms": statistics.median(times[mode]) * 1e3, "ratio": ratio, "low": low, "high": high}
+
+
+def _median_interval(values: list[float]) -> tuple[float, float, float]:
+    """The median of paired per-turn values and its 95% bootstrap interval (1000 draws, a fixed seed)."""
+    values, draw = sorted(values), random.Random(1)  # sorted: the draws do not depend on the turns' order
+    medians = sorted(statistics.median(draw.choices(values, k=len(values))) for _ in range(1000))
+    return statistics.median(values), medians[25], medians[974]
 
 
 def _cpu_per_step(cpu: dict[str, dict[str, list[float]]], mode: str, base: str) -> dict[str, Any]:
@@ -366,11 +370,8 @@ def _cpu_per_step(cpu: dict[str, dict[str, list[float]]], mode: str, base: str) 
     report: dict[str, Any] = {}
     for kind in ("process", "thread"):
         mine, theirs = cpu[kind][mode], cpu[kind][base]
-        diffs = sorted((m - b) * 1e3 for m, b in zip(mine, theirs))
-        draw = random.Random(1)
-        medians = sorted(statistics.median(draw.choices(diffs, k=len(diffs))) for _ in range(1000))
-        report[kind] = {"median_ms": statistics.median(mine) * 1e3, "minus_base_ms": statistics.median(diffs),
-                        "low": medians[25], "high": medians[974]}
+        minus, low, high = _median_interval([(m - b) * 1e3 for m, b in zip(mine, theirs)])
+        report[kind] = {"median_ms": statistics.median(mine) * 1e3, "minus_base_ms": minus, "low": low, "high": high}
     return report
 
 

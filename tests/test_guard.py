@@ -122,6 +122,47 @@ def test_negative_control_mean_of_token_means_differs_from_token_mean():
     assert max_diff(opt.grads[0], ref_opt.grads[0]) > 1e-3
 
 
+def test_every_micro_batch_runs_under_the_autocast_it_asks_for(monkeypatch):
+    """accumulate makes its autocast context once and enters it for each micro-batch in turn: every
+    forward and loss runs under it, and it is off again afterwards. Negative control: a context that
+    casts only the first time it is entered (what a context that cannot be re-entered would leave) is
+    caught by the same check."""
+    from autoaccum.cut import MicroBatch
+
+    model = nn.Linear(4, 2)
+    seen: list[tuple[bool, torch.dtype]] = []
+
+    def loss_fn(m, batch):
+        out = m(batch)
+        seen.append((torch.is_autocast_enabled("cpu"), out.dtype))
+        return out.float().pow(2).mean()
+
+    def run() -> list[tuple[bool, torch.dtype]]:
+        seen.clear()
+        micro = [MicroBatch(torch.randn(3, 4), 3) for _ in range(4)]
+        result = accumulate_module.accumulate(model, micro, loss_fn, num_samples=12, device=torch.device("cpu"),
+                                              autocast_dtype=torch.bfloat16)
+        assert isinstance(result, accumulate_module.Accumulated)
+        assert not torch.is_autocast_enabled("cpu")
+        return list(seen)
+
+    assert run() == [(True, torch.bfloat16)] * 4
+
+    class FirstTimeOnly:
+        def __init__(self, device, dtype):
+            self.inner, self.entered = torch.autocast(device.type, dtype=dtype), 0
+
+        def __enter__(self):
+            self.entered += 1
+            return self.inner.__enter__() if self.entered == 1 else None
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc) if self.entered == 1 else None
+
+    monkeypatch.setattr(accumulate_module, "autocast", FirstTimeOnly)
+    assert run() == [(True, torch.bfloat16)] + [(False, torch.float32)] * 3
+
+
 def test_token_level_divides_optimizer_parameters_outside_the_model():
     """A parameter the loss owns (a temperature) is stepped by the optimizer: its gradient is
     normalised by the step's token count like the model's."""

@@ -376,7 +376,7 @@ class _OverlappedReduce:
         that the host's work does not grow with the number of ranks."""
         assert self.pieces is not None
         if scalars is not None:
-            values = [float(v) for v in scalars]
+            values = list(scalars)
             if len(values) != STEP_SCALARS:
                 raise RuntimeError(f"internal: the overlapped flag carries {STEP_SCALARS} scalars, not {len(values)}")
         else:
