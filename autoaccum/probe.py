@@ -388,7 +388,6 @@ def _measure_once(task: Task, optimizer: Any, precision: Precision, budget_bytes
     finally:
         if weights_copy is not None:
             weights_copy.put_back()  # (done when the warm-up ended, unless it never ran)
-            del weights_copy
         if isinstance(meter, TrackedMemory):
             meter.close()
         if estimate:

@@ -44,7 +44,12 @@ PINNED_SHARE = 0.25
 def _pinnable(t: torch.Tensor) -> bool:
     """Whether ``t`` is copied to page-locked memory: a dense CUDA tensor, a parameter too (a plain tensor once
     detached), not a subclass such as DTensor."""
-    return t.device.type == "cuda" and type(t.detach()) is torch.Tensor
+    return t.device.type == "cuda" and _plain(t)
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """``t`` is a plain tensor once detached (a parameter too), not a subclass such as DTensor."""
+    return type(t.detach()) is torch.Tensor
 
 
 def _host_copy(t: torch.Tensor, queued: set[int] | None) -> torch.Tensor:
@@ -228,7 +233,7 @@ class WeightsCopy:
     @staticmethod
     def usable(model: torch.nn.Module) -> bool:
         """Whether every parameter is a plain dense tensor (a copy of each can be made and put back in place)."""
-        return all(type(p.detach()) is torch.Tensor and p.layout == torch.strided for p in model.parameters())
+        return all(_plain(p) and p.layout == torch.strided for p in model.parameters())
 
     @staticmethod
     def nbytes(model: torch.nn.Module) -> int:

@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 import torch
 
-from autoaccum.batch import Batch, move_to, own_rows, tensors
+from autoaccum.batch import Batch, batch_size, move_to, own_rows, tensors
 from autoaccum.errors import AutoAccumError
 from autoaccum.log import rank_level
 from autoaccum.memory import Meter
@@ -122,16 +122,20 @@ class Stepper:
         self._sync()
         self.steps += 1
         self.holding_grads = True
-        if self.watching is not None:
+        elapsed = time.perf_counter() - started
+        if self.watching is not None:  # after the timing: the pass's time is the same with or without a copy
             self._check_unwritten(self.watching, batch)
-        return peak, time.perf_counter() - started
+        return peak, elapsed
 
     @staticmethod
     def _check_unwritten(watching: WeightsCopy, batch: Batch) -> None:
         """After the warm-up's copy was put back, no pass may write the weights: nothing could restore them."""
         name = watching.written()
         if name is not None:
-            size = next((t.shape[0] for t in tensors(batch) if t.dim()), "?")
+            try:
+                size: int | str = batch_size(batch)
+            except ValueError:  # a batch type the probe cuts with a size_fn: its size is not in the message
+                size = "?"
             raise AutoAccumError(
                 f"the model wrote its parameter {name!r} (in place, or a new .data) during a forward/backward pass "
                 f"of the probe (at micro-batch {size}), after the warm-up's copy of the weights was put back, so the "
