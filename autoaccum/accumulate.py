@@ -54,12 +54,14 @@ class Accumulated:
 
     Attributes:
         loss_sum: the micro-batches' mean losses times their sample counts, or their loss sums
-            (token-level), summed on the device in float64 where it has it.
+            (token-level), summed in float64 where the device has it: on the device (a tensor), or
+            on the host (a float) for a CPU model, where reading a loss waits for nothing (the same
+            additions in the same order, so the same bits).
         num_items: this rank's item count for token-level losses (0 for mean and normalised losses).
         kind: ``mean``, ``sum`` or ``normalized``; None when this rank ran no micro-batch (an empty share).
     """
 
-    loss_sum: torch.Tensor
+    loss_sum: torch.Tensor | float
     num_items: torch.Tensor | int
     kind: LossKind | None
 
@@ -85,7 +87,8 @@ class StepTotals:
 
     Attributes:
         loss_total: the step's loss times ``divisor`` (a device tensor in one process: reading it
-            waits for the device, so :attr:`loss` is read after the optimizer step is launched).
+            waits for the device, so :attr:`loss` is read after the optimizer step is launched; a
+            float for a CPU model, whose losses are added up on the host).
         divisor: samples (mean losses) or items (token-level losses) of the step.
         num_samples: samples of the step over all ranks.
         num_items: items of the step for token-level losses, else None.
@@ -133,7 +136,12 @@ def accumulate(model: torch.nn.Module, micro_batches: Iterable[MicroBatch], loss
         :class:`Accumulated`, or :class:`Failed` (never raises for what a micro-batch did).
     """
     sync = sync if sync is not None else LocalSync()
-    loss_sum = torch.zeros((), dtype=sum_dtype(device), device=device)
+    # On a CPU the losses are added up on the host: reading one waits for nothing there, and a Python
+    # float addition costs a fraction of a tensor's (once per micro-batch). A float32 (or bfloat16)
+    # loss times a sample count below 2**29 is exact in float64, so each addition rounds exactly as
+    # the device's float64 add_(loss, alpha=size) does: the same sum, bit for bit.
+    on_host = device.type == "cpu"
+    loss_sum: torch.Tensor | float = 0.0 if on_host else torch.zeros((), dtype=sum_dtype(device), device=device)
     items: torch.Tensor | int = 0
     kind: LossKind | None = None
     where = "forward/loss"
@@ -167,16 +175,18 @@ def accumulate(model: torch.nn.Module, micro_batches: Iterable[MicroBatch], loss
                 kind = this
                 if this == "normalized":
                     weighted = loss  # already this micro-batch's share of the full-batch loss
-                    loss_sum.add_(loss.detach())
                 elif num_items is None:
                     # each .backward() adds to .grad: weight each mean by its share of the samples
                     weighted = loss * (size / num_samples)
-                    loss_sum.add_(loss.detach(), alpha=size)  # one kernel, summed in fp64
                 else:
                     # token-level: sum now, divide the whole step by its item count once (reduce_gradients)
                     weighted = loss
-                    loss_sum.add_(loss.detach())
                     items = items + num_items
+                scale = size if this == "mean" else 1
+                if on_host:
+                    loss_sum += loss.item() * scale  # type: ignore[operator]
+                else:
+                    loss_sum.add_(loss.detach(), alpha=scale)  # type: ignore[union-attr]  # one kernel, in fp64
                 if backward:
                     where = "backward"
                     (scaler.scale(weighted) if scaler is not None else weighted).backward()
@@ -193,7 +203,7 @@ def step_scalars(result: Accumulated) -> torch.Tensor:
     """This rank's scalars of the step, summed over ranks in one exchange: loss sum, item count, and
     which kind of loss it saw (a rank with an empty share of the last batch saw none), on the loss
     sum's device (no read of it: the exchange runs where it is)."""
-    loss_sum = result.loss_sum
+    loss_sum = _as_tensor(result.loss_sum)
     kinds = [float(result.kind == "mean"), float(result.kind == "sum")]
     if isinstance(result.num_items, int):  # counted on the host: one tensor made, the loss sum put in place
         scalars = loss_sum.new_tensor([0.0, float(result.num_items)] + kinds)
@@ -201,6 +211,11 @@ def step_scalars(result: Accumulated) -> torch.Tensor:
         return scalars
     count = torch.as_tensor(result.num_items, dtype=loss_sum.dtype, device=loss_sum.device).reshape(())
     return torch.stack([loss_sum, count, loss_sum.new_tensor(kinds[0]), loss_sum.new_tensor(kinds[1])])
+
+
+def _as_tensor(loss_sum: torch.Tensor | float) -> torch.Tensor:
+    """A loss sum for an exchange: as it is on the device, or a float64 tensor of one added up on the host."""
+    return loss_sum if isinstance(loss_sum, torch.Tensor) else torch.tensor(loss_sum, dtype=torch.float64)
 
 
 def step_values(result: Accumulated | None) -> list[float]:
@@ -235,7 +250,7 @@ def reduce_gradients(params: Sequence[torch.nn.Parameter], result: Accumulated, 
         if sync.world_size == 1:
             loss_total = result.loss_sum
         else:
-            loss_total = float(summed[0]) if summed is not None else float(sync.sum_items(result.loss_sum))
+            loss_total = float(summed[0]) if summed is not None else float(sync.sum_items(_as_tensor(result.loss_sum)))
         return StepTotals(loss_total, 1, num_samples, num_items_in_batch)
     if sync.world_size == 1:
         # One process: the kind of loss is known here, and no number on the device is needed

@@ -249,7 +249,7 @@ class OOMGuard:
                               micro_batch=self.plan.micro_batch, check_finite=self.nonfinite is not None,
                               loss=totals.loss_total, sync=self.sync,
                               flat_grads=None if self._overlapper is None else self._overlapper.gradient_buffers())
-        self._zero_grad()
+        self._clear_grads()
         if done.nonfinite and self.nonfinite == "stop":
             raise NonFiniteError(
                 f"inf/NaN in the gradients or the loss (loss {totals.loss:.4g}) of optimizer step {self.steps + 1}; "
@@ -536,6 +536,13 @@ class OOMGuard:
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)  # through the optimizer: hooks on zero_grad see it
         for p in self._outside_optimizer:
+            p.grad = None
+
+    def _clear_grads(self) -> None:
+        """After the optimizer step: the step's gradients dropped (their memory is free between steps), as
+        ``zero_grad(set_to_none=True)`` does, without the call: the next step opens with
+        ``optimizer.zero_grad``, which wrappers of it see once a step, as in a hand-written loop."""
+        for p in self.params:
             p.grad = None
 
     # -- the policy ------------------------------------------------------------------------------------

@@ -15,9 +15,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import warnings
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -366,14 +368,24 @@ def test_a_watched_gradient_written_after_its_hook_switches_overlap_off(exact: l
 
 
 # -- the flag in the last bucket: its dtype ----------------------------------------------------------------
-def _recorded(calls: list[tuple[int, str, bool]]) -> Any:
-    original = dist.all_reduce
+@contextlib.contextmanager
+def _recording_all_reduces(calls: list[tuple[int, str, bool]]) -> Iterator[None]:
+    """Every all-reduce this rank issues from Python, recorded as (elements, dtype, asynchronous), at the
+    process group (``ProcessGroup.allreduce``): ``dist.all_reduce`` calls it, and the overlapped buckets
+    are sent to it directly. DDP's reducer calls it from C++: not seen (and none runs under no_sync)."""
+    original = dist.ProcessGroup.allreduce
 
-    def recording(tensor: torch.Tensor, *args: Any, async_op: bool = False, **kwargs: Any) -> Any:
-        calls.append((tensor.numel(), str(tensor.dtype), async_op))
-        return original(tensor, *args, async_op=async_op, **kwargs)
+    def recording(group: Any, tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        opts = args[0] if args else kwargs.get("opts")
+        for t in tensors if isinstance(tensors, list) else [tensors]:
+            calls.append((t.numel(), str(t.dtype), bool(getattr(opts, "asyncOp", False))))
+        return original(group, tensors, *args, **kwargs)
 
-    return original, recording
+    dist.ProcessGroup.allreduce = recording  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        dist.ProcessGroup.allreduce = original  # type: ignore[method-assign]
 
 
 def _dtype_run(dtype: torch.dtype, overlap: str, rank: int, world_size: int) -> dict[str, Any]:
@@ -388,14 +400,10 @@ def _dtype_run(dtype: torch.dtype, overlap: str, rank: int, world_size: int) -> 
     x, y, ids = make_data(TARGET * EXACT_STEPS)
     batches = GlobalBatches((x.to(dtype), y, ids), TARGET, seed=SEED, rank=rank, world_size=world_size)
     losses, overlapped, calls = [], [], []
-    original, recording = _recorded(calls)
     for rb in batches.epoch(0):
         calls.clear()
-        dist.all_reduce = recording  # type: ignore[assignment]
-        try:
+        with _recording_all_reduces(calls):
             stats = guard.step(rb.batch, mean_loss)
-        finally:
-            dist.all_reduce = original  # type: ignore[assignment]
         losses.append(stats.loss)
         overlapped.append(stats.overlapped)
     buckets = [sum(p.numel() for p in b) for b in sync._overlap.buckets] if sync._overlap is not None else []
@@ -676,12 +684,6 @@ def protocol_run(rank: int, world_size: int) -> dict[str, Any]:
     step 2 (room for the step, not for the step plus the overlap's buffers), then ample again. Every
     all-reduce this rank issues is recorded: (elements, dtype, asynchronous)."""
     calls: list[tuple[int, str, bool]] = []
-    original = dist.all_reduce
-
-    def recording(tensor: torch.Tensor, *args: Any, async_op: bool = False, **kwargs: Any) -> Any:
-        calls.append((tensor.numel(), str(tensor.dtype), async_op))
-        return original(tensor, *args, async_op=async_op, **kwargs)
-
     meter = autoaccum.TrackedMemory(budget_bytes=2**30)
     _, model, guard, sync = _guard("ddp", target_batch=TARGET, micro_batch=MICRO, meter=meter)
     optimizer = guard.optimizer
@@ -698,7 +700,6 @@ def protocol_run(rank: int, world_size: int) -> dict[str, Any]:
     logger = logging.getLogger("autoaccum.guard")
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG)
-    dist.all_reduce = recording  # type: ignore[assignment]
     try:
         batches = GlobalBatches(make_data(TARGET * 6), TARGET, seed=SEED, rank=rank, world_size=world_size)
         for step, rb in enumerate(batches.epoch(0), start=1):
@@ -713,11 +714,10 @@ def protocol_run(rank: int, world_size: int) -> dict[str, Any]:
             if step == 5:
                 meter.budget_bytes = 2**30
             calls.clear()
-            with meter:
+            with meter, _recording_all_reduces(calls):
                 overlapped.append(guard.step(rb.batch, mean_loss).overlapped)
             per_step.append(list(calls))
     finally:
-        dist.all_reduce = original  # type: ignore[assignment]
         logger.removeHandler(handler)
     buckets = [sum(p.numel() for p in b) for b in sync._overlap.buckets]  # type: ignore[union-attr]
     return {"calls": per_step, "overlapped": overlapped, "logs": logs, "buckets": buckets, "ooms": guard.ooms,

@@ -51,10 +51,12 @@ def _model() -> torch.nn.Module:
 class LateWorker:
     """A gloo worker thread that lets go of each finished collective late.
 
-    Every ``dist.all_reduce``/``dist.broadcast``/``dist.gather`` still runs on the real backend and is
-    waited on; its work handle (which holds the tensors) is then dropped by this thread ``LATE_S`` later,
-    as by a worker thread the OS did not schedule for that long. ``held()`` counts the tensors handed to a
-    collective that are still held beyond the reference count they had before it."""
+    Every all-reduce (at the process group, ``ProcessGroup.allreduce``: ``dist.all_reduce`` calls it, and
+    so do the overlapped buckets, sent to the group directly), ``dist.broadcast`` and ``dist.gather``
+    still runs on the real backend and is waited on; its work handle (which holds the tensors) is then
+    dropped by this thread ``LATE_S`` later, as by a worker thread the OS did not schedule for that long.
+    ``held()`` counts the tensors handed to a collective that are still held beyond the reference count
+    they had before it."""
 
     LATE_S = 0.05
 
@@ -62,8 +64,9 @@ class LateWorker:
         self.handles: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.records: list[tuple[torch.Tensor, int, bool]] = []
         threading.Thread(target=self._drop, daemon=True).start()
-        for name in ("all_reduce", "broadcast", "gather"):
+        for name in ("broadcast", "gather"):
             setattr(dist, name, self._late(getattr(dist, name)))
+        dist.ProcessGroup.allreduce = self._late_all_reduce(dist.ProcessGroup.allreduce)  # in this spawned rank only
 
     def _drop(self) -> None:
         while True:
@@ -95,6 +98,19 @@ class LateWorker:
             self.handles.put((work, time.monotonic() + self.LATE_S))
             return None
         return collective
+
+    def _late_all_reduce(self, real: Any) -> Any:
+        def allreduce(group: Any, tensors: Any, *args: Any, **kwargs: Any) -> Any:
+            opts = args[0] if args else kwargs.get("opts")
+            sent_ahead = bool(getattr(opts, "asyncOp", False))  # dist.all_reduce(async_op=True), or the buckets
+            for t in tensors if isinstance(tensors, list) else [tensors]:
+                self.records.append((t, t._use_count(), sent_ahead))
+            work = real(group, tensors, *args, **kwargs)
+            # the caller waits on the handle (dist.all_reduce does, for a call that is not async) and drops
+            # it; this thread lets go of it late
+            self.handles.put((work, time.monotonic() + self.LATE_S))
+            return work
+        return allreduce
 
     def held(self, *, returned_only: bool = False) -> int:
         """``returned_only``: only the collectives whose call returned done (not those sent ahead
