@@ -163,6 +163,39 @@ def test_every_micro_batch_runs_under_the_autocast_it_asks_for(monkeypatch):
     assert run() == [(True, torch.bfloat16)] + [(False, torch.float32)] * 3
 
 
+@pytest.mark.parametrize("kind", ["mean", "sum", "normalized"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_cpu_models_loss_sum_is_the_float64_device_sum_bit_for_bit(kind, dtype):
+    """On a CPU accumulate adds the losses up on the host (a float): the same float64 additions in the
+    same order as the tensor sum it keeps on other devices (``add_(loss, alpha=size)`` per micro-batch),
+    so the same bits, for every kind of loss, with float32 and bfloat16 losses and an uneven last
+    micro-batch. Negative control: the same losses added up in their own dtype give another sum."""
+    from autoaccum.cut import MicroBatch
+
+    g = torch.Generator().manual_seed(7)
+    sizes = [7, 7, 7, 3]
+    values = (torch.rand(len(sizes), generator=g) * 10).tolist()
+    model = nn.Linear(4, 2)
+    given = iter(values)
+
+    def loss_fn(m, batch, **kwargs):
+        loss = (m(batch).sum() * 0 + next(given)).to(dtype)  # requires grad; the value is ours
+        return (loss, 5) if kind == "sum" else loss
+
+    micro = [MicroBatch(torch.randn(n, 4, generator=g), n) for n in sizes]
+    result = accumulate_module.accumulate(model, micro, loss_fn, num_samples=sum(sizes), device=torch.device("cpu"),
+                                          num_items_in_batch=20 if kind == "normalized" else None)
+    assert isinstance(result, accumulate_module.Accumulated) and isinstance(result.loss_sum, float)
+    device_sum = torch.zeros((), dtype=torch.float64)
+    own_dtype_sum = torch.zeros((), dtype=dtype)
+    for value, n in zip(values, sizes):
+        loss = torch.tensor(value, dtype=torch.float32).to(dtype)
+        device_sum.add_(loss, alpha=n if kind == "mean" else 1)
+        own_dtype_sum.add_(loss, alpha=n if kind == "mean" else 1)
+    assert result.loss_sum == device_sum.item()
+    assert result.loss_sum != own_dtype_sum.item(), f"{dtype} gives the same sum here: the check cannot tell"
+
+
 def test_token_level_divides_optimizer_parameters_outside_the_model():
     """A parameter the loss owns (a temperature) is stepped by the optimizer: its gradient is
     normalised by the step's token count like the model's."""
