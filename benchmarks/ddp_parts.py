@@ -16,8 +16,9 @@ per step; nested parts are inside their callers):
 - ``overlap._write_row`` / ``_read_row``: the flag's row in the last bucket, built and read;
 - ``overlap.copy_back``: the agreed sums handed to ``.grad`` (views);
 - ``settle._wait``: waiting for gloo's worker to let go of the buffers (``autoaccum.distributed.settle``);
-- ``dist.all_reduce``: every all-reduce the guard issues from Python, counted inside its caller too
-  (the hand loop issues none from Python: DDP's reducer starts its own in C++);
+- ``ProcessGroup.allreduce``: every all-reduce the guard issues from Python (through ``dist.all_reduce``,
+  or sent to the process group directly: the buckets), counted inside its caller too (the hand loop
+  issues none from Python: DDP's reducer starts its own in C++);
 - with ``--check``, the guard is the default ``autoaccum_overlap`` (the inf/NaN check on) and
   ``optim_step._check_finite`` is timed too.
 
@@ -53,7 +54,7 @@ from call_timers import time_calls  # noqa: E402
 
 PARTS = {"guard": ("_agree_cut", "_settle_cut"),
          "overlap": ("_launch", "_wait_all", "_write_row", "_read_row", "copy_back"),
-         "settle": ("_wait",), "dist": ("all_reduce",), "optim_step": ("_check_finite",)}
+         "settle": ("_wait",), "ProcessGroup": ("allreduce",), "optim_step": ("_check_finite",)}
 
 
 def _worker(rank: int, port: int, out: str, args: argparse.Namespace) -> None:
@@ -62,8 +63,8 @@ def _worker(rank: int, port: int, out: str, args: argparse.Namespace) -> None:
     import autoaccum.guard as guard
     import autoaccum.optim_step as optim_step
 
-    owners = {"guard": guard.OOMGuard, "overlap": overlap._OverlappedReduce, "settle": settle, "dist": dist,
-              "optim_step": optim_step}
+    owners = {"guard": guard.OOMGuard, "overlap": overlap._OverlappedReduce, "settle": settle,
+              "ProcessGroup": dist.ProcessGroup, "optim_step": optim_step}
     spent: dict[str, float] = {}
     time_calls({f"{key}.{name}": [(owners[key], name)] for key, names in PARTS.items() for name in names}, spent)
     torch.set_num_threads(1)
