@@ -21,7 +21,14 @@ side with what each would replace:
 - ``random_getstate``: Python's RNG state, captured once a step for an exact replay;
 - ``move_to_pair`` / ``map_tensors_pair``: a micro-batch of two tensors already on the device through
   ``autoaccum.batch.move_to`` (returned as it is) and through the walk it did before (the containers
-  rebuilt), once per micro-batch.
+  rebuilt), once per micro-batch;
+- ``loss_sum_tensor`` / ``loss_sum_host``: a micro-batch's loss added to the step's float64 loss sum,
+  as a tensor (``add_(loss.detach(), alpha=size)``, what ``accumulate`` does on other devices) and on the
+  host (``loss.item() * size`` added to a float, what it does for a CPU model), once per micro-batch;
+- ``zero_grad_6`` / ``clear_6``: the gradients of 6 parameter tensors (the ddp_bench model's) dropped
+  through ``optimizer.zero_grad(set_to_none=True)`` and directly (``p.grad = None``, what the guard does
+  after the optimizer step), once per step (each timed call sets them first; that alone is timed too and
+  taken off).
 
 Medians of ``--repeats`` timings, alternating the compared variants. Prints a table, then one JSON
 document. Not part of the test run.
@@ -145,6 +152,38 @@ def main() -> None:
                           "map_tensors_pair": lambda: map_tensors(pair, lambda t: t if t.device == cpu else t.to(cpu))},
                          {"move_to_pair": nothing, "map_tensors_pair": nothing}, args.repeats, 2000)
     rng = _alternating({"random_getstate": random.getstate}, {"random_getstate": nothing}, args.repeats, 2000)
+    loss = torch.nn.Parameter(torch.tensor(2.5)) * 1.0  # a 0-dim float32 loss that requires grad
+    tensor_sum, host_sum = torch.zeros((), dtype=torch.float64), [0.0]
+
+    def add_on_host() -> None:
+        host_sum[0] += loss.item() * 8
+
+    loss_sums = _alternating({"loss_sum_tensor": lambda: tensor_sum.add_(loss.detach(), alpha=8),
+                              "loss_sum_host": add_on_host},
+                             {"loss_sum_tensor": nothing, "loss_sum_host": nothing}, args.repeats, 2000)
+    six = _params(6)
+    optimizer = torch.optim.SGD(six, lr=0.1)
+
+    def set_six() -> None:
+        for p, g in zip(six, grads):
+            p.grad = g
+
+    def clear_six() -> None:
+        for p in six:
+            p.grad = None
+
+    def zero_grad_six() -> None:
+        set_six()
+        optimizer.zero_grad(set_to_none=True)
+
+    def set_clear_six() -> None:
+        set_six()
+        clear_six()
+
+    # each timed call sets the 6 gradients and drops them: the setting alone is timed too, and taken off
+    timed = _alternating({"zero_grad_6": zero_grad_six, "clear_6": set_clear_six, "set_6": set_six},
+                         {"zero_grad_6": nothing, "clear_6": nothing, "set_6": nothing}, args.repeats, 2000)
+    clears = {name: timed[name] - timed["set_6"] for name in ("zero_grad_6", "clear_6")}
     per_tensor = {
         "hook_register_remove": hooks["hook_register_remove"] / n,
         "backward_with_idle_hook": (idle["with_idle_hooks"] - idle["without_hooks"]) / n,
@@ -156,7 +195,7 @@ def main() -> None:
     }
     result = {"benchmark": "host_costs", "tensors": n, "repeats": args.repeats,
               "us_per_tensor": per_tensor, "random_getstate_us": rng["random_getstate"],
-              "move_us": moves,
+              "move_us": moves, "loss_sum_us": loss_sums, "clear_us": clears,
               "backward_us": {**idle, **empty}, "torch": torch.__version__, "python": platform.python_version(),
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     if not args.json_only:
@@ -164,8 +203,10 @@ def main() -> None:
         for name, us in per_tensor.items():
             print(f"  {name:<28}{us:8.3f} us a tensor")
         print(f"  {'random.getstate()':<28}{rng['random_getstate']:8.3f} us a call")
-        for name, us in moves.items():
+        for name, us in {**moves, **loss_sums}.items():
             print(f"  {name:<28}{us:8.3f} us a micro-batch")
+        for name, us in clears.items():
+            print(f"  {name:<28}{us:8.3f} us a step")
         print("  backward of all layers (us): " + ", ".join(f"{k} {v:.1f}" for k, v in result["backward_us"].items()))
     print(json.dumps(result, indent=1))
 
