@@ -56,7 +56,8 @@ class Accumulated:
         loss_sum: the micro-batches' mean losses times their sample counts, or their loss sums
             (token-level), summed in float64 where the device has it: on the device (a tensor), or
             on the host (a float) for a CPU model, where reading a loss waits for nothing (the same
-            additions in the same order, so the same bits).
+            additions in the same order, so the same bits; a float64 mean loss, whose product with
+            its sample count would round before the addition, is added as a tensor there too).
         num_items: this rank's item count for token-level losses (0 for mean and normalised losses).
         kind: ``mean``, ``sum`` or ``normalized``; None when this rank ran no micro-batch (an empty share).
     """
@@ -110,6 +111,10 @@ def sum_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
+#: below this many samples a micro-batch's count times a loss of at most 24 significant bits is exact in float64
+_EXACT_SCALE = 2**29
+
+
 def accumulate(model: torch.nn.Module, micro_batches: Iterable[MicroBatch], loss_fn: LossFn, *, num_samples: int,
                device: torch.device, sync: GradSync | None = None, scaler: torch.amp.GradScaler | None = None,
                autocast_dtype: torch.dtype | None = None, backward: bool = True,
@@ -137,9 +142,10 @@ def accumulate(model: torch.nn.Module, micro_batches: Iterable[MicroBatch], loss
     """
     sync = sync if sync is not None else LocalSync()
     # On a CPU the losses are added up on the host: reading one waits for nothing there, and a Python
-    # float addition costs a fraction of a tensor's (once per micro-batch). A float32 (or bfloat16)
-    # loss times a sample count below 2**29 is exact in float64, so each addition rounds exactly as
-    # the device's float64 add_(loss, alpha=size) does: the same sum, bit for bit.
+    # float addition costs a fraction of a tensor's (once per micro-batch). add_(loss, alpha=size)
+    # rounds once (a fused multiply-add); on the host, loss * size is exact where the loss has at most
+    # 24 significant bits (float32, bfloat16, float16) and the count is below 2**29, so the addition is
+    # then the one rounding too: the same sum, bit for bit. A float64 mean loss is added as a tensor.
     on_host = device.type == "cpu"
     loss_sum: torch.Tensor | float = 0.0 if on_host else torch.zeros((), dtype=sum_dtype(device), device=device)
     items: torch.Tensor | int = 0
@@ -183,10 +189,12 @@ def accumulate(model: torch.nn.Module, micro_batches: Iterable[MicroBatch], loss
                     weighted = loss
                     items = items + num_items
                 scale = size if this == "mean" else 1
-                if on_host:
+                if on_host and (scale == 1 or (loss.dtype is not torch.float64 and scale < _EXACT_SCALE)):
                     loss_sum += loss.item() * scale  # type: ignore[operator]
                 else:
-                    loss_sum.add_(loss.detach(), alpha=scale)  # type: ignore[union-attr]  # one kernel, in fp64
+                    if not isinstance(loss_sum, torch.Tensor):  # the host's sum so far, exactly
+                        loss_sum = torch.tensor(loss_sum, dtype=sum_dtype(device), device=device)
+                    loss_sum.add_(loss.detach(), alpha=scale)  # one kernel, in fp64
                 if backward:
                     where = "backward"
                     (scaler.scale(weighted) if scaler is not None else weighted).backward()

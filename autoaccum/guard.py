@@ -540,9 +540,13 @@ class OOMGuard:
 
     def _clear_grads(self) -> None:
         """After the optimizer step: the step's gradients dropped (their memory is free between steps), as
-        ``zero_grad(set_to_none=True)`` does, without the call: the next step opens with
+        ``zero_grad(set_to_none=True)`` does (its parameters: those of the optimizer's groups now, a group
+        added since the guard was built included), without the call: the next step opens with
         ``optimizer.zero_grad``, which wrappers of it see once a step, as in a hand-written loop."""
-        for p in self.params:
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
+        for p in self._outside_optimizer:
             p.grad = None
 
     # -- the policy ------------------------------------------------------------------------------------

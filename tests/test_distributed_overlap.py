@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 import autoaccum
 from _audit import IdAudit
+from _collectives import intercept_all_reduces
 from _spawn import results, spawn
 from autoaccum.data import GlobalBatches
 from autoaccum.distributed import DistributedSync, unwrap_model, wrap_model
@@ -370,22 +371,18 @@ def test_a_watched_gradient_written_after_its_hook_switches_overlap_off(exact: l
 # -- the flag in the last bucket: its dtype ----------------------------------------------------------------
 @contextlib.contextmanager
 def _recording_all_reduces(calls: list[tuple[int, str, bool]]) -> Iterator[None]:
-    """Every all-reduce this rank issues from Python, recorded as (elements, dtype, asynchronous), at the
-    process group (``ProcessGroup.allreduce``): ``dist.all_reduce`` calls it, and the overlapped buckets
-    are sent to it directly. DDP's reducer calls it from C++: not seen (and none runs under no_sync)."""
-    original = dist.ProcessGroup.allreduce
+    """Every all-reduce this rank issues from Python, recorded as (elements, dtype, sent ahead): at the
+    process group, where ``dist.all_reduce`` and the overlapped buckets meet (``_collectives``). DDP's
+    reducer issues its own from C++: not seen (and none runs under no_sync)."""
+    def record(tensors: list[torch.Tensor], sent_ahead: bool, call: Any) -> Any:
+        calls.extend((t.numel(), str(t.dtype), sent_ahead) for t in tensors)
+        return call()
 
-    def recording(group: Any, tensors: Any, *args: Any, **kwargs: Any) -> Any:
-        opts = args[0] if args else kwargs.get("opts")
-        for t in tensors if isinstance(tensors, list) else [tensors]:
-            calls.append((t.numel(), str(t.dtype), bool(getattr(opts, "asyncOp", False))))
-        return original(group, tensors, *args, **kwargs)
-
-    dist.ProcessGroup.allreduce = recording  # type: ignore[method-assign]
+    undo = intercept_all_reduces(record)
     try:
         yield
     finally:
-        dist.ProcessGroup.allreduce = original  # type: ignore[method-assign]
+        undo()
 
 
 def _dtype_run(dtype: torch.dtype, overlap: str, rank: int, world_size: int) -> dict[str, Any]:

@@ -164,36 +164,45 @@ def test_every_micro_batch_runs_under_the_autocast_it_asks_for(monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["mean", "sum", "normalized"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_a_cpu_models_loss_sum_is_the_float64_device_sum_bit_for_bit(kind, dtype):
-    """On a CPU accumulate adds the losses up on the host (a float): the same float64 additions in the
-    same order as the tensor sum it keeps on other devices (``add_(loss, alpha=size)`` per micro-batch),
-    so the same bits, for every kind of loss, with float32 and bfloat16 losses and an uneven last
-    micro-batch. Negative control: the same losses added up in their own dtype give another sum."""
+    """On a CPU accumulate adds the losses up on the host where that is exact, as a tensor where not (a
+    float64 mean loss): either way the same bits as the float64 tensor sum it keeps on other devices
+    (``add_(loss, alpha=size)`` per micro-batch, one rounding each), for every kind of loss and dtype,
+    with an uneven last micro-batch. Negative controls, what a plausible wrong sum gives instead: for a
+    float64 mean loss the host's ``sum += loss * size`` (two roundings), for other float64 losses a
+    float32 sum, else a sum in the loss's own dtype."""
     from autoaccum.cut import MicroBatch
 
-    g = torch.Generator().manual_seed(7)
-    sizes = [7, 7, 7, 3]
-    values = (torch.rand(len(sizes), generator=g) * 10).tolist()
-    model = nn.Linear(4, 2)
+    g = torch.Generator().manual_seed(9)  # a seed whose float64 sums tell one rounding from two
+    sizes = [7] * 12 + [3]
+    values = (torch.rand(len(sizes), generator=g, dtype=torch.float64) * 10).to(dtype)  # full precision
+    model = nn.Linear(4, 2).to(dtype)
     given = iter(values)
 
     def loss_fn(m, batch, **kwargs):
-        loss = (m(batch).sum() * 0 + next(given)).to(dtype)  # requires grad; the value is ours
+        loss = m(batch).sum() * 0 + next(given)  # requires grad; the value is ours
         return (loss, 5) if kind == "sum" else loss
 
-    micro = [MicroBatch(torch.randn(n, 4, generator=g), n) for n in sizes]
+    micro = [MicroBatch(torch.randn(n, 4, generator=g, dtype=dtype), n) for n in sizes]
     result = accumulate_module.accumulate(model, micro, loss_fn, num_samples=sum(sizes), device=torch.device("cpu"),
                                           num_items_in_batch=20 if kind == "normalized" else None)
-    assert isinstance(result, accumulate_module.Accumulated) and isinstance(result.loss_sum, float)
+    assert isinstance(result, accumulate_module.Accumulated)
+    weights = [n if kind == "mean" else 1 for n in sizes]
     device_sum = torch.zeros((), dtype=torch.float64)
-    own_dtype_sum = torch.zeros((), dtype=dtype)
-    for value, n in zip(values, sizes):
-        loss = torch.tensor(value, dtype=torch.float32).to(dtype)
-        device_sum.add_(loss, alpha=n if kind == "mean" else 1)
-        own_dtype_sum.add_(loss, alpha=n if kind == "mean" else 1)
-    assert result.loss_sum == device_sum.item()
-    assert result.loss_sum != own_dtype_sum.item(), f"{dtype} gives the same sum here: the check cannot tell"
+    for value, w in zip(values, weights):
+        device_sum.add_(value, alpha=w)
+    assert float(result.loss_sum) == device_sum.item()
+    if dtype == torch.float64 and kind == "mean":
+        wrong = 0.0
+        for value, w in zip(values.tolist(), weights):
+            wrong += value * w
+    else:
+        wrong_sum = torch.zeros((), dtype=torch.float32 if dtype == torch.float64 else dtype)
+        for value, w in zip(values, weights):
+            wrong_sum.add_(value.to(wrong_sum.dtype), alpha=w)
+        wrong = wrong_sum.item()
+    assert float(result.loss_sum) != wrong, "the wrong sum is the same here: the check cannot tell"
 
 
 def test_token_level_divides_optimizer_parameters_outside_the_model():
@@ -299,6 +308,39 @@ def test_gradients_set_before_a_step_are_cleared_first(call):
     fresh = copy.deepcopy(ref)
     mse(fresh, data(64, seed=3)).backward()
     assert max_diff([p.grad for p in stale.parameters()], [p.grad for p in fresh.parameters()]) > 1.0
+
+
+
+def test_step_leaves_no_gradient_behind_and_opens_with_one_zero_grad():
+    """After step() no parameter holds a gradient: the model's (in the optimizer or not) and those of a
+    param group added to the optimizer after the guard was built; optimizer.zero_grad is called once
+    a step, at its start (the end clears directly). Negative control: clearing only the parameters the
+    guard knew when it was built leaves the added group's gradient behind."""
+    model = Net(p=0.0)
+    opt = RecordingSGD(model.fc2.parameters(), lr=0.1)  # fc1 is outside the optimizer
+    guard = OOMGuard(model, opt, target_batch=64, micro_batch=16)
+    scale = nn.Parameter(torch.ones(()))
+    opt.add_param_group({"params": [scale]})  # e.g. a layer unfrozen after the guard was built
+    calls = [0]
+    zero_grad = opt.zero_grad
+
+    def counting_zero_grad(*args, **kwargs):
+        calls[0] += 1
+        return zero_grad(*args, **kwargs)
+
+    opt.zero_grad = counting_zero_grad
+
+    def loss_fn(m, batch):
+        return mse(m, batch) * scale
+
+    for s in range(2):
+        guard.step(data(64, seed=s), loss_fn)
+        assert calls[0] == s + 1
+        assert all(p.grad is None for p in [*model.parameters(), scale])
+    (loss_fn(model, data(64, seed=2))).backward()
+    for p in guard.params:  # the negative control: what the guard knew when it was built
+        p.grad = None
+    assert scale.grad is not None
 
 
 def test_scheduler_steps_once_per_optimizer_step_never_per_micro_batch():

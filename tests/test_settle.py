@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import autoaccum
+from _collectives import intercept_all_reduces
 from _spawn import results, spawn
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -66,7 +67,7 @@ class LateWorker:
         threading.Thread(target=self._drop, daemon=True).start()
         for name in ("broadcast", "gather"):
             setattr(dist, name, self._late(getattr(dist, name)))
-        dist.ProcessGroup.allreduce = self._late_all_reduce(dist.ProcessGroup.allreduce)  # in this spawned rank only
+        intercept_all_reduces(self._late_all_reduce)  # in this spawned rank only
 
     def _drop(self) -> None:
         while True:
@@ -99,18 +100,14 @@ class LateWorker:
             return None
         return collective
 
-    def _late_all_reduce(self, real: Any) -> Any:
-        def allreduce(group: Any, tensors: Any, *args: Any, **kwargs: Any) -> Any:
-            opts = args[0] if args else kwargs.get("opts")
-            sent_ahead = bool(getattr(opts, "asyncOp", False))  # dist.all_reduce(async_op=True), or the buckets
-            for t in tensors if isinstance(tensors, list) else [tensors]:
-                self.records.append((t, t._use_count(), sent_ahead))
-            work = real(group, tensors, *args, **kwargs)
-            # the caller waits on the handle (dist.all_reduce does, for a call that is not async) and drops
-            # it; this thread lets go of it late
-            self.handles.put((work, time.monotonic() + self.LATE_S))
-            return work
-        return allreduce
+    def _late_all_reduce(self, tensors: list[torch.Tensor], sent_ahead: bool, call: Any) -> Any:
+        for t in tensors:
+            self.records.append((t, t._use_count(), sent_ahead))
+        work = call()
+        # the caller waits on the handle (dist.all_reduce does, for a call that is not sent ahead) and
+        # drops it; this thread lets go of it late
+        self.handles.put((work, time.monotonic() + self.LATE_S))
+        return work
 
     def held(self, *, returned_only: bool = False) -> int:
         """``returned_only``: only the collectives whose call returned done (not those sent ahead

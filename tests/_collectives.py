@@ -1,0 +1,50 @@
+"""Every all-reduce a rank issues from Python, seen where all of them meet: ``ProcessGroup.allreduce``.
+
+``dist.all_reduce`` calls it, and the overlapped gradient buckets are sent to it directly (as DDP's
+reducer sends its own), so a test that watches collectives watches it there. Whether the caller holds
+the work handle and waits on it later (sent ahead) is what ``dist.all_reduce`` was asked
+(``async_op``), or for a call made to the group directly, what its options say (``asyncOp``; on a
+torch without that field only the buckets call the group directly, and they are sent ahead).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+#: (the call's tensors, sent ahead, the call itself: returns its work handle) -> what the caller gets
+Handler = Callable[[list[torch.Tensor], bool, Callable[[], Any]], Any]
+
+_asked = threading.local()  # the async_op of the dist.all_reduce call in progress on this thread, if any
+
+
+def intercept_all_reduces(handler: Handler) -> Callable[[], None]:
+    """Route every all-reduce this process issues from Python through ``handler``; returns what undoes it."""
+    real_dist, real_group = dist.all_reduce, dist.ProcessGroup.allreduce
+
+    def through_dist(tensor: torch.Tensor, *args: Any, async_op: bool = False, **kwargs: Any) -> Any:
+        _asked.value = async_op
+        try:
+            return real_dist(tensor, *args, async_op=async_op, **kwargs)
+        finally:
+            _asked.value = None
+
+    def at_group(group: Any, tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        asked, _asked.value = getattr(_asked, "value", None), None
+        opts = args[0] if args else kwargs.get("opts")
+        sent_ahead = asked if asked is not None else bool(getattr(opts, "asyncOp", True))
+        listed = tensors if isinstance(tensors, list) else [tensors]
+        return handler(listed, sent_ahead, lambda: real_group(group, tensors, *args, **kwargs))
+
+    dist.all_reduce = through_dist  # type: ignore[assignment]
+    dist.ProcessGroup.allreduce = at_group  # type: ignore[method-assign]
+
+    def undo() -> None:
+        dist.all_reduce = real_dist  # type: ignore[assignment]
+        dist.ProcessGroup.allreduce = real_group  # type: ignore[method-assign]
+
+    return undo
