@@ -311,6 +311,19 @@ def test_gradients_set_before_a_step_are_cleared_first(call):
 
 
 
+def _count_calls(obj, name):
+    """Wrap ``obj.name`` so that its calls are counted: returns the count, a one-element list."""
+    calls = [0]
+    inner = getattr(obj, name)
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return inner(*args, **kwargs)
+
+    setattr(obj, name, counting)
+    return calls
+
+
 def test_step_leaves_no_gradient_behind_and_opens_with_one_zero_grad():
     """After step() no parameter holds a gradient: the model's (in the optimizer or not) and those of a
     param group added to the optimizer after the guard was built; optimizer.zero_grad is called once
@@ -321,14 +334,7 @@ def test_step_leaves_no_gradient_behind_and_opens_with_one_zero_grad():
     guard = OOMGuard(model, opt, target_batch=64, micro_batch=16)
     scale = nn.Parameter(torch.ones(()))
     opt.add_param_group({"params": [scale]})  # e.g. a layer unfrozen after the guard was built
-    calls = [0]
-    zero_grad = opt.zero_grad
-
-    def counting_zero_grad(*args, **kwargs):
-        calls[0] += 1
-        return zero_grad(*args, **kwargs)
-
-    opt.zero_grad = counting_zero_grad
+    calls = _count_calls(opt, "zero_grad")
 
     def loss_fn(m, batch):
         return mse(m, batch) * scale
@@ -347,14 +353,7 @@ def test_scheduler_steps_once_per_optimizer_step_never_per_micro_batch():
     model = Net()
     opt = RecordingSGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    calls = [0]
-    step = sched.step
-
-    def counting_step(*args, **kwargs):
-        calls[0] += 1
-        return step(*args, **kwargs)
-
-    sched.step = counting_step
+    calls = _count_calls(sched, "step")
     guard = OOMGuard(model, opt, target_batch=64, micro_batch=8, scheduler=sched)
     lrs = []
     for s in range(3):
