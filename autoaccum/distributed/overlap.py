@@ -488,7 +488,7 @@ def _sum_options() -> Any:
     """Options for an asynchronous SUM all-reduce, as ``dist.all_reduce(..., async_op=True)`` makes them."""
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.SUM
-    if hasattr(opts, "asyncOp"):  # newer torch: the backend may then run it off the current stream
+    if hasattr(opts, "asyncOp"):  # newer torch: the caller waits on the handle (NCCL's stream use follows it)
         opts.asyncOp = True
     return opts
 
