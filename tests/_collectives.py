@@ -25,6 +25,10 @@ _asked = threading.local()  # the async_op of the dist.all_reduce call in progre
 def intercept_all_reduces(handler: Handler) -> Callable[[], None]:
     """Route every all-reduce this process issues from Python through ``handler``; returns what undoes it."""
     real_dist, real_group = dist.all_reduce, dist.ProcessGroup.allreduce
+    # what the class itself holds: pybind's method wrapper, which binds ``self``. Reading it through the
+    # class gives the bare function, which set back on the class would no longer bind: every later
+    # ``group.allreduce(...)`` in this process would fail for want of its group
+    held = vars(dist.ProcessGroup)["allreduce"]
 
     def through_dist(tensor: torch.Tensor, *args: Any, async_op: bool = False, **kwargs: Any) -> Any:
         _asked.value = async_op
@@ -45,6 +49,6 @@ def intercept_all_reduces(handler: Handler) -> Callable[[], None]:
 
     def undo() -> None:
         dist.all_reduce = real_dist  # type: ignore[assignment]
-        dist.ProcessGroup.allreduce = real_group  # type: ignore[method-assign]
+        dist.ProcessGroup.allreduce = held  # type: ignore[method-assign]
 
     return undo
