@@ -9,8 +9,9 @@ torch without that field only the buckets call the group directly, and they are 
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -52,3 +53,21 @@ def intercept_all_reduces(handler: Handler) -> Callable[[], None]:
         dist.ProcessGroup.allreduce = held  # type: ignore[method-assign]
 
     return undo
+
+
+@contextlib.contextmanager
+def recording_all_reduces(calls: list[tuple[Any, ...]],
+                          describe: Callable[[torch.Tensor], tuple[Any, ...]] = lambda t: (t.numel(), str(t.dtype)),
+                          ) -> Iterator[None]:
+    """Within the block, every all-reduce this process issues from Python appended to ``calls`` as
+    ``(*describe(tensor), sent ahead)``, one entry per tensor (by default its elements and dtype).
+    DDP's reducer issues its own from C++: not seen (and none runs under no_sync)."""
+    def record(tensors: list[torch.Tensor], sent_ahead: bool, call: Callable[[], Any]) -> Any:
+        calls.extend((*describe(t), sent_ahead) for t in tensors)
+        return call()
+
+    undo = intercept_all_reduces(record)
+    try:
+        yield
+    finally:
+        undo()

@@ -15,11 +15,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import random
 import warnings
 from pathlib import Path
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -29,7 +27,7 @@ import torch.nn.functional as F
 
 import autoaccum
 from _audit import IdAudit
-from _collectives import intercept_all_reduces
+from _collectives import recording_all_reduces
 from _spawn import results, spawn
 from autoaccum.data import GlobalBatches
 from autoaccum.distributed import DistributedSync, unwrap_model, wrap_model
@@ -369,22 +367,6 @@ def test_a_watched_gradient_written_after_its_hook_switches_overlap_off(exact: l
 
 
 # -- the flag in the last bucket: its dtype ----------------------------------------------------------------
-@contextlib.contextmanager
-def _recording_all_reduces(calls: list[tuple[int, str, bool]]) -> Iterator[None]:
-    """Every all-reduce this rank issues from Python, recorded as (elements, dtype, sent ahead): at the
-    process group, where ``dist.all_reduce`` and the overlapped buckets meet (``_collectives``). DDP's
-    reducer issues its own from C++: not seen (and none runs under no_sync)."""
-    def record(tensors: list[torch.Tensor], sent_ahead: bool, call: Any) -> Any:
-        calls.extend((t.numel(), str(t.dtype), sent_ahead) for t in tensors)
-        return call()
-
-    undo = intercept_all_reduces(record)
-    try:
-        yield
-    finally:
-        undo()
-
-
 def _dtype_run(dtype: torch.dtype, overlap: str, rank: int, world_size: int) -> dict[str, Any]:
     """A DDP guard on the net in ``dtype``: the parameters, each step's loss, and the all-reduces of the
     last step (elements, dtype, asynchronous)."""
@@ -399,7 +381,7 @@ def _dtype_run(dtype: torch.dtype, overlap: str, rank: int, world_size: int) -> 
     losses, overlapped, calls = [], [], []
     for rb in batches.epoch(0):
         calls.clear()
-        with _recording_all_reduces(calls):
+        with recording_all_reduces(calls):
             stats = guard.step(rb.batch, mean_loss)
         losses.append(stats.loss)
         overlapped.append(stats.overlapped)
@@ -711,7 +693,7 @@ def protocol_run(rank: int, world_size: int) -> dict[str, Any]:
             if step == 5:
                 meter.budget_bytes = 2**30
             calls.clear()
-            with meter, _recording_all_reduces(calls):
+            with meter, recording_all_reduces(calls):
                 overlapped.append(guard.step(rb.batch, mean_loss).overlapped)
             per_step.append(list(calls))
     finally:

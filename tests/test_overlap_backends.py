@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _collectives import intercept_all_reduces
+from _collectives import recording_all_reduces
 from autoaccum.distributed import DistributedSync
 
 BACKENDS = [
@@ -57,12 +57,7 @@ def test_overlapped_buckets_go_through_the_process_group_on_each_backend(tmp_pat
         torch.cuda.set_device(0)
     dist.init_process_group(backend, init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=60))
-    calls: list[tuple[str, bool]] = []
-
-    def record(tensors: list[torch.Tensor], sent_ahead: bool, call: Any) -> Any:
-        calls.extend((str(t.device.type), sent_ahead) for t in tensors)
-        return call()
-
+    calls: list[tuple[Any, ...]] = []
     try:
         net, reference = _net(dtype, device), _net(dtype, device)
         sync = DistributedSync(net, bucket_bytes=BUCKET_BYTES)
@@ -75,15 +70,12 @@ def test_overlapped_buckets_go_through_the_process_group_on_each_backend(tmp_pat
             _accumulate(reference, xs)
             assert sync.prepare_overlap(params)
             calls.clear()
-            undo = intercept_all_reduces(record)
-            try:
+            scalars = (1.5 + step, 12.0, 1.0, 0.0)
+            with recording_all_reduces(calls, describe=lambda t: (t.device.type,)):
                 arm = sync.overlapped(params)
                 _accumulate(net, xs, arm)
-                scalars = (1.5 + step, 12.0, 1.0, 0.0)
                 agreement = sync.agree_step(0, scalars)
                 sync.reduce_gradients(params)
-            finally:
-                undo()
             overlap = sync._overlap
             assert overlap is not None and not overlap.active
             assert agreement.status == 0 and not overlap.late, f"step {step}: the attempt was not agreed OK"
