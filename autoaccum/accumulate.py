@@ -1,9 +1,8 @@
 """The exact gradient of one global batch (invariant 2), as a component.
 
 :func:`accumulate` runs the forward and backward of each micro-batch of one rank, inside the
-sync's accumulation window (no gradient collective of the model's own; an overlapped step sends
-autoaccum's buckets from the last backward, ``autoaccum.distributed.overlap``), with each loss weighted so that the
-summed gradients are those of the whole global batch:
+sync's accumulation window (no gradient collective of the model's own), with each loss weighted so
+that the summed gradients are those of the whole global batch:
 
 - a **mean loss** over a micro-batch of ``n_i`` samples is weighted by ``n_i / N``, ``N`` the
   samples of the global batch over all ranks (each ``.backward()`` adds to ``.grad``);
@@ -54,15 +53,13 @@ class Accumulated:
 
     Attributes:
         loss_sum: the micro-batches' mean losses times their sample counts, or their loss sums
-            (token-level), summed in float64 where the device has it: on the device (a tensor), or
-            on the host (a float) for a CPU model, where reading a loss waits for nothing (the same
-            additions in the same order, so the same bits; a float64 mean loss, whose product with
-            its sample count would round before the addition, is added as a tensor there too).
+            (token-level), summed on the device in float64 where the device has it (no read of a
+            loss on the host, which would wait for the device).
         num_items: this rank's item count for token-level losses (0 for mean and normalised losses).
         kind: ``mean``, ``sum`` or ``normalized``; None when this rank ran no micro-batch (an empty share).
     """
 
-    loss_sum: torch.Tensor | float
+    loss_sum: torch.Tensor
     num_items: torch.Tensor | int
     kind: LossKind | None
 
@@ -88,8 +85,7 @@ class StepTotals:
 
     Attributes:
         loss_total: the step's loss times ``divisor`` (a device tensor in one process: reading it
-            waits for the device, so :attr:`loss` is read after the optimizer step is launched; a
-            float for a CPU model, whose losses are added up on the host).
+            waits for the device, so :attr:`loss` is read after the optimizer step is launched).
         divisor: samples (mean losses) or items (token-level losses) of the step.
         num_samples: samples of the step over all ranks.
         num_items: items of the step for token-level losses, else None.
@@ -109,10 +105,6 @@ class StepTotals:
 def sum_dtype(device: torch.device) -> torch.dtype:
     """Losses are summed in float64 where the device has it (MPS has no float64)."""
     return torch.float32 if device.type == "mps" else torch.float64
-
-
-#: below this many samples a micro-batch's count times a loss of at most 24 significant bits is exact in float64
-_EXACT_SCALE = 2**29
 
 
 def accumulate(model: torch.nn.Module, micro_batches: Iterable[MicroBatch], loss_fn: LossFn, *, num_samples: int,
@@ -141,13 +133,7 @@ def accumulate(model: torch.nn.Module, micro_batches: Iterable[MicroBatch], loss
         :class:`Accumulated`, or :class:`Failed` (never raises for what a micro-batch did).
     """
     sync = sync if sync is not None else LocalSync()
-    # On a CPU the losses are added up on the host: reading one waits for nothing there, and a Python
-    # float addition costs a fraction of a tensor's (once per micro-batch). add_(loss, alpha=size)
-    # rounds once (a fused multiply-add); on the host, loss * size is exact where the loss has at most
-    # 24 significant bits (float32, bfloat16, float16) and the count is below 2**29, so the addition is
-    # then the one rounding too: the same sum, bit for bit. A float64 mean loss is added as a tensor.
-    on_host = device.type == "cpu"
-    loss_sum: torch.Tensor | float = 0.0 if on_host else torch.zeros((), dtype=sum_dtype(device), device=device)
+    loss_sum = torch.zeros((), dtype=sum_dtype(device), device=device)
     items: torch.Tensor | int = 0
     kind: LossKind | None = None
     where = "forward/loss"
@@ -188,13 +174,7 @@ def accumulate(model: torch.nn.Module, micro_batches: Iterable[MicroBatch], loss
                     # token-level: sum now, divide the whole step by its item count once (reduce_gradients)
                     weighted = loss
                     items = items + num_items
-                scale = size if this == "mean" else 1
-                if on_host and (scale == 1 or (loss.dtype is not torch.float64 and scale < _EXACT_SCALE)):
-                    loss_sum += loss.item() * scale  # type: ignore[operator]
-                else:
-                    if not isinstance(loss_sum, torch.Tensor):  # the host's sum so far, exactly
-                        loss_sum = torch.tensor(loss_sum, dtype=sum_dtype(device), device=device)
-                    loss_sum.add_(loss.detach(), alpha=scale)  # one kernel, in fp64
+                loss_sum.add_(loss.detach(), alpha=size if this == "mean" else 1)  # one kernel, in fp64
                 if backward:
                     where = "backward"
                     (scaler.scale(weighted) if scaler is not None else weighted).backward()
@@ -211,7 +191,7 @@ def step_scalars(result: Accumulated) -> torch.Tensor:
     """This rank's scalars of the step, summed over ranks in one exchange: loss sum, item count, and
     which kind of loss it saw (a rank with an empty share of the last batch saw none), on the loss
     sum's device (no read of it: the exchange runs where it is)."""
-    loss_sum = _as_tensor(result.loss_sum)
+    loss_sum = result.loss_sum
     kinds = [float(result.kind == "mean"), float(result.kind == "sum")]
     if isinstance(result.num_items, int):  # counted on the host: one tensor made, the loss sum put in place
         scalars = loss_sum.new_tensor([0.0, float(result.num_items)] + kinds)
@@ -221,17 +201,10 @@ def step_scalars(result: Accumulated) -> torch.Tensor:
     return torch.stack([loss_sum, count, loss_sum.new_tensor(kinds[0]), loss_sum.new_tensor(kinds[1])])
 
 
-def _as_tensor(loss_sum: torch.Tensor | float) -> torch.Tensor:
-    """A loss sum for an exchange: as it is on the device, or a float64 tensor of one added up on the host."""
-    return loss_sum if isinstance(loss_sum, torch.Tensor) else torch.tensor(loss_sum, dtype=torch.float64)
-
-
-def step_values(result: Accumulated | None) -> list[float]:
-    """:func:`step_scalars` as numbers on the host, for an overlapped step's flag, which carries them in
-    its row (``autoaccum.distributed.overlap``): the loss sum read once (the row is written on the host
-    anyway), no tensor made; the item count exact below 2**53. Zeros for a failed attempt (they are
-    exchanged with its flag and dropped)."""
-    if result is None:
+def step_values(result: Accumulated | Failed) -> list[float]:
+    """:func:`step_scalars` as numbers on the host, for an overlapped step's flag, which is exchanged
+    with them (``autoaccum.distributed.overlap``); zeros for a failed attempt (exchanged and dropped)."""
+    if not isinstance(result, Accumulated):
         return [0.0] * 4
     return [float(result.loss_sum), float(result.num_items), float(result.kind == "mean"), float(result.kind == "sum")]
 
@@ -258,7 +231,7 @@ def reduce_gradients(params: Sequence[torch.nn.Parameter], result: Accumulated, 
         if sync.world_size == 1:
             loss_total = result.loss_sum
         else:
-            loss_total = float(summed[0]) if summed is not None else float(sync.sum_items(_as_tensor(result.loss_sum)))
+            loss_total = float(summed[0]) if summed is not None else float(sync.sum_items(result.loss_sum))
         return StepTotals(loss_total, 1, num_samples, num_items_in_batch)
     if sync.world_size == 1:
         # One process: the kind of loss is known here, and no number on the device is needed

@@ -80,9 +80,7 @@ class FitResult:
         micro_steps: each step's micro-steps, for the steps in ``losses`` (with a token budget they
             follow the step's lengths).
         overlapped_steps: steps of this call whose gradient all-reduce ran during the last backward
-            (``overlap=``; 0 in one process).
-        chained_steps: steps of this call that skipped the cut's exchange (chained after an
-            overlapped step, ``autoaccum.cut_agreement``; 0 in one process).
+            (``overlap="on"``; 0 in one process).
         eval_loss: the last evaluation's loss, None without eval_data.
         lr: the learning rate the rule set (before warmup).
         samples_per_s: samples per second of training steps in this call (probe excluded).
@@ -111,7 +109,6 @@ class FitResult:
     micro_steps: tuple[int, ...] = ()
     skipped_steps: int = 0
     overlapped_steps: int = 0
-    chained_steps: int = 0
 
 
 def _placed(model: torch.nn.Module, device: Any) -> tuple[torch.nn.Module, GradSync, torch.device]:
@@ -241,7 +238,7 @@ def fit(model: torch.nn.Module, data: Any, target_batch: int = 256, *, loss_fn: 
         peak_bytes=summary["peak_bytes"], wall_time_s=time.perf_counter() - started,
         probe_time_s=0.0 if report is None else report.wall_time_s, probe=report,
         micro_steps=tuple(summary["micro_steps"]), skipped_steps=position.skipped,
-        overlapped_steps=summary["overlapped_steps"], chained_steps=summary["chained_steps"],
+        overlapped_steps=summary["overlapped_steps"],
     )
 
 

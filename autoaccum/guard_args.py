@@ -14,7 +14,7 @@ from autoaccum.cut import Cutter
 from autoaccum.growth import GrowMode, check_growth_options, prior_of
 from autoaccum.memory_model import MemoryModel
 from autoaccum.optim_step import NONFINITE_POLICIES, NonFinite
-from autoaccum.overlap_vote import OverlapMode
+from autoaccum.sync import OverlapMode
 from autoaccum.plan import Plan, resolve_plan
 from autoaccum.task import check_optimizer_covers, trainable_parameters
 from autoaccum.validate import check_choice, check_positive_float, check_positive_int

@@ -2,8 +2,7 @@
 
 The check (``check_finite``): inf/NaN gradients never reach the weights. Before the step, one
 fused reduction over every gradient (``torch._foreach_norm``; with clipping, the total norm clipping
-computes anyway; after an overlapped all-reduce, a sum over its flat buckets, which hold every
-gradient) and one read of its result on the host: a non-finite
+computes anyway) and one read of its result on the host: a non-finite
 value skips ``optimizer.step()`` and the scheduler, and the caller decides what follows (stop or
 skip, ``autoaccum.guard``). The gradients are checked after they were reduced over ranks: under
 DDP every rank holds the same sums, so every rank decides the same; under FSDP2 each rank holds a
@@ -69,7 +68,7 @@ def step_optimizer(optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.P
                    scaler: torch.amp.GradScaler | None = None, scheduler: Any = None,
                    max_grad_norm: float | None = None, step_number: int = 0,
                    micro_batch: int = 0, check_finite: bool = False, loss: torch.Tensor | float | None = None,
-                   sync: GradSync | None = None, flat_grads: Sequence[torch.Tensor] | None = None) -> OptimizerStep:
+                   sync: GradSync | None = None) -> OptimizerStep:
     """Unscale (once), check, clip (once), step and update the scaler; step the scheduler unless skipped.
 
     Args:
@@ -77,9 +76,6 @@ def step_optimizer(optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.P
             ``loss`` holds inf/NaN (see the module docstring).
         loss: the step's loss (a device tensor or a float), checked with the gradients.
         sync: how the ranks agree on the check where each holds a shard of the gradients (FSDP2).
-        flat_grads: flat tensors that hold every gradient (an overlapped step's buckets, whose parts
-            are the ``.grad`` views: ``DistributedSync.gradient_buffers()``), or None. Without
-            clipping the check then sums these few tensors instead of reducing every gradient.
 
     Raises:
         OptimizerStepOOMError: out of memory in unscaling, clipping or ``optimizer.step()``.
@@ -92,7 +88,7 @@ def step_optimizer(optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.P
         norm = None
         if check_finite and scaler is None:
             phase[0] = "gradient clipping" if max_grad_norm is not None else "the inf/NaN check"
-            finite, norm = _check_finite(params, loss, max_grad_norm, sync, flat_grads)
+            finite, norm = _check_finite(params, loss, max_grad_norm, sync)
             if not finite:
                 return OptimizerStep(None, True, nonfinite=True)
         if max_grad_norm is not None:
@@ -130,8 +126,7 @@ def step_optimizer(optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.P
 
 
 def _check_finite(params: Sequence[torch.nn.Parameter], loss: torch.Tensor | float | None,
-                  max_grad_norm: float | None, sync: GradSync | None,
-                  flat_grads: Sequence[torch.Tensor] | None = None) -> tuple[bool, torch.Tensor | None]:
+                  max_grad_norm: float | None, sync: GradSync | None) -> tuple[bool, torch.Tensor | None]:
     """Whether every gradient and the loss are finite: one fused reduction, one read on the host.
 
     Returns (finite, the total 2-norm for clipping or None). The reduction is the 2-norm of each
@@ -141,16 +136,7 @@ def _check_finite(params: Sequence[torch.nn.Parameter], loss: torch.Tensor | flo
     65504): only then, and only on a non-finite norm, are the elements looked at one by one.
     (``ord=inf``, which cannot overflow, is some 100 times slower on the CPU.) FSDP2 gradients are
     DTensor shards: each rank reduces its own shard (no collective inside) and the ranks exchange
-    one number.
-
-    Where ``flat_grads`` hold every gradient (an overlapped step's buckets) and nothing is clipped,
-    the reduction is instead the plain sum of each flat tensor and the loss, added up: finite
-    exactly where every element is, unless the sum overflows (beyond ~3.4e38 in float32), which is
-    then handled as above. A few tensors instead of one per parameter, and a sum instead of a norm:
-    about half the check's time on the 2-rank CPU benchmark (``benchmarks/RESULTS.md``, "The inf/NaN
-    check on the flat buckets")."""
-    if flat_grads and max_grad_norm is None:
-        return _flat_finite(params, loss, flat_grads), None
+    one number."""
     grads = [p.grad for p in params if p.grad is not None]
     sharded = any(hasattr(g, "to_local") for g in grads)
     if sharded:
@@ -179,21 +165,6 @@ def _check_finite(params: Sequence[torch.nn.Parameter], loss: torch.Tensor | flo
         flag = torch.tensor([0.0 if finite else 1.0], dtype=torch.float64)
         finite = float(sync.sum_items(flag)[0]) == 0.0  # one rank's non-finite shard stops every rank
     return finite, total if clip_norm else None
-
-
-def _flat_finite(params: Sequence[torch.nn.Parameter], loss: torch.Tensor | float | None,
-                 flat_grads: Sequence[torch.Tensor]) -> bool:
-    """The check on flat tensors holding every gradient: one sum of their sums and the loss, one read."""
-    sums = [flat.sum().float() for flat in flat_grads]
-    total = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
-    if isinstance(loss, torch.Tensor):
-        total = total + loss.detach().float().sum().to(total.device)
-    finite = math.isfinite(float(total))  # the one read on the host
-    if isinstance(loss, float):
-        finite = finite and math.isfinite(loss)
-    if not finite:
-        finite = _elements_finite([p.grad for p in params if p.grad is not None], loss)
-    return finite
 
 
 def _elements_finite(grads: list[torch.Tensor], loss: torch.Tensor | float | None) -> bool:

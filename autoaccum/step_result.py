@@ -27,9 +27,7 @@ class AccumulateResult:
         micro_steps: micro-steps of the attempt that succeeded (on every rank; with a token budget
             it depends on the step's lengths).
         overlapped: the attempt that succeeded all-reduced its gradients during the last
-            micro-batch's backward (``OOMGuard(overlap=...)``).
-        chained: the step's first attempt had no cut exchange: every rank agreed so in the last
-            step's flag (``autoaccum.cut_agreement``, "Chained steps").
+            micro-batch's backward (``OOMGuard(overlap="on")``).
     """
 
     loss: float
@@ -42,7 +40,6 @@ class AccumulateResult:
     peak_bytes: int | None
     micro_steps: int = 0
     overlapped: bool = False
-    chained: bool = False
 
 
 @dataclass(frozen=True)

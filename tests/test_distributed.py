@@ -491,8 +491,11 @@ def fit_two_ranks(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, 
     model = make_net()
     whole = _fit(model, epochs=1)
     out = {"params": _params(model), "plan": whole.plan.to_dict(), "steps": whole.optimizer_steps,
-           "samples": whole.samples_seen, "losses": list(whole.losses), "overlapped": whole.overlapped_steps,
-           "chained": whole.chained_steps}
+           "samples": whole.samples_seen, "losses": list(whole.losses), "overlapped": whole.overlapped_steps}
+    with pytest.warns(UserWarning, match="experimental"):
+        on_model = make_net()
+        on = _fit(on_model, epochs=1, overlap="on")
+    out.update(overlap_on=_params(on_model), overlap_on_steps=on.overlapped_steps)
     first = make_net()
     _fit(first, max_steps=3, checkpoint_dir=checkpoint_dir, plan=autoaccum.Plan.for_target(TARGET, 2, world_size))
     dist.barrier()  # rank 0 wrote the checkpoint; every rank reads it
@@ -538,13 +541,12 @@ def test_fit_on_two_ranks_equals_fit_in_one_process(tmp_path: Path) -> None:
         assert r["steps"] == one.optimizer_steps == 6 and r["samples"] == one.samples_seen == N_SAMPLES
         assert r["losses"] == pytest.approx(list(one.losses), rel=1e-5)
         assert r["resumed_source"] == "checkpoint" and r["resumed_steps"] == 6
-        # overlap="auto" on the CPU without a budget: every step after the first (unmeasured) one overlaps
-        assert 0 < r["overlapped"] <= r["steps"] and one.overlapped_steps == 0  # one process: nothing to reduce
-        # each step after an overlapped one skips the cut's exchange (chained); the last batch is full here
-        assert 0 < r["chained"] < r["overlapped"] and one.chained_steps == 0, (r["chained"], r["overlapped"])
+        assert r["overlapped"] == 0 and one.overlapped_steps == 0  # the default: overlap="off"
+        assert r["overlap_on_steps"] == r["steps"]  # overlap="on": every step (no OOM here)
         for name, p in want.items():
             torch.testing.assert_close(r["params"][name], p, rtol=RTOL, atol=ATOL, msg=name)
             torch.testing.assert_close(r["resumed"][name], p, rtol=RTOL, atol=ATOL, msg=f"resumed {name}")
+            torch.testing.assert_close(r["overlap_on"][name], p, rtol=RTOL, atol=ATOL, msg=f"overlap on {name}")
             if fsdp2_supported():
                 torch.testing.assert_close(r["fsdp2_resumed"][name], p, rtol=RTOL, atol=ATOL, msg=f"FSDP2 {name}")
         if fsdp2_supported():

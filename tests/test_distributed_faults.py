@@ -13,6 +13,7 @@ Each test spawns two processes bounded by a timeout (tests/_spawn.py): a hang fa
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -134,22 +135,19 @@ NAN_STEPS = 3  # the NaN gradient comes from rank 0's micro-batches of step 2
 
 
 def nonfinite_on_one_rank(rank: int, world_size: int) -> dict[str, Any]:
-    import autoaccum.optim_step as optim_step
-
-    flat_checks = []  # the check on an overlapped step's flat buffers (DistributedSync.gradient_buffers)
-    on_flats = optim_step._flat_finite
-    optim_step._flat_finite = lambda *a: flat_checks.append(on_flats(*a)) or flat_checks[-1]
     out: dict[str, Any] = {}
-    for kind in ("ddp", "fsdp2") if fsdp2_supported() else ("ddp",):
+    runs = [("ddp", "off"), ("ddp", "on")] + ([("fsdp2", "off")] if fsdp2_supported() else [])
+    for kind, overlap in runs:
         for policy in ("skip", "stop"):
             torch.manual_seed(SEED)
             net = PoisonNet()
             model = _shard(net) if kind == "fsdp2" else wrap_model(net)
             opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-            guard = autoaccum.OOMGuard(model, opt, target_batch=TARGET, micro_batch=4, sync=DistributedSync(model),
-                                       nonfinite=policy)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # overlap="on" says once that it is experimental
+                guard = autoaccum.OOMGuard(model, opt, target_batch=TARGET, micro_batch=4,
+                                           sync=DistributedSync(model), nonfinite=policy, overlap=overlap)
             skipped, error, after = [], None, {}
-            flat_checks.clear()
             batches = autoaccum.data.GlobalBatches(make_data(), TARGET, seed=SEED, rank=rank, world_size=world_size)
             for step, rb in zip(range(1, NAN_STEPS + 1), batches.epoch(0)):
                 net.poison = rank == 0 and step == 2
@@ -160,9 +158,9 @@ def nonfinite_on_one_rank(rank: int, world_size: int) -> dict[str, Any]:
                     break
                 finally:
                     after[step] = _params(model)
-            out[f"{kind}/{policy}"] = {"skipped": skipped, "error": error, "after": after,
-                                       "flat_checks": list(flat_checks),
-                                       "finite": all(bool(torch.isfinite(p).all()) for p in after[max(after)].values())}
+            out[f"{kind}/{overlap}/{policy}"] = {"skipped": skipped, "error": error, "after": after,
+                                                 "overlapped": guard.overlapped_steps,
+                                                 "finite": all(bool(torch.isfinite(p).all()) for p in after[max(after)].values())}
     return out
 
 
@@ -193,10 +191,8 @@ def test_nonfinite_gradients_on_one_rank_are_skipped_or_stopped_on_every_rank(tm
         for rank, r in enumerate(out):
             got = r[key]
             assert got["finite"], (key, rank)
-            if key.startswith("ddp"):  # every step overlapped: checked on its flat buffers, the NaN found there
-                assert got["flat_checks"] == [True, False, True][:len(got["after"])], (key, rank, got["flat_checks"])
-            else:  # FSDP2 keeps today's protocol: the per-gradient check on its shards
-                assert got["flat_checks"] == [], (key, rank)
+            # overlapped: the sums are views of the buckets, checked like any gradient (the NaN found there)
+            assert (got["overlapped"] > 0) == ("/on/" in key), (key, rank, got["overlapped"])
             if key.endswith("skip"):
                 assert got["skipped"] == [False, True, False] and got["error"] is None, (key, rank)
                 assert all(torch.equal(a, b) for a, b in zip(got["after"][2].values(), got["after"][1].values()))
@@ -357,12 +353,14 @@ THRASH_STEPS = 5  # full global batches of make_data()
 
 def thrash_on_one_rank(rank: int, world_size: int, thrashing_rank: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for overlap in ("auto", "off"):  # the rows in the flag of chained steps, and in the cut's own exchange
+    for overlap in ("on", "off"):
         torch.manual_seed(SEED)
         model = wrap_model(make_net())
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        guard = autoaccum.OOMGuard(model, opt, target_batch=TARGET, micro_batch=4, sync=DistributedSync(model),
-                                   meter=RetryMeter(rank == thrashing_rank), grow="off", overlap=overlap)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # overlap="on" says once that it is experimental
+            guard = autoaccum.OOMGuard(model, opt, target_batch=TARGET, micro_batch=4, sync=DistributedSync(model),
+                                       meter=RetryMeter(rank == thrashing_rank), grow="off", overlap=overlap)
         batches = autoaccum.data.GlobalBatches(make_data(), TARGET, seed=SEED, rank=rank, world_size=world_size)
         changes, micro = [], []
         for step, rb in zip(range(1, THRASH_STEPS + 1), batches.epoch(0)):
@@ -370,26 +368,26 @@ def thrash_on_one_rank(rank: int, world_size: int, thrashing_rank: int) -> dict[
             changes += [(step, c.reason, c.old.micro_batch, c.new.micro_batch, c.describe()) for c in result.changes]
             micro.append(result.plan.micro_batch)
         out[overlap] = {"changes": changes, "micro": micro, "params": _params(model),
-                        "chained": guard.chained_steps, "ooms": guard.ooms}
+                        "overlapped": guard.overlapped_steps, "ooms": guard.ooms}
     return out
 
 
 @pytest.mark.parametrize("thrashing_rank", [0, 1])
 def test_allocator_thrashing_on_one_rank_shrinks_every_rank_together(tmp_path: Path, thrashing_rank: int) -> None:
     """One rank's allocator retries rise at every step (thrash_steps=2): after step 3 its streak is
-    complete; step 4's exchange says so (in a chained step, in its flag), and after step 4 every rank
+    complete; step 4's exchange says so, and after step 4 every rank
     halves the micro-batch at once (4 -> 2), naming that rank; the streak starts again from there. No
     hang, no OOM; the weights equal one process's full-batch SGD (the shrink changes no gradient).
     Negative control: before this, the thrashing rank only warned (no change on any rank)."""
     codes, _ = spawn(thrash_on_one_rank, tmp_path, thrashing_rank=thrashing_rank)
     out = results(tmp_path, codes)
     want = _one_process_skipping(None, THRASH_STEPS)
-    for overlap in ("auto", "off"):
+    for overlap in ("on", "off"):
         for rank, r in enumerate(out):
             got = r[overlap]
             assert [c[:4] for c in got["changes"]] == [(4, "thrash", 4, 2)], (overlap, rank, got["changes"])
             assert f"allocator retries on rank {thrashing_rank}" in got["changes"][0][4]
             assert got["micro"] == [4, 4, 4, 2, 2] and got["ooms"] == 0, (overlap, rank, got["micro"])
-            assert (got["chained"] > 0) == (overlap == "auto"), (overlap, got["chained"])
+            assert got["overlapped"] == (THRASH_STEPS if overlap == "on" else 0), (overlap, got["overlapped"])
             for name, p in want.items():
                 torch.testing.assert_close(got["params"][name], p, rtol=1e-5, atol=1e-6, msg=f"{overlap} {rank} {name}")

@@ -18,7 +18,7 @@ from torch import nn
 
 import autoaccum.accumulate as accumulate_module
 import autoaccum.guard as guard_module
-from autoaccum.memory import MemoryReading
+from autoaccum.memory import MemoryReading, NullMeter
 import autoaccum.recovery as recovery_module
 from _guard_models import (
     Net, RecordingSGD, TokenModel, data, full_step, manual_step, max_diff, mse, pair, params_of, phase_peaks, sizes_for,
@@ -165,13 +165,11 @@ def test_every_micro_batch_runs_under_the_autocast_it_asks_for(monkeypatch):
 
 @pytest.mark.parametrize("kind", ["mean", "sum", "normalized"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
-def test_a_cpu_models_loss_sum_is_the_float64_device_sum_bit_for_bit(kind, dtype):
-    """On a CPU accumulate adds the losses up on the host where that is exact, as a tensor where not (a
-    float64 mean loss): either way the same bits as the float64 tensor sum it keeps on other devices
-    (``add_(loss, alpha=size)`` per micro-batch, one rounding each), for every kind of loss and dtype,
-    with an uneven last micro-batch. Negative controls, what a plausible wrong sum gives instead: for a
-    float64 mean loss the host's ``sum += loss * size`` (two roundings), for other float64 losses a
-    float32 sum, else a sum in the loss's own dtype."""
+def test_the_loss_sum_is_a_float64_sum_with_one_rounding_per_micro_batch(kind, dtype):
+    """accumulate adds the weighted losses up in float64 (``add_(loss, alpha=size)`` per micro-batch, one
+    rounding each), for every kind of loss and dtype, with an uneven last micro-batch. Negative controls,
+    what a plausible wrong sum gives instead: for a float64 mean loss ``sum += loss * size`` on the host
+    (two roundings), for other float64 losses a float32 sum, else a sum in the loss's own dtype."""
     from autoaccum.cut import MicroBatch
 
     g = torch.Generator().manual_seed(9)  # a seed whose float64 sums tell one rounding from two
@@ -515,51 +513,6 @@ def test_a_norm_that_overflows_is_not_taken_for_an_inf_gradient(clip):
         assert not _check_finite(params(bad, torch.float32), None, clip, None)[0]
         assert not _check_finite(params(1.0, torch.float32), torch.tensor(bad), clip, None)[0]
         assert not _check_finite(params(1.0, torch.float32), bad, clip, None)[0]
-
-
-def test_the_check_on_flat_buffers_finds_what_the_per_gradient_check_finds():
-    """An overlapped step's gradients are views of flat buffers (``DistributedSync.gradient_buffers``):
-    the check then sums those few tensors. Every case of the per-gradient check gives the same answer:
-    finite, an inf or NaN element in either buffer, a non-finite loss (tensor or float), and a sum that
-    overflows where every element is finite (the elements are then looked at). A check that ignored the
-    buffers would pass the finite cases only."""
-    from autoaccum.optim_step import _check_finite, _flat_finite
-
-    def setup(where=None, value=1.0, big=False):
-        shapes = [(4, 3), (3,), (5,)]
-        flats = [torch.ones(15), torch.ones(5)]  # bucket 0: the first two parameters; bucket 1: the third
-        if big:
-            flats[0][:3] = 3e38  # finite elements whose sum overflows float32
-        if where is not None:
-            flats[where[0]][where[1]] = value
-        params, views = [], [flats[0][:12].view(4, 3), flats[0][12:15], flats[1][:5]]
-        for shape, view in zip(shapes, views):
-            p = nn.Parameter(torch.zeros(shape))
-            p.grad = view
-            params.append(p)
-        return params, flats
-
-    for big in (False, True):
-        params, flats = setup(big=big)
-        assert _check_finite(params, torch.tensor(2.0), None, None, flats) == (True, None)
-        assert _check_finite(params, torch.tensor(2.0), None, None)[0]  # the per-gradient check agrees
-    assert torch.isinf(setup(big=True)[1][0].sum())  # the overflow the elements are looked at for
-    for bad in (float("inf"), float("-inf"), float("nan")):
-        for where in ((0, 0), (0, 14), (1, 4)):
-            params, flats = setup(where, bad)
-            assert not _check_finite(params, torch.tensor(2.0), None, None, flats)[0], (bad, where)
-            assert not _check_finite(params, torch.tensor(2.0), None, None)[0]
-        params, flats = setup()
-        assert not _check_finite(params, torch.tensor(bad), None, None, flats)[0]
-        assert not _check_finite(params, bad, None, None, flats)[0]
-        assert not _flat_finite(params, bad, flats)
-    # The buffers are what is summed (the contract: they hold every gradient), and only without clipping:
-    # with it the check keeps the per-gradient total norm clipping needs. A NaN gradient outside them
-    # (never so in a step) is seen by the clipping check only.
-    params, flats = setup()
-    params[2].grad = torch.full((5,), float("nan"))
-    assert _check_finite(params, None, None, None, flats)[0]
-    assert not _check_finite(params, None, 1.0, None, flats)[0]
 
 
 def test_nonfinite_policy_is_checked():
@@ -995,20 +948,56 @@ def test_invalid_arguments_name_the_value_and_the_range():
         OOMGuard(model, opt, target_batch=64, micro_batch=8, grow_after=0)
 
 
+class RetryMeter(NullMeter):
+    """Counts no bytes, only CUDA's allocator retries (num_alloc_retries), set by the test before each
+    step: a CPU cannot cause them."""
+
+    kind = "counted"
+
+    def __init__(self):
+        self.retries = 0
+
+    def read(self):
+        return MemoryReading(0, 0, self.retries)
+
+
+def thrash_run(guard, meter):
+    """``step(retries, oom=False)``: one real step with the allocator's retries at ``retries`` (an OOM in
+    its first attempt where asked), returning the step's thrash changes."""
+    batch = data(64)
+    oom = [False]
+
+    def loss_fn(model, micro):
+        if oom[0]:
+            oom[0] = False
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (test)")
+        return mse(model, micro)
+
+    def step(retries, oom_first=False):
+        meter.retries, oom[0] = retries, oom_first
+        return [c for c in guard.step(batch, loss_fn).changes if c.reason == "thrash"]
+    return step
+
+
 def test_allocator_thrashing_on_consecutive_steps_shrinks_but_an_oom_step_does_not_count():
-    """CUDA's allocator retries (num_alloc_retries) are fed by hand: the statistics are CUDA-only."""
+    """Retries rising on two clean steps in a row shrink the micro-batch; a step that replayed for an OOM
+    retried by definition and does not count. Negative control: retries that do not rise never shrink."""
     model = Net()
-    guard = OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), target_batch=64, micro_batch=32)
-
-    def after_step(retries, attempts=1):
-        return guard._adapt(attempts, MemoryReading(0, 0, retries))
-
-    assert after_step(0) == [] and after_step(0) == []
-    assert after_step(1, attempts=2) == []  # the OOM's own retry: acted on by the replay
-    assert after_step(2) == []  # one step with retries is not thrashing yet
-    (change,) = after_step(3)  # the second in a row is
-    assert (change.reason, change.old.micro_batch, change.new.micro_batch) == ("thrash", 32, 16)
-    assert after_step(3) == [] and after_step(4) == []
+    meter = RetryMeter()
+    guard = OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), target_batch=64, micro_batch=32,
+                     meter=meter, grow="off")
+    step = thrash_run(guard, meter)
+    assert step(0) == [] and step(0) == []
+    assert step(1, oom_first=True) == [] and guard.plan.micro_batch == 16  # the OOM's own retry: the replay acted
+    assert step(2) == []  # one step with retries is not thrashing yet
+    (change,) = step(3)  # the second in a row is
+    assert (change.reason, change.old.micro_batch, change.new.micro_batch) == ("thrash", 16, 8)
+    assert step(3) == [] and step(4) == [] and guard.plan.micro_batch == 8
+    calm_model = Net()
+    calm = OOMGuard(calm_model, torch.optim.SGD(calm_model.parameters(), lr=0.1), target_batch=64, micro_batch=32,
+                    meter=RetryMeter(), grow="off")
+    calm_step = thrash_run(calm, calm.meter)
+    assert [calm_step(5) for _ in range(4)] == [[]] * 4 and calm.plan.micro_batch == 32
     with pytest.raises(TypeError):
         OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), target_batch=64, micro_batch=32,
                  thrash_steps=1.5)
@@ -1019,30 +1008,39 @@ def test_allocator_thrashing_on_one_of_several_ranks_is_said_first_and_shrunk_fo
     streak issues no collective; it is said in the next step's exchange (the row's thrash field), and
     the step whose rows said it shrinks, on every rank alike (every rank reads the same rows). A step
     that replayed for an OOM shrank already: it does not shrink again. Negative control: the test
-    above, in one process, shrinks on the streak itself."""
+    above, in one process, shrinks on the streak itself. (Two real ranks: tests/test_distributed_faults.py.)"""
 
     class OneOfTwo(LocalSync):
+        """Rank 1 of 2, the other rank's row a copy of this one's (its thrash field as the test says)."""
         world_size, rank = 2, 1
 
         def __init__(self):
-            self.plans = []
+            self.plans, self.rows, self.other_thrashes = [], [], False
+
+        def gather(self, values):
+            self.rows.append(values)
+            other = values[:5] + (int(self.other_thrashes),)
+            return (other, tuple(values))
 
         def agree_plan(self, plan):
             self.plans.append(plan.micro_batch)
             return plan
 
     model = Net()
-    sync = OneOfTwo()
-    guard = OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), target_batch=64, micro_batch=16,
-                     sync=sync, grow="off")
-    assert [guard._adapt(1, MemoryReading(0, 0, r)) for r in (0, 2, 3)] == [[]] * 3
-    assert guard._thrash_pending and sync.plans == [] and guard.plan.micro_batch == 16  # said, not acted on
-    guard._thrashing = (1,)  # the next step's rows: rank 1 said so
-    (change,) = guard._adapt(1, MemoryReading(0, 0, 3))
-    assert (change.reason, change.old.micro_batch, change.new.micro_batch) == ("thrash", 16, 8)
-    assert "rank 1" in change.describe() and sync.plans == [8] and not guard._thrash_pending
-    guard._thrashing = (0, 1)  # heard in a step that replayed for an OOM: no second shrink
-    assert guard._adapt(2, MemoryReading(0, 0, 9)) == [] and guard.plan.micro_batch == 8 and sync.plans == [8]
+    sync, meter = OneOfTwo(), RetryMeter()
+    guard = OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), target_batch=128, micro_batch=16,
+                     sync=sync, grow="off", meter=meter)
+    step = thrash_run(guard, meter)
+    assert [step(r) for r in (0, 2, 3)] == [[]] * 3  # the streak reached 2 in the third step: said, not acted on
+    assert [row[5] for row in sync.rows] == [0, 0, 0] and sync.plans == [] and guard.plan.micro_batch == 16
+    (change,) = step(3)  # the next step's exchange says it (this rank's row), and every rank shrinks after it
+    assert sync.rows[-1][5] == 1 and (change.reason, change.old.micro_batch, change.new.micro_batch) == ("thrash", 16, 8)
+    assert "rank 1" in change.describe() and sync.plans == [8]
+    assert step(3) == [] and sync.rows[-1][5] == 0  # said and heard: a new streak from here
+    sync.other_thrashes = True  # rank 0 says so in a step that replays for an OOM: no second shrink
+    assert step(3, oom_first=True) == [] and guard.plan.micro_batch == 4 and sync.plans == [8, 4]
+    (change,) = step(3)  # and in a clean one: every rank shrinks
+    assert "rank 0" in change.describe() and guard.plan.micro_batch == 2
 
 
 # -- on a real device -----------------------------------------------------------------------------

@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     # cut -> accumulate -> guard
     ("data", "sync", "cut", "distributed.settle", "distributed.process_group", "distributed.models",
      "distributed.fsdp2", "distributed.overlap", "distributed.ddp", "distributed"),
-    ("accumulate", "regrow", "policy", "growth", "overlap_vote", "cut_agreement", "step_input", "step_result", "optim_step",
+    ("accumulate", "regrow", "policy", "growth", "cut_agreement", "step_input", "step_result", "optim_step",
      "losses", "guard_args"),
     ("guard",),
     # the trainer and its components

@@ -1,14 +1,15 @@
-"""The overlapped buckets' call to the process group on each backend it can meet: gloo (CPU) and NCCL (CUDA).
+"""The overlapped all-reduce (``overlap="on"``) on each backend it can meet: gloo (CPU) and NCCL (CUDA).
 
-The buckets go to ``ProcessGroup.allreduce`` directly, with the options ``dist.all_reduce(async_op=True)``
-builds (``autoaccum.distributed.overlap``). The two-rank tests (``test_distributed_overlap``, gloo) hold
-the protocol and the sums; what they cannot show is that NCCL takes the same call, since they run on
-CPU, and one GPU cannot host two NCCL ranks. Here one process is a world of one on each backend and
-drives one overlapped attempt the way the guard does (``prepare_overlap``, ``overlapped``, ``arm``
-before the last backward, ``agree_step``, ``reduce_gradients``). In a world of one the sum of a
-bucket is the bucket itself, so the reduced gradients must equal the plain accumulated ones bit for
-bit; the step's scalars come back unchanged; the buckets went out through the group with the async
-option, the early ones from inside the backward. Cross-rank sums are the two-rank tests' part.
+The two-rank tests (``test_distributed_overlap``, gloo) hold the protocol and the sums; what they cannot
+show is that NCCL takes the same calls, since they run on CPU, and one GPU cannot host two NCCL ranks.
+Here one process is a world of one on each backend:
+
+- driving one overlapped attempt the way the guard does (``prepare_overlap``, ``overlapped``, ``arm``
+  before the last backward, ``agree_step``, ``reduce_gradients``). In a world of one the sum of a
+  bucket is the bucket itself, so the reduced gradients must equal the plain accumulated ones bit for
+  bit; the step's scalars come back unchanged; every bucket went out sent ahead (the early ones from
+  inside the backward), then the flag in an exchange of its own, waited for at once;
+- the guard itself, overlap off and on, against one process's full-batch steps.
 """
 
 from __future__ import annotations
@@ -49,9 +50,9 @@ def _accumulate(net: torch.nn.Module, xs: list[torch.Tensor], arm: Any = None) -
         (net(x).square().mean() / len(xs)).backward()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-flag-in-bucket", "bf16-own-exchange"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("backend,device", BACKENDS)
-def test_overlapped_buckets_go_through_the_process_group_on_each_backend(tmp_path: Path, backend: str, device: str,
+def test_overlapped_buckets_then_the_flag_on_each_backend(tmp_path: Path, backend: str, device: str,
                                                                          dtype: torch.dtype) -> None:
     if device == "cuda":
         torch.cuda.set_device(0)
@@ -83,11 +84,9 @@ def test_overlapped_buckets_go_through_the_process_group_on_each_backend(tmp_pat
             buckets = len(overlap.buckets)
             assert buckets >= 3, f"only {buckets} buckets: the test needs some that leave during the backward"
             assert overlap.early >= 1, f"step {step}: no bucket left during the backward: nothing was overlapped"
-            # every bucket through the group, sent ahead, on the model's device; bf16 adds the flag's own
-            # exchange (dist.all_reduce, waited on at once, on NCCL's device: the current GPU)
-            expected = [(torch.device(device).type, True)] * buckets
-            if dtype == torch.bfloat16:
-                expected.append((torch.device(device).type, False))
+            # every bucket sent ahead, on the model's device; then the flag's own exchange (waited on at
+            # once, on the backend's device: the CPU for gloo, the current GPU for NCCL)
+            expected = [(torch.device(device).type, True)] * buckets + [(torch.device(device).type, False)]
             assert calls == expected, f"step {step}: all-reduces {calls}, expected {expected}"
             for (name, p), q in zip(net.named_parameters(), reference.parameters()):
                 assert p.grad is not None and torch.equal(p.grad, q.grad), f"step {step}: {name}'s summed gradient differs"
@@ -127,3 +126,50 @@ def test_negative_control_a_bucket_armed_too_early_differs_from_the_plain_gradie
     finally:
         overlap_module._OverlappedReduce._late_params = real_late  # type: ignore[method-assign]
         dist.destroy_process_group()
+
+
+def _guard_steps(backend: str, device: str, overlap: str) -> tuple[list[bool], dict[str, torch.Tensor]]:
+    import warnings
+
+    import autoaccum
+
+    net = _net(torch.float64 if device == "cpu" else torch.float32, device)
+    sync = DistributedSync(net, bucket_bytes=BUCKET_BYTES)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "autoaccum: overlap='on' is experimental")
+        guard = autoaccum.OOMGuard(net, torch.optim.SGD(net.parameters(), lr=0.1), target_batch=12,
+                                   micro_batch=MICRO, sync=sync, overlap=overlap)
+    dtype = next(net.parameters()).dtype
+    generator = torch.Generator().manual_seed(7)
+    overlapped = []
+    for _ in range(STEPS):
+        x = torch.randn(12, 12, generator=generator).to(device=device, dtype=dtype)
+        overlapped.append(guard.step(x, lambda m, b: m(b).square().mean()).overlapped)
+    return overlapped, {n: p.detach().clone() for n, p in net.named_parameters()}
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_the_guard_in_a_world_of_one_overlapped_or_not_equals_full_batch_steps(tmp_path: Path, backend: str,
+                                                                              device: str) -> None:
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group(backend, init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        runs = {overlap: _guard_steps(backend, device, overlap) for overlap in ("off", "on")}
+    finally:
+        dist.destroy_process_group()
+    reference = _net(torch.float64 if device == "cpu" else torch.float32, device)
+    dtype = next(reference.parameters()).dtype
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(7)
+    for _ in range(STEPS):
+        x = torch.randn(12, 12, generator=generator).to(device=device, dtype=dtype)
+        opt.zero_grad()
+        reference(x).square().mean().backward()
+        opt.step()
+    tolerance = {"rtol": 1e-10, "atol": 1e-12} if device == "cpu" else {"rtol": 1e-5, "atol": 1e-6}
+    assert runs["off"][0] == [False] * STEPS and runs["on"][0] == [True] * STEPS
+    for overlap, (_, params) in runs.items():
+        for name, q in reference.named_parameters():
+            torch.testing.assert_close(params[name], q.detach(), **tolerance, msg=f"{overlap} {name}")

@@ -240,7 +240,7 @@ def test_what_a_step_leaves_live_counts_in_the_next_start_not_in_its_rise():
     state = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values())
     assert 0.9 * state < starts[1] - starts[0] <= state  # the moments (AdamW's step counters may sit elsewhere)
     assert rises[0] > rises[1] == rises[2]
-    recorded = guard._rises[4]
+    recorded = guard.rises[4]
     # the later steps' rise (to a scalar or two of bookkeeping), not the first step's
     assert abs(recorded.step_bytes - rises[1]) <= 16 and recorded.step_bytes > recorded.fwd_bwd_bytes
 

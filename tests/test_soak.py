@@ -63,9 +63,10 @@ def _row(soak: Any, config: Any, reference: dict[int, Any], work: Path, **kwargs
 
 
 @pytest.mark.slow  # two ranks restarted three times, and a fault-free reference
+@pytest.mark.parametrize("overlap", ["off", "on"])
 def test_a_short_soak_survives_every_fault_exactly(soak: Any, config: Any, reference: dict[int, Any],
-                                                    tmp_path: Path) -> None:
-    row = _row(soak, config, reference, tmp_path / "episode")
+                                                    tmp_path: Path, overlap: str) -> None:
+    row = _row(soak, replace(config, overlap=overlap), reference, tmp_path / "episode")
     tails = [t for run in row.pop("runs") for t in run.stderr_tails]
     # every kind of fault fired, some OOMs on both ranks in one step, and drops that really bit
     for kind in ("oom_forward", "oom_loss", "oom_backward", "oom_eval", "budget_drop", "budget_rise",
@@ -77,6 +78,7 @@ def test_a_short_soak_survives_every_fault_exactly(soak: Any, config: Any, refer
     assert row["steps_audited"] == config.steps and row["missing_steps"] == 0
     assert (row["lost"], row["repeated"], row["wrong_share"], row["inconsistent"]) == (0, 0, 0, 0), row
     assert row["params_missing"] == 0 and row["params_max_rel_diff"] <= soak.TOLERANCE, row
+    assert (row["overlapped_steps"] > 0) == (overlap == "on"), row
 
 
 @pytest.mark.slow

@@ -1,40 +1,27 @@
 """Many processes: the guard and fit on ``torch.distributed`` (DDP or FSDP2), one process per device.
 
-Where the ranks talk, per optimizer step, in the guard's order::
+Where the ranks talk, per attempt of an optimizer step, in the guard's order::
 
-    step start    gather((n, steps,     samples, micro-steps, each rank's vote to   all_reduce SUM
-                          vote, items)) overlap, items of a loss that counts them   (waited on before the
-                                        up front (``autoaccum.cut_agreement``)      last micro-batch where
-                                                                                    a rank can guess it)
-    window        no_sync():            every micro-batch's forward + backward   no collective at all
-    after it      agree(status)         OK < OOM < ERROR, the worst wins         all_reduce MAX
-                  reduce_gradients()    gradients summed once                    all_reduce SUM (FSDP2:
-                                                                                 reduce-scatter SUM)
-                  sum_items(scalars)    loss sum, item (token) count             all_reduce SUM
+    before        gather(row)           samples, micro-steps, items of a loss that   all_reduce SUM
+                                        counts them up front, overlap votes, thrash  (waited for)
+                                        (``autoaccum.cut_agreement``)
+    window        no_sync():            every micro-batch's forward + backward       no collective at all
+    after it      agree(status)         OK < OOM < ERROR, the worst wins             all_reduce MAX
+                  reduce_gradients()    gradients summed once                        all_reduce SUM (FSDP2:
+                                                                                     reduce-scatter SUM)
+                  sum_items(scalars)    loss sum, item (token) count                 all_reduce SUM
 
 The gloo hazard (a rank that runs out of memory inside a synchronising backward enters the flag
 all-reduce while the other rank is inside its gradient all-reduce; the two collectives pair up and
-both processes die) cannot happen in this protocol (the one kept where memory is tight), because
-no micro-batch, not even the last, runs a gradient collective: every forward and backward is inside the window, the OOM flag is exchanged
-after it, and gradients are reduced once, after every rank has said OK. A rank that fails can only
-be waiting in ``agree``, where every other rank is headed too.
+both processes die) cannot happen in this protocol: no micro-batch, not even the last, runs a
+gradient collective; the OOM flag is exchanged after the window, and gradients are reduced once,
+after every rank has said OK. A rank that fails can only be waiting in ``agree``, where every other
+rank is headed too.
 
-**Overlapped** (DDP and plain modules, where every rank voted for it: ``OOMGuard(overlap=...)``):
-the last micro-batch's backward is the exception to "no collective in the window"::
-
-    last backward  bucket k final        all_reduce SUM, async, buckets strictly in order
-                   (all but the last)
-    after it       the buckets not sent  all_reduce SUM, async, in the same order (zeros after a failure);
-                   the last one carries  status, presence bits, "late" flag, and each rank's loss sum
-                   the flag              and item count (fp32/fp64 buckets; bf16/fp16: one float64
-                                         all_reduce of its own, once every bucket is done)
-                   every bucket waited on and settled
-                   reduce_gradients()    the sums handed to ``.grad`` as views of the buckets (no collective)
-
-Every rank issues the same collectives, of the same sizes, in the same order whatever its
-micro-batches did, so the flag can only meet the flag; an OOM anywhere drops the sums on every rank
-and the step is replayed, not overlapped (``autoaccum.distributed.overlap``, which also says why the
-flag may ride in a gradient collective).
+``OOMGuard(overlap="on")`` (experimental, DDP and plain modules, ``autoaccum.distributed.overlap``)
+all-reduces the buckets during the last micro-batch's backward instead; after it every rank sends
+the buckets it has not sent (zeros after a failure), waits for all of them, and only then exchanges
+the flag: every rank issues the same collectives in the same order whatever its micro-batches did.
 
 - **DDP**: the window is ``model.no_sync()`` (forward included, so DDP neither prepares its reducer
   nor broadcasts buffers), gradients hold local sums, and :meth:`DistributedSync.reduce_gradients`
@@ -52,21 +39,18 @@ flag may ride in a gradient collective).
 
 What is not agreed on: an OOM in the FSDP2 all-gather at the window's start (memory that does not
 depend on the micro-batch), a collective the model runs in its own forward (SyncBatchNorm: warned
-about; such a model also needs the same number of forwards on every rank, so a last batch whose
-share leaves one rank an empty micro-step does not suit it; declare one of your own with
-``DistributedSync(model, forward_collectives=True)``, so that no rank sends the cut's exchange
-ahead and runs forwards the others skip), an OOM in clipping or ``optimizer.step()`` (the guard
-raises ``OptimizerStepOOMError`` on that rank), and an error in your code between steps. There one rank stops while the others wait in
-their next collective: under torchrun, the agent ends them when the first process exits; under a
-launcher of your own, the process group's timeout does.
+about; such a model also needs the same number of forwards on every rank), an OOM in clipping or
+``optimizer.step()`` (the guard raises ``OptimizerStepOOMError`` on that rank), and an error in your
+code between steps. There one rank stops while the others wait in their next collective: under
+torchrun, the agent ends them when the first process exits; otherwise the process group's timeout
+does (:func:`init_from_env` sets 5 minutes; on NCCL the watchdog then aborts the process).
 
 The package, by job: ``process_group`` (where this process stands, torchrun's environment, the
 small all-reduces, one plan for every rank), ``models`` (DDP, FSDP2 or plain; wrapping; full state
 for checkpoints), ``ddp`` (:class:`DistributedSync` and the bucketed gradient all-reduce),
-``overlap`` (the all-reduce during the last backward, and the order it keeps on an OOM),
-``fsdp2`` (FSDP2's side of the accumulation window), ``settle`` (every collective returns only once
-gloo's worker thread has let go of its tensors: nothing of autoaccum's is in flight when a call
-returns, so nothing is freed on a worker thread during interpreter shutdown).
+``overlap`` (the experimental all-reduce during the last backward), ``fsdp2`` (FSDP2's side of the
+accumulation window), ``settle`` (every collective returns only once gloo's worker thread has let go
+of its tensors, so nothing is freed on a worker thread during interpreter shutdown).
 """
 
 from __future__ import annotations
@@ -76,12 +60,12 @@ from autoaccum.distributed.models import (
     ModelKind, full_state_dicts, is_fsdp2, load_full_state_dicts, model_kind, unwrap_model, wrap_model,  # noqa: F401
 )
 from autoaccum.distributed.process_group import (
-    WorldInfo, broadcast_plan, gather_to_rank_zero, init_from_env, is_distributed, is_rank_zero, world_info,
+    DEFAULT_TIMEOUT_S, WorldInfo, broadcast_plan, gather_to_rank_zero, init_from_env, is_distributed, is_rank_zero, world_info,
 )
 from autoaccum.distributed.settle import settled
 
 __all__ = [
-    "DistributedSync", "WorldInfo", "broadcast_plan", "full_state_dicts", "gather_to_rank_zero", "init_from_env",
+    "DEFAULT_TIMEOUT_S", "DistributedSync", "WorldInfo", "broadcast_plan", "full_state_dicts", "gather_to_rank_zero", "init_from_env",
     "is_distributed", "is_fsdp2", "is_rank_zero", "load_full_state_dicts", "model_kind", "settled", "unwrap_model",
     "world_info", "wrap_model",
 ]

@@ -15,17 +15,12 @@ import torch.distributed as dist
 
 from autoaccum.distributed.fsdp2 import _FSDP2Window
 from autoaccum.distributed.models import ModelKind, model_kind
-from autoaccum.distributed.overlap import _OverlappedReduce
-from autoaccum.distributed.process_group import (
-    _all_reduce,
-    _PendingAllReduce,
-    broadcast_plan,
-    is_distributed,
-)
+from autoaccum.distributed.overlap import STEP_SCALARS, _OverlappedReduce
+from autoaccum.distributed.process_group import _all_reduce, broadcast_plan, is_distributed
 from autoaccum.distributed.settle import settled
 from autoaccum.log import user_stacklevel
 from autoaccum.plan import Plan
-from autoaccum.sync import CUT_FIELDS, StepAgreement
+from autoaccum.sync import StepAgreement
 from autoaccum.validate import check_positive_int
 
 __all__ = ["BUCKET_BYTES", "DistributedSync"]
@@ -74,17 +69,6 @@ def _ddp_buckets(params: list[torch.nn.Parameter], bucket_bytes: int,
         yield bucket
 
 
-class PendingGather:
-    """A :meth:`DistributedSync.gather` in flight."""
-
-    def __init__(self, pending: _PendingAllReduce) -> None:
-        self._pending = pending
-
-    def result(self) -> tuple[tuple[int, ...], ...]:
-        """Every rank's values, in rank order (waits for them the first time)."""
-        return tuple(tuple(int(v) for v in row) for row in self._pending.result().tolist())
-
-
 class DistributedSync:
     """How the guard's ranks agree under ``torch.distributed``; see the package docstring for the protocol.
 
@@ -102,19 +86,13 @@ class DistributedSync:
             and buffers are broadcast from rank 0 here).
         group: the data-parallel process group (default: the whole world).
         bucket_bytes: size of the flat buffers gradients are all-reduced in (DDP and plain models).
-        forward_collectives: the model's forward runs collectives of its own (a synchronised norm
-            of your own, a model-parallel layer): every rank then waits for the cut's exchange
-            before its micro-batches (``autoaccum.cut_agreement``) instead of sending it ahead, so
-            that no rank runs forwards another rank skips. ``SyncBatchNorm`` and DDP's buffer
-            broadcast are detected without it.
 
     Raises:
         RuntimeError: no process group is initialised.
         TypeError: an FSDP1 model, or sparse embeddings.
     """
 
-    def __init__(self, model: torch.nn.Module, *, group: Any = None, bucket_bytes: int = BUCKET_BYTES,
-                 forward_collectives: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, *, group: Any = None, bucket_bytes: int = BUCKET_BYTES) -> None:
         if not is_distributed():
             raise RuntimeError("DistributedSync needs an initialised process group (torchrun + "
                                "autoaccum.distributed.init_from_env(), or torch.distributed.init_process_group)")
@@ -126,7 +104,6 @@ class DistributedSync:
         self._fsdp = _FSDP2Window(model) if self.kind == "fsdp2" else None
         self._buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self._overlap: _OverlappedReduce | None = None
-        self._summed = False  # the last reduce_gradients handed an overlapped step's sums (gradient_buffers)
         #: whether the model has buffers to broadcast after each step (as DDP, which lists its buffers when it is
         #: built; the same on every rank): a model without any skips walking its modules every step
         self._has_buffers = any(True for _ in model.buffers())
@@ -136,7 +113,6 @@ class DistributedSync:
             raise TypeError(f"sparse gradients ({', '.join(sparse[:3])}: sparse=True) are not supported by "
                             f"DistributedSync; use dense embeddings (sparse=False)")
         sync_bn = [name for name, m in model.named_modules() if isinstance(m, torch.nn.SyncBatchNorm)]
-        self._forward_collectives = bool(forward_collectives or sync_bn)
         if sync_bn:
             warnings.warn(
                 f"SyncBatchNorm ({', '.join(sync_bn[:3])}{'...' if len(sync_bn) > 3 else ''}) exchanges statistics "
@@ -167,9 +143,7 @@ class DistributedSync:
         """The worst status over all ranks (OK=0 < OOM=1 < ERROR=2). After an overlapped attempt, every
         bucket this rank has not sent yet goes first, in order (``autoaccum.distributed.overlap``)."""
         if self._overlap is not None and self._overlap.active:
-            return self._overlap.finish(status).status
-        if self._overlap is not None:
-            self._overlap.reduced = None  # an earlier attempt's sums (one that was voided) are never used now
+            return self._overlap.finish(status, (0.0,) * STEP_SCALARS).status
         agreed = int(_all_reduce(torch.tensor([status], dtype=torch.int64), dist.ReduceOp.MAX, self.group).item())
         if agreed != 0 and self._fsdp is not None:
             # every rank replays from the same FSDP2 state, whether its own attempt failed or not,
@@ -188,34 +162,12 @@ class DistributedSync:
         summed = _all_reduce(rows, dist.ReduceOp.SUM, self.group).tolist()
         return tuple(tuple(int(v) for v in row) for row in summed)
 
-    def gather_async(self, values: tuple[int, ...]) -> PendingGather:
-        """:meth:`gather`, launched now and waited on by ``result()``: the guard runs the first
-        micro-batches meanwhile where it can tell their weights without the answer (see
-        ``autoaccum.cut_agreement``); it waits before the next collective it issues."""
-        rows = torch.zeros(self.world_size, len(values), dtype=torch.int64)
-        rows[self.rank] = torch.tensor(values, dtype=torch.int64)
-        return PendingGather(_PendingAllReduce(rows, dist.ReduceOp.SUM, self.group))
-
-    @property
-    def quiet_window(self) -> bool:
-        """No collective runs inside the accumulation window, so an exchange may stay in flight across
-        the micro-batches: DDP under ``no_sync`` or a plain module, unless the model synchronises in
-        forward (``SyncBatchNorm``, ``forward_collectives=True``) or DDP will broadcast its buffers in
-        the next forward (``broadcast_buffers`` before the first synchronised forward). FSDP2
-        all-gathers at the window's start: never quiet."""
-        if self._fsdp is not None or self._forward_collectives:
-            return False
-        return not (self.kind == "ddp" and self.model.will_sync_module_buffers())  # DDP's own test, per attempt
-
-    def agree_step(self, status: int, scalars: Sequence[float], *, cut_row: tuple[int, ...] | None = None,
-                   chain_vote: bool = False) -> StepAgreement:
-        """:meth:`agree`, and where the same exchange can carry them (an overlapped attempt), the
-        step's scalars (loss sum, item count, kinds of loss) summed over ranks, every rank's
-        ``cut_row`` and whether every rank proposed chaining the next step (``chain_vote``); else
-        no sums (they are summed after the gradients, as ever), no chain and zero rows."""
+    def agree_step(self, status: int, scalars: Sequence[float]) -> StepAgreement:
+        """:meth:`agree` after an overlapped attempt, with the step's scalars (loss sum, item count,
+        kinds of loss) summed over the ranks in the flag's exchange; elsewhere the status alone."""
         if self._overlap is not None and self._overlap.active:
-            return self._overlap.finish(status, scalars, cut_row, chain_vote)
-        return StepAgreement(self.agree(status), None, False, ((0,) * CUT_FIELDS,) * self.world_size)
+            return self._overlap.finish(status, scalars)
+        return StepAgreement(self.agree(status), None)
 
     def sum_items(self, count: torch.Tensor) -> torch.Tensor:
         """``count`` summed over ranks (same device and dtype as given)."""
@@ -230,26 +182,15 @@ class DistributedSync:
             if params:
                 self._all_reduce_grads(params)
             return
-        overlap, self._summed = self._overlap, False
+        overlap = self._overlap
         if overlap is not None and overlap.reduced is not None and not overlap.late:
             overlap.copy_back()  # summed during the last backward; the ranks agreed the step is OK
-            self._summed = True
         else:
             if overlap is not None:
                 overlap.reduced = None
             self._all_reduce_grads(params)
         if self._has_buffers and (self.kind == "plain" or getattr(self.model, "broadcast_buffers", False)):
             self._broadcast_from_rank_zero(list(self.model.buffers()))
-
-    def gradient_buffers(self) -> list[torch.Tensor] | None:
-        """The flat buffers that hold every parameter's gradient as the last :meth:`reduce_gradients`
-        summed it, where that was an overlapped step's (each ``.grad`` a view of them, or a copy; a
-        parameter no rank used has zeros there), else None. Valid until the gradients change next:
-        the guard reads it right after the reduction, for the inf/NaN check (one pass over a few
-        flat tensors rather than one per parameter, ``autoaccum.optim_step``). Not kept here: views
-        held past the buffers' release would keep their memory."""
-        overlap = self._overlap
-        return overlap.gradients if self._summed and overlap is not None and overlap.flats is not None else None
 
     # -- the overlapped all-reduce (DDP and plain modules; autoaccum.distributed.overlap) ---------------
     def overlap_bytes(self, params: list[torch.nn.Parameter]) -> int | None:
@@ -266,12 +207,10 @@ class DistributedSync:
         overlap = self._overlap_for(params)
         return overlap is not None and overlap.allocate()
 
-    def release_overlap(self, *, force: bool = False) -> None:
-        """Give the overlap's buffers back (this rank votes against overlapping: memory is tight).
-        While the next step is chained (``autoaccum.cut_agreement``) they are kept, unless ``force``
-        (the guard, where every rank dropped the chain): every rank sends that step's buckets."""
+    def release_overlap(self) -> None:
+        """Give the overlap's buffers back (a replay after an OOM: memory is tight)."""
         if self._overlap is not None and not self._overlap.active:
-            self._overlap.release(force=force)
+            self._overlap.release()
 
     def overlapped(self, params: list[torch.nn.Parameter]) -> Callable[[], None]:
         """Start an overlapped attempt (every rank voted for it, :meth:`prepare_overlap` held the

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import logging
 import os
@@ -25,13 +24,15 @@ if dist.is_available():
     # threads then live into interpreter shutdown, where a late one aborts the process.
     import torch.distributed.nn  # noqa: F401
 
-__all__ = ["WorldInfo", "broadcast_plan", "gather_to_rank_zero", "init_from_env", "is_distributed", "is_rank_zero",
+__all__ = ["DEFAULT_TIMEOUT_S", "WorldInfo", "broadcast_plan", "gather_to_rank_zero", "init_from_env", "is_distributed", "is_rank_zero",
            "world_info"]
 
 logger = logging.getLogger(__name__)
 
 #: what torchrun sets for every worker
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+#: how long a collective waits for the other ranks, where :func:`init_from_env` creates the group
+DEFAULT_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ def world_info(group: Any = None) -> WorldInfo:
     return WorldInfo(0, 1, 0, None)
 
 
-def init_from_env(backend: str | None = None, timeout_s: float | None = None) -> bool:
+def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
     """Initialise the default process group from torchrun's environment, if it is set and no group exists.
 
     torchrun sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``. The
@@ -67,21 +68,34 @@ def init_from_env(backend: str | None = None, timeout_s: float | None = None) ->
     ``gloo``. The group is left initialised afterwards; destroy it with
     ``torch.distributed.destroy_process_group()`` when done.
 
+    Args:
+        backend: ``nccl``, ``gloo``, ... (default: as above).
+        timeout_s: how long a collective waits for the other ranks before it fails (default
+            :data:`DEFAULT_TIMEOUT_S`, 5 minutes, instead of torch's 10 for NCCL and 30 for gloo). A
+            rank that hangs (or dies outside torchrun, whose agent ends the other workers at once)
+            then ends the others with an error within this time: on gloo the waiting call raises;
+            on NCCL the watchdog aborts the process after logging the collective that timed out.
+            Raise it where one rank legitimately works alone for longer (a long evaluation or
+            checkpoint write on rank 0).
+
     Returns:
         True if this call initialised the group; False when one existed or the variables are not set.
+
+    Raises:
+        ValueError: ``timeout_s`` is not a positive number.
     """
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"Invalid timeout_s: {timeout_s!r}. Allowed range: > 0 seconds (default "
+                         f"{DEFAULT_TIMEOUT_S:g}); raise it where one rank works alone for longer")
     if is_distributed() or not dist.is_available() or not all(k in os.environ for k in _TORCHRUN_ENV):
         return False
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if "nccl" in backend:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    kwargs: dict[str, Any] = {}
-    if timeout_s is not None:
-        kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, **kwargs)
-    logger.info("initialised process group from torchrun's environment: backend %s, rank %d of %d",
-                backend, dist.get_rank(), dist.get_world_size())
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    logger.info("initialised process group from torchrun's environment: backend %s, rank %d of %d, collective "
+                "timeout %g s", backend, dist.get_rank(), dist.get_world_size(), timeout_s)
     return True
 
 
@@ -110,38 +124,6 @@ def _all_reduce(values: torch.Tensor, op: Any, group: Any = None) -> torch.Tenso
     with settled(work):  # returns once gloo's worker thread has let go of `work` (see settle.py)
         dist.all_reduce(work, op=op, group=group)
     return work.to(values.device)
-
-
-class _PendingAllReduce:
-    """An all-reduce of a few numbers, launched and not yet waited on: :meth:`result` waits for it
-    (and, as :func:`_all_reduce`, for gloo's worker thread to let go of its tensor). Every caller
-    waits on it before its next collective can matter to it, and before returning to user code."""
-
-    def __init__(self, values: torch.Tensor, op: Any, group: Any = None) -> None:
-        self._origin = values.device
-        self._tensor = values.detach().to(_comm_device(group), copy=True)
-        self._stack = contextlib.ExitStack()
-        keep = self._stack.enter_context(settled())
-        self._work: Any = dist.all_reduce(keep(self._tensor), op=op, group=group, async_op=True)
-        self._result: torch.Tensor | None = None
-        self._error: BaseException | None = None
-
-    def result(self) -> torch.Tensor:
-        """The reduced values (waits the first time; then the same tensor). Where the wait failed (a
-        timeout, a peer gone), every later call raises that same error again."""
-        if self._error is not None:
-            raise self._error
-        if self._result is None:
-            try:
-                self._work.wait()
-            except BaseException as exc:
-                self._error = exc
-                raise
-            finally:
-                self._work = None  # a work handle holds the tensor: dropped before the settle
-                self._stack.close()
-            self._result = self._tensor.to(self._origin)
-        return self._result
 
 
 def gather_to_rank_zero(obj: Any, group: Any = None) -> list[Any] | None:

@@ -58,7 +58,7 @@ def train(run: Run, batches: GlobalBatches, eval_batches: GlobalBatches | None, 
     pos, cfg, guard = run.position, run.config, run.guard
     first_samples, train_time, peak, skipped_streak = pos.samples, 0.0, None, 0
     micro_steps: list[int] = []
-    overlapped = chained = 0  # steps whose gradient all-reduce ran during the last backward (overlap=); chained ones
+    overlapped = 0  # steps whose gradient all-reduce ran during the last backward (overlap="on")
     eval_micro = 2 * guard.plan.micro_batch  # no activations are kept for backward: usually fits twice as many
     eval_loss, eval_ooms, evaluated_at = None, 0, None
     epochs, max_steps = cfg.stop.epochs, cfg.stop.max_steps
@@ -101,7 +101,6 @@ def train(run: Run, batches: GlobalBatches, eval_batches: GlobalBatches | None, 
             pos.last_loss = result.loss
             micro_steps.append(result.micro_steps)
             overlapped += result.overlapped
-            chained += result.chained
             if result.peak_bytes is not None:
                 peak = max(peak or 0, result.peak_bytes)
             progress.step(_record(result, pos))
@@ -130,7 +129,7 @@ def train(run: Run, batches: GlobalBatches, eval_batches: GlobalBatches | None, 
                  + f" · {rate:,.0f} samples/s · {guard.ooms} OOMs · {guard.plan.describe()}"
                  + ("" if peak is None else f" · peak {format_bytes(peak)}"))
     return {"eval_loss": eval_loss, "eval_ooms": eval_ooms, "samples_per_s": rate, "peak_bytes": peak,
-            "micro_steps": micro_steps, "overlapped_steps": overlapped, "chained_steps": chained}
+            "micro_steps": micro_steps, "overlapped_steps": overlapped}
 
 
 def _stopped(exc: NonFiniteError, run: Run, pos: RunPosition, batch_index: int) -> NonFiniteError:
