@@ -27,7 +27,7 @@ from autoaccum import cache as probe_cache
 from autoaccum import state as training_state
 from autoaccum.batch import Batch
 from autoaccum.batchnorm import smallest_micro_batch
-from autoaccum.estimate import cuda_library_bytes, fake_setup, with_offset
+from autoaccum.estimate import cuda_library_bytes, estimate_device, fake_setup, with_offset
 from autoaccum.memory import (
     CudaMeter, TrackedMemory, cuda_available_bytes, device_capacity, is_compiled, refuse_compiled, resolve_budget,
     usable_bytes,
@@ -167,8 +167,9 @@ def probe(
         precision: ``fp32``, ``bf16`` (autocast) or ``fp16`` (autocast + GradScaler): measure as
             training will run.
         max_micro_batch: largest size worth trying (default: the per-rank share of the target).
-        estimate: run the steps on fake tensors (no memory, no real compute): a fake-``cpu``
-            estimate, reported as such; CPU kernels differ from a GPU's.
+        estimate: run the steps on fake tensors (no memory, no real compute), reported as an
+            estimate: on fake ``cuda`` tensors for a CUDA model (a CUDA build of torch), else on
+            fake ``cpu``, whose kernels differ from a GPU's.
         steps_per_size: forward/backward passes per size. Default 1: one pass gives a size's peak and
             its time, and where the choice between two sizes hangs on their speed both are timed
             again, interleaved. 2 or more: the first pass warms up and the fastest of the others is
@@ -352,9 +353,10 @@ def _measure_once(task: Task, optimizer: Any, precision: Precision, budget_bytes
         training_state.capture(task.model, run_optimizer, parameters=not copy_weights)
     weights_copy: WeightsCopy | None = None
     fake_mode: Any = None
-    if estimate:  # fake cpu tensors: see autoaccum.estimate
-        fake_mode, run_model, make_optimizer = fake_setup(task.model, optimizer, make_optimizer)
-        run_optimizer, device = None, torch.device("cpu")
+    if estimate:  # fake tensors, on the model's CUDA device where torch can, else on cpu: see autoaccum.estimate
+        device = estimate_device(device)
+        fake_mode, run_model, make_optimizer = fake_setup(task.model, optimizer, make_optimizer, device)
+        run_optimizer = None
     meter: Any = CudaMeter(device, budget_bytes) if device.type == "cuda" and not estimate else \
         TrackedMemory(budget_bytes=None if estimate else budget_bytes)
     try:

@@ -51,6 +51,9 @@
 #   --cpu        the same steps at CPU sizes (pytest's gpu tests skip; emulated budgets): checks this
 #                script and the harness on a machine without a GPU, in a few minutes
 #
+# Issue 40's real-model rows (ResNet-50, ViT-B/16, GPT-2 355M, a 1.1B decoder with LoRA) have their own call,
+# benchmarks/gpu_rows40.sh, packed for a runner that brings back at most 8 files.
+#
 # The package need not be installed: PYTHONPATH is set to the checkout. The search part of
 # real_gpu.py needs optuna (skipped with its reason without it); compare's peers need accelerate,
 # lightning and transformers (a missing one is reported as not installed).

@@ -23,9 +23,19 @@ reason, and RESULTS.md is never written. Needs transformers for the three Huggin
 ``bench`` extra; without it they are skipped). Not part of the test run (tests/test_real_gpu.py runs
 the CPU smoke).
 
+Issue 40's rows (``--rows issue40``): the models people bring (ResNet-50 and ViT-B/16 in fp32 and bf16,
+GPT-2 355M in bf16 at 1024 tokens, a 1.1B Llama-style decoder with a LoRA adapter at 2048 tokens), each
+built on the device and squeezed by a second process only: the probe against brute force (one search from
+the probe's answer), fit's OOMs and its samples/s against a hand-written loop at the same plan (rounds
+interleaved in one process), the pick against a short sweep, and the estimate on fake cuda tensors (and on
+fake cpu, as before) against the measured peaks. Nothing is written to RESULTS.md; benchmarks/gpu_rows40.sh
+runs them row by row on a lent GPU.
+
     python benchmarks/real_gpu.py                                  # CUDA: all four models
     python benchmarks/real_gpu.py --models gpt2 --out gpu_out/real_gpu
     python benchmarks/real_gpu.py --size cpu --models mlp --fit-steps 5   # the CPU smoke
+    python benchmarks/real_gpu.py --rows issue40 --models gpt2_355m_bf16 --out gpu_out/rows40
+    python benchmarks/real_gpu.py --rows issue40 --size cpu --models gpt2_355m_bf16   # its CPU smoke
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Smoke test of the real-GPU benchmark (issue 16; benchmarks/real_gpu.py, the package benchmarks/realgpu/),
-and of what the GPU session needs besides it: ``compare.py --out`` (resumable by workload) and
-benchmarks/gpu_session.sh.
+its issue-40 rows (``--rows issue40``: the models people bring, fit against a hand-written loop), and of
+what the GPU sessions need besides it: ``compare.py --out`` (resumable by workload),
+benchmarks/gpu_session.sh and benchmarks/gpu_rows40.sh.
 
 On a CPU the benchmark runs its small models under an emulated budget, squeeze (iii) only: (i) and (ii)
 need CUDA and must be skipped with their reason, never imitated, and RESULTS.md is never written. The
@@ -10,6 +11,7 @@ tests marked ``gpu`` check the two CUDA squeezes themselves (they run in ``pytes
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import subprocess
 import sys
@@ -30,7 +32,7 @@ def rg():
     """The benchmark's modules, imported from benchmarks/ (not an installed package)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(BENCHMARKS))
-        names = ("brute", "cli", "models", "parts", "report", "runner", "squeeze")
+        names = ("brute", "cli", "loops", "models", "parts", "report", "runner", "squeeze", "table40")
         modules = {name: importlib.import_module(f"realgpu.{name}") for name in names}
         modules["compare"] = SimpleNamespace(runner=importlib.import_module("headtohead.runner"))
         yield SimpleNamespace(**modules)
@@ -291,3 +293,75 @@ def test_the_fraction_caps_this_process(rg):
             torch.empty(2**30 + 2**28, dtype=torch.uint8, device=device)
     x = torch.empty(2**30 + 2**28, dtype=torch.uint8, device=device)  # the cap is lifted afterwards
     del x
+
+
+ROWS40 = ["gpt2_355m_bf16", "llama_1b_lora_bf16"]  # bf16 autocast, a token-level loss, a LoRA adapter (peft)
+
+
+@pytest.fixture(scope="module")
+def smoke40(rg, tmp_path_factory, one_thread):
+    pytest.importorskip("transformers")
+    out = tmp_path_factory.mktemp("real_gpu40")
+    models = ROWS40 if importlib.util.find_spec("peft") is not None else ROWS40[:1]
+    args = rg.cli.parse(["--rows", "issue40", "--size", "cpu", "--device", "cpu", "--models", *models,
+                         "--out", str(out)])
+    return SimpleNamespace(out=out, models=models, doc=rg.cli.run(args))
+
+
+def test_issue40_rows_measure_every_column_on_a_cpu(rg, smoke40):
+    assert smoke40.doc["settings"]["squeezes"] == ["budget"] and smoke40.doc["cpu_smoke"]
+    for r in smoke40.doc["rows"]:
+        doc = json.loads((smoke40.out / f"{r['model']}.json").read_text())
+        assert list(doc["parts"]) == ["squeeze:budget", "estimate", "sweep", "estimate_cpu"]  # in that order
+        assert r["squeeze"] == "budget" and r["found_vs_brute"] == 1.0 and r["probe_ooms"] == 0
+        assert r["brute_confirmed"] and not r["brute_capped"]
+        assert r["plan"]["accum_steps"] > 1  # squeezed: the target needs accumulation
+        assert r["brute_tries"][:2] == [r["found"], r["found"] + 1]  # the search starts at the probe's answer
+        assert r["fit"]["ooms"] == 0 and r["fit"]["error"] is None and r["fit"]["steps"] == doc["parts"][
+            "squeeze:budget"]["compare"]["steps"]
+        assert r["fit_vs_hand"]["ratio"] > 0 and r["fit_vs_hand"]["hand_samples_per_s"] > 0
+        assert r["estimate"]["allocated"]["median_abs"] < 0.05 and r["estimate"]["points"] >= 2
+        assert r["estimate_cpu"]["skipped"].startswith("skipped: the model is not on CUDA")
+        assert doc["parts"]["squeeze:budget"]["probe"]["precision"] == "bf16"
+    assert "| gpt2_355m_bf16" in rg.table40.table(smoke40.doc["rows"])
+    assert any("fit's samples/s >= 0.99" in t for t in smoke40.doc["targets"])
+
+
+def test_issue40_rows_resume_from_their_files(rg, smoke40, monkeypatch):
+    for name in ("estimate", "squeezed", "sweep"):
+        monkeypatch.setattr(rg.parts, name, lambda *a, **k: pytest.fail("a part was measured again"))
+    args = rg.cli.parse(["--rows", "issue40", "--size", "cpu", "--device", "cpu", "--models", *smoke40.models,
+                         "--out", str(smoke40.out)])
+    assert rg.cli.run(args)["rows"] == smoke40.doc["rows"]
+
+
+def test_brute_force_around_a_start_tries_b_and_b_plus_one_first(rg):
+    def attempt(limit):
+        return lambda b: rg.brute.Try(b, b <= limit, b > limit, b, None, 0.0)
+
+    def tried(start, limit, smallest=1, upper=64, max_tries=20):
+        found = rg.brute.brute_around(attempt(limit), start, smallest, upper, max_tries)
+        return [t.micro_batch for t in found.tries], found.limit, found.confirmed, found.capped
+
+    assert tried(11, 11) == ([11, 12], 11, True, False)  # a right start: two tries
+    assert tried(8, 11) == ([8, 9, 11, 15, 13, 12], 11, True, False)
+    assert tried(20, 11) == ([20, 19, 17, 13, 5, 9, 11, 12], 11, True, False)
+    assert tried(64, 64) == ([64], 64, True, False)  # the upper end: nothing above to try
+    assert tried(11, 0) == ([11, 10, 8, 4, 1], 0, True, False)
+    assert tried(3, 40, max_tries=3) == ([3, 4, 6], 6, True, True)  # capped: the largest size seen to fit
+
+
+def test_the_loops_rate_leaves_out_the_first_steps(rg):
+    assert rg.loops.rate([0.0, 5.0, 10.0, 11.0, 13.0], 8) == pytest.approx(8 * 2 / 3.0)
+    assert rg.loops.rate([0.0, 5.0, 10.0], 8) is None  # one step after the two left out: no interval
+
+
+def test_gpu_rows40_dry_run_lists_the_steps_in_priority_order(tmp_path):
+    result = subprocess.run(["bash", str(BENCHMARKS / "gpu_rows40.sh"), "--dry-run"], capture_output=True,
+                            text=True, cwd=ROOT, env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "o")},
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    steps = [line.split()[1] for line in result.stdout.splitlines() if line.startswith("step ")]
+    assert steps == ["env", "pytest_gpu", "row_gpt2_355m_bf16", "row_llama_1b_lora_bf16", "row_vit_b16_bf16",
+                     "row_resnet50_bf16", "row_vit_b16_fp32", "row_resnet50_fp32", "report"]
+    assert "--rows issue40" in result.stdout and "--size gpu" in result.stdout

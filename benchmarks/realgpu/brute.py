@@ -9,7 +9,12 @@ bytes (the probe's meter), on the CPU the tracked counter, which raises the OOM 
 the previous one's memory is released (a collection, ``empty_cache``) and the peak statistics reset.
 
 The search doubles from the smallest size the model trains at, bisects, then checks the answer again
-at ``b`` and ``b + 1``; it stops after ``max_tries`` tries (and says so).
+at ``b`` and ``b + 1``; it stops after ``max_tries`` tries (and says so). Issue 40's rows search around a
+start instead (:func:`brute_around`, the probe's answer): up or down from it in growing steps, then
+bisection, so that a right start costs two tries (``b`` fits, ``b + 1`` does not). Both assume what
+bisection assumes: that fitting is monotone in ``b``.
+An on-device workload's tries reuse the model itself (see ``models.fresh_model``), with a fresh optimizer
+each and its gradients dropped afterwards; a try runs under the row's precision (autocast).
 """
 
 from __future__ import annotations
@@ -23,13 +28,14 @@ import torch
 
 from autoaccum import emulated_budget
 from autoaccum.batch import move_to
+from autoaccum.precision import autocast, autocast_dtype
 from autoaccum.recovery import catch_oom
 from autoaccum.task import LossFn, check_loss, default_optimizer
 
 from .models import Built, fresh_model
 from .squeeze import release
 
-__all__ = ["BruteForce", "Try", "brute_force", "run_try"]
+__all__ = ["BruteForce", "Try", "brute_around", "brute_force", "run_try"]
 
 
 @dataclass(frozen=True)
@@ -59,38 +65,48 @@ class BruteForce:
 
 
 def accumulated_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, batch: Any,
-                      steps: int = 2, passes: int = 2) -> None:
-    """``steps`` optimizer steps of ``passes`` forward/backward passes each, summed into the gradients."""
+                      steps: int = 2, passes: int = 2, dtype: torch.dtype | None = None) -> None:
+    """``steps`` optimizer steps of ``passes`` forward/backward passes each, summed into the gradients;
+    forward and loss under autocast to ``dtype`` (None: none)."""
+    device = next(model.parameters()).device
     for _ in range(steps):
         optimizer.zero_grad(set_to_none=True)
         for _ in range(passes):
-            loss, items = check_loss(loss_fn(model, batch))
+            with autocast(device, dtype):
+                loss, items = check_loss(loss_fn(model, batch))
             (loss / passes if items is None else loss / items / passes).backward()
             del loss
         optimizer.step()
 
 
 def run_try(built: Built, loss_fn: LossFn, b: int, device: torch.device, usable_bytes: int, emulate: bool) -> Try:
-    """One try at ``b`` (see the module docstring); the model, its state and the batch are gone afterwards."""
+    """One try at ``b`` (see the module docstring); the model (unless the workload's own), its state and the
+    batch are gone afterwards."""
     release(device, collect=False)  # the last try's tensors died with it; an OOM's were collected after it
     start = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     counter: list[Any] = []
 
+    dtype = autocast_dtype(built.workload.precision)  # type: ignore[arg-type] - a workload's precision
+
     def attempt() -> None:
         model = fresh_model(built, device)
-        optimizer = default_optimizer(model.parameters())
+        optimizer = default_optimizer([p for p in model.parameters() if p.requires_grad])
         if emulate:
             with emulated_budget(usable_bytes, model, optimizer) as mem:
                 counter.append(mem)
-                accumulated_steps(model, optimizer, loss_fn, move_to(built.workload.make_batch(b, b), device))
+                accumulated_steps(model, optimizer, loss_fn, move_to(built.workload.make_batch(b, b), device),
+                                  dtype=dtype)
         else:
-            accumulated_steps(model, optimizer, loss_fn, move_to(built.workload.make_batch(b, b), device))
+            accumulated_steps(model, optimizer, loss_fn, move_to(built.workload.make_batch(b, b), device), dtype=dtype)
 
     started = time.perf_counter()
     _, oom = catch_oom(attempt)
     seconds = time.perf_counter() - started
+    if built.workload.on_device:  # the model itself: its gradients (an OOM's partial ones too) go with the try
+        for p in built.base.parameters():
+            p.grad = None
     if device.type == "cuda":
         peak, reserved = int(torch.cuda.max_memory_allocated(device)), int(torch.cuda.max_memory_reserved(device))
     else:
@@ -131,4 +147,54 @@ def brute_force(attempt: Callable[[int], Try], smallest: int, upper: int, max_tr
         result.confirmed = fits(lo) and (lo >= upper or not fits(lo + 1))
     except _Capped:
         result.limit, result.capped = lo, True
+    return result
+
+
+def brute_around(attempt: Callable[[int], Try], start: int, smallest: int, upper: int, max_tries: int) -> BruteForce:
+    """The largest size in ``[smallest, upper]`` for which ``attempt`` fits (0 if none), searched from
+    ``start``: up (``start + 1``, ``+ 2``, ``+ 4``, ...) while sizes fit, or down (``start - 1``, ``- 2``, ...)
+    while they do not, then bisection between the largest size seen to fit and the smallest seen not to.
+    The answer ``b`` has been tried, and so has ``b + 1`` (unless ``b`` is ``upper``): a right start costs
+    two tries. At most ``max_tries`` tries (then ``capped``, with the largest size seen to fit)."""
+    result = BruteForce(0)
+    seen: dict[int, bool] = {}
+
+    def fits(b: int) -> bool:
+        if b not in seen:
+            if len(result.tries) >= max_tries:
+                raise _Capped
+            result.tries.append(attempt(b))
+            seen[b] = result.tries[-1].fits
+        return seen[b]
+
+    def best() -> int:
+        return max((b for b, ok in seen.items() if ok), default=0)
+
+    b = min(max(start, smallest), upper)
+    try:
+        step = 1
+        if fits(b):
+            lo, hi = b, None
+            while lo < upper:
+                size = min(lo + step, upper)
+                if not fits(size):
+                    hi = size
+                    break
+                lo, step = size, 2 * step
+        else:
+            lo, hi = None, b
+            while hi > smallest:
+                size = max(hi - step, smallest)
+                if fits(size):
+                    lo = size
+                    break
+                hi, step = size, 2 * step
+            if lo is None:
+                return result  # not even the smallest size fits
+        while hi is not None and hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        result.limit = lo  # each size tried once: no second check of b and b + 1 (brute_force's), so confirmed stays
+    except _Capped:
+        result.limit, result.capped = best(), True
     return result

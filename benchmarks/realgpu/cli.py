@@ -17,8 +17,8 @@ import torch
 
 from results_md import RESULTS
 
-from . import report
-from .models import workloads
+from . import report, table40
+from .models import rows40, workloads
 from .parts import Settings
 from .runner import run_model
 
@@ -26,6 +26,8 @@ __all__ = ["main", "parse", "run"]
 
 CPU_NOTE = ("CPU smoke run: small models under an emulated --budget (squeeze iii); squeezes (i) and (ii) need "
             "CUDA and were skipped. RESULTS.md is not written (its section holds GPU results only).")
+CPU_NOTE40 = ("CPU smoke run of issue 40's rows: small models under an emulated --budget (the other-process squeeze "
+              "needs CUDA); fit against the hand loop on a CPU says nothing of a GPU; nothing is written.")
 
 
 def parse(argv: list[str] | None = None, doc: str = __doc__) -> argparse.Namespace:
@@ -39,7 +41,12 @@ def _parser(doc: str) -> argparse.ArgumentParser:
     parser.add_argument("--size", choices=("gpu", "cpu"), default="gpu" if cuda else "cpu",
                         help="gpu: the issue's models (default with CUDA); cpu: small configs, the smoke test")
     parser.add_argument("--device", default="cuda:0" if cuda else "cpu")
-    parser.add_argument("--models", nargs="+", default=None, help="default: gpt2 resnet50 vit_b16 mlp")
+    parser.add_argument("--rows", choices=("issue16", "issue40"), default="issue16",
+                        help="issue16: GPT-2 124M, ResNet-50, ViT-B/16, MLP under three squeezes (default); issue40: "
+                             "ResNet-50 and ViT-B/16 fp32 and bf16, GPT-2 355M bf16, a 1.1B Llama-style decoder with "
+                             "LoRA, under the other-process squeeze, with fit against a hand-written loop")
+    parser.add_argument("--models", nargs="+", default=None,
+                        help="default: every model of --rows (issue16: gpt2 resnet50 vit_b16 mlp)")
     parser.add_argument("--out", type=Path, default=None,
                         help="folder of the per-model results files (default out/real_gpu/<size>)")
     parser.add_argument("--redo", action="store_true", help="measure again what the results files hold")
@@ -68,23 +75,27 @@ def _versions() -> dict[str, str]:
 def run(args: argparse.Namespace, log: Any = lambda s: None) -> dict[str, Any]:
     """Measure what is missing of each model and gather the document."""
     device = torch.device(args.device)
-    all_workloads = workloads(args.size)
+    issue40 = getattr(args, "rows", "issue16") == "issue40"
+    all_workloads = rows40(args.size) if issue40 else workloads(args.size)
     names = args.models or list(all_workloads)
     unknown = [n for n in names if n not in all_workloads]
     if unknown:
         raise ValueError(f"Invalid models: {unknown}. Allowed values: {', '.join(all_workloads)}")
-    settings = Settings.for_size(args.size, args.fit_steps, args.search_trials)
-    out = args.out or Path("out") / "real_gpu" / args.size
+    settings = Settings.for_size(args.size, args.fit_steps, args.search_trials,
+                                 rows="issue40" if issue40 else "issue16")
+    out = args.out or Path("out") / ("real_gpu40" if issue40 else "real_gpu") / args.size
     started = time.perf_counter()
     docs = [run_model(all_workloads[n], device, settings, args.size, out, redo=args.redo and not args.report_only,
                       search=not args.no_search, measure=not args.report_only, log=log) for n in names]
-    rows = report.rows(docs)
+    rows = table40.rows(docs) if issue40 else report.rows(docs)
     return {
-        "version": 1, "kind": "autoaccum.bench.real_gpu", "size": args.size, "device": str(device),
+        "version": 1, "kind": "autoaccum.bench.real_gpu" + ("40" if issue40 else ""), "size": args.size,
+        "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", **_versions(),
         "out": str(out), "settings": settings.to_dict(), "cpu_smoke": device.type != "cuda",
-        "note": CPU_NOTE if device.type != "cuda" else "",
-        "targets": report.targets(rows, settings.fit_steps), "per_model": report.model_lines(docs),
+        "note": (CPU_NOTE40 if issue40 else CPU_NOTE) if device.type != "cuda" else "",
+        "targets": table40.targets(rows) if issue40 else report.targets(rows, settings.fit_steps),
+        "per_model": [] if issue40 else report.model_lines(docs),
         "rows": rows, "models": docs, "total_wall_time_s": time.perf_counter() - started,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
@@ -105,14 +116,17 @@ def main(doc: str, argv: list[str] | None = None) -> int:
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
     result = run(args, log=lambda s: print(s, file=sys.stderr, flush=True))
+    issue40 = args.rows == "issue40"
     if not args.json_only:
-        print(report.table(result["rows"]))
+        print(table40.table(result["rows"]) if issue40 else report.table(result["rows"]))
         print()
-        print("\n".join(result["per_model"]))
-        print("\n".join(["Targets (issue 16):", *result["targets"]]) if not result["cpu_smoke"] else result["note"])
+        if result["per_model"]:
+            print("\n".join(result["per_model"]))
+        print("\n".join([f"Targets (issue {'40' if issue40 else '16'}):", *result["targets"]])
+              if not result["cpu_smoke"] else result["note"])
         print()
     print(json.dumps(result, indent=1, default=str))
-    if not result["cpu_smoke"] and not args.no_write:
+    if not result["cpu_smoke"] and not args.no_write and not issue40:  # issue 40's results: benchmarks/results/
         command = "python benchmarks/real_gpu.py" + "".join(f" {a}" for a in (sys.argv[1:] if argv is None else argv))
         report.write_section(result, command, args.results)
         print(f"wrote the section {report.SECTION!r} of {args.results}", file=sys.stderr)

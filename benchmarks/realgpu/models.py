@@ -1,7 +1,10 @@
 """The models of the real-GPU benchmark, their synthetic data and the memory each row is squeezed to.
 
-Every model is built from a config (no download) with the same seed, kept on the host, and copied to
-the device for each run (a fresh model for every brute-force try, probe and fit). Two sizes:
+Two sets of rows. Issue 16's (:func:`workloads`): every model is built from a config (no download) with
+the same seed, kept on the host, and copied to the device for each run (a fresh model for every
+brute-force try, probe and fit). Issue 40's (:func:`rows40`): the models people bring, up to a 1.1B
+decoder, each built once on the device (seeded) and kept there for the whole row (see
+:func:`fresh_model`). Issue 16's two sizes:
 
 - ``gpu``: what issue 16 asks for. GPT-2 124M (``GPT2LMHeadModel`` with its default config), 512
   tokens right-padded (lengths 128..512), the model's own token-level loss; ResNet-50 at 224 px with
@@ -10,10 +13,20 @@ the device for each run (a fresh model for every brute-force try, probe and fit)
   (4096 -> 4096 x 8 -> 10). Each is squeezed to a few GiB so that its target batch needs
   accumulation and a step takes well under a second on an H100.
 - ``cpu``: the same architectures from small configs, for the smoke test, under emulated budgets.
+
+Issue 40's rows at size ``gpu``: ResNet-50 and ViT-B/16 at 224 px, each fp32 and bf16 autocast; GPT-2
+355M (``GPT2Config(n_embd=1024, n_layer=24, n_head=16)``), bf16 autocast, 1024 tokens right-padded,
+token-level loss; a Llama-style decoder of 1.1B parameters (TinyLlama's shape: hidden 2048, 22 layers,
+intermediate 5632, 32 heads, 4 key/value heads, vocabulary 32,000) with bf16 weights and a LoRA adapter
+(``peft``: rank 16, alpha 32, dropout 0.05, on every linear layer of the blocks, fp32) under bf16
+autocast, at 2048 tokens (full rows, token-level loss). Each squeezed to a budget where the target
+batch needs two to five micro-steps and a step takes a fraction of a second on an H100/H200. At size
+``cpu`` the same architectures from small configs (the smoke test).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 from collections.abc import Callable
@@ -25,7 +38,8 @@ from torch import nn
 
 from autoaccum.batchnorm import smallest_micro_batch
 
-__all__ = ["GIB", "MIB", "Built", "Workload", "build", "fresh_model", "missing_dependency", "workloads"]
+__all__ = ["GIB", "MIB", "Built", "Workload", "build", "fresh_model", "missing_dependency", "rows40",
+           "workloads"]
 
 MIB, GIB = 2**20, 2**30
 
@@ -45,6 +59,11 @@ class Workload:
         budget_bytes: the memory each squeeze leaves this process (the same in all three squeezes,
             so that their limits can be compared).
         needs: the module the model needs beyond torch (``transformers``), or None.
+        precision: the run's precision (``fp32``, or ``bf16`` autocast), for the probe, brute force,
+            fit, the hand-written loop and the sweep alike.
+        on_device: built once on the device and kept there for the whole row (issue 40's rows).
+        loop_steps: optimizer steps of each run of fit and of the hand-written loop in their
+            comparison (issue 40's rows; the first two of each run are left out of its rate).
     """
 
     name: str
@@ -54,6 +73,9 @@ class Workload:
     target_batch: int
     budget_bytes: int
     needs: str | None = "transformers"
+    precision: str = "fp32"
+    on_device: bool = False
+    loop_steps: int = 8
 
 
 def _seeded(factory: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
@@ -63,11 +85,15 @@ def _seeded(factory: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
     return make
 
 
-def _tokens(seq_len: int, vocab: int, pad: int) -> Callable[[int, int], Batch]:
+def _tokens(seq_len: int, vocab: int, pad: int, full: bool = False) -> Callable[[int, int], Batch]:
     """Rows of seq_len/4..seq_len tokens right-padded to seq_len (``padding="max_length"``); labels are the
-    tokens, -100 on padding: the model's causal-LM loss counts only real tokens (token-level)."""
+    tokens, -100 on padding: the model's causal-LM loss counts only real tokens (token-level). ``full``:
+    every row seq_len tokens (packed sequences), no attention mask."""
     def make(num: int, seed: int) -> Batch:
         g = torch.Generator().manual_seed(seed)
+        if full:
+            ids = torch.randint(0, vocab, (num, seq_len), generator=g)
+            return {"input_ids": ids, "labels": ids.clone()}
         lengths = torch.randint(seq_len // 4, seq_len + 1, (num,), generator=g)
         mask = (torch.arange(seq_len) < lengths[:, None]).long()
         ids = torch.randint(0, vocab, (num, seq_len), generator=g).masked_fill(mask == 0, pad)
@@ -103,6 +129,64 @@ def _hf(config_name: str, model_name: str, **config: Any) -> Callable[[], nn.Mod
         transformers.logging.set_verbosity_error()  # the note that the config names no loss_type
         return getattr(transformers, model_name)(getattr(transformers, config_name)(**config))
     return _seeded(make)
+
+
+def _lora(dtype: torch.dtype, **config: Any) -> Callable[[], nn.Module]:
+    """A Llama-style decoder from ``LlamaConfig(**config)``, its weights in ``dtype``, with a LoRA adapter on
+    every linear layer of its blocks (the adapter's weights fp32: peft's default under a bf16 model)."""
+    def make() -> nn.Module:
+        import transformers
+        from peft import LoraConfig, get_peft_model
+
+        transformers.logging.set_verbosity_error()
+        base = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).to(dtype)
+        lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, task_type="CAUSAL_LM",
+                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+        return get_peft_model(base, lora)
+    return _seeded(make)
+
+
+def rows40(size: str) -> dict[str, Workload]:
+    """Issue 40's rows at ``size`` (``gpu`` or ``cpu``): the models people bring (see the module docstring)."""
+    resnet = {"num_labels": 1000}
+    vit = {"num_labels": 1000}
+    gpt2 = {"n_embd": 1024, "n_layer": 24, "n_head": 16}
+    llama = {"hidden_size": 2048, "num_hidden_layers": 22, "intermediate_size": 5632, "num_attention_heads": 32,
+             "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 2048}
+    side, classes, gpt_len, llama_len, gib = 224, 1000, 1024, 2048, GIB
+    if size == "cpu":
+        resnet = {"embedding_size": 8, "hidden_sizes": [8, 16, 32, 64], "depths": [1, 1, 1, 1], "num_labels": 10}
+        vit = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
+               "image_size": 32, "patch_size": 8, "num_labels": 10}
+        gpt2 = {"vocab_size": 128, "n_positions": 32, "n_embd": 32, "n_layer": 1, "n_head": 2}
+        llama = {"hidden_size": 32, "num_hidden_layers": 1, "intermediate_size": 64, "num_attention_heads": 4,
+                 "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 32}
+        side, classes, gpt_len, llama_len, gib = 32, 10, 32, 32, MIB
+    elif size != "gpu":
+        raise ValueError(f"Invalid size: {size!r}. Allowed values: gpu, cpu")
+    # gpu budgets: sized from each model's bytes a sample (fake-tensor estimates and the 2026-11 H200 runs) so
+    # that the target takes 2 to 5 micro-steps; at cpu size a few MiB, under the emulated budget.
+    budgets = {"resnet50": 4, "vit_b16": 6, "gpt2_355m": 16, "llama": 20} if size == "gpu" else \
+        {"resnet50": 3, "vit_b16": 2, "gpt2_355m": 2, "llama": 1}
+    targets = {"resnet50": 128, "vit_b16": 128, "gpt2_355m": 16, "llama": 8} if size == "gpu" else \
+        {"resnet50": 64, "vit_b16": 64, "gpt2_355m": 16, "llama": 8}
+    rows = []
+    for precision in ("fp32", "bf16"):
+        rows.append(Workload(f"resnet50_{precision}", f"ResNet-50, {side} px, BatchNorm, {precision}",
+                             _hf("ResNetConfig", "ResNetForImageClassification", **resnet), _images(side, classes),
+                             targets["resnet50"], budgets["resnet50"] * gib, precision=precision, on_device=True))
+        rows.append(Workload(f"vit_b16_{precision}", f"ViT-B/16, {side} px, {precision}",
+                             _hf("ViTConfig", "ViTForImageClassification", **vit), _images(side, classes),
+                             targets["vit_b16"], budgets["vit_b16"] * gib, precision=precision, on_device=True))
+    rows.append(Workload("gpt2_355m_bf16", f"GPT-2 355M, {gpt_len} tokens (padded), token-level loss, bf16",
+                         _hf("GPT2Config", "GPT2LMHeadModel", **gpt2), _tokens(gpt_len, gpt2.get("vocab_size", 50257),
+                                                                              gpt2.get("vocab_size", 50257) - 1),
+                         targets["gpt2_355m"], budgets["gpt2_355m"] * gib, precision="bf16", on_device=True))
+    rows.append(Workload("llama_1b_lora_bf16", f"Llama-style 1.1B, bf16 weights, LoRA r16, {llama_len} tokens, bf16",
+                         _lora(torch.bfloat16, **llama), _tokens(llama_len, llama["vocab_size"], 0, full=True),
+                         targets["llama"], budgets["llama"] * gib, needs="peft", precision="bf16", on_device=True,
+                         loop_steps=6))
+    return {w.name: w for w in rows}
 
 
 def workloads(size: str) -> dict[str, Workload]:
@@ -141,12 +225,11 @@ def workloads(size: str) -> dict[str, Workload]:
 
 def missing_dependency(w: Workload) -> str | None:
     """Why ``w`` cannot be built here (its module is missing), or None."""
-    if w.needs is None:
-        return None
-    try:
-        __import__(w.needs)
-    except ImportError as exc:
-        return f"needs {w.needs} ({exc}); pip install 'autoaccum[bench]'"
+    for module in () if w.needs is None else ("transformers", w.needs):
+        try:
+            __import__(module)
+        except ImportError as exc:
+            return f"needs {module} ({exc}); pip install 'autoaccum[bench]'" + (" peft" if module == "peft" else "")
     return None
 
 
@@ -155,7 +238,7 @@ class Built:
     """A workload's host model (built once) and what every run derives from it."""
 
     workload: Workload
-    base: nn.Module
+    base: nn.Module  # on the host, or on the device for an on_device workload
     smallest: int  # the smallest micro-batch the model trains at (2 with BatchNorm)
 
     @functools.cached_property
@@ -168,12 +251,20 @@ class Built:
         return sum(p.numel() for p in self.base.parameters())
 
 
-def build(w: Workload) -> Built:
-    base = w.make_model()
+def build(w: Workload, device: torch.device | None = None) -> Built:
+    """``w``'s model: on the host, or (an on_device workload, given its device) built on the device
+    itself (random initialisation there takes a fraction of the host's time for a 1B model)."""
+    with torch.device(device) if w.on_device and device is not None else contextlib.nullcontext():
+        base = w.make_model()
     base.train()
     return Built(w, base, smallest_micro_batch(base))
 
 
 def fresh_model(built: Built, device: torch.device) -> nn.Module:
-    """A copy of the host model on ``device``: the same initial weights for every run."""
+    """A copy of the host model on ``device``: the same initial weights for every run. An on_device
+    workload's model is too large to copy for every try (a 1.1B model): it is the model itself, already
+    there. Its runs measure memory and speed, neither of which depends on the weights' values; each
+    starts with a fresh optimizer and no gradients (the probe leaves no trace)."""
+    if built.workload.on_device and next(built.base.parameters()).device == device:
+        return built.base
     return copy.deepcopy(built.base).to(device)

@@ -1,9 +1,11 @@
 """The measured parts of one model's row, each a plain dict saved as soon as it is done.
 
-- :func:`estimate`: ``probe(estimate=True)`` (fake cpu tensors), whose memory model is compared with the
-  peaks of the brute-force tries afterwards (``report``).
+- :func:`estimate`: ``probe(estimate=True)`` (fake tensors: on the model's CUDA device where torch can,
+  else cpu; ``on="cpu"`` forces fake cpu, the estimate before issue 40), whose memory model is compared
+  with the peaks of the brute-force tries afterwards (``report``).
 - :func:`squeezed`: under one squeeze, the probe (default budget or the explicit one), brute force
-  twice, and ``fit`` on the probe's plan.
+  twice, and ``fit`` on the probe's plan; for issue 40's rows one search around the probe's answer,
+  tries at smaller sizes for the estimate's error, and fit against a hand-written loop (``loops``).
 - :func:`sweep`: every balanced plan at the exact target, timed as a search trial times it, to judge
   each squeeze's pick.
 - :func:`search`: the optional Optuna search and the fp32 baseline at the largest micro-batch.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import unittest.mock
 import json
 import logging
 import logging.handlers
@@ -35,9 +38,10 @@ from autoaccum.plan import Plan
 from autoaccum.task import Task
 from autoaccum.throughput import make_bench
 
-from .brute import brute_force, run_try
+from . import loops
+from .brute import brute_around, brute_force, run_try
 from .models import Built, fresh_model
-from .squeeze import SqueezeKind, Squeezed, release, squeeze
+from .squeeze import SQUEEZES, SqueezeKind, Squeezed, release, squeeze
 
 __all__ = ["Settings", "estimate", "search", "squeezed", "sweep"]
 
@@ -59,6 +63,15 @@ class Settings:
         confirm_rounds: how often the sweep's fastest plans, the picks, the search's winner and its
             baseline are timed again, in turn.
         search_trials: Optuna trials.
+        rows: which set of rows (``issue16``, ``issue40``); issue 40's measure less a part (a GPU session
+            holds every row and the GPU tests in about five minutes):
+        squeezes: the squeezes run (issue 40's: the other process on CUDA, the emulated budget on a CPU).
+        brute: ``search`` (doubling and bisection, twice) or ``around`` (once, from the probe's answer, and
+            tries at half and a quarter of it for the estimate's error).
+        compare_rounds: rounds of fit against the hand-written loop (``loops``; 0: none, a plain fit of
+            ``fit_steps`` steps instead).
+        estimate_cpu: also estimate on fake cpu tensors (the estimate before issue 40), where the model is
+            on CUDA.
     """
 
     headroom: float = 0.1
@@ -70,17 +83,34 @@ class Settings:
     measure_steps: int = 3
     confirm_rounds: int = 2
     search_trials: int = 10
+    rows: str = "issue16"
+    squeezes: tuple[str, ...] = SQUEEZES
+    brute: str = "search"
+    compare_rounds: int = 0
+    estimate_cpu: bool = False
 
     @classmethod
-    def for_size(cls, size: str, fit_steps: int | None = None, search_trials: int | None = None) -> Settings:
-        """The GPU defaults; at ``cpu`` size a smoke test of the code paths (one timed step, no confirmation)."""
-        base = cls() if size == "gpu" else cls(max_tries=24, sweep_plans=2, measure_steps=1, confirm_rounds=0,
-                                                 search_trials=4)
+    def for_size(cls, size: str, fit_steps: int | None = None, search_trials: int | None = None,
+                 rows: str = "issue16") -> Settings:
+        """The GPU defaults; at ``cpu`` size a smoke test of the code paths (one timed step, no confirmation).
+        Issue 40's rows: one brute-force search around the probe's answer, three plans in the sweep (timed once
+        after the two warm-up steps, the fastest and the pick once more), three rounds of fit against the hand
+        loop; at ``cpu`` size the emulated budget and one round."""
+        if rows == "issue40":
+            base = cls(rows=rows, squeezes=("process",) if size == "gpu" else ("budget",), brute="around",
+                       max_tries=12, sweep_plans=3, sweep_floor=2, measure_steps=1, confirm_rounds=1,
+                       compare_rounds=3 if size == "gpu" else 1, estimate_cpu=size == "gpu", search_trials=0)
+        elif rows != "issue16":
+            raise ValueError(f"Invalid rows: {rows!r}. Allowed values: issue16, issue40")
+        else:
+            base = cls() if size == "gpu" else cls(max_tries=24, sweep_plans=2, measure_steps=1, confirm_rounds=0,
+                                                     search_trials=4)
         return dataclasses.replace(base, fit_steps=base.fit_steps if fit_steps is None else fit_steps,
                                    search_trials=base.search_trials if search_trials is None else search_trials)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """As saved in a results file (tuples as lists), so that a file's settings compare equal to these."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
 
 
 def _task(built: Built, device: torch.device) -> Task:
@@ -102,14 +132,20 @@ def _quiet() -> contextlib.ExitStack:
     return stack
 
 
-def estimate(built: Built, device: torch.device, settings: Settings) -> dict[str, Any]:
-    """``probe(estimate=True)`` for the squeezes' budget: no memory used, no step run."""
+def estimate(built: Built, device: torch.device, settings: Settings, on: str = "default") -> dict[str, Any]:
+    """``probe(estimate=True)`` for the squeezes' budget: no memory used, no step run. ``on="cpu"``: on fake
+    cpu tensors whatever the model's device (``autoaccum.estimate.estimate_device`` answers cpu), the
+    estimate as it was before issue 40."""
     w = built.workload
-    with _quiet():
+    forced = unittest.mock.patch("autoaccum.probe.estimate_device", lambda d: torch.device("cpu")) if on == "cpu" \
+        else contextlib.nullcontext()
+    started = time.perf_counter()
+    with _quiet(), forced:
         report = autoaccum.probe(_task(built, device), target_batch=w.target_batch, budget=w.budget_bytes,
-                                 headroom=settings.headroom, estimate=True)
+                                 headroom=settings.headroom, estimate=True, precision=w.precision)
+    seconds = time.perf_counter() - started
     release(device)
-    return {"report": report.to_dict()}
+    return {"report": report.to_dict(), "on": on, "seconds": seconds}
 
 
 def _probe(built: Built, device: torch.device, sq: Squeezed, settings: Settings) -> dict[str, Any]:
@@ -117,7 +153,8 @@ def _probe(built: Built, device: torch.device, sq: Squeezed, settings: Settings)
     try:
         with _quiet():
             report = autoaccum.probe(_task(built, device), target_batch=built.workload.target_batch,
-                                     budget=sq.probe_budget, headroom=settings.headroom)
+                                     budget=sq.probe_budget, headroom=settings.headroom,
+                                     precision=built.workload.precision)
     except autoaccum.DoesNotFitError as exc:
         return {"error": f"DoesNotFitError: {str(exc).splitlines()[0]}"}
     finally:
@@ -147,7 +184,7 @@ def _fit(built: Built, device: torch.device, sq: Squeezed, report: dict[str, Any
                 fresh_model(built, device), built.data, w.target_batch,
                 loss_fn=default_loss, plan=autoaccum.ProbeReport.from_dict(report), device=device,
                 budget=sq.probe_budget, headroom=settings.headroom, max_steps=settings.fit_steps, epochs=None,
-                by_length=False, progress=False, verbose=False, log_file=log_file)
+                by_length=False, progress=False, verbose=False, log_file=log_file, precision=w.precision)
         except (torch.OutOfMemoryError, autoaccum.AutoAccumError) as exc:  # an OOM the guard did not replay
             error = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
         finally:
@@ -167,19 +204,50 @@ def _fit(built: Built, device: torch.device, sq: Squeezed, report: dict[str, Any
     }
 
 
+def _found(report: dict[str, Any]) -> int | None:
+    return max((c["micro_batch"] for c in report.get("candidates", ()) if c["status"] == "ok"), default=None)
+
+
 def squeezed(built: Built, kind: SqueezeKind, device: torch.device, settings: Settings) -> dict[str, Any]:
-    """Probe, brute force twice, and fit, all under squeeze ``kind``."""
+    """Probe, brute force, and fit, all under squeeze ``kind`` (issue 40's rows: fit against the hand loop)."""
     w = built.workload
     started = time.perf_counter()
+    compared = None
     with squeeze(kind, w.budget_bytes, device) as sq:
         usable = int(sq.true_budget_bytes * (1 - settings.headroom))
         report = _probe(built, device, sq, settings)
-        searches = [brute_force(lambda b: run_try(built, default_loss, b, device, usable, sq.emulate),
-                                built.smallest, w.target_batch, settings.max_tries) for _ in range(2)]
-        fitted = _fit(built, device, sq, report, settings) if "error" not in report else None
+        timings = {"probe_s": time.perf_counter() - started}
+
+        def attempt(b: int) -> Any:
+            return run_try(built, default_loss, b, device, usable, sq.emulate)
+
+        start = _found(report)
+        if settings.brute == "around" and start is not None:
+            searches = [brute_around(attempt, start, built.smallest, w.target_batch, settings.max_tries)]
+            tried = {t.micro_batch for t in searches[0].tries}
+            # more sizes that fit, for the estimate's error (not part of the search)
+            extra = [attempt(b) for b in sorted({max(built.smallest, start // 2), max(built.smallest, start // 4)})
+                     if b not in tried and b < start]
+        else:
+            extra = []
+            searches = [brute_force(attempt, built.smallest, w.target_batch, settings.max_tries)
+                        for _ in range(2 if settings.brute == "search" else 1)]
+        timings["brute_s"] = time.perf_counter() - started - timings["probe_s"]
+        if "error" in report:
+            fitted = None
+        elif settings.compare_rounds:
+            compared = loops.compare(built, device, report, settings.compare_rounds, sq.probe_budget, settings.headroom)
+            fitted = {"steps": compared["fit_steps"], "ooms": compared["fit_ooms"],
+                      "error": "; ".join(compared["fit_errors"]) or None,
+                      "peak_bytes": max((r["fit"].get("peak_bytes") or 0 for r in compared["runs"]), default=None),
+                      "step_time_s": w.target_batch / compared["fit_samples_per_s"]
+                      if compared["fit_samples_per_s"] else None}
+        else:
+            fitted = _fit(built, device, sq, report, settings)
+        timings["fit_s"] = time.perf_counter() - started - timings["probe_s"] - timings["brute_s"]
     return {"kind": kind, "true_budget_bytes": sq.true_budget_bytes, "usable_bytes": usable,
             "enforced_by": sq.enforced_by, "probe": report, "brute_force": [s.to_dict() for s in searches],
-            "fit": fitted, "wall_time_s": time.perf_counter() - started}
+            "extra_tries": [dataclasses.asdict(t) for t in extra], "fit": fitted, "compare": compared, "timings": timings, "wall_time_s": time.perf_counter() - started}
 
 
 def sweep_sizes(target: int, smallest: int, top: int, floor: int, most: int) -> tuple[list[int], bool]:
@@ -208,8 +276,10 @@ def sweep(built: Built, device: torch.device, squeezes: dict[str, dict], setting
         bench = make_bench(_task(built, device), None, w.target_batch, usable, settings.warmup_steps,
                            settings.measure_steps)
 
+        knobs = Knobs(autocast=w.precision)  # type: ignore[arg-type] - a workload's precision
+
         def measure(b: int) -> None:
-            m = bench.run(b, Knobs())
+            m = bench.run(b, knobs)
             readings.setdefault(b, []).append(m.samples_per_s if m.ok else 0.0)
 
         for b in dict.fromkeys([*sizes, *picks.values()]):

@@ -1,7 +1,9 @@
 """One model's parts in order, each saved to its results file as soon as it is done (resumable).
 
 A model's file, ``<out>/<model>.json``, holds its parts: ``estimate``, ``squeeze:process``,
-``squeeze:fraction``, ``squeeze:budget``, ``sweep``, ``search``. A rerun keeps the parts already
+``squeeze:fraction``, ``squeeze:budget``, ``sweep``, ``search``; issue 40's rows hold the squeezes of their
+settings, then ``estimate``, ``sweep`` and ``estimate_cpu`` (in that order: what matters most first, for
+a run cut short). A rerun keeps the parts already
 measured (a part that raised keeps its error: ``--redo`` measures everything again) and runs the rest;
 a part that cannot run here (a CUDA-only squeeze on a CPU, the search without optuna) is recorded as
 skipped with its reason and looked at again on the next run. A model whose every part is measured or
@@ -36,6 +38,13 @@ KIND, VERSION = "autoaccum.bench.real_gpu.model", 1
 PARTS = ("estimate", *(f"squeeze:{k}" for k in SQUEEZES), "sweep", "search")
 
 
+def parts_of(settings: parts.Settings) -> tuple[str, ...]:
+    """The parts a model's row measures, in order."""
+    if settings.rows == "issue40":
+        return (*(f"squeeze:{k}" for k in settings.squeezes), "estimate", "sweep", "estimate_cpu")
+    return PARTS
+
+
 def _header(w: Workload, device: torch.device, settings: parts.Settings, size: str) -> dict[str, Any]:
     return {"kind": KIND, "version": VERSION, "model": w.name, "size": size, "device_type": device.type,
             "settings": settings.to_dict()}
@@ -55,8 +64,12 @@ def _load(path: Path, header: dict[str, Any], redo: bool) -> dict[str, Any]:
     return {**header, "parts": {}}
 
 
-def _why_not(part: str, doc: dict[str, Any], device: torch.device, search: bool) -> str | None:
+def _why_not(part: str, doc: dict[str, Any], device: torch.device, search: bool,
+             settings: parts.Settings | None = None) -> str | None:
     """Why ``part`` cannot run now, or None."""
+    if part == "estimate_cpu" and (device.type != "cuda" or settings is None or not settings.estimate_cpu):
+        return "skipped: the model is not on CUDA (its estimate is on fake cpu tensors already)" \
+            if device.type != "cuda" else "skipped: not asked for"
     if part.startswith("squeeze:"):
         return skip_reason(part.split(":", 1)[1], device)  # type: ignore[arg-type]
     if part == "sweep":
@@ -79,6 +92,8 @@ def _run_part(part: str, built: Built, device: torch.device, settings: parts.Set
               doc: dict[str, Any]) -> dict[str, Any]:
     if part == "estimate":
         return parts.estimate(built, device, settings)
+    if part == "estimate_cpu":
+        return parts.estimate(built, device, settings, on="cpu")
     if part.startswith("squeeze:"):
         return parts.squeezed(built, part.split(":", 1)[1], device, settings)  # type: ignore[arg-type]
     squeezes = {k.split(":", 1)[1]: p for k, p in doc["parts"].items() if k.startswith("squeeze:")
@@ -112,18 +127,22 @@ def run_model(w: Workload, device: torch.device, settings: parts.Settings, size:
     path = out / f"{w.name}.json"
     doc = _load(path, _header(w, device, settings, size), redo)
     missing = missing_dependency(w) if measure else None
+    names = parts_of(settings)
     if missing is not None:
-        doc["parts"] = {p: {"skipped": f"skipped: {missing}"} for p in PARTS}
+        doc["parts"] = {p: {"skipped": f"skipped: {missing}"} for p in names}
     if not measure or missing is not None:
         return doc
     built: Built | None = None
-    for part in (p for p in PARTS if p not in doc["parts"] or "skipped" in doc["parts"][p]):
-        reason = _why_not(part, doc, device, search)
+    for part in (p for p in names if p not in doc["parts"] or "skipped" in doc["parts"][p]):
+        reason = _why_not(part, doc, device, search, settings)
         if reason is not None:
             doc["parts"][part] = {"skipped": reason}
             log(f"{w.name} {part}: {reason}")
             continue
-        built = built or build(w)
+        if built is None:
+            started = time.perf_counter()
+            built = build(w, device)
+            doc["build_s"] = time.perf_counter() - started
         doc.update(describe=w.describe, params=built.params, target_batch=w.target_batch,
                    budget_bytes=w.budget_bytes, smallest=built.smallest,
                    device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")

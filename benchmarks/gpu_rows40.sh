@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# Issue 40's GPU call: the GPU tests, then the real-model table (benchmarks/real_gpu.py --rows issue40), row by
+# row, from the repository root.
+#
+#   bash benchmarks/gpu_rows40.sh [--prev DIR_OR_TGZ] [--steps LIST] [--seconds N] [--dry-run] [--cpu]
+#
+# Steps, in order of priority, each bounded by `timeout` (its own limit, and never past the deadline: --seconds,
+# default 320; a step that would start with less than 20 s left is skipped and says so):
+#   env                  nvidia-smi, python, torch, transformers, peft versions              (limit 30 s)
+#   pytest_gpu           python -m pytest -q -m gpu -rs                                     (150 s)
+#   row_<name>           benchmarks/real_gpu.py --rows issue40 --models <name>, one process a row, for
+#                        gpt2_355m_bf16 (75 s), llama_1b_lora_bf16 (90 s), vit_b16_bf16, resnet50_bf16,
+#                        vit_b16_fp32, resnet50_fp32 (55 s each)
+#   report               benchmarks/real_gpu.py --rows issue40 --report-only: the table, targets and JSON (30 s)
+# A row's parts are saved as they finish (the squeeze: probe, brute force, fit against the hand loop; then the
+# estimate on fake cuda, the sweep, the estimate on fake cpu), so a row cut off by its limit keeps what it
+# measured, and a later call given this call's output with --prev measures only what is missing:
+#
+#   bash benchmarks/gpu_rows40.sh --seconds 320                       # first call
+#   bash benchmarks/gpu_rows40.sh --prev PREV --steps row,report      # the next: go on (PREV: rows.tgz, or a
+#                                                                     # folder of row files, in the checkout)
+#
+# Output, under $OUT (default ./gpu_out40), at most 8 files as a lent GPU machine brings back: env.txt,
+# pytest_gpu.txt, steps.tsv (step, exit code, seconds: 124 = timed out), log.txt (every step's stderr),
+# rows.tgz (the rows' files, packed again after every step) and report.txt. Exit code 0 when every step ran
+# and passed. --cpu runs the same steps at CPU sizes (the GPU tests skip; emulated budgets): a check of this
+# script and the harness on a machine without a GPU, in about a minute. The package need not be installed:
+# PYTHONPATH is set to the checkout.
+set -u
+
+OUT=${OUT:-./gpu_out40}
+PREV=""
+STEPS=""
+SECONDS_LIMIT=320
+DRY=0
+CPU=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --prev) PREV=$2; shift 2 ;;
+    --steps) STEPS=$2; shift 2 ;;
+    --seconds) SECONDS_LIMIT=$2; shift 2 ;;
+    --dry-run) DRY=1; shift ;;
+    --cpu) CPU=1; shift ;;
+    *) echo "gpu_rows40.sh: unknown argument $1 (see the top of the script)" >&2; exit 2 ;;
+  esac
+done
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT" || exit 2
+PY=$(command -v python3 || command -v python || echo python3)
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+OUT=$(mkdir -p "$OUT" 2>/dev/null; cd "$OUT" 2>/dev/null && pwd || echo "$OUT")
+ROWS_DIR=$(mktemp -d 2>/dev/null || echo /tmp/rows40)  # outside $OUT: only the packed rows.tgz comes back
+FAILED=0
+if [ "$CPU" = 1 ]; then
+  SIZE=(--size cpu --device cpu)
+else
+  SIZE=(--size gpu --device cuda:0)
+fi
+
+if [ -n "$PREV" ] && [ "$DRY" = 0 ]; then
+  if [ -f "$PREV" ]; then
+    tar -xzf "$PREV" -C "$ROWS_DIR" || echo "gpu_rows40.sh: could not unpack $PREV" >&2
+  elif [ -d "$PREV" ]; then
+    cp "$PREV"/*.json "$ROWS_DIR"/ 2>/dev/null || echo "gpu_rows40.sh: no row files in $PREV" >&2
+  else
+    echo "gpu_rows40.sh: --prev $PREV is neither a file nor a folder" >&2
+  fi
+fi
+[ "$DRY" = 0 ] && printf 'step\texit\tseconds\n' > "$OUT/steps.tsv"
+
+pack() {
+  [ "$DRY" = 1 ] && return 0
+  (cd "$ROWS_DIR" && tar -czf "$OUT/rows.tgz.part" -- $(ls *.json 2>/dev/null) 2>/dev/null) \
+    && mv "$OUT/rows.tgz.part" "$OUT/rows.tgz"
+}
+
+# step NAME LIMIT_S STDOUT COMMAND...: run COMMAND under timeout (its limit or what is left of the deadline)
+step() {
+  local name=$1 limit=$2 out=$3 prefix wanted=0
+  shift 3
+  for prefix in ${STEPS//,/ }; do
+    [[ $name == "$prefix"* ]] && wanted=1
+  done
+  if [ -n "$STEPS" ] && [ "$wanted" = 0 ]; then
+    echo "not run: $name (not in --steps $STEPS)"
+    return 0
+  fi
+  local left=$((SECONDS_LIMIT - SECONDS))
+  [ "$limit" -gt "$left" ] && limit=$left
+  echo "step $name (limit $limit s): timeout --kill-after=5 $limit $*"
+  [ "$DRY" = 1 ] && return 0
+  if [ "$limit" -lt 20 ]; then
+    echo "  skipped: less than 20 s left of the ${SECONDS_LIMIT}-second deadline"
+    printf '%s\tskipped\t0\n' "$name" >> "$OUT/steps.tsv"
+    FAILED=1
+    return 0
+  fi
+  local started=$SECONDS rc
+  echo "== $name $(date -u +%H:%M:%S)" >> "$OUT/log.txt"
+  timeout --kill-after=5 "$limit" "$@" > "$out" 2>> "$OUT/log.txt"
+  rc=$?
+  printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - started))" >> "$OUT/steps.tsv"
+  echo "  exit $rc after $((SECONDS - started)) s$([ "$rc" = 124 ] && echo ' (timed out)')"
+  [ "$rc" = 0 ] || FAILED=1
+  pack
+}
+
+ENV_REPORT='nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv || true
+"$0" -c "import sys, platform; print(sys.version); print(platform.platform())"
+for m in torch autoaccum transformers peft accelerate psutil pynvml; do
+  "$0" -c "import importlib; m = importlib.import_module(\"$m\"); print(\"$m\", getattr(m, \"__version__\", \"\"))" \
+    2>/dev/null || echo "$m: not importable"
+done
+"$0" -c "import torch; print(\"cuda\", torch.cuda.is_available(), torch.version.cuda,
+  torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"\")"'
+
+step env 30 "$OUT/env.txt" bash -c "$ENV_REPORT" "$PY"
+step pytest_gpu 150 "$OUT/pytest_gpu.txt" "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider
+for row in gpt2_355m_bf16:75 llama_1b_lora_bf16:90 vit_b16_bf16:55 resnet50_bf16:55 vit_b16_fp32:55 \
+           resnet50_fp32:55; do
+  step "row_${row%%:*}" "${row##*:}" /dev/null "$PY" benchmarks/real_gpu.py --rows issue40 "${SIZE[@]}" \
+    --models "${row%%:*}" --out "$ROWS_DIR" --json-only
+done
+step report 30 "$OUT/report.txt" "$PY" benchmarks/real_gpu.py --rows issue40 "${SIZE[@]}" --report-only \
+  --out "$ROWS_DIR"
+
+echo "done in $SECONDS s; steps in $OUT/steps.tsv"
+exit $FAILED

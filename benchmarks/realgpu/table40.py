@@ -1,0 +1,146 @@
+"""Issue 40's table: one row per model, from the saved parts (nothing is measured here).
+
+Per row: the probe's limit against brute force, its OOMs and cost, the pick against the sweep, fit's
+OOMs and its samples/s against the hand-written loop, and the estimate's error against the measured
+peaks (allocated and reserved) of every try that ran to its end, for the estimate on the model's
+device (fake cuda tensors on a GPU) and, where measured, on fake cpu tensors (the estimate before).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autoaccum.units import format_bytes
+from results_md import markdown_table
+
+from .report import _errors, _estimate_errors, _found, _pct, _pick_vs_sweep
+
+__all__ = ["TARGETS", "row", "rows", "table", "targets"]
+
+#: issue 40's targets (issue 16's, and fit against the hand-written loop)
+TARGETS = {"found_vs_brute": 0.95, "pick_vs_sweep": 0.97, "fit_vs_hand": 0.99, "estimate_median": 0.05,
+           "estimate_worst": 0.10}
+
+
+def _squeeze_part(doc: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
+    for key, part in doc["parts"].items():
+        if key.startswith("squeeze:"):
+            return key.split(":", 1)[1], part
+    return None, {}
+
+
+def row(doc: dict[str, Any]) -> dict[str, Any]:
+    """One model's row: the numbers the issue asks for (``skipped`` where nothing was measured)."""
+    kind, part = _squeeze_part(doc)
+    out: dict[str, Any] = {"model": doc["model"], "squeeze": kind, "describe": doc.get("describe"),
+                           "params": doc.get("params"), "target_batch": doc.get("target_batch")}
+    if "error" in part:
+        return {**out, "skipped": f"error: {part['error']}", "error": part["error"]}
+    if "brute_force" not in part:
+        return {**out, "skipped": part.get("skipped") or "not measured yet"}
+    probe, fit, searches = part["probe"], part.get("fit") or {}, part["brute_force"]
+    limit = min(s["limit"] for s in searches)
+    found = _found(probe)
+    compared = part.get("compare") or {}
+    step_s = fit.get("step_time_s")
+    pick = probe.get("plan", {}).get("micro_batch")
+    tries = [*searches, {"tries": part.get("extra_tries", [])}]
+    estimates = {}
+    for name in ("estimate", "estimate_cpu"):
+        est = doc["parts"].get(name, {})
+        estimates[name] = {"skipped": est.get("skipped") or est.get("error") or "not measured yet"} \
+            if "report" not in est else {**(_estimate_errors(est, tries) or {}), "seconds": est.get("seconds"),
+                                         "per_sample_bytes": (est["report"].get("model") or {}).get("per_sample_bytes")}
+    return {
+        **out, "true_budget_bytes": part["true_budget_bytes"], "usable_bytes": part["usable_bytes"],
+        "probe_error": probe.get("error"), "plan": probe.get("plan"), "found": found,
+        "brute_force": limit, "brute_tries": [t["micro_batch"] for s in searches for t in s["tries"]],
+        "brute_capped": any(s["capped"] for s in searches), "brute_confirmed": all(s["confirmed"] for s in searches),
+        "found_vs_brute": found / limit if limit and found else None, "probe_ooms": probe.get("probe_ooms"),
+        "probe_wall_s": probe.get("wall_time_s"),
+        "probe_step_equivalents": probe["wall_time_s"] / step_s if step_s and "wall_time_s" in probe else None,
+        "step_time_s": step_s, "pick_vs_sweep": _pick_vs_sweep(doc["parts"].get("sweep", {}), pick, limit),
+        "fit": fit, "fit_vs_hand": {k: compared.get(k) for k in ("ratio", "ratio_min", "ratio_max",
+                                                                 "fit_samples_per_s", "hand_samples_per_s")}
+        if compared else None,
+        "estimate": estimates["estimate"], "estimate_cpu": estimates["estimate_cpu"],
+        "timings": part.get("timings"), "build_s": doc.get("build_s"),
+        "wall_s": sum(p.get("wall_s", 0.0) for p in doc["parts"].values()),
+    }
+
+
+def rows(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [row(doc) for doc in docs]
+
+
+def _est_cells(e: dict[str, Any]) -> tuple[str, str]:
+    if "skipped" in e:
+        return (e["skipped"].split(" (")[0][:40], "-")
+    return _errors(e, "allocated"), _errors(e, "reserved")
+
+
+def _cells(r: dict[str, Any]) -> tuple[str, ...]:
+    if "skipped" in r:
+        return (r["model"], r["skipped"].split(" (")[0][:60], *["-"] * 13)
+    plan = r["plan"] or {}
+    fit = r["fit"] or {}
+    vs = r["fit_vs_hand"] or {}
+    sweep = r["pick_vs_sweep"]
+    ratio = "-" if vs.get("ratio") is None else \
+        f"{vs['ratio']:.3f} ({vs['ratio_min']:.3f}-{vs['ratio_max']:.3f})"
+    rates = "-" if not vs.get("hand_samples_per_s") else \
+        f"{vs['fit_samples_per_s']:,.0f} / {vs['hand_samples_per_s']:,.0f}"
+    fit_cell = "-" if not fit else (f"{fit.get('ooms')} in {fit.get('steps')}" +
+                                    (f", {fit['error'].split(':')[0]}" if fit.get("error") else ""))
+    return (r["model"], format_bytes(r["true_budget_bytes"]),
+            f"{plan['micro_batch']} x {plan['accum_steps']}" if plan else (r["probe_error"] or "-"),
+            f"{r['found']} / {r['brute_force']}" + (" (capped)" if r["brute_capped"] else ""),
+            _pct(r["found_vs_brute"]), str(r["probe_ooms"]),
+            "-" if r["probe_step_equivalents"] is None else f"{r['probe_step_equivalents']:.1f}",
+            "-" if sweep is None else f"{_pct(sweep['ratio'])} ({sweep['pick']} vs {sweep['best']})",
+            fit_cell, rates, ratio, *_est_cells(r["estimate"]), *_est_cells(r["estimate_cpu"]))
+
+
+HEAD = ("row", "budget (true)", "plan", "found / brute", "found/brute", "probe OOMs", "probe cost (steps)",
+        "pick/sweep best", "fit OOMs", "samples/s fit / hand", "fit/hand (min-max)", "est. err alloc (med / worst)",
+        "est. err reserved", "fake-cpu est. err alloc", "fake-cpu est. err reserved")
+
+
+def table(all_rows: list[dict[str, Any]]) -> str:
+    return markdown_table([HEAD, *(_cells(r) for r in all_rows)])
+
+
+def targets(all_rows: list[dict[str, Any]]) -> list[str]:
+    """One line per target: met on every measured row, or the rows that miss it."""
+    measured = [r for r in all_rows if "skipped" not in r]
+    misses: dict[str, list[str]] = {k: [f"{r['model']}: {r['error']}" for r in all_rows if "error" in r]
+                                    for k in ("probe", "pick", "fit", "speed", "estimate")}
+    for r in measured:
+        found = r["found_vs_brute"] or 0
+        if found < TARGETS["found_vs_brute"] or found > 1 or r["probe_ooms"]:
+            misses["probe"].append(f"{r['model']}: {_pct(r['found_vs_brute'])}, {r['probe_ooms']} OOMs")
+        ratio = (r["pick_vs_sweep"] or {}).get("ratio")
+        if ratio is None or ratio < TARGETS["pick_vs_sweep"]:
+            misses["pick"].append(f"{r['model']}: {_pct(ratio)}")
+        fit = r["fit"] or {}
+        if fit.get("ooms") or fit.get("error") or not fit.get("steps"):
+            misses["fit"].append(f"{r['model']}: {fit.get('ooms')} OOMs, {fit.get('error')}")
+        speed = (r["fit_vs_hand"] or {}).get("ratio")
+        if speed is None or speed < TARGETS["fit_vs_hand"]:
+            misses["speed"].append(f"{r['model']}: {'-' if speed is None else f'{speed:.3f}'}")
+        est = r["estimate"]
+        missed = [f"{kind} {_errors(est, kind)}" for kind in ("allocated", "reserved")
+                  if (err := est.get(kind)) is not None
+                  and (err["median_abs"] > TARGETS["estimate_median"] or err["worst_abs"] > TARGETS["estimate_worst"])]
+        if "skipped" in est or missed:
+            misses["estimate"].append(f"{r['model']}: {est.get('skipped') or ', '.join(missed)}")
+    goals = {"probe": f"probe limit >= {TARGETS['found_vs_brute']:.0%} of brute force (not above) with 0 probe OOMs",
+             "pick": f"the pick's throughput >= {TARGETS['pick_vs_sweep']:.0%} of the sweep's best",
+             "fit": "fit on the plan: 0 OOMs",
+             "speed": f"fit's samples/s >= {TARGETS['fit_vs_hand']} x the hand-written loop's (median of the rounds)",
+             "estimate": f"estimate: median error <= {TARGETS['estimate_median']:.0%}, worst <= "
+                         f"{TARGETS['estimate_worst']:.0%} (allocated and reserved)"}
+    n = len(measured) + sum("error" in r for r in all_rows)
+    return [f"- {goal}: " + (f"met on all {n} measured rows." if not misses[key] else
+                             f"**missed on {len(misses[key])} of {n}**: " + "; ".join(misses[key]) + ".")
+            for key, goal in goals.items()]
