@@ -107,13 +107,17 @@ step() {
 }
 
 ENV_REPORT='nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv || true
-"$0" -c "import sys, platform; print(sys.version); print(platform.platform())"
-for m in torch autoaccum transformers peft accelerate psutil pynvml; do
-  "$0" -c "import importlib; m = importlib.import_module(\"$m\"); print(\"$m\", getattr(m, \"__version__\", \"\"))" \
-    2>/dev/null || echo "$m: not importable"
-done
-"$0" -c "import torch; print(\"cuda\", torch.cuda.is_available(), torch.version.cuda,
-  torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"\")"'
+"$0" -c "
+import importlib, platform, sys
+print(sys.version.split()[0], platform.platform())
+for m in (\"torch\", \"autoaccum\", \"transformers\", \"peft\", \"accelerate\", \"psutil\", \"pynvml\"):
+    try:
+        print(m, getattr(importlib.import_module(m), \"__version__\", \"\"))
+    except ImportError as exc:
+        print(m, \"not importable:\", exc)
+import torch
+print(\"cuda\", torch.cuda.is_available(), torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"\")
+"'
 
 step env 30 "$OUT/env.txt" bash -c "$ENV_REPORT" "$PY"
 step pytest_gpu 150 "$OUT/pytest_gpu.txt" "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider
