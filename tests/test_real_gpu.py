@@ -365,3 +365,11 @@ def test_gpu_rows40_dry_run_lists_the_steps_in_priority_order(tmp_path):
     assert steps == ["env", "pytest_gpu", "row_gpt2_355m_bf16", "row_llama_1b_lora_bf16", "row_vit_b16_bf16",
                      "row_resnet50_bf16", "row_vit_b16_fp32", "row_resnet50_fp32", "report"]
     assert "--rows issue40" in result.stdout and "--size gpu" in result.stdout
+
+
+def test_report_only_reads_gpu_files_on_a_machine_without_cuda(rg, tmp_path, capsys):
+    """The table of a GPU session is printed wherever its files are (here: none yet, every row says so)."""
+    assert rg.cli.main(rg.cli.__doc__, ["--rows", "issue40", "--size", "gpu", "--device", "cuda:0", "--report-only",
+                                        "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| gpt2_355m_bf16     | not measured yet" in out and "Targets (issue 40):" in out

@@ -51,7 +51,8 @@ def _parser(doc: str) -> argparse.ArgumentParser:
                         help="folder of the per-model results files (default out/real_gpu/<size>)")
     parser.add_argument("--redo", action="store_true", help="measure again what the results files hold")
     parser.add_argument("--report-only", action="store_true",
-                        help="measure nothing: the table, JSON and section from the results files as they are")
+                        help="measure nothing: the table, JSON and section from the results files as they are "
+                             "(also on a machine without CUDA: give the --size and --device they were made with)")
     parser.add_argument("--fit-steps", type=int, default=None, help="steps of fit on each plan (default 50)")
     parser.add_argument("--search-trials", type=int, default=None, help="search trials (default 10; 4 on cpu)")
     parser.add_argument("--no-search", action="store_true", help="skip the optional Optuna search")
@@ -88,10 +89,13 @@ def run(args: argparse.Namespace, log: Any = lambda s: None) -> dict[str, Any]:
     docs = [run_model(all_workloads[n], device, settings, args.size, out, redo=args.redo and not args.report_only,
                       search=not args.no_search, measure=not args.report_only, log=log) for n in names]
     rows = table40.rows(docs) if issue40 else report.rows(docs)
+    measured_on = sorted({d["device_name"] for d in docs if d.get("device_name")})
     return {
         "version": 1, "kind": "autoaccum.bench.real_gpu" + ("40" if issue40 else ""), "size": args.size,
         "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", **_versions(),
+        # --report-only may run where the files were not made (no CUDA here): the card the files name
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" and torch.cuda.is_available()
+        else " and ".join(measured_on) if args.report_only and measured_on else device.type, **_versions(),
         "out": str(out), "settings": settings.to_dict(), "cpu_smoke": device.type != "cuda",
         "note": (CPU_NOTE40 if issue40 else CPU_NOTE) if device.type != "cuda" else "",
         "targets": table40.targets(rows) if issue40 else report.targets(rows, settings.fit_steps),
@@ -104,10 +108,10 @@ def run(args: argparse.Namespace, log: Any = lambda s: None) -> dict[str, Any]:
 def main(doc: str, argv: list[str] | None = None) -> int:
     args = parse(argv, doc)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(name)s: %(message)s")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
+    if args.device.startswith("cuda") and not torch.cuda.is_available() and not args.report_only:
         print("real_gpu.py: --device cuda but torch sees no CUDA device", file=sys.stderr)
         return 2
-    if args.size == "gpu" and not args.device.startswith("cuda"):
+    if args.size == "gpu" and not args.device.startswith("cuda") and not args.report_only:
         print("real_gpu.py: --size gpu needs a CUDA device (hours on a CPU); the CPU smoke run is --size cpu",
               file=sys.stderr)
         return 2

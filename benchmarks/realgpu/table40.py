@@ -113,7 +113,7 @@ def table(all_rows: list[dict[str, Any]]) -> str:
 def targets(all_rows: list[dict[str, Any]]) -> list[str]:
     """One line per target: met on every measured row, or the rows that miss it."""
     measured = [r for r in all_rows if "skipped" not in r]
-    misses: dict[str, list[str]] = {k: [f"{r['model']}: {r['error']}" for r in all_rows if "error" in r]
+    misses: dict[str, list[str]] = {k: [f"{r['model']}: {r['error'][:90]}" for r in all_rows if "error" in r]
                                     for k in ("probe", "pick", "fit", "speed", "estimate")}
     for r in measured:
         found = r["found_vs_brute"] or 0
