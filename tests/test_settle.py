@@ -17,10 +17,9 @@ with ``destroy_process_group()``, and each is tested here against the real gloo 
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import threading
-import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -52,51 +51,48 @@ def _model() -> torch.nn.Module:
 class LateWorker:
     """A gloo worker thread that lets go of each finished collective late.
 
-    Every all-reduce (at the process group, ``ProcessGroup.allreduce``: ``dist.all_reduce`` calls it, and
-    so do the overlapped buckets, sent to the group directly), ``dist.broadcast`` and ``dist.gather``
-    still runs on the real backend and is waited on; its work handle (which holds the tensors) is then
-    dropped by this thread ``LATE_S`` later, as by a worker thread the OS did not schedule for that long.
-    ``held()`` counts the tensors handed to a collective that are still held beyond the reference count
-    they had before it."""
+    Every all-reduce (``dist.all_reduce``, seen at ``ProcessGroup.allreduce``), ``dist.broadcast`` and
+    ``dist.gather`` still runs on the real backend and is waited on; its work handle (which holds the
+    tensors) is then dropped by a thread of its own ``LATE_S`` later (``SENT_AHEAD_LATE_S`` for a call
+    sent ahead), as by a worker thread the OS did not schedule for that long. ``held()`` counts the
+    tensors handed to a collective that are still held beyond the reference count they had before it."""
 
     LATE_S = 0.05
+    SENT_AHEAD_LATE_S: float | None = None  # None: LATE_S
 
     def __init__(self) -> None:
-        self.handles: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.timers: list[threading.Timer] = []
         self.records: list[tuple[torch.Tensor, int, bool]] = []
-        threading.Thread(target=self._drop, daemon=True).start()
         for name in ("broadcast", "gather"):
             setattr(dist, name, self._late(getattr(dist, name)))
         intercept_all_reduces(self._late_all_reduce)  # in this spawned rank only
 
-    def _drop(self) -> None:
-        while True:
-            work, due = self.handles.get()
-            if isinstance(work, threading.Event):  # drain(): everything before it is dropped
-                work.set()
-                continue
-            time.sleep(max(0.0, due - time.monotonic()))
-            del work  # the last reference to the handle: dropped here, on this thread
+    def _let_go_late(self, work: Any, sent_ahead: bool) -> None:
+        """The last reference to ``work`` goes to a thread that drops it after the delay."""
+        delay = self.SENT_AHEAD_LATE_S if sent_ahead and self.SENT_AHEAD_LATE_S is not None else self.LATE_S
+        held = [work]
+        timer = threading.Timer(delay, held.clear)
+        timer.daemon = True
+        self.timers.append(timer)
+        timer.start()
 
     def drain(self) -> None:
-        """Wait until this thread dropped every handle: a handle it still held at exit would be freed
-        by a daemon thread during interpreter shutdown, the very abort under test (seen in the negative
-        control, where nothing waits for it)."""
-        done = threading.Event()
-        self.handles.put((done, 0.0))
-        done.wait(10)
+        """Wait until every handle was dropped: a handle still held at exit would be freed by a daemon
+        thread during interpreter shutdown, the very abort under test (seen in the negative control,
+        where nothing waits for it)."""
+        for timer in self.timers:
+            timer.join(10)
 
     def _late(self, real: Any) -> Any:
         def collective(tensor: torch.Tensor, *args: Any, async_op: bool = False, **kwargs: Any) -> Any:
             for t in [tensor, *(kwargs.get("gather_list") or [])]:  # gather: its outputs too, on the root
                 self.records.append((t, t._use_count(), async_op))
             work = real(tensor, *args, async_op=True, **kwargs)
-            if async_op:  # the overlapped all-reduce's buckets, the cut's exchange sent ahead: the caller
-                # holds the handle and waits on it
-                self.handles.put((work, time.monotonic() + self.LATE_S))  # and this thread lets go of it late
+            if async_op:  # the caller holds the handle and waits on it
+                self._let_go_late(work, sent_ahead=True)  # and a late thread lets go of it too
                 return work
             work.wait()
-            self.handles.put((work, time.monotonic() + self.LATE_S))
+            self._let_go_late(work, sent_ahead=False)
             return None
         return collective
 
@@ -105,8 +101,8 @@ class LateWorker:
             self.records.append((t, t._use_count(), sent_ahead))
         work = call()
         # the caller waits on the handle (dist.all_reduce does, for a call that is not sent ahead) and
-        # drops it; this thread lets go of it late
-        self.handles.put((work, time.monotonic() + self.LATE_S))
+        # drops it; a late thread lets go of it too
+        self._let_go_late(work, sent_ahead)
         return work
 
     def held(self, *, returned_only: bool = False) -> int:
@@ -164,14 +160,19 @@ def overlapped_steps_with_a_late_worker(rank: int, world_size: int, keep_buckets
         import autoaccum.distributed.overlap as overlap_module
         overlap_module.settled = lambda: contextlib.nullcontext(lambda t: t)
     late = LateWorker()
-    late.LATE_S = 0.3  # a margin for the negative control on a loaded machine: the step's tail is a few ms
+    # the buckets' handles let go of late (a margin for the negative control on a loaded machine: the step's
+    # tail is a few ms); the flag's exchange after them, settled, is let go of sooner, so that its wait
+    # does not also cover the buckets
+    late.LATE_S, late.SENT_AHEAD_LATE_S = 0.01, 0.3
     torch.manual_seed(0)
     # no buffers: nothing is broadcast after the buckets, whose settled wait would let the late worker catch up
     net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).double()
     model = autoaccum.distributed.wrap_model(net)
     sync = autoaccum.distributed.DistributedSync(model)
-    guard = autoaccum.OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.05), target_batch=32, micro_batch=8,
-                               sync=sync)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "autoaccum: overlap='on' is experimental")
+        guard = autoaccum.OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.05), target_batch=32,
+                                   micro_batch=8, sync=sync, overlap="on")
     x, y = _data()
     share = slice(16 * rank, 16 * (rank + 1))
     overlapped, buckets_held = [], []
