@@ -102,9 +102,10 @@ def _choose(stepper: Stepper, share: int, min_micro_batch: int) -> int:
     one (first) pass; no size is timed again while the largest that fits wins. When another size
     wins (by speed alone), both are timed once more, interleaved, and the choice is made again on
     the fastest readings -- up to RETIME_ROUNDS times while it still differs from the largest."""
-    largest = max(c.micro_batch for c in stepper.current.values() if c.status == "ok")
     chosen = choose_micro_batch(stepper.current.values(), share, min_micro_batch)
     for _ in range(RETIME_ROUNDS):
+        # a size whose retiming ran out of memory is no longer among those that fit
+        largest = max(c.micro_batch for c in stepper.current.values() if c.status == "ok")
         if chosen == largest:
             break
         for size in (chosen, largest):

@@ -239,12 +239,22 @@ class Stepper:
             return self.measured[(size, self.length)]
         return self._record(size, self._measure)
 
-    def retime(self, size: int) -> float:
-        """One more timed pass at a size that fits: the fastest reading so far of its micro-step time."""
+    def retime(self, size: int) -> float | None:
+        """One more timed pass at a size that fits: the fastest reading so far of its micro-step time.
+        None where the pass runs out of memory this time (a CUDA allocator's fragmentation, memory
+        another process took): the size is recorded as not fitting, and the probe chooses without it."""
         candidate = self.measured[(size, self.length)]
-        batch = self._batch(size)
         self._start(size)
-        _, seconds = self._pass(batch)
+        timed, failed = catch_oom(lambda: self._pass(self._batch(size)))
+        if failed or timed is None:  # outside any except block: the failed pass's activations are gone
+            self.steps += 1
+            self.ooms += 1
+            self._zero_grad()
+            release_memory(self.device)
+            self.measured[(size, self.length)] = Candidate(size, "oom", self.meter.last_oom_needed_bytes,
+                                                           length=self.length)
+            return None
+        seconds = timed[1]
         micro = min(seconds, candidate.micro_step_time_s or seconds)
         self.measured[(size, self.length)] = Candidate(
             size, candidate.status, candidate.peak_bytes, candidate.fwd_bwd_peak_bytes, candidate.opt_peak_bytes,

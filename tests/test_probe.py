@@ -839,3 +839,31 @@ def test_cuda_probe_copies_the_weights_on_the_device_and_reads_as_from_host_memo
     assert [(c.micro_batch, c.status, c.fwd_bwd_peak_bytes, c.opt_peak_bytes) for c in with_copy.candidates] == \
         [(c.micro_batch, c.status, c.fwd_bwd_peak_bytes, c.opt_peak_bytes) for c in on_host.candidates]
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_a_size_that_runs_out_of_memory_when_timed_again_is_dropped_from_the_choice(monkeypatch):
+    """Timing the largest size again can run out of memory where its first pass did not (on CUDA: the
+    allocator's fragmentation, memory another process took). The probe then records that size as not
+    fitting and chooses among the rest, instead of raising out of probe(). Here the budget shrinks
+    between the first passes and the retiming, and speed is made to pick the smaller size first (so
+    that both are timed again). Before, the OOM escaped."""
+    probe_module = importlib.import_module("autoaccum.probe")
+    with contextlib.ExitStack() as stack:
+        stepper = _stepper(stack, mlp())
+        stepper.warm_up(1)
+        for size in (8, 16):
+            assert stepper.measure(size).status == "ok"
+        # 16 no longer fits; 8 still does
+        passes = stepper.current[8].fwd_bwd_peak_bytes, stepper.current[16].fwd_bwd_peak_bytes
+        stepper.meter.budget_bytes = sum(passes) // 2
+        real, first = probe_module.choose_micro_batch, [True]
+
+        def speed_picks_8_first(*args):
+            if first.pop() if first else False:
+                return 8
+            return real(*args)
+
+        monkeypatch.setattr(probe_module, "choose_micro_batch", speed_picks_8_first)
+        chosen = probe_module._choose(stepper, 4096, 1)
+    assert stepper.current[16].status == "oom" and stepper.ooms == 1
+    assert chosen in (1, 8) and stepper.current[8].status == "ok"  # by speed among the sizes that still fit
