@@ -1,7 +1,7 @@
 """Smoke test of the real-GPU benchmark (issue 16; benchmarks/real_gpu.py, the package benchmarks/realgpu/),
 its issue-40 rows (``--rows issue40``: the models people bring, fit against a hand-written loop), and of
 what the GPU sessions need besides it: ``compare.py --out`` (resumable by workload),
-benchmarks/gpu_session.sh and benchmarks/gpu_rows40.sh.
+benchmarks/gpu_session.sh.
 
 On a CPU the benchmark runs its small models under an emulated budget, squeeze (iii) only: (i) and (ii)
 need CUDA and must be skipped with their reason, never imitated, and RESULTS.md is never written. The
@@ -233,45 +233,6 @@ def test_compare_is_resumable_by_workload(rg, tmp_path, monkeypatch):
     assert runner.run(runner.Config(**{**vars(config), "out": None}))["results"][0]["steps"] == 4  # nothing saved
 
 
-def test_gpu_session_dry_run_lists_every_step(tmp_path):
-    result = subprocess.run(["bash", str(BENCHMARKS / "gpu_session.sh"), "--dry-run"], capture_output=True,
-                            text=True, cwd=ROOT, env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "o")},
-                            timeout=60)
-    assert result.returncode == 0, result.stderr
-    steps = [line.split()[1] for line in result.stdout.splitlines() if line.startswith("step ")]
-    assert steps == ["env", "pytest_gpu", "probe_cuda", "probe_cuda_estimate", "recovery_gpt512", "recovery_gpt128",
-                     "cold_probe", "real_gpu_gpt2", "real_gpu_resnet50", "real_gpu_vit_b16", "real_gpu_mlp", "real_gpu_report",
-                     "compare_gpu"]
-    assert "timeout" in result.stdout and str(tmp_path / "o") in result.stdout
-    again = subprocess.run(["bash", str(BENCHMARKS / "gpu_session.sh"), "--dry-run", "--steps", "real_gpu,compare"],
-                           capture_output=True, text=True, cwd=ROOT, env={"PATH": "/usr/bin:/bin"}, timeout=60)
-    assert [line.split()[1] for line in again.stdout.splitlines() if line.startswith("step ")] == steps[7:]
-
-
-def test_cold_probe_smoke_accounts_for_the_probe_and_the_start_up(tmp_path):
-    """benchmarks/cold_probe.py on a CPU: fresh processes, the probe's parts inside its wall time, a plan that
-    covers the target, and both snapshot variants timed."""
-    result = subprocess.run([sys.executable, str(BENCHMARKS / "cold_probe.py"), "--repeats", "1", "--steps", "3"],
-                            capture_output=True, text=True, cwd=tmp_path, timeout=300,
-                            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
-    assert result.returncode == 0, result.stderr[-2000:]
-    table, _, document = result.stdout.partition("\n{")
-    assert "| **probe's added time**" in table
-    doc = json.loads("{" + document)
-    probe, plain = doc["processes"]["probe"][0], doc["processes"]["plain"][0]
-    assert doc["probe_ooms"] == [0] and doc["found"][0] >= doc["plan"]["micro_batch"]
-    assert probe["plan"] == doc["plan"] and len(probe["step_s"]) == len(plain["step_s"]) == 3
-    for wall, parts in ((probe["probe_wall_s"], probe["parts_s"]), (probe["warm_probe_wall_s"], probe["warm_parts_s"])):
-        assert all(v > 0 for v in parts.values()), parts  # every part ran, inside the probe's wall time
-        assert sum(parts.values()) <= wall, (parts, wall)
-    assert set(probe["snapshot_s"]) == {"state", "pageable"}
-    assert all(len(r) == 3 and len(r[0]) == 3 for r in probe["snapshot_s"].values())
-    row = doc["per_repeat"][0]
-    steady = row["steady_step_s"]
-    assert row["added_step_eq"] == pytest.approx(
-        (probe["probe_wall_s"] + sum(probe["step_s"][:2]) - sum(plain["step_s"][:2])) / steady)
-
-
 @pytest.mark.gpu
 def test_another_process_leaves_this_one_the_budget(rg):
     device = torch.device("cuda:0")
@@ -356,13 +317,13 @@ def test_the_loops_rate_leaves_out_the_first_steps(rg):
     assert rg.loops.rate([0.0, 5.0, 10.0], 8) is None  # one step after the two left out: no interval
 
 
-def test_gpu_rows40_dry_run_lists_the_steps_in_priority_order(tmp_path):
-    result = subprocess.run(["bash", str(BENCHMARKS / "gpu_rows40.sh"), "--dry-run"], capture_output=True,
+def test_gpu_session_dry_run_lists_the_steps_in_priority_order(tmp_path):
+    result = subprocess.run(["bash", str(BENCHMARKS / "gpu_session.sh"), "--dry-run"], capture_output=True,
                             text=True, cwd=ROOT, env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "o")},
                             timeout=60)
     assert result.returncode == 0, result.stderr
     steps = [line.split()[1] for line in result.stdout.splitlines() if line.startswith("step ")]
-    assert steps == ["env", "pytest_gpu", "row_gpt2_355m_bf16", "row_llama_1b_lora_bf16", "row_vit_b16_bf16",
+    assert steps == ["env", "pytest_gpu", "ddp_gpu", "row_gpt2_355m_bf16", "row_llama_1b_lora_bf16", "row_vit_b16_bf16",
                      "row_resnet50_bf16", "row_vit_b16_fp32", "row_resnet50_fp32", "report"]
     assert "--rows issue40" in result.stdout and "--size gpu" in result.stdout
 

@@ -1,4 +1,4 @@
-"""The fault-injection soak (benchmarks/soak.py, issue 14), briefly: one episode on 2 gloo ranks of a
+"""The fault-injection soak (tests/stress/soak.py), briefly: one episode on 2 gloo ranks of a
 few dozen fp64 steps, launched as torchrun would, with OOMs in forward, loss, backward and evaluation
 (several ranks at once too), budget drops and rises, a SIGKILL of one rank and an exception on one
 rank, each followed by a restart with ``resume=True``.
@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-SOAK = Path(__file__).resolve().parent.parent / "benchmarks" / "soak.py"
+SOAK = Path(__file__).resolve().parent / "stress" / "soak.py"
 WORLD = 2
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 
 @pytest.fixture(scope="module")
 def soak() -> Any:
-    """benchmarks/soak.py as a module (benchmarks/ is not a package)."""
+    """tests/stress/soak.py as a module (tests/stress/ is not a package)."""
     spec = importlib.util.spec_from_file_location("autoaccum_soak_bench", SOAK)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the class is made

@@ -26,8 +26,8 @@ Variants (the same model, data and final check of the weights across ranks):
 ``--overhead`` measures instead what the wait costs: all-reduces of a small tensor on 2 ranks, with
 and without ``settled``, alternating blocks.
 
-    python benchmarks/exit_aborts.py [--runs 100] [--parallel 4] [--unfixed] [--json-only]
-    python benchmarks/exit_aborts.py --overhead
+    python tests/stress/exit_aborts.py [--runs 100] [--parallel 4] [--unfixed] [--json-only]
+    python tests/stress/exit_aborts.py --overhead
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 VARIANTS = ("autoaccum", "autoaccum_no_destroy", "plain_ddp")
 
 
@@ -257,7 +257,7 @@ def main() -> None:
         return
     import torch
 
-    meta = {"command": "python benchmarks/exit_aborts.py " + " ".join(sys.argv[1:]),
+    meta = {"command": "python tests/stress/exit_aborts.py " + " ".join(sys.argv[1:]),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start",
             "torch": torch.__version__, "python": platform.python_version()}

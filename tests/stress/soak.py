@@ -30,9 +30,9 @@ weights must hold exactly the documented global batches, nothing lost, nothing r
 parameters against a fault-free run of the same world size (relative difference <= 1e-10; no step is
 deliberately skipped here), the time lost per injected OOM, and the number of faults.
 
-    python benchmarks/soak.py [--worlds 2 4] [--episodes 10] [--steps 300] [--seed 0] [--overlap off|on]
+    python tests/stress/soak.py [--worlds 2 4] [--episodes 10] [--steps 300] [--seed 0] [--overlap off|on]
                               [--json-only] [--out FILE]
-    python benchmarks/soak.py --sabotage ...   # the negative control: must report repeated ids and a param diff
+    python tests/stress/soak.py --sabotage ...   # the negative control: must report repeated ids and a param diff
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = 1e-10  # final parameters against the fault-free run, relative (fp64)
 
 
@@ -676,7 +676,7 @@ def main() -> None:
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    result.update(command="python benchmarks/soak.py " + " ".join(sys.argv[1:]),
+    result.update(command="python tests/stress/soak.py " + " ".join(sys.argv[1:]),
                   date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                   machine=f"{platform.machine()}, {os.cpu_count()} CPUs", torch=torch.__version__,
                   python=platform.python_version())
