@@ -14,6 +14,8 @@ probes real steps; it then cuts every global batch into the micro-batches that f
 module's own ``training_step`` on each, and replays a step that runs out of memory on the same
 samples with a smaller micro-batch. Lightning keeps the rest: the optimizer step, gradient
 clipping, schedulers (stepped once per optimizer step), logging, validation and checkpoints.
+Changing ``accumulate_grad_batches`` during training (``GradientAccumulationScheduler``, or a
+callback) is refused: at setup for a scheduler, at the batch where it changed otherwise.
 
 How (the smallest construct Lightning allows): a callback cannot own backward, so for the duration
 of ``fit`` it sets three attributes on the module instance (its class is not touched, and they are
@@ -67,6 +69,9 @@ __all__ = ["AutoAccum"]
 
 _PATCHED = ("training_step", "backward", "optimizer_zero_grad")
 
+_CHANGING_BATCH = ("The global batch is the DataLoader's batch_size per process, fixed for a fit: drop the change, "
+                   "or train each phase with its own Trainer, AutoAccum and DataLoader batch size.")
+
 
 def _mean_loss(output: Any) -> torch.Tensor:
     loss = output.get("loss") if isinstance(output, Mapping) else output
@@ -118,6 +123,13 @@ class AutoAccum(pl.Callback):
             problems.append(f"accumulate_grad_batches={trainer.accumulate_grad_batches}: give the DataLoader "
                             f"batch_size = the global batch per process and leave accumulate_grad_batches at 1 "
                             f"(AutoAccum accumulates)")
+        for callback in trainer.callbacks:
+            scheduling = getattr(callback, "scheduling", None)
+            if isinstance(callback, pl.callbacks.GradientAccumulationScheduler) and isinstance(scheduling, dict) \
+                    and any(k != 1 for k in scheduling.values()):
+                problems.append(f"GradientAccumulationScheduler({scheduling}): it sets accumulate_grad_batches "
+                                f"at an epoch's start, and AutoAccum takes one optimizer step per DataLoader batch. "
+                                f"{_CHANGING_BATCH}")
         if not pl_module.automatic_optimization:
             problems.append("manual optimization (automatic_optimization=False): AutoAccum owns the backward of "
                             "automatic optimization; in a manual loop use OOMGuard.accumulate directly")
@@ -136,6 +148,15 @@ class AutoAccum(pl.Callback):
                                scaler=getattr(trainer.precision_plugin, "scaler", None), **self.options)
         self.guard.load_state_dict(self._saved)
         self._patch(pl_module)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        # refused where it changed (a callback may set it during training): Lightning would then step once per
+        # k batches while the guard starts every batch from cleared gradients -- each step the last batch's only
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(f"AutoAccum: accumulate_grad_batches became {trainer.accumulate_grad_batches} at "
+                             f"epoch {trainer.current_epoch} (step {trainer.global_step}); it must stay 1: "
+                             f"AutoAccum takes one exact optimizer step per DataLoader batch. {_CHANGING_BATCH}")
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
