@@ -69,12 +69,12 @@ class Watch(TrainerCallback):
 
 
 def train(trainer_cls, model, args, *, data=None, budget=None, drop_after=None, per_sample=False, resume=None,
-          **kwargs):
+          callbacks=(), **kwargs):
     audit = IdAudit(model)
     audit.hook_forward(model, ids_of)
     meter = emulated_budget(budget, model) if budget is not None else None
     watch = Watch(audit, None if drop_after is None else (drop_after, meter, parse_bytes(LOWER)))
-    trainer = trainer_cls(model=model, args=args, train_dataset=data or Rows(), callbacks=[watch],
+    trainer = trainer_cls(model=model, args=args, train_dataset=data or Rows(), callbacks=[watch, *callbacks],
                           data_collator=lambda rows: collate(rows, per_sample), **kwargs)
     if meter is None:
         trainer.train(resume_from_checkpoint=resume)
@@ -182,6 +182,27 @@ def test_per_sample_labels_are_weighted_by_samples_where_hfs_count_path_would_su
 def test_what_it_cannot_run_is_refused_at_construction(tmp_path):
     with pytest.raises(ValueError, match=r"auto_find_batch_size=True: it shrinks the batch.*Drop it"):
         AutoAccumTrainer(model=gpt2(), args=arguments(str(tmp_path), 2, 4, auto_find_batch_size=True))
+
+
+class _AccumulateFrom(TrainerCallback):
+    """A callback that sets ``args.gradient_accumulation_steps`` (HF's inner loop reads it every step)."""
+
+    def __init__(self, step: int, value: int) -> None:
+        self.step, self.value = step, value
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            args.gradient_accumulation_steps = self.value
+
+
+def test_gradient_accumulation_steps_changed_during_the_run_is_refused_at_the_next_step(tmp_path):
+    """HF would then call training_step twice per optimizer step, each from the gradients the guard cleared: the
+    last global batch's alone. Refused at step 3. Negative control: set to 1 (unchanged), the run completes."""
+    args = arguments(str(tmp_path), PER_DEVICE, ACCUM)
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps became 2 at step 2; it must stay 1"):
+        train(AutoAccumTrainer, gpt2(), args, micro_batch=3, callbacks=[_AccumulateFrom(2, 2)])
+    trainer, _, _ = train(AutoAccumTrainer, gpt2(), args, micro_batch=3, callbacks=[_AccumulateFrom(2, 1)])
+    assert trainer.state.global_step == STEPS
 
 
 # -- a model whose forward takes no loss keyword arguments: its own token mean, reweighted by tokens -----------
