@@ -208,7 +208,9 @@ class AutoAccum(pl.Callback):
             with _muted_logging(pl_module):
                 self.guard.build(batch, self._loss)
         self.last = self.guard.accumulate(batch, self._loss)
-        return torch.tensor(self.last.loss, device=pl_module.device)
+        # in the parameters' dtype: the loss Lightning logs is then the one its own full-batch step returns
+        dtype = next((p.dtype for p in pl_module.parameters() if p.is_floating_point()), torch.get_default_dtype())
+        return torch.tensor(self.last.loss, dtype=dtype, device=pl_module.device)
 
     def _run_training_step(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         args, kwargs = self._step_args
