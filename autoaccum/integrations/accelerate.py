@@ -37,7 +37,10 @@ the accumulation, so that must be 1 (refused otherwise, also where it is changed
 the next step), and ``accelerator.accumulate`` is not used.
 Not supported: DeepSpeed, Megatron-LM and XLA (their engines own backward). A prepared loader puts
 each global batch on the device whole; ``accelerator.prepare(..., loader, device_placement=[..., False])``
-leaves it in host memory, and the guard moves one micro-batch at a time. With ``even_batches``
+leaves it in host memory, and the guard moves one micro-batch at a time. The last, shorter batch of
+an epoch is one exact step on the samples it holds (Accelerate's own accumulation would divide each of
+its ``j`` remaining micro-batches by ``gradient_accumulation_steps`` ``k``: ``j/k`` of their mean
+gradient). With ``even_batches``
 (Accelerate's default) the last batch of an epoch is filled up with samples from its start on
 every process, as in any Accelerate loop; ``Accelerator(even_batches=False)`` or a ``drop_last``
 loader avoid it.

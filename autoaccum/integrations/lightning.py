@@ -15,7 +15,10 @@ module's own ``training_step`` on each, and replays a step that runs out of memo
 samples with a smaller micro-batch. Lightning keeps the rest: the optimizer step, gradient
 clipping, schedulers (stepped once per optimizer step), logging, validation and checkpoints.
 Changing ``accumulate_grad_batches`` during training (``GradientAccumulationScheduler``, or a
-callback) is refused: at setup for a scheduler, at the batch where it changed otherwise.
+callback) is refused: at setup for a scheduler, at the batch where it changed otherwise. The last,
+shorter batch of an epoch is one exact step on the samples it holds (Lightning's own accumulation
+divides each of the last window's ``j`` batches by ``accumulate_grad_batches`` ``k``: ``j/k`` of
+their mean gradient).
 
 How (the smallest construct Lightning allows): a callback cannot own backward, so for the duration
 of ``fit`` it sets three attributes on the module instance (its class is not touched, and they are
