@@ -127,10 +127,12 @@ class StandIn:
         return StandIn(optimizer)
 
     def put_back(self) -> None:
-        """The caller's state tensors as they were before the probe, bit for bit (in place)."""
+        """The caller's state tensors as they were before the probe, bit for bit (in place); the state the
+        stand-in's steps created is dropped (its memory free at once, as after a first step undone)."""
         with torch.no_grad():
             for t, saved in self._saved:
                 t.copy_(saved)
+        self.optimizer.state = defaultdict(dict)
 
 
 class Stepper:

@@ -233,8 +233,8 @@ class _TrainerLoss:
     def _own_mean(self, model: torch.nn.Module, batch: Batch, num_items_in_batch: int | None) -> LossOutput:
         """The model's own mean loss (HF passes no count): per-token labels reweighted by the
         micro-batch's share of the step's tokens, ``mean * n / N`` = its summed token losses over N."""
+        counted = self.count_items(model, batch)  # first: asking the model (once) runs no forward beside this one
         loss = self._compute(model, batch, None)
-        counted = self.count_items(model, batch)
         if counted is None:
             return loss  # a per-sample mean, weighted by samples
         if counted == 0:  # no target: its mean is 0/0; it adds nothing to the step
