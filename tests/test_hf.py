@@ -346,8 +346,8 @@ def test_whether_a_loss_shifts_labels_is_read_from_what_it_does():
                          ids=["drop-in-causal-lm", "unshifted"])
 def test_fit_with_a_replaced_loss_function_equals_full_batch_token_mean_descent(loss_function, monkeypatch):
     """``fit`` on dict batches with the model's own loss, cut 5 x 7 (last 4) from 32: token-exact whatever
-    the model's loss function is. Negative control: counting by the function's identity (the drop-in is not
-    ``ForCausalLMLoss``, the unshifted one is taken for it) divides every step by the wrong token count."""
+    the model's loss function is. Negative control: the opposite verdict (for the drop-in, the one its
+    identity gives: not ``ForCausalLMLoss``, so unshifted) divides every step by the wrong token count."""
     import autoaccum.losses
 
     batches = [padded_tokens(32, seed=s) for s in range(3)]
@@ -361,8 +361,6 @@ def test_fit_with_a_replaced_loss_function_equals_full_batch_token_mean_descent(
         return model
 
     assert rel_diff(params(trained()), params(reference)) <= RTOL
-    from transformers.loss.loss_utils import ForCausalLMLoss
-
-    wrong = loss_function is not ForCausalLMLoss if loss_function is _unshifted_token_loss else False
-    monkeypatch.setattr(autoaccum.losses, "loss_shifts_labels", lambda f, device="cpu": wrong)
+    opposite = loss_function is _unshifted_token_loss
+    monkeypatch.setattr(autoaccum.losses, "loss_shifts_labels", lambda f, device="cpu": opposite)
     assert rel_diff(params(trained()), params(reference)) > 1e-3

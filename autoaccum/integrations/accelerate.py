@@ -105,6 +105,7 @@ def guard_for(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch
     inner = optimizer
     while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
         inner = inner.optimizer  # AcceleratedOptimizer -> the torch optimizer
+
     def still_one_step_per_batch() -> None:
         # Accelerate's accumulation set during the run would step once per k batches, each from the gradients the
         # guard cleared at the last batch's start: every optimizer step the last batch's alone. Refused here.

@@ -176,14 +176,14 @@ class _TrainerLoss:
         skips first labels averages over no target (NaN, or 0), one that counts them gives that
         label's loss. Run on the module itself (no collective), with RNG and buffers put back."""
         t = self.trainer
-        n = batch["labels"].shape[0]
-        one = dict(split_batch(batch, [row, 1, n - row - 1])[1])
-        kept = one["labels"].clone()
-        kept[..., 1:] = IGNORE_INDEX
-        one["labels"] = kept
         module = self._module(model)
         rng, buffers = capture_rng(), capture_buffers(state_buffers(module))
         try:
+            n = batch["labels"].shape[0]
+            one = dict(split_batch(batch, [row, 1, n - row - 1])[1])
+            kept = one["labels"].clone()
+            kept[..., 1:] = IGNORE_INDEX
+            one["labels"] = kept
             with torch.no_grad(), t.compute_loss_context_manager():
                 loss = t.compute_loss(module, t._prepare_inputs(one))
         except Exception:  # noqa: BLE001 -- any failure means: the count cannot be read this way
@@ -241,7 +241,7 @@ class _TrainerLoss:
             loss = loss.nan_to_num(0.0) * 0.0
         if num_items_in_batch is None:  # the probe: (sum, count)
             return loss * counted, counted
-        return loss * (counted / num_items_in_batch)
+        return loss * (counted / num_items_in_batch) if num_items_in_batch else loss * 0.0
 
 
 class AutoAccumTrainer(Trainer):
