@@ -14,17 +14,21 @@ hold ``labels``). How that loss is weighted across micro-batches follows what it
   even for a float64 model; the same arithmetic on both sides keeps them equal). A model that takes
   no loss keyword arguments gets ``loss * count / N``. Called without a count (by the probe, the
   evaluation, or by hand) the loss returns ``(loss_sum, count)``. Predicted tokens are counted as
-  the model counts them: labels other than -100, after the shift by one that causal-LM losses
-  (``ForCausalLMLoss``) apply inside the model (the first label of each row is never a target), or
-  ``shift_labels`` where the batch carries them.
+  the model counts them: labels other than -100, after the shift by one that causal-LM losses apply
+  inside the model (the first label of each row is never a target), or ``shift_labels`` where the
+  batch carries them. Whether the model's ``loss_function`` shifts is asked of the function itself
+  (:func:`loss_shifts_labels`), so a drop-in replacement of ``ForCausalLMLoss`` counts as one.
 - **per-sample losses** (``labels`` of one value per sample: sequence or image classification)
   are means over the micro-batch, weighted by its share of the samples.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import math
 import sys
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,7 +39,7 @@ from autoaccum.batch import Batch
 from autoaccum.errors import TaskError
 from autoaccum.task import LossOutput
 
-__all__ = ["IGNORE_INDEX", "DefaultLoss", "default_loss", "model_loss", "predicted_tokens"]
+__all__ = ["IGNORE_INDEX", "DefaultLoss", "default_loss", "loss_shifts_labels", "model_loss", "predicted_tokens"]
 
 #: the label value Hugging Face (and torch's cross_entropy) leave out of a loss
 IGNORE_INDEX = -100
@@ -75,15 +79,74 @@ def _per_token(batch: Mapping[str, Any]) -> bool:
 
 
 def _shifts_labels(model: torch.nn.Module) -> bool:
-    """The model's loss shifts labels by one (a causal LM), the way Hugging Face's Trainer decides it."""
+    """Whether the model's loss shifts labels by one (a causal LM): decided by what its ``loss_function``
+    does (:func:`loss_shifts_labels`), not by which function it is."""
     inner = getattr(model, "module", model)  # a DDP wrapper: the model inside
+    if bool(getattr(getattr(inner, "config", None), "is_encoder_decoder", False)):
+        return False  # decoder labels are aligned with right-shifted decoder inputs: every label is a target
+    loss_function = getattr(inner, "loss_function", None)
+    return callable(loss_function) and loss_shifts_labels(loss_function, _device_of(inner))
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+#: verdicts of :func:`loss_shifts_labels`, per loss function (weakly: a function that goes is forgotten)
+_SHIFTS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def loss_shifts_labels(loss_function: Any, device: torch.device | str = "cpu") -> bool:
+    """Whether ``loss_function(logits=..., labels=..., vocab_size=...)`` (Hugging Face's calling
+    convention) never counts a row's first label, as a causal-LM loss that shifts labels by one.
+
+    Asked of the function itself, on one row of two positions with uniform logits (every target's
+    cross-entropy is ``log 2``): with only the first label kept, a shifting loss has no target
+    (NaN from a mean over none, or 0), one that does not shift has one (``log 2``); with only the
+    second kept, both have one, which checks that the function is such a loss at all. Where it is
+    not (it raises, or the second call is not ``log 2`` up to float32 rounding), the answer is
+    Hugging Face's own rule: it is ``ForCausalLMLoss``.
+    """
+    try:
+        return _SHIFTS[loss_function]
+    except (KeyError, TypeError):  # not asked yet, or a function that cannot be weakly referenced
+        pass
+    verdict = _ask_loss(loss_function, torch.device(device))
+    if verdict is None:
+        verdict = _is_causal_lm_loss(loss_function)
+    with contextlib.suppress(TypeError):
+        _SHIFTS[loss_function] = verdict
+    return verdict
+
+
+def _ask_loss(loss_function: Any, device: torch.device) -> bool | None:
+    logits = torch.zeros(1, 2, 2, device=device)
+    log2 = math.log(2.0)
+
+    def loss_with(labels: list[int]) -> float:
+        value = loss_function(logits=logits, labels=torch.tensor([labels], device=device), vocab_size=2)
+        return float(value.detach().float()) if isinstance(value, torch.Tensor) and value.numel() == 1 else math.nan
+
+    try:
+        with torch.no_grad():
+            second, first = loss_with([IGNORE_INDEX, 1]), loss_with([1, IGNORE_INDEX])
+    except Exception:  # noqa: BLE001 -- any failure means: not a loss this test can read
+        return None
+    if not math.isclose(second, log2, rel_tol=1e-5):
+        return None
+    if math.isclose(first, log2, rel_tol=1e-5):
+        return False
+    if math.isnan(first) or first == 0.0:
+        return True
+    return None
+
+
+def _is_causal_lm_loss(loss_function: Any) -> bool:
     if "transformers" not in sys.modules:
         return False
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    loss_function = getattr(inner, "loss_function", None)
-    is_encoder_decoder = bool(getattr(getattr(inner, "config", None), "is_encoder_decoder", False))
-    return loss_function is ForCausalLMLoss and not is_encoder_decoder
+    return loss_function is ForCausalLMLoss
 
 
 def predicted_tokens(model: torch.nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:

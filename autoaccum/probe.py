@@ -8,7 +8,8 @@ laddered: the smallest the model trains at (1, or 2 with BatchNorm), a safe seco
 size the fitted model says is the largest under the budget, verified by a measurement, refined by
 bisection where the model does not hold. Among the sizes that fit, the plan measured fastest wins
 (ties to fewer passes); sizes are timed again only where the choice hangs on it. Every pass runs under the run's precision (autocast, and a GradScaler for
-fp16). Afterwards the model, optimizer and RNG are exactly as before (invariant 4).
+fp16). Afterwards the model, optimizer and RNG are exactly as before (invariant 4); a caller's optimizer is
+not even called where a stand-in can step for it (``autoaccum.stepper.StandIn``).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from autoaccum.size_search import search_sizes
 from autoaccum.length_search import search_lengths
 from autoaccum.lengths import LengthProfile
 from autoaccum.state import WeightsCopy
-from autoaccum.stepper import HostSnapshotNeeded, Stepper
+from autoaccum.stepper import HostSnapshotNeeded, StandIn, Stepper
 from autoaccum.task import LossFn, Task, default_optimizer, resolve_task, trainable_parameters
 from autoaccum.validate import check_positive_int
 
@@ -346,12 +347,15 @@ def _measure_once(task: Task, optimizer: Any, precision: Precision, budget_bytes
                   max_candidates: int, profile: LengthProfile | None) -> _Measured:
     device = trainable_parameters(task.model)[0].device
     run_model, make_optimizer = task.model, task.make_optimizer
-    run_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+    user_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+    # the caller's optimizer is not stepped where a stand-in can be (autoaccum.stepper.StandIn)
+    stand_in = None if estimate or user_optimizer is None else StandIn.of(user_optimizer)
+    run_optimizer = user_optimizer if stand_in is None else stand_in.optimizer
     usable = usable_bytes(budget_bytes, headroom)
     copy_weights = copy_weights and _room_for_weights_copy(task.model, run_optimizer, device, usable)
     # an estimate runs on fake copies: of the real state only the generators can change
     snapshot: Any = training_state.capture_rng() if estimate else \
-        training_state.capture(task.model, run_optimizer, parameters=not copy_weights)
+        training_state.capture(task.model, user_optimizer if stand_in is None else None, parameters=not copy_weights)
     weights_copy: WeightsCopy | None = None
     fake_mode: Any = None
     if estimate:  # fake tensors, on the model's CUDA device where torch can, else on cpu: see autoaccum.estimate
@@ -396,8 +400,9 @@ def _measure_once(task: Task, optimizer: Any, precision: Precision, budget_bytes
         if estimate:
             training_state.restore_rng(snapshot)
         else:
-            training_state.restore(snapshot, task.model, run_optimizer if isinstance(optimizer, torch.optim.Optimizer)
-                                   else None)
+            training_state.restore(snapshot, task.model, user_optimizer if stand_in is None else None)
+            if stand_in is not None:
+                stand_in.put_back()
             del snapshot  # its page-locked host copies go back
             training_state.release_pinned_memory()
     return _Measured(stepper, model_fit, token_model, note, best)

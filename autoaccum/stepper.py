@@ -27,13 +27,20 @@ measured once, and every candidate size only runs forward and backward:
 Each pass runs under the run's precision: forward and loss under autocast, the loss scaled by a
 GradScaler for fp16. An OOM ends the size (status ``oom``) and is recovered outside the
 ``except`` block.
+
+The caller's optimizer is not stepped: the warm-up's steps run on a :class:`StandIn`, a second object
+of its class over the same parameter groups and state tensors, without its instance's hooks and
+wrappers (an LR scheduler's step counter, ``register_step_post_hook``, a patched ``zero_grad``).
+Gradients are cleared by setting ``.grad`` to None: no ``zero_grad`` of any optimizer is called.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -47,7 +54,7 @@ from autoaccum.report import Candidate, Status
 from autoaccum.state import WeightsCopy
 from autoaccum.task import LossFn, check_loss
 
-__all__ = ["HostSnapshotNeeded", "Stepper"]
+__all__ = ["HostSnapshotNeeded", "StandIn", "Stepper"]
 
 logger = logging.getLogger("autoaccum.probe")
 
@@ -59,6 +66,73 @@ class HostSnapshotNeeded(Exception):
     def __init__(self, reason: str, steps: int = 0, ooms: int = 0, optimizer_steps: int = 0) -> None:
         super().__init__(reason)
         self.steps, self.ooms, self.optimizer_steps = steps, ooms, optimizer_steps
+
+
+def _state_tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _state_tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _state_tensors(v)
+
+
+class StandIn:
+    """The probe's optimizer in place of the caller's (invariant 4: the caller's is left untouched).
+
+    :attr:`optimizer` is a second object of the caller's class, made without its ``__init__``: the
+    same parameters and hyperparameters (its own copies of the group dicts), its own ``state`` whose
+    per-parameter dicts hold the caller's state tensors (new entries stay in the stand-in), fresh
+    hook registries, and the caller's other attributes except instance-level overrides of methods
+    (an LR scheduler's wrapper of ``step``, a patched ``zero_grad``). Its steps update the shared state
+    tensors in place; :meth:`put_back` copies their saved values back into the same tensors, bit for
+    bit. What still sees the probe's two steps: hooks registered on the class or globally
+    (``torch.optim.optimizer.register_optimizer_step_pre_hook``) and class-level patches of ``step``.
+
+    Args:
+        optimizer: the caller's optimizer; see :meth:`of` for which ones can have a stand-in.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        cls = type(optimizer)
+        clone = cls.__new__(cls)
+        for name, value in vars(optimizer).items():
+            if callable(value) and callable(getattr(cls, name, None)):
+                continue  # an instance-level override of a method: the class's own runs
+            if name.startswith("_optimizer_") and name.endswith("_hooks"):
+                value = OrderedDict()  # the instance's hooks are the caller's
+            elif isinstance(value, (dict, list)):
+                value = value.copy()  # (state and param_groups are made below)
+            vars(clone)[name] = value
+        clone.param_groups = [dict(group) for group in optimizer.param_groups]
+        clone.state = defaultdict(dict, {p: dict(s) for p, s in optimizer.state.items()})
+        self.optimizer: torch.optim.Optimizer = clone
+        self._saved = [(t, t.detach().to("cpu", copy=True)) for s in optimizer.state.values()
+                       for t in _state_tensors(s)]
+
+    @staticmethod
+    def of(optimizer: torch.optim.Optimizer) -> StandIn | None:
+        """A stand-in for ``optimizer``, or None where its state may live outside ``state`` and
+        ``param_groups`` (a class with its own ``state_dict``/``load_state_dict``, or one that holds
+        another optimizer): the probe then steps the caller's optimizer and restores it through its
+        ``state_dict``."""
+        cls = type(optimizer)
+        base = torch.optim.Optimizer
+        if cls.state_dict is not base.state_dict or cls.load_state_dict is not base.load_state_dict:
+            return None
+        if any(isinstance(v, base) for v in vars(optimizer).values()):
+            return None
+        return StandIn(optimizer)
+
+    def put_back(self) -> None:
+        """The caller's state tensors as they were before the probe, bit for bit (in place); the state the
+        stand-in's steps created is dropped (its memory free at once, as after a first step undone)."""
+        with torch.no_grad():
+            for t, saved in self._saved:
+                t.copy_(saved)
+        self.optimizer.state = defaultdict(dict)
 
 
 class Stepper:
@@ -144,7 +218,10 @@ class Stepper:
                 f"apply it after optimizer.step() instead, or make it act from the first call.")
 
     def _zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        """As ``zero_grad(set_to_none=True)`` does, without the call (which wrappers and counters of it would see)."""
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
         self.holding_grads = False
 
     def _start(self, size: int) -> None:

@@ -18,10 +18,11 @@ def mlp() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, 512), torch.nn.Tanh(), torch.nn.Linear(512, 12)).double()
 
 
-def samples(padded: bool = False) -> list[dict[str, torch.Tensor]]:
+def samples(padded: bool = False, n: int = N) -> list[dict[str, torch.Tensor]]:
+    """``n`` rows (the first ``N`` the same whatever ``n``)."""
     g = torch.Generator().manual_seed(0)
     rows = []
-    for i in range(N):
+    for i in range(n):
         y = torch.randint(0, 3, (4,), generator=g)
         if padded:
             y[int(torch.randint(1, 5, (1,), generator=g)):] = -100

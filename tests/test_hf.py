@@ -10,6 +10,7 @@ forward, and the comparison holds to 1e-10.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import warnings
 
@@ -297,3 +298,69 @@ def test_the_probe_of_gpt2_with_tied_weights_and_of_a_batchnorm_resnet_leaves_no
     g = torch.Generator().manual_seed(0)
     images = {"pixel_values": torch.randn(64, 3, 32, 32, generator=g), "labels": torch.randint(0, 10, (64,), generator=g)}
     _probe_leaves_no_trace(resnet(), lambda b: {k: v[:b] for k, v in images.items()}, device, budget)
+
+
+# -- whether labels are shifted is asked of the loss function, not read from its identity ----------------------
+def _causal_lm_loss_in_float64(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
+                               shift_labels=None, **kwargs):
+    """``ForCausalLMLoss`` without its float32 cast: a drop-in replacement, as kernel libraries and
+    fine-tuning frameworks install them (``model.loss_function = ...``)."""
+    if shift_labels is None:
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab_size), shift_labels.reshape(-1),
+                                             ignore_index=ignore_index,
+                                             reduction="sum" if num_items_in_batch is not None else "mean")
+    return loss if num_items_in_batch is None else loss / num_items_in_batch
+
+
+def _unshifted_token_loss(logits, labels, vocab_size, num_items_in_batch=None, **kwargs):
+    """A per-token loss that does not shift (every label other than -100 is a target)."""
+    return _causal_lm_loss_in_float64(logits, labels, vocab_size, num_items_in_batch, shift_labels=labels)
+
+
+def _with_loss(loss_function) -> torch.nn.Module:
+    model = gpt2()
+    model.loss_function = loss_function
+    return model
+
+
+def test_whether_a_loss_shifts_labels_is_read_from_what_it_does():
+    from transformers.loss.loss_utils import ForCausalLMLoss, ForMaskedLMLoss
+
+    from autoaccum.losses import loss_shifts_labels
+
+    assert loss_shifts_labels(ForCausalLMLoss) is True and loss_shifts_labels(ForMaskedLMLoss) is False
+    assert loss_shifts_labels(_causal_lm_loss_in_float64) is True  # a drop-in: same answer as the original
+    assert loss_shifts_labels(_unshifted_token_loss) is False
+    assert loss_shifts_labels(functools.partial(_causal_lm_loss_in_float64, ignore_index=-100)) is True
+    # a function this test cannot read (another calling convention) falls back to HF's rule: not ForCausalLMLoss
+    assert loss_shifts_labels(lambda labels, pooled_logits, config: pooled_logits.sum()) is False
+    batch = padded_tokens(4, 0)
+    shifted, unshifted = int((batch["labels"][:, 1:] != -100).sum()), int((batch["labels"] != -100).sum())
+    assert shifted < unshifted
+    assert predicted_tokens(_with_loss(_causal_lm_loss_in_float64), batch) == shifted
+    assert predicted_tokens(_with_loss(_unshifted_token_loss), batch) == unshifted
+
+
+@pytest.mark.parametrize("loss_function", [_causal_lm_loss_in_float64, _unshifted_token_loss],
+                         ids=["drop-in-causal-lm", "unshifted"])
+def test_fit_with_a_replaced_loss_function_equals_full_batch_token_mean_descent(loss_function, monkeypatch):
+    """``fit`` on dict batches with the model's own loss, cut 5 x 7 (last 4) from 32: token-exact whatever
+    the model's loss function is. Negative control: the opposite verdict (for the drop-in, the one its
+    identity gives: not ``ForCausalLMLoss``, so unshifted) divides every step by the wrong token count."""
+    import autoaccum.losses
+
+    batches = [padded_tokens(32, seed=s) for s in range(3)]
+    reference = _with_loss(loss_function)
+    full_batch_steps(reference, batches, lr=1.0)
+
+    def trained() -> torch.nn.Module:
+        model = _with_loss(loss_function)
+        autoaccum.fit(model, iter(batches), 32, plan=Plan.for_target(32, 5), progress=False,
+                      optimizer=torch.optim.SGD(model.parameters(), lr=1.0))
+        return model
+
+    assert rel_diff(params(trained()), params(reference)) <= RTOL
+    opposite = loss_function is _unshifted_token_loss
+    monkeypatch.setattr(autoaccum.losses, "loss_shifts_labels", lambda f, device="cpu": opposite)
+    assert rel_diff(params(trained()), params(reference)) > 1e-3

@@ -149,6 +149,37 @@ def test_gradient_accumulation_configured_in_accelerate_is_refused():
         guard_for(accelerator, model, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
+def test_accelerates_accumulation_switched_on_during_the_run_is_refused_at_the_next_step():
+    """``accelerator.gradient_accumulation_steps = 2`` after step 2: Accelerate would step once per 2 batches,
+    each from the gradients the guard cleared, the last batch's alone. Refused at step 3, before its forward.
+    Negative control: set back to 1, the same guard runs on."""
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = gpt2()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(Rows(), batch_size=GLOBAL, collate_fn=collate)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    guard = guard_for(accelerator, model, optimizer, micro_batch=4)
+    steps = 0
+    with pytest.raises(ValueError, match=r"Accelerate's gradient accumulation is on \(gradient_accumulation_steps=2, "
+                                         r"sync_gradients=False\): it must stay 1"):
+        for batch in loader:
+            if steps == 2:
+                accelerator.gradient_accumulation_steps = 2
+            with accelerator.accumulate(model):
+                guard.accumulate(batch, default_loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            steps += 1
+    assert steps == 2 and guard.guard.steps == 2
+    accelerator.gradient_accumulation_steps = 1
+    for batch in loader:
+        with accelerator.accumulate(model):  # (at 1 it syncs every batch: harmless)
+            guard.accumulate(batch, default_loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    assert guard.guard.steps == 2 + STEPS
+
+
 def test_the_example_runs_and_recovers_in_place():
     example = Path(__file__).resolve().parent.parent / "examples" / "accelerate_loop.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

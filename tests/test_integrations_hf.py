@@ -69,12 +69,12 @@ class Watch(TrainerCallback):
 
 
 def train(trainer_cls, model, args, *, data=None, budget=None, drop_after=None, per_sample=False, resume=None,
-          **kwargs):
+          callbacks=(), **kwargs):
     audit = IdAudit(model)
     audit.hook_forward(model, ids_of)
     meter = emulated_budget(budget, model) if budget is not None else None
     watch = Watch(audit, None if drop_after is None else (drop_after, meter, parse_bytes(LOWER)))
-    trainer = trainer_cls(model=model, args=args, train_dataset=data or Rows(), callbacks=[watch],
+    trainer = trainer_cls(model=model, args=args, train_dataset=data or Rows(), callbacks=[watch, *callbacks],
                           data_collator=lambda rows: collate(rows, per_sample), **kwargs)
     if meter is None:
         trainer.train(resume_from_checkpoint=resume)
@@ -182,6 +182,108 @@ def test_per_sample_labels_are_weighted_by_samples_where_hfs_count_path_would_su
 def test_what_it_cannot_run_is_refused_at_construction(tmp_path):
     with pytest.raises(ValueError, match=r"auto_find_batch_size=True: it shrinks the batch.*Drop it"):
         AutoAccumTrainer(model=gpt2(), args=arguments(str(tmp_path), 2, 4, auto_find_batch_size=True))
+
+
+class _AccumulateFrom(TrainerCallback):
+    """A callback that sets ``args.gradient_accumulation_steps`` (HF's inner loop reads it every step)."""
+
+    def __init__(self, step: int, value: int) -> None:
+        self.step, self.value = step, value
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            args.gradient_accumulation_steps = self.value
+
+
+def test_gradient_accumulation_steps_changed_during_the_run_is_refused_at_the_next_step(tmp_path):
+    """HF would then call training_step twice per optimizer step, each from the gradients the guard cleared: the
+    last global batch's alone. Refused at step 3. Negative control: set to 1 (unchanged), the run completes."""
+    args = arguments(str(tmp_path), PER_DEVICE, ACCUM)
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps became 2 at step 2; it must stay 1"):
+        train(AutoAccumTrainer, gpt2(), args, micro_batch=3, callbacks=[_AccumulateFrom(2, 2)])
+    trainer, _, _ = train(AutoAccumTrainer, gpt2(), args, micro_batch=3, callbacks=[_AccumulateFrom(2, 1)])
+    assert trainer.state.global_step == STEPS
+
+
+# -- a model whose forward takes no loss keyword arguments: its own token mean, reweighted by tokens -----------
+class OwnMeanLM(torch.nn.Module):
+    """What many custom models are: ``forward(input_ids, labels=None)`` returning the mean cross-entropy
+    over the labels other than -100 (shifted by one when ``shift``). HF sees no ``**kwargs``
+    (``model_accepts_loss_kwargs=False``) and passes it no token count. fp64."""
+
+    def __init__(self, shift: bool, min_rows: int = 1) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.out = torch.nn.Embedding(16, 8).double(), torch.nn.Linear(8, 16).double()
+        self.shift, self.min_rows = shift, min_rows
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
+        if input_ids.shape[0] < self.min_rows:
+            raise ValueError(f"this model needs at least {self.min_rows} rows")
+        logits = self.out(torch.tanh(self.emb(input_ids)))
+        if labels is None:
+            return {"logits": logits}
+        if self.shift:
+            logits, labels = logits[:, :-1], labels[:, 1:]
+        return {"loss": torch.nn.functional.cross_entropy(logits.reshape(-1, 16), labels.reshape(-1)), "logits": logits}
+
+
+_OWN_ROWS = [{"input_ids": torch.arange(1, n + 1) % 15 + 1} for n in (1, 2, 6, 6)]  # 1, 2, 6 and 6 tokens
+
+
+def _own_collate(rows: list[dict]) -> dict[str, torch.Tensor]:
+    longest = max(len(r["input_ids"]) for r in rows)
+    ids, labels = torch.zeros(len(rows), longest, dtype=torch.long), torch.full((len(rows), longest), -100)
+    for i, r in enumerate(rows):
+        ids[i, :len(r["input_ids"])] = labels[i, :len(r["input_ids"])] = r["input_ids"]
+    return {"input_ids": ids, "labels": labels}
+
+
+def _own_mean_step(trainer_cls, model, out: str, per_device: int, accum: int, **kwargs):
+    """One SGD step at lr 1 on the four rows in order, no clipping."""
+    class InOrder(trainer_cls):
+        def _get_train_sampler(self, *args, **kw):
+            return torch.utils.data.SequentialSampler(_OWN_ROWS)
+
+    args = arguments(out, per_device, accum, max_steps=1, learning_rate=1.0, lr_scheduler_type="constant",
+                     optim="sgd", max_grad_norm=0.0, warmup_steps=0)
+    trainer = InOrder(model=model, args=args, train_dataset=_OWN_ROWS, data_collator=_own_collate, **kwargs)
+    trainer.train()
+    return trainer
+
+
+@pytest.mark.parametrize("shift", [False, True], ids=["unshifted", "shifted"])
+def test_a_models_own_token_mean_is_reweighted_by_its_token_share(shift, tmp_path, monkeypatch):
+    """Trainer at per-device 4 (one forward of the 4 rows) against AutoAccumTrainer 2 x 2 cut at micro 1:
+    equal in fp64. Negative controls: weighting each micro-batch's token mean by samples (no count), and
+    the wrong verdict on the shift, both differ by more than 1e-3."""
+    import autoaccum.integrations.transformers as integration
+
+    reference = OwnMeanLM(shift)
+    _own_mean_step(Trainer, reference, str(tmp_path / "ref"), 4, 1)
+    model = OwnMeanLM(shift)
+    trainer = _own_mean_step(AutoAccumTrainer, model, str(tmp_path / "aa"), 2, 2, micro_batch=1)
+    assert trainer.model_accepts_loss_kwargs is False and trainer.autoaccum_guard.guard.plan.accum_steps == 4
+    assert rel_diff(params(model), params(reference)) <= RTOL
+    assert trainer._autoaccum_loss.own_mean_shifts is shift  # asked of the model, not assumed
+    by_samples = OwnMeanLM(shift)
+    with monkeypatch.context() as patch:
+        patch.setattr(integration._TrainerLoss, "count_items", lambda self, model, batch: None)
+        _own_mean_step(AutoAccumTrainer, by_samples, str(tmp_path / "samples"), 2, 2, micro_batch=1)
+    assert rel_diff(params(by_samples), params(reference)) > 1e-3
+    wrong = OwnMeanLM(shift)
+    with monkeypatch.context() as patch:
+        patch.setattr(integration._TrainerLoss, "_ask_model", lambda self, model, batch, row: not shift)
+        _own_mean_step(AutoAccumTrainer, wrong, str(tmp_path / "wrong"), 2, 2, micro_batch=1)
+    assert rel_diff(params(wrong), params(reference)) > 1e-3
+
+
+def test_where_the_models_own_mean_cannot_be_asked_it_warns_and_weights_by_samples(tmp_path):
+    model = OwnMeanLM(shift=True, min_rows=2)  # refuses the one-row question
+    with pytest.warns(UserWarning, match=r"cannot tell which labels the loss of OwnMeanLM averages over.*"
+                                         r"weighted by samples.*num_items_in_batch, or pass compute_loss_func"):
+        trainer = _own_mean_step(AutoAccumTrainer, model, str(tmp_path), 2, 2, micro_batch=2)
+    assert trainer._autoaccum_loss.own_mean_shifts is None and trainer.state.global_step == 1
 
 
 # -- two processes (gloo): DDP, HF's token count over all ranks ------------------------------------------------

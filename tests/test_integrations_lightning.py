@@ -189,6 +189,61 @@ def test_what_it_cannot_run_is_refused_before_training():
         fit(AutoAccum(), accumulate_grad_batches=2)
 
 
+# -- accumulate_grad_batches changed during training --------------------------------------------------------------
+class _Linear(pl.LightningModule):
+    """``Linear(3, 1)``, SGD at lr 0.1, a mean squared error: 4 samples in batches of 2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Linear(3, 1).double()
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit_linear(*callbacks: pl.Callback) -> tuple[_Linear, pl.Trainer]:
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(4, 3, generator=g, dtype=torch.float64),
+                                          torch.randn(4, 1, generator=g, dtype=torch.float64))
+    module = _Linear()
+    run = trainer(*callbacks, gradient_clip_val=None)
+    run.fit(module, torch.utils.data.DataLoader(data, batch_size=2))
+    return module, run
+
+
+class _AccumulateFromEpoch1(pl.Callback):
+    """Another way to change it: a callback sets it at epoch 1's start, after AutoAccum's setup."""
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        trainer.accumulate_grad_batches = 1 if trainer.current_epoch == 0 else 2
+
+
+def test_a_gradient_accumulation_schedule_that_changes_the_batch_is_refused_before_training():
+    """Lightning with the schedule steps once per 2 batches from epoch 1; AutoAccum would step on the last
+    batch alone there (0.07 from Lightning's run). Refused at setup, before any step, with what to do."""
+    schedule = pl.callbacks.GradientAccumulationScheduler({1: 2})
+    with pytest.raises(ValueError, match=r"GradientAccumulationScheduler\(\{1: 2, 0: 1\}\): it sets "
+                                         r"accumulate_grad_batches.*drop the change, or train each phase"):
+        _fit_linear(schedule, AutoAccum(micro_batch=1))
+
+
+def test_accumulate_grad_batches_changed_by_a_callback_is_refused_at_the_batch_where_it_changed():
+    callback = AutoAccum(micro_batch=1)
+    with pytest.raises(ValueError, match=r"accumulate_grad_batches became 2 at epoch 1 \(step 2\); it must stay 1"):
+        _fit_linear(_AccumulateFromEpoch1(), callback)
+    assert callback.guard.guard.steps == 2  # epoch 0 trained; the first batch of epoch 1 was refused
+
+
+def test_negative_control_a_schedule_that_keeps_1_is_accepted_and_equals_lightnings_run():
+    reference, _ = _fit_linear(pl.callbacks.GradientAccumulationScheduler({0: 1, 1: 1}))
+    module, run = _fit_linear(pl.callbacks.GradientAccumulationScheduler({0: 1, 1: 1}), AutoAccum(micro_batch=1))
+    assert run.global_step == 4 and rel_diff(params(module), params(reference)) <= RTOL
+
+
 # -- Lightning's DDP strategy on two CPU processes -------------------------------------------------------
 def _ddp_fit(rank: int, world_size: int, budget: str, lower: str) -> dict:
     """Each rank: the same module and Trainer(strategy="ddp", devices=2), as torchrun would start it

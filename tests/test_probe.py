@@ -5,6 +5,7 @@ import copy
 import importlib
 import random
 import resource
+import unittest.mock
 
 import pytest
 import torch
@@ -323,6 +324,65 @@ def test_probe_with_an_optimizer_factory_leaves_no_trace():
     assert _differences(before, _state(model, spare)) == []
 
 
+class _Calls:
+    """What a caller sees of its optimizer: ``zero_grad`` through a class-level wrapper (as Lightning's own
+    zero-grad count test patches it), step hooks on the instance, and an LR scheduler's step counter."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.zero_grad, self.pre, self.post = 0, 0, 0
+        optimizer.register_step_pre_hook(lambda *args: setattr(self, "pre", self.pre + 1))
+        optimizer.register_step_post_hook(lambda *args: setattr(self, "post", self.post + 1))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)  # wraps optimizer.step
+        self._zero_grad = type(optimizer).zero_grad
+
+    def counting(self):
+        def zero_grad(optimizer, *args, **kwargs):
+            self.zero_grad += 1
+            return self._zero_grad(optimizer, *args, **kwargs)
+
+        return unittest.mock.patch.object(torch.optim.AdamW, "zero_grad", zero_grad)
+
+    def seen(self, optimizer: torch.optim.Optimizer) -> dict:
+        return {"zero_grad": self.zero_grad, "pre": self.pre, "post": self.post,
+                "opt_called": getattr(optimizer, "_opt_called", False)}
+
+
+def test_the_probe_steps_a_stand_in_and_calls_nothing_of_the_callers_optimizer():
+    """Invariant 4 for what a caller can observe besides values: no zero_grad, no step (hooks, the LR
+    scheduler's counter), the same state tensor objects holding the same bits."""
+    model, optimizer = _trained()
+    calls = _Calls(optimizer)
+    state_ids = [id(t) for s in optimizer.state.values() for t in s.values()]
+    with calls.counting():
+        differences, report = _probe_keeping(model, optimizer, 1_000_000)
+        assert isinstance(report, ProbeReport) and report.optimizer_steps == 2  # its warm-up stepped (the stand-in)
+        assert calls.seen(optimizer) == {"zero_grad": 0, "pre": 0, "post": 0, "opt_called": False}
+        assert differences == [] and [id(t) for s in optimizer.state.values() for t in s.values()] == state_ids
+        # negative control: the same counters see an ordinary step of the caller's
+        optimizer.step()
+        optimizer.zero_grad()
+    assert calls.seen(optimizer) == {"zero_grad": 1, "pre": 1, "post": 1, "opt_called": True}
+
+
+def test_an_optimizer_that_wraps_another_is_stepped_itself_and_restored():
+    """No stand-in where the state may live elsewhere (here: an optimizer holding another): the caller's is
+    stepped, and restored through its state_dict, as before (its zero_grad is still never called)."""
+
+    class Wrapping(torch.optim.AdamW):
+        def __init__(self, params) -> None:
+            super().__init__(params, lr=1e-2)
+            self.inner = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+
+    model, trained = _trained()
+    optimizer = Wrapping(model.parameters())
+    optimizer.load_state_dict(trained.state_dict())
+    assert autoaccum.stepper.StandIn.of(optimizer) is None and autoaccum.stepper.StandIn.of(trained) is not None
+    calls = _Calls(optimizer)
+    differences, report = _probe_keeping(model, optimizer, 1_000_000)
+    assert isinstance(report, ProbeReport) and differences == []
+    assert calls.seen(optimizer)["post"] == 2  # its own steps
+
+
 def _give_up_without_putting_back(monkeypatch) -> None:
     """WeightsCopy.put_back as a broken one would be: the copy given up, the values not copied back."""
     def give_up(self):
@@ -333,6 +393,7 @@ def _give_up_without_putting_back(monkeypatch) -> None:
 
 def test_negative_control_without_the_restore_the_probe_leaves_traces(monkeypatch):
     monkeypatch.setattr(autoaccum.state, "restore", lambda *args, **kwargs: None)
+    monkeypatch.setattr(autoaccum.stepper.StandIn, "put_back", lambda self: None)  # the optimizer's state tensors
     _give_up_without_putting_back(monkeypatch)
     model, optimizer = _trained()
     differences, report = _probe_keeping(model, optimizer, 1_000_000)

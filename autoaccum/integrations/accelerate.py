@@ -33,10 +33,14 @@ What it takes from Accelerate, and why:
   model's forward).
 
 ``accelerator.backward`` would divide each loss by ``gradient_accumulation_steps``; the guard does
-the accumulation, so that must be 1 (refused otherwise), and ``accelerator.accumulate`` is not used.
+the accumulation, so that must be 1 (refused otherwise, also where it is changed during the run, at
+the next step), and ``accelerator.accumulate`` is not used.
 Not supported: DeepSpeed, Megatron-LM and XLA (their engines own backward). A prepared loader puts
 each global batch on the device whole; ``accelerator.prepare(..., loader, device_placement=[..., False])``
-leaves it in host memory, and the guard moves one micro-batch at a time. With ``even_batches``
+leaves it in host memory, and the guard moves one micro-batch at a time. The last, shorter batch of
+an epoch is one exact step on the samples it holds (Accelerate's own accumulation would divide each of
+its ``j`` remaining micro-batches by ``gradient_accumulation_steps`` ``k``: ``j/k`` of their mean
+gradient). With ``even_batches``
 (Accelerate's default) the last batch of an epoch is filled up with samples from its start on
 every process, as in any Accelerate loop; ``Accelerator(even_batches=False)`` or a ``drop_last``
 loader avoid it.
@@ -101,7 +105,18 @@ def guard_for(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch
     inner = optimizer
     while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
         inner = inner.optimizer  # AcceleratedOptimizer -> the torch optimizer
+
+    def still_one_step_per_batch() -> None:
+        # Accelerate's accumulation set during the run would step once per k batches, each from the gradients the
+        # guard cleared at the last batch's start: every optimizer step the last batch's alone. Refused here.
+        steps, sync = accelerator.gradient_accumulation_steps, accelerator.sync_gradients
+        if steps != 1 or not sync:
+            raise ValueError(f"guard_for: Accelerate's gradient accumulation is on (gradient_accumulation_steps="
+                             f"{steps}, sync_gradients={sync}): it must stay 1, outside accelerator.accumulate, "
+                             f"while the guard accumulates. The global batch is the loader's batch per process; to "
+                             f"change it, make a new loader and a new guard_for (its global batch is fixed).")
+
     return LazyGuard(model, inner, target_batch=target_batch, plan=plan, micro_batch=micro_batch,
                      probe_model=accelerator.unwrap_model(model), budget=budget, headroom=headroom,
                      precision=_PRECISION.get(str(accelerator.mixed_precision), "fp32"), scaler=accelerator.scaler,
-                     **guard_options)
+                     check=still_one_step_per_batch, **guard_options)

@@ -93,6 +93,7 @@ class LazyGuard:
         probe_model: the module the probe runs (default: ``model`` unwrapped from DDP: a probe runs
             no collective).
         budget, headroom, precision: what the probe plans for (``autoaccum.probe``).
+        check: called before every step (e.g. a framework's accumulation setting still 1); raises to refuse it.
         **guard_options: passed to :class:`~autoaccum.guard.OOMGuard` (``scaler``, ``autocast_dtype``,
             ``grow``, ``grow_after``, ``max_grad_norm``, ``scheduler``, ``size_fn``, ...; the probe's
             memory model and ``headroom`` reach its growth after an OOM).
@@ -101,7 +102,7 @@ class LazyGuard:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, target_batch: int | None = None,
                  plan: Any = None, micro_batch: int | None = None, sync: GradSync | None = None,
                  probe_model: torch.nn.Module | None = None, budget: int | str | None = None, headroom: float = 0.1,
-                 precision: Precision = "fp32", **guard_options: Any) -> None:
+                 precision: Precision = "fp32", check: Callable[[], None] | None = None, **guard_options: Any) -> None:
         if plan is not None and micro_batch is not None:
             raise TypeError("give plan= or micro_batch=, not both")
         self.model, self.optimizer = model, optimizer
@@ -110,6 +111,7 @@ class LazyGuard:
         self.probe_model = probe_model if probe_model is not None else distributed.unwrap_model(model)
         self.budget, self.headroom, self.precision = budget, headroom, precision
         self.guard_options = guard_options
+        self.check = check
         self.guard: OOMGuard | None = None
         self.plan_source: str | None = None  # checkpoint, given or probe
         self.report: ProbeReport | None = None  # the probe's, when it probed
@@ -119,11 +121,15 @@ class LazyGuard:
         """:meth:`OOMGuard.accumulate <autoaccum.guard.OOMGuard.accumulate>` (planning first, at the
         first batch). ``partial`` defaults to "the batch holds fewer samples than this rank's share"
         (the smaller last batch of an epoch, as the framework's loader yields it)."""
+        if self.check is not None:
+            self.check()
         guard = self.build(batch, loss_fn)
         return guard.accumulate(batch, loss_fn, partial=self._partial(guard, batch) if partial is None else partial)
 
     def step(self, batch: Batch, loss_fn: LossFn, *, partial: bool | None = None) -> StepResult:
         """:meth:`OOMGuard.step <autoaccum.guard.OOMGuard.step>`, planning first at the first batch."""
+        if self.check is not None:
+            self.check()
         guard = self.build(batch, loss_fn)
         return guard.step(batch, loss_fn, partial=self._partial(guard, batch) if partial is None else partial)
 

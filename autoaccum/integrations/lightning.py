@@ -14,6 +14,11 @@ probes real steps; it then cuts every global batch into the micro-batches that f
 module's own ``training_step`` on each, and replays a step that runs out of memory on the same
 samples with a smaller micro-batch. Lightning keeps the rest: the optimizer step, gradient
 clipping, schedulers (stepped once per optimizer step), logging, validation and checkpoints.
+Changing ``accumulate_grad_batches`` during training (``GradientAccumulationScheduler``, or a
+callback) is refused: at setup for a scheduler, at the batch where it changed otherwise. The last,
+shorter batch of an epoch is one exact step on the samples it holds (Lightning's own accumulation
+divides each of the last window's ``j`` batches by ``accumulate_grad_batches`` ``k``: ``j/k`` of
+their mean gradient).
 
 How (the smallest construct Lightning allows): a callback cannot own backward, so for the duration
 of ``fit`` it sets three attributes on the module instance (its class is not touched, and they are
@@ -67,6 +72,9 @@ __all__ = ["AutoAccum"]
 
 _PATCHED = ("training_step", "backward", "optimizer_zero_grad")
 
+_CHANGING_BATCH = ("The global batch is the DataLoader's batch_size per process, fixed for a fit: drop the change, "
+                   "or train each phase with its own Trainer, AutoAccum and DataLoader batch size.")
+
 
 def _mean_loss(output: Any) -> torch.Tensor:
     loss = output.get("loss") if isinstance(output, Mapping) else output
@@ -118,6 +126,13 @@ class AutoAccum(pl.Callback):
             problems.append(f"accumulate_grad_batches={trainer.accumulate_grad_batches}: give the DataLoader "
                             f"batch_size = the global batch per process and leave accumulate_grad_batches at 1 "
                             f"(AutoAccum accumulates)")
+        for callback in trainer.callbacks:
+            scheduling = getattr(callback, "scheduling", None)
+            if isinstance(callback, pl.callbacks.GradientAccumulationScheduler) and isinstance(scheduling, dict) \
+                    and any(k != 1 for k in scheduling.values()):
+                problems.append(f"GradientAccumulationScheduler({scheduling}): it sets accumulate_grad_batches "
+                                f"at an epoch's start, and AutoAccum takes one optimizer step per DataLoader batch. "
+                                f"{_CHANGING_BATCH}")
         if not pl_module.automatic_optimization:
             problems.append("manual optimization (automatic_optimization=False): AutoAccum owns the backward of "
                             "automatic optimization; in a manual loop use OOMGuard.accumulate directly")
@@ -136,6 +151,15 @@ class AutoAccum(pl.Callback):
                                scaler=getattr(trainer.precision_plugin, "scaler", None), **self.options)
         self.guard.load_state_dict(self._saved)
         self._patch(pl_module)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        # refused where it changed (a callback may set it during training): Lightning would then step once per
+        # k batches while the guard starts every batch from cleared gradients -- each step the last batch's only
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(f"AutoAccum: accumulate_grad_batches became {trainer.accumulate_grad_batches} at "
+                             f"epoch {trainer.current_epoch} (step {trainer.global_step}); it must stay 1: "
+                             f"AutoAccum takes one exact optimizer step per DataLoader batch. {_CHANGING_BATCH}")
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -187,7 +211,9 @@ class AutoAccum(pl.Callback):
             with _muted_logging(pl_module):
                 self.guard.build(batch, self._loss)
         self.last = self.guard.accumulate(batch, self._loss)
-        return torch.tensor(self.last.loss, device=pl_module.device)
+        # in the parameters' dtype: the loss Lightning logs is then the one its own full-batch step returns
+        dtype = next((p.dtype for p in pl_module.parameters() if p.is_floating_point()), torch.get_default_dtype())
+        return torch.tensor(self.last.loss, dtype=dtype, device=pl_module.device)
 
     def _run_training_step(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         args, kwargs = self._step_args

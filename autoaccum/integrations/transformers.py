@@ -40,6 +40,12 @@ How, and why this hook:
   autoaccum sums them, so that factor is divided out. Per-sample labels (sequence classification):
   the micro-batches' mean losses weighted by their samples -- HF would pass a count there too, which
   e.g. ``BertForSequenceClassification``'s loss ignores (its accumulated steps sum micro-batch means).
+  A model whose ``forward`` takes no loss keyword arguments (HF passes it no count) averages per-token
+  labels itself: each micro-batch's mean is weighted by its share of the step's tokens, counted from
+  the labels (exact for a mean over the labels other than -100). Whether that mean skips each row's
+  first label (a causal LM shifting inside its forward) is asked of the model once, by a forward
+  without gradients of one row with only its first label kept (RNG and buffers put back); where that
+  cannot be told, a warning says so and micro-batches are weighted by samples.
 - **Logs.** The plan is logged (logger ``autoaccum``) and added to HF's log history
   (``autoaccum/micro_batch``, ``autoaccum/accum_steps``, ``autoaccum/oom_replays``) at the first
   step and at every change; each change is also logged as a warning by ``autoaccum.guard``.
@@ -56,19 +62,22 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from autoaccum.batch import Batch
+from autoaccum.batch import Batch, split_batch
 from autoaccum.guard import AccumulateResult
 from autoaccum.integrations.lazy_guard import LazyGuard
 from autoaccum.jsonio import write_json_atomic
 from autoaccum.losses import IGNORE_INDEX
 from autoaccum.precision import Precision
+from autoaccum.state import capture_buffers, capture_rng, restore_buffers, restore_rng, state_buffers
 from autoaccum.task import LossOutput
 
 try:
@@ -112,23 +121,85 @@ class _TrainerLoss:
 
     def __init__(self, trainer: AutoAccumTrainer) -> None:
         self.trainer = trainer
+        self.own_mean_shifts: bool | None = None  # the model's own token mean skips each row's first label
+        self._unknown = False  # that could not be told: micro-batches weighted by samples (warned once)
 
-    def _labels(self, batch: Batch) -> torch.Tensor | None:
-        """The labels HF counts items over, for per-token labels; None where HF's count does not apply."""
+    def _hf_counts(self) -> bool:
+        """HF counts items and passes the count (the model takes loss keyword arguments, or a
+        ``compute_loss_func``); otherwise the loss is the model's own mean over its micro-batch."""
         t = self.trainer
+        return bool(t.model_accepts_loss_kwargs or t.compute_loss_func is not None)
+
+    def _labels(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor | None:
+        """The labels the loss averages over, for per-token labels; None for a per-sample mean."""
         if not isinstance(batch, Mapping) or "labels" not in batch:
-            return None
-        if not (t.model_accepts_loss_kwargs or t.compute_loss_func is not None):
             return None
         if "shift_labels" in batch:
             return batch["shift_labels"]
         labels = batch["labels"]
         if not isinstance(labels, torch.Tensor) or labels.dim() < 2 or labels.is_floating_point():
             return None  # per-sample labels: weighted means (see the module docstring)
-        return labels[..., 1:] if getattr(t, "_loss_shifts_labels", False) else labels
+        if self._hf_counts():
+            return labels[..., 1:] if getattr(self.trainer, "_loss_shifts_labels", False) else labels
+        shifts = self._own_mean_shifts(model, batch, labels)
+        if shifts is None:
+            return None
+        return labels[..., 1:] if shifts else labels
+
+    def _own_mean_shifts(self, model: torch.nn.Module, batch: Mapping[str, Any], labels: torch.Tensor) -> bool | None:
+        """Whether the model's own per-token mean skips each row's first label (a causal LM shifting
+        labels inside its forward). It matters only for rows whose first label is a target; at the
+        first such batch the model is asked once (:meth:`_ask_model`)."""
+        if self.own_mean_shifts is not None or self._unknown:
+            return self.own_mean_shifts
+        first_kept = labels[..., 0].ne(IGNORE_INDEX).reshape(labels.shape[0], -1).any(dim=1)
+        if not bool(first_kept.any()):
+            return False  # no row's first label counts either way
+        answer = self._ask_model(model, batch, int(first_kept.nonzero()[0, 0]))
+        if answer is None:
+            self._unknown = True
+            warnings.warn(
+                f"AutoAccumTrainer cannot tell which labels the loss of {type(self._module(model)).__name__} "
+                f"averages over (its forward takes no loss keyword arguments, so HF passes it no token count, and "
+                f"asking it failed). Micro-batches are weighted by samples, which is the full-batch token mean only "
+                f"where they hold equal token counts. Give forward **kwargs and divide the summed token losses by "
+                f"num_items_in_batch, or pass compute_loss_func=.", UserWarning, stacklevel=2)
+        else:
+            self.own_mean_shifts = answer
+        return answer
+
+    def _module(self, model: torch.nn.Module) -> torch.nn.Module:
+        return self.trainer.accelerator.unwrap_model(model)
+
+    def _ask_model(self, model: torch.nn.Module, batch: Mapping[str, Any], row: int) -> bool | None:
+        """One forward, without gradients, of row ``row`` with only its first label kept: a loss that
+        skips first labels averages over no target (NaN, or 0), one that counts them gives that
+        label's loss. Run on the module itself (no collective), with RNG and buffers put back."""
+        t = self.trainer
+        module = self._module(model)
+        rng, buffers = capture_rng(), capture_buffers(state_buffers(module))
+        try:
+            n = batch["labels"].shape[0]
+            one = dict(split_batch(batch, [row, 1, n - row - 1])[1])
+            kept = one["labels"].clone()
+            kept[..., 1:] = IGNORE_INDEX
+            one["labels"] = kept
+            with torch.no_grad(), t.compute_loss_context_manager():
+                loss = t.compute_loss(module, t._prepare_inputs(one))
+        except Exception:  # noqa: BLE001 -- any failure means: the count cannot be read this way
+            return None
+        finally:
+            restore_rng(rng)
+            restore_buffers(buffers)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            return None
+        value = float(loss.detach().float())
+        if math.isnan(value) or value == 0.0:
+            return True
+        return False if math.isfinite(value) and value > 0 else None
 
     def count_items(self, model: torch.nn.Module, batch: Batch) -> int | None:
-        labels = self._labels(batch)
+        labels = self._labels(model, batch)
         return None if labels is None else int(labels.ne(IGNORE_INDEX).sum())
 
     def _hf_factor(self) -> int:
@@ -149,6 +220,8 @@ class _TrainerLoss:
 
     def __call__(self, model: torch.nn.Module, batch: Batch, num_items_in_batch: int | None = None) -> LossOutput:
         device = self.trainer.args.device
+        if not self._hf_counts():
+            return self._own_mean(model, batch, num_items_in_batch)
         if num_items_in_batch is not None:  # the step's count, all micro-batches and ranks: HF's own path
             return self._compute(model, batch, torch.tensor(num_items_in_batch, device=device))
         counted = self.count_items(model, batch)
@@ -156,6 +229,19 @@ class _TrainerLoss:
             return self._compute(model, batch, None)  # a mean loss
         # without the step's count (the probe): the loss sum (HF's loss with a count of 1) and its items
         return self._compute(model, batch, torch.tensor(1, device=device)), counted
+
+    def _own_mean(self, model: torch.nn.Module, batch: Batch, num_items_in_batch: int | None) -> LossOutput:
+        """The model's own mean loss (HF passes no count): per-token labels reweighted by the
+        micro-batch's share of the step's tokens, ``mean * n / N`` = its summed token losses over N."""
+        counted = self.count_items(model, batch)  # first: asking the model (once) runs no forward beside this one
+        loss = self._compute(model, batch, None)
+        if counted is None:
+            return loss  # a per-sample mean, weighted by samples
+        if counted == 0:  # no target: its mean is 0/0; it adds nothing to the step
+            loss = loss.nan_to_num(0.0) * 0.0
+        if num_items_in_batch is None:  # the probe: (sum, count)
+            return loss * counted, counted
+        return loss * (counted / num_items_in_batch) if num_items_in_batch else loss * 0.0
 
 
 class AutoAccumTrainer(Trainer):
@@ -237,6 +323,12 @@ class AutoAccumTrainer(Trainer):
                       num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
         """The exact gradient of this process's share of one global batch, left in ``.grad`` for HF's
         optimizer step (``num_items_in_batch``, HF's count, is counted again per rank and summed)."""
+        if self.args.gradient_accumulation_steps != 1:  # changed during the run (a callback's args are these)
+            raise ValueError(f"AutoAccumTrainer: args.gradient_accumulation_steps became "
+                             f"{self.args.gradient_accumulation_steps} at step {self.state.global_step}; it must stay 1 "
+                             f"in trainer.args (HF would step once per that many global batches, each from the "
+                             f"gradients the guard cleared: the last batch's alone). The global batch is fixed for a "
+                             f"run: set gradient_accumulation_steps in the arguments the trainer is made with.")
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
