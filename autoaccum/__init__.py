@@ -5,18 +5,18 @@
 
 from autoaccum.distributed import DistributedSync, broadcast_plan, init_from_env, wrap_model
 from autoaccum.errors import AutoAccumError, DoesNotFitError, NonFiniteError, OptimizerStepOOMError, TaskError
-from autoaccum.fit import FitConfig, FitResult, fit
-from autoaccum.guard import AccumulateResult, OOMGuard, PlanChange, StepResult
-from autoaccum.knobs import Knobs
-from autoaccum.lr import LR_RULES, scale_adam_hparams, scale_lr
 from autoaccum.memory import TrackedMemory, emulated_budget
-from autoaccum.memory_model import MemoryModel
-from autoaccum.oom import is_oom
-from autoaccum.plan import Plan
-from autoaccum.probe import probe
-from autoaccum.report import Candidate, ProbeReport
+from autoaccum.memory.model import MemoryModel
+from autoaccum.memory.oom import is_oom
+from autoaccum.plan.plan import Plan
+from autoaccum.plan.task import Task
+from autoaccum.probe.report import Candidate, ProbeReport
+from autoaccum.probe.run import probe
 from autoaccum.search import SearchResult, SearchSpace, load_plan_file, search
-from autoaccum.task import Task
+from autoaccum.search.knobs import Knobs
+from autoaccum.step.guard import AccumulateResult, OOMGuard, PlanChange, StepResult
+from autoaccum.training.fit import FitConfig, FitResult, fit
+from autoaccum.training.lr import LR_RULES, scale_adam_hparams, scale_lr
 from autoaccum.units import format_bytes, parse_bytes
 
 __version__ = "0.1.0"

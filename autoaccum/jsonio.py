@@ -31,7 +31,7 @@ def write_json_atomic(path: str | os.PathLike[str], data: Any) -> Path:
 
 
 def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
-    """Write ``data`` to ``path`` as :func:`write_json_atomic` does (temp file, fsync, rename, fsync of
+    """Write ``data`` to ``path`` as ``write_json_atomic`` does (temp file, fsync, rename, fsync of
     the directory). Returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

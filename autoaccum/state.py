@@ -54,7 +54,7 @@ def _plain(t: torch.Tensor) -> bool:
 
 def _host_copy(t: torch.Tensor, queued: set[int] | None) -> torch.Tensor:
     """A host copy of ``t``. With ``queued`` (a set), a CUDA tensor goes to page-locked memory without waiting and
-    its device is added to ``queued``; the caller synchronises once (:func:`_synchronize`). A copy to pageable
+    its device is added to ``queued``; the caller synchronises once (``_synchronize``). A copy to pageable
     memory is staged through the driver's buffers and faults in every new page: for the 537 MB of a
     134M-parameter MLP on an H200, 0.31-0.33 s against 0.17-0.19 s page-locked, and the parameters' way back 56-62
     ms against 10 ms (benchmarks/RESULTS.md, "Cold probe on a GPU"). Where pinning fails, and for tensor
@@ -72,7 +72,7 @@ def _host_copy(t: torch.Tensor, queued: set[int] | None) -> torch.Tensor:
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
-    """The tensors in nested dicts, lists and tuples (``autoaccum.batch.tensors`` sits a layer above this
+    """The tensors in nested dicts, lists and tuples (``autoaccum.plan.batch.tensors`` sits a layer above this
     module, which every layer may use)."""
     if isinstance(obj, torch.Tensor):
         return [obj]
@@ -152,12 +152,12 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
             scaler: Any = None, *, pinned: bool = True, parameters: bool = True) -> TrainingSnapshot:
     """Copy everything a training step changes to host memory (the device's memory is left as it is).
 
-    ``parameters=False``: the parameters' values are left out (a :class:`WeightsCopy` keeps them), and
-    :func:`restore` leaves them as they are; their gradients are in.
+    ``parameters=False``: the parameters' values are left out (a ``WeightsCopy`` keeps them), and
+    ``restore`` leaves them as they are; their gradients are in.
 
     ``pinned``: CUDA tensors go to page-locked memory (faster both ways; one wait per device), where
     it takes at most PINNED_SHARE of the host memory available. The blocks stay cached in torch after
-    the snapshot is gone: :func:`release_pinned_memory` gives them back. False: pageable copies (a
+    the snapshot is gone: ``release_pinned_memory`` gives them back. False: pageable copies (a
     snapshot kept for long, as the search's)."""
     grads = {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
     states = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
@@ -182,7 +182,7 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
 
 def restore(snapshot: TrainingSnapshot, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
             scheduler: Any = None, scaler: Any = None) -> None:
-    """Put back what :func:`capture` copied; values come back bit-identical."""
+    """Put back what ``capture`` copied; values come back bit-identical."""
     queued: set[int] = set()
     with torch.no_grad():
         for name, t in _named_tensors(model, snapshot.parameters).items():
@@ -210,17 +210,17 @@ class WeightsCopy:
     the weights' size of host memory and giving it back: for a 134M-parameter MLP on an H100 the probe's
     snapshot went from 1.07-1.36 steps of 0.29 s to 0.01 (benchmarks/RESULTS.md, "Cold probe on a GPU: the
     weights copied on the device"). It takes device memory while it
-    lives, which the probe subtracts from its readings (``autoaccum.stepper``). Frozen parameters are copied
+    lives, which the probe subtracts from its readings (``autoaccum.probe.run.stepper``). Frozen parameters are copied
     too: a forward may write them (``nn.Embedding(max_norm=...)`` renormalises its rows in place), and nothing
     else holds them.
 
     A model's forward may write its own parameters (a max-norm constraint, weight clipping). Such writes are
-    seen two ways: :meth:`differs` compares the values with the copy while it is held, bit for bit (writes
-    through ``.data`` too), and :meth:`written` compares every parameter's version counter and storage with
-    their readings at the copy or at :meth:`put_back` (in-place writes and ``.data = ...`` assignments; not
+    seen two ways: ``differs`` compares the values with the copy while it is held, bit for bit (writes
+    through ``.data`` too), and ``written`` compares every parameter's version counter and storage with
+    their readings at the copy or at ``put_back`` (in-place writes and ``.data = ...`` assignments; not
     in-place writes through ``.data``).
 
-    Only for parameters that are plain dense tensors (not DTensor or other subclasses): :meth:`usable` says so.
+    Only for parameters that are plain dense tensors (not DTensor or other subclasses): ``usable`` says so.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -301,14 +301,14 @@ def state_buffers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
 
 
 def capture_buffers(slots: list[tuple[torch.nn.Module, str]]) -> BufferSnapshot:
-    """Copies of the buffers of ``slots`` (from :func:`state_buffers`) that a forward in training may
+    """Copies of the buffers of ``slots`` (from ``state_buffers``) that a forward in training may
     change: those of modules in training mode."""
     return [(module, name, buffer.clone()) for module, name in slots if module.training
             for buffer in (module._buffers.get(name),) if buffer is not None]
 
 
 def restore_buffers(snapshot: BufferSnapshot) -> None:
-    """Put the buffers back as :func:`capture_buffers` copied them."""
+    """Put the buffers back as ``capture_buffers`` copied them."""
     with torch.no_grad():
         for module, name, saved in snapshot:
             current = module._buffers.get(name)

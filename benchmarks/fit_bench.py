@@ -1,6 +1,6 @@
 """fit benchmark (issue 4): fit's time per optimizer step against a hand-written loop.
 
-Both train the same TinyGPT (``autoaccum.demo``) from the same weights with AdamW, on the same
+Both train the same TinyGPT (``autoaccum.cli``) from the same weights with AdamW, on the same
 tokens, at the same plan: ``target_batch = micro_batch x accum_steps``. The hand-written loop is
 the nanoGPT one: index the global batch, cut it into micro-batches, scale each micro-batch's
 mean loss by its share of the samples, backward, one optimizer step, zero the gradients, read
@@ -37,8 +37,8 @@ import time
 import torch
 
 import autoaccum
-from autoaccum.demo import TinyGPT, synthetic_tokens, token_loss
-from autoaccum.plan import Plan
+from autoaccum.cli import TinyGPT, synthetic_tokens, token_loss
+from autoaccum.plan.plan import Plan
 
 TARGET, MICRO = 64, 16
 NUM_SAMPLES = 4096

@@ -49,8 +49,8 @@ import torch
 import autoaccum
 from autoaccum import OOMGuard, Plan, TrackedMemory
 from autoaccum.memory import Meter, NullMeter
-from autoaccum.demo import TinyGPT, synthetic_tokens, token_loss
-from autoaccum.optim_step import _check_finite
+from autoaccum.cli import TinyGPT, synthetic_tokens, token_loss
+from autoaccum.step.optim import _check_finite
 
 
 #: the clock of the overhead blocks and of the check alone: wall time, or with ``--clock cpu`` this
@@ -184,7 +184,7 @@ def recovery(args: argparse.Namespace, device: torch.device) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch = synthetic_tokens(args.target, seq_len=args.seq_len, seed=0).to(device)
     accum = Plan.for_target(args.target, args.micro).accum_steps
-    guard_module = importlib.import_module("autoaccum.guard")
+    guard_module = importlib.import_module("autoaccum.step.guard")
     release = guard_module.release_memory  # autoaccum.recovery's, as the guard calls it
     released: list[tuple[str, float, str]] = []  # (variant, seconds, what was collected)
     variant = [""]
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         _clock = time.process_time
     if args.threads:
         torch.set_num_threads(args.threads)
-    logging.getLogger("autoaccum.guard").setLevel(logging.ERROR)  # the injected OOMs are expected
+    logging.getLogger("autoaccum.step.guard").setLevel(logging.ERROR)  # the injected OOMs are expected
     device = torch.device(args.device)
     ov = overhead(args, device) if "overhead" in args.parts else None
     rec = recovery(args, device) if "recovery" in args.parts else None

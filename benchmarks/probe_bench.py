@@ -12,7 +12,7 @@ target never caps the search):
   this process's CPU time, forward/backward passes, OOMs it triggered, the sizes it measured, the
   largest size it found to fit (``max_fitting_micro_batch``) and its plan;
 - step: one optimizer step of that plan (all its micro-batches), as a search trial measures it
-  (``autoaccum.throughput.measure``: guarded, accumulated steps, the fastest of 3 timed after 2
+  (``autoaccum.search.throughput.measure``: guarded, accumulated steps, the fastest of 3 timed after 2
   warm-up, timed without the counter -- the fastest a training step runs here, so the ratio is
   the conservative one); by the wall clock and by CPU time;
 - step-equivalents: probe time / step time (wall / wall, and CPU / CPU);
@@ -56,9 +56,9 @@ from torch import nn
 
 import autoaccum
 from autoaccum import emulated_budget
-from autoaccum.demo import TinyGPT, synthetic_tokens, token_loss
-from autoaccum.task import Task
-from autoaccum.throughput import measure
+from autoaccum.cli import TinyGPT, synthetic_tokens, token_loss
+from autoaccum.plan.task import Task
+from autoaccum.search.throughput import measure
 from results_md import RESULTS, SPEED, markdown_table, write_subsection
 
 SECTION = "### Probe cost"  # of SPEED, "## Speed (issue 15)"
@@ -214,8 +214,8 @@ import json, sys, time
 import torch
 torch.set_num_threads({threads})
 import autoaccum
-from autoaccum.demo import demo_task
-from autoaccum.throughput import measure
+from autoaccum.cli import demo_task
+from autoaccum.search.throughput import measure
 task = demo_task()
 out = {{}}
 for when in ("cold", "warm"):

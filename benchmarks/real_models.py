@@ -42,7 +42,7 @@ from torch import nn
 import autoaccum
 import probe_bench
 from autoaccum import parse_bytes
-from autoaccum.losses import default_loss
+from autoaccum.step.losses import default_loss
 from results_md import RESULTS, bench_main, markdown_table, replace_section
 
 try:
@@ -188,7 +188,7 @@ class _Changes(logging.Handler):
 def train(w: Workload, precision: str, data: object, report: autoaccum.ProbeReport) -> dict:
     """FIT_STEPS steps of ``fit`` on the probe's plan under the same emulated budget: the OOMs they raised,
     and the error that ended them early, if one did."""
-    changes, guard_logger = _Changes(), logging.getLogger("autoaccum.guard")
+    changes, guard_logger = _Changes(), logging.getLogger("autoaccum.step.guard")
     guard_logger.addHandler(changes)
     started, error, result = time.perf_counter(), None, None
     try:

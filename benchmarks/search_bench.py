@@ -50,13 +50,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import autoaccum
-from autoaccum.demo import TinyGPT, synthetic_tokens, token_loss
-from autoaccum.knobs import Knobs
-from autoaccum.plan import Plan
+from autoaccum.cli import TinyGPT, synthetic_tokens, token_loss
+from autoaccum.search.knobs import Knobs
+from autoaccum.plan.plan import Plan
 from autoaccum.search import SearchSpace, search
 from autoaccum.search.compare import paired_ratios
-from autoaccum.task import Task
-from autoaccum.throughput import make_bench
+from autoaccum.plan.task import Task
+from autoaccum.search.throughput import make_bench
 from results_md import markdown_table, write_subsection
 
 SECTION = "### Search robustness"  # of "## Speed (issue 15)"

@@ -43,9 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import autoaccum  # noqa: E402
 from autoaccum import OOMGuard, Plan, TrackedMemory  # noqa: E402
-from autoaccum.batch import Samples  # noqa: E402
-from autoaccum.cut import SampleCut, TokenCut  # noqa: E402
-from autoaccum.demo import TinyGPT, pad_rows as collate, padded_token_loss as token_loss  # noqa: E402
+from autoaccum.plan.batch import Samples  # noqa: E402
+from autoaccum.plan.cut import SampleCut, TokenCut  # noqa: E402
+from autoaccum.cli import TinyGPT, pad_rows as collate, padded_token_loss as token_loss  # noqa: E402
 from results_md import bench_main, markdown_table, replace_section  # noqa: E402
 
 SECTION = "## Variable-length data (issue 12)"

@@ -1,7 +1,7 @@
 """Deterministic models, data and hand-written references for the fit and data tests.
 
 The references share no code with autoaccum. They draw each epoch's sample order by the rule
-documented in ``autoaccum.data`` -- ``torch.randperm(n)`` with a generator seeded
+documented in ``autoaccum.plan.data`` -- ``torch.randperm(n)`` with a generator seeded
 ``seed * 1_000_003 + epoch`` -- cut it into consecutive global batches (the last one holding what
 remains) and take one full-batch optimizer step per global batch.
 """
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autoaccum.demo import TinyGPT, synthetic_tokens, token_loss
+from autoaccum.cli import TinyGPT, synthetic_tokens, token_loss
 
 __all__ = ["Mlp", "cross_entropy", "epoch_order", "global_batches", "gpt", "gpt_tokens", "max_abs_diff",
            "mlp_data", "reference_fit", "resumable_run", "token_loss"]
@@ -112,7 +112,7 @@ RESUME_SAMPLES, RESUME_TARGET, RESUME_EPOCHS = 150, 64, 3
 def resumable_run(checkpoint_dir: str | Path, loss_fn: Callable[..., Any] | None = None, **overrides: Any) -> tuple[Any, Mlp]:
     """The run the SIGKILL tests interrupt: called alike by the killed child and the resuming parent."""
     import autoaccum
-    from autoaccum.plan import Plan
+    from autoaccum.plan.plan import Plan
 
     model = Mlp(p=0.2, seed=3)
     kwargs: dict[str, Any] = dict(

@@ -14,7 +14,7 @@ from transformers import (
     GPT2LMHeadModel,
 )
 
-from autoaccum.demo import pad_rows
+from autoaccum.cli import pad_rows
 
 VOCAB, SEQ, PAD, N = 64, 16, 0, 32
 

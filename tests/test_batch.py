@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autoaccum.batch import batch_size, describe_batch, move_to, split_batch
+from autoaccum.plan.batch import batch_size, describe_batch, move_to, split_batch
 
 Pair = namedtuple("Pair", ["x", "y"])
 

@@ -1,4 +1,4 @@
-"""autoaccum.cache: probe results reused by fingerprint; corrupt or foreign files ignored with a warning."""
+"""autoaccum.probe.cache: probe results reused by fingerprint; corrupt or foreign files ignored with a warning."""
 
 import json
 from pathlib import Path
@@ -8,7 +8,7 @@ import torch
 
 import autoaccum
 from autoaccum import probe
-from autoaccum.cache import default_cache_dir, fingerprint
+from autoaccum.probe.cache import default_cache_dir, fingerprint
 from _probe_models import mlp, mlp_batch, mlp_loss
 
 

@@ -13,11 +13,11 @@ import warnings
 import pytest
 import torch
 
-from autoaccum.checkpoint import (
+from autoaccum.training.checkpoint import (
     CHECKPOINT_NAME, CheckpointError, check_writable, load_checkpoint, rng_from_plain, rng_to_plain,
     save_checkpoint,
 )
-from autoaccum.lr import warmup_lambda
+from autoaccum.training.lr import warmup_lambda
 from autoaccum.state import capture_rng, restore_rng
 
 
@@ -323,7 +323,7 @@ _WRITER = textwrap.dedent('''
     import os, signal, sys
     import torch
     torch.set_num_threads(1)  # no thread pool before fork
-    from autoaccum.checkpoint import save_checkpoint
+    from autoaccum.training.checkpoint import save_checkpoint
 
     path = sys.argv[1]
     # 4 MB in 32 records: the file grows record by record, so a kill can land half-way

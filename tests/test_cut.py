@@ -1,4 +1,4 @@
-"""autoaccum.cut: every rank runs the same number of micro-steps, and the shares cover the target.
+"""autoaccum.plan.cut: every rank runs the same number of micro-steps, and the shares cover the target.
 
 Ranks that run different numbers of micro-steps deadlock FSDP's collectives (DESIGN.md, Scale), so
 the count is checked over targets 1..512, world sizes 1..8 and micro-batches 1..64, by both rules
@@ -14,15 +14,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autoaccum.cut import step_micro_sizes
-from autoaccum.plan import Plan
+from autoaccum.plan.cut import step_micro_sizes
+from autoaccum.plan.plan import Plan
 
 #: (rank_sizes, rank, micro_batch) -> that rank's micro-batch sizes in one step
 CutSizes = Callable[[Sequence[int], int, int], Sequence[int]]
 
 
 def old_guard_cut(rank_sizes: Sequence[int], rank: int, micro_batch: int) -> list[int]:
-    """The guard's cutter before ``autoaccum.cut``: each rank cut its own share, blind to the others'."""
+    """The guard's cutter before ``autoaccum.plan.cut``: each rank cut its own share, blind to the others'."""
     n = rank_sizes[rank]
     return [min(micro_batch, n - i) for i in range(0, n, micro_batch)]
 

@@ -1,4 +1,4 @@
-"""The cut's exchange (``autoaccum.cut_agreement``): one all-reduce per attempt, waited for before any
+"""The cut's exchange (``autoaccum.step.sync``): one all-reduce per attempt, waited for before any
 micro-batch runs.
 
 - the decision, as a pure function: the terms every rank runs with, the overlap only where every rank
@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 import autoaccum
 from _spawn import errors, results, spawn
-from autoaccum import cut_agreement
-from autoaccum.cut_agreement import CutTerms, decide
+from autoaccum.step import sync as cut_agreement
+from autoaccum.step.sync import CutTerms, decide
 from autoaccum.distributed import DistributedSync, unwrap_model, wrap_model
 
 FP64 = {"rtol": 1e-10, "atol": 1e-12}

@@ -7,8 +7,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from _fit_models import epoch_order
-from autoaccum.data import GlobalBatches
-from autoaccum.plan import rank_share
+from autoaccum.plan.data import GlobalBatches
+from autoaccum.plan.plan import rank_share
 
 
 def _ids(n: int) -> torch.Tensor:

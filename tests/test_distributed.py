@@ -23,8 +23,8 @@ import torch.nn.functional as F
 import autoaccum
 from _spawn import TIMEOUT_S, errors, results, spawn
 import autoaccum.distributed
-from autoaccum.cut import SampleCut
-from autoaccum.data import GlobalBatches
+from autoaccum.plan.cut import SampleCut
+from autoaccum.plan.data import GlobalBatches
 from autoaccum.distributed import DistributedSync, unwrap_model, wrap_model
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),

@@ -26,6 +26,8 @@ import autoaccum
 from _spawn import results, spawn
 from autoaccum.distributed import DistributedSync, wrap_model
 from autoaccum.errors import NonFiniteError
+from autoaccum.plan.data import GlobalBatches
+from autoaccum.training.checkpoint import load_checkpoint
 from autoaccum.memory import MemoryReading, NullMeter
 from test_distributed import SEED, TARGET, Net, _params, fsdp2_supported, make_data, make_net, mean_loss
 
@@ -148,7 +150,7 @@ def nonfinite_on_one_rank(rank: int, world_size: int) -> dict[str, Any]:
                 guard = autoaccum.OOMGuard(model, opt, target_batch=TARGET, micro_batch=4,
                                            sync=DistributedSync(model), nonfinite=policy, overlap=overlap)
             skipped, error, after = [], None, {}
-            batches = autoaccum.data.GlobalBatches(make_data(), TARGET, seed=SEED, rank=rank, world_size=world_size)
+            batches = GlobalBatches(make_data(), TARGET, seed=SEED, rank=rank, world_size=world_size)
             for step, rb in zip(range(1, NAN_STEPS + 1), batches.epoch(0)):
                 net.poison = rank == 0 and step == 2
                 try:
@@ -169,7 +171,7 @@ def _one_process_skipping(skip_step: int | None, steps: int = NAN_STEPS) -> dict
     torch.manual_seed(SEED)
     net = PoisonNet()
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    batches = autoaccum.data.GlobalBatches(make_data(), TARGET, seed=SEED).epoch(0)
+    batches = GlobalBatches(make_data(), TARGET, seed=SEED).epoch(0)
     for step, rb in zip(range(1, steps + 1), batches):
         if step != skip_step:
             opt.zero_grad(set_to_none=True)
@@ -254,7 +256,7 @@ def test_probe_logs_and_plan_changes_come_from_rank_zero(tmp_path: Path) -> None
     in evaluation): rank 0 logs each message once at its level; rank 1 the same messages at debug level only."""
     codes, _ = spawn(logs_of_two_ranks, tmp_path)
     seen = results(tmp_path, codes)
-    watched = ("autoaccum.probe", "autoaccum.guard", "autoaccum.training.evaluate")
+    watched = ("autoaccum.probe", "autoaccum.step.guard", "autoaccum.training.evaluate")
 
     def messages(rank: int, level: int) -> list[str]:
         return [m for name, lv, m in seen[rank] if name in watched and lv == level]
@@ -324,7 +326,7 @@ def test_resume_restores_each_ranks_own_rng(tmp_path: Path) -> None:
         assert torch.equal(r["resumed_rng"], r["whole_rng"]), f"rank {rank}'s RNG after the resume"
         for name, p in r["whole"].items():
             assert torch.equal(r["resumed"][name], p), (rank, name)
-    saved = autoaccum.checkpoint.load_checkpoint(directory)
+    saved = load_checkpoint(directory)
     assert isinstance(saved["rng"], list) and len(saved["rng"]) == 2
     with pytest.warns(RuntimeWarning, match=r"RNG states of 2 rank\(s\) and this run has 1: ranks 0..0 restore"):
         model = _drop_net()
@@ -361,7 +363,7 @@ def thrash_on_one_rank(rank: int, world_size: int, thrashing_rank: int) -> dict[
             warnings.simplefilter("ignore")  # overlap="on" says once that it is experimental
             guard = autoaccum.OOMGuard(model, opt, target_batch=TARGET, micro_batch=4, sync=DistributedSync(model),
                                        meter=RetryMeter(rank == thrashing_rank), grow="off", overlap=overlap)
-        batches = autoaccum.data.GlobalBatches(make_data(), TARGET, seed=SEED, rank=rank, world_size=world_size)
+        batches = GlobalBatches(make_data(), TARGET, seed=SEED, rank=rank, world_size=world_size)
         changes, micro = [], []
         for step, rb in zip(range(1, THRASH_STEPS + 1), batches.epoch(0)):
             result = guard.step(rb.batch, mean_loss)

@@ -31,7 +31,7 @@ import autoaccum
 from _audit import IdAudit
 from _collectives import recording_all_reduces
 from _spawn import results, spawn
-from autoaccum.data import GlobalBatches
+from autoaccum.plan.data import GlobalBatches
 from autoaccum.distributed import DistributedSync, unwrap_model, wrap_model
 from test_distributed import Injector
 

@@ -9,6 +9,7 @@ an optimizer-bound model's optimizer-step peak.
 
 from __future__ import annotations
 
+import importlib
 import statistics
 import unittest.mock
 
@@ -18,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import autoaccum
-from autoaccum.estimate import _as_on_device, estimate_device, fake_setup
 from autoaccum.memory.tracked import TrackedMemory
+from autoaccum.probe.estimate import _as_on_device, estimate_device, fake_setup
 
 CUDA = torch.device("cuda", 0)
 
@@ -133,7 +134,7 @@ def test_an_attention_models_estimate_on_fake_cuda_matches_the_card():
     assert estimate_device(CUDA) == CUDA
     measured = autoaccum.probe(**kwargs)
     estimated = autoaccum.probe(**kwargs, estimate=True)
-    with unittest.mock.patch("autoaccum.probe.estimate_device", lambda d: torch.device("cpu")):
+    with unittest.mock.patch.object(importlib.import_module("autoaccum.probe.run"), "estimate_device", lambda d: torch.device("cpu")):
         on_cpu = autoaccum.probe(**kwargs, estimate=True)
     real = {c.micro_batch: c.peak_bytes for c in measured.candidates if c.status == "ok"}
     assert estimated.is_estimate and len(real) >= 2, real

@@ -1,4 +1,4 @@
-"""autoaccum.fit: equal to a hand-written full-batch loop, OOM mid-run, SIGKILL + resume, LR rules,
+"""autoaccum.training.fit: equal to a hand-written full-batch loop, OOM mid-run, SIGKILL + resume, LR rules,
 evaluation, metrics, quiet output, data kinds and bad input.
 
 Every exactness test compares against a reference in ``_fit_models`` that shares no code with
@@ -25,9 +25,10 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 import autoaccum
 from _fit_models import (RESUME_EPOCHS, RESUME_SAMPLES, Mlp, cross_entropy, global_batches, gpt, gpt_tokens,
                          max_abs_diff, mlp_data, reference_fit, resumable_run, token_loss)
-from autoaccum import checkpoint, state
+from autoaccum import state
+from autoaccum.training import checkpoint
 from autoaccum.errors import AutoAccumError, NonFiniteError, TaskError
-from autoaccum.plan import Plan
+from autoaccum.plan.plan import Plan
 
 TESTS_DIR = Path(__file__).resolve().parent
 N, TARGET, EPOCHS = 150, 64, 2  # 64 + 64 + 22 per epoch: every epoch ends with a partial batch
@@ -153,7 +154,7 @@ import io, os, signal, sys
 import torch
 sys.path.insert(0, {tests!r})
 torch.set_num_threads(1)
-import autoaccum.checkpoint as ckpt
+import autoaccum.training.checkpoint as ckpt
 from _fit_models import cross_entropy, resumable_run
 
 mode, at, directory = sys.argv[1], int(sys.argv[2]), sys.argv[3]

@@ -16,17 +16,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import autoaccum.accumulate as accumulate_module
-import autoaccum.guard as guard_module
+import autoaccum.step.accumulate as accumulate_module
+import autoaccum.step.guard as guard_module
 from autoaccum.memory import MemoryReading, NullMeter
-import autoaccum.recovery as recovery_module
+import autoaccum.memory.recovery as recovery_module
 from _guard_models import (
     Net, RecordingSGD, TokenModel, data, full_step, manual_step, max_diff, mse, pair, params_of, phase_peaks, sizes_for,
     token_batch, token_mean, token_sum,
 )
 from autoaccum import DoesNotFitError, OOMGuard, OptimizerStepOOMError, Plan, emulated_budget
 from autoaccum.errors import NonFiniteError, TaskError
-from autoaccum.sync import LocalSync
+from autoaccum.step.sync import LocalSync
 
 TOL = {torch.float64: {"rtol": 0.0, "atol": 1e-12}, torch.float32: {"rtol": 1e-5, "atol": 1e-6}}
 DTYPES = pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
@@ -127,7 +127,7 @@ def test_every_micro_batch_runs_under_the_autocast_it_asks_for(monkeypatch):
     forward and loss runs under it, and it is off again afterwards. Negative control: a context that
     casts only the first time it is entered (what a context that cannot be re-entered would leave) is
     caught by the same check."""
-    from autoaccum.cut import MicroBatch
+    from autoaccum.plan.cut import MicroBatch
 
     model = nn.Linear(4, 2)
     seen: list[tuple[bool, torch.dtype]] = []
@@ -170,7 +170,7 @@ def test_the_loss_sum_is_a_float64_sum_with_one_rounding_per_micro_batch(kind, d
     rounding each), for every kind of loss and dtype, with an uneven last micro-batch. Negative controls,
     what a plausible wrong sum gives instead: for a float64 mean loss ``sum += loss * size`` on the host
     (two roundings), for other float64 losses a float32 sum, else a sum in the loss's own dtype."""
-    from autoaccum.cut import MicroBatch
+    from autoaccum.plan.cut import MicroBatch
 
     g = torch.Generator().manual_seed(9)  # a seed whose float64 sums tell one rounding from two
     sizes = [7] * 12 + [3]
@@ -499,7 +499,7 @@ def test_the_check_folded_into_clipping_clips_as_before():
 def test_a_norm_that_overflows_is_not_taken_for_an_inf_gradient(clip):
     """The check reduces gradients to 2-norms, which overflow for large finite values (fp16 past 65504,
     fp32 past ~1.8e19): only an inf or NaN element counts, a large norm does not."""
-    from autoaccum.optim_step import _check_finite
+    from autoaccum.step.optim import _check_finite
 
     def params(value, dtype):
         p = nn.Parameter(torch.zeros(100, dtype=dtype))
@@ -775,7 +775,7 @@ def test_after_an_oom_in_clipping_the_scaler_is_ready_for_the_next_step(monkeypa
 # -- plan changes, logging, state -----------------------------------------------------------------
 
 def test_each_plan_change_is_logged_once_in_order(caplog):
-    caplog.set_level(logging.WARNING, logger="autoaccum.guard")
+    caplog.set_level(logging.WARNING, logger="autoaccum.step.guard")
     model = Net()
     guard = OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), target_batch=64, micro_batch=64)
     model.trigger.arm("forward", 1)
@@ -785,7 +785,7 @@ def test_each_plan_change_is_logged_once_in_order(caplog):
     r2 = guard.step(data(64, seed=2), mse)
     model.trigger.cap = 4  # two halvings within one step
     r3 = guard.step(data(64, seed=3), mse)
-    messages = [r.getMessage() for r in caplog.records if r.name == "autoaccum.guard"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "autoaccum.step.guard"]
     assert messages == [
         "OOM in forward/loss at micro 64 -> 32, accum 1 -> 2, global batch 64 unchanged",
         "OOM in backward at micro 32 -> 16, accum 2 -> 4, global batch 64 unchanged",

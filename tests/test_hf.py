@@ -19,7 +19,8 @@ import torch
 
 import autoaccum
 from autoaccum import OOMGuard, Plan
-from autoaccum.losses import default_loss, predicted_tokens
+from autoaccum.step import losses as losses_module
+from autoaccum.step.losses import default_loss, predicted_tokens
 
 transformers = pytest.importorskip("transformers")
 from transformers import (  # noqa: E402 - after the skip: these tests need transformers
@@ -327,7 +328,7 @@ def _with_loss(loss_function) -> torch.nn.Module:
 def test_whether_a_loss_shifts_labels_is_read_from_what_it_does():
     from transformers.loss.loss_utils import ForCausalLMLoss, ForMaskedLMLoss
 
-    from autoaccum.losses import loss_shifts_labels
+    from autoaccum.step.losses import loss_shifts_labels
 
     assert loss_shifts_labels(ForCausalLMLoss) is True and loss_shifts_labels(ForMaskedLMLoss) is False
     assert loss_shifts_labels(_causal_lm_loss_in_float64) is True  # a drop-in: same answer as the original
@@ -348,7 +349,7 @@ def test_fit_with_a_replaced_loss_function_equals_full_batch_token_mean_descent(
     """``fit`` on dict batches with the model's own loss, cut 5 x 7 (last 4) from 32: token-exact whatever
     the model's loss function is. Negative control: the opposite verdict (for the drop-in, the one its
     identity gives: not ``ForCausalLMLoss``, so unshifted) divides every step by the wrong token count."""
-    import autoaccum.losses
+    import autoaccum.step.losses
 
     batches = [padded_tokens(32, seed=s) for s in range(3)]
     reference = _with_loss(loss_function)
@@ -362,5 +363,5 @@ def test_fit_with_a_replaced_loss_function_equals_full_batch_token_mean_descent(
 
     assert rel_diff(params(trained()), params(reference)) <= RTOL
     opposite = loss_function is _unshifted_token_loss
-    monkeypatch.setattr(autoaccum.losses, "loss_shifts_labels", lambda f, device="cpu": opposite)
+    monkeypatch.setattr(losses_module, "loss_shifts_labels", lambda f, device="cpu": opposite)
     assert rel_diff(params(trained()), params(reference)) > 1e-3

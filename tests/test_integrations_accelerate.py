@@ -5,7 +5,7 @@ The loop is the one of examples/accelerate_loop.py: ``accelerator.prepare`` -> p
 ``guard.accumulate`` (or, for the reference, ``accelerator.backward`` of the whole batch) ->
 ``accelerator.clip_grad_norm_``, ``optimizer.step()``, ``scheduler.step()``, ``optimizer.zero_grad()``.
 GPT-2 from a config, fp64, dropout off, padded rows; the loss is the model's own through
-``autoaccum.losses.default_loss`` (token-exact: the step's predicted tokens counted up front and
+``autoaccum.step.losses.default_loss`` (token-exact: the step's predicted tokens counted up front and
 passed as ``num_items_in_batch``). The loader yields global batches of 8; ids ride in the first token.
 """
 
@@ -22,7 +22,7 @@ import torch
 from _audit import IdAudit
 
 from autoaccum import emulated_budget, parse_bytes
-from autoaccum.losses import default_loss
+from autoaccum.step.losses import default_loss
 
 pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")

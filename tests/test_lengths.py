@@ -17,12 +17,12 @@ import torch
 
 import autoaccum
 from autoaccum import OOMGuard, Plan
-from autoaccum.batch import Samples
-from autoaccum.cut import TokenCut
-from autoaccum.demo import TinyGPT, padded_token_loss as token_loss
-from autoaccum.demo import pad_rows as pad
+from autoaccum.plan.batch import Samples
+from autoaccum.plan.cut import TokenCut
+from autoaccum.cli import TinyGPT, padded_token_loss as token_loss
+from autoaccum.cli import pad_rows as pad
 from autoaccum.memory import TrackedMemory
-from autoaccum.plan import TokenBudget
+from autoaccum.plan.plan import TokenBudget
 
 VOCAB, LONGEST = 64, 48
 RTOL = 1e-10
@@ -217,7 +217,7 @@ def test_the_cut_of_one_batch_is_never_served_for_another(monkeypatch):
     the variable-length benchmark). Here every id collides: the cutter must still cut each batch."""
     import importlib
 
-    monkeypatch.setattr(importlib.import_module("autoaccum.cut"), "id", lambda obj: 42, raising=False)
+    monkeypatch.setattr(importlib.import_module("autoaccum.plan.cut"), "id", lambda obj: 42, raising=False)
     plan = token_plan(32, max_cost=96)
     cut = TokenCut()
     cut.groups(samples(rows(32, seed=1)), plan)

@@ -4,7 +4,7 @@ import pickle
 import pytest
 import torch
 
-from autoaccum.lr import LR_RULES, LinearWarmup, scale_adam_hparams, scale_lr, warmup_lambda
+from autoaccum.training.lr import LR_RULES, LinearWarmup, scale_adam_hparams, scale_lr, warmup_lambda
 
 
 def test_rules_are_the_literal_names():

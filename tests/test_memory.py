@@ -281,7 +281,7 @@ def test_probe_on_cuda_uses_the_cuda_meter():
 def test_cuda_estimate_is_near_the_measured_peaks():
     """A fake-tensor estimate of a CUDA model, with the libraries' bytes added, lands within 15% of
     the peaks real CUDA steps measure (without them it was short by cuBLAS's workspace)."""
-    from autoaccum.estimate import cuda_library_bytes
+    from autoaccum.probe.estimate import cuda_library_bytes
 
     model = mlp().cuda()
     batch = lambda b: tuple(t.cuda() for t in mlp_batch()(b))  # noqa: E731
@@ -344,8 +344,8 @@ def test_the_default_cuda_budget_respects_the_per_process_memory_fraction(monkey
 
 def test_estimate_offset_adds_library_bytes_to_every_peak():
     """An estimate for a CUDA model adds what cuBLAS/cuDNN keep (fake tensors never allocate it)."""
-    from autoaccum.estimate import with_offset
-    from autoaccum.report import Candidate
+    from autoaccum.probe.estimate import with_offset
+    from autoaccum.probe.report import Candidate
 
     base = Candidate(micro_batch=4, status="ok", peak_bytes=1000, fwd_bwd_peak_bytes=900, opt_peak_bytes=1000)
     failed = Candidate(micro_batch=8, status="oom", peak_bytes=None, fwd_bwd_peak_bytes=None, opt_peak_bytes=None)

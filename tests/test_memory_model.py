@@ -1,8 +1,8 @@
-"""autoaccum.memory_model: peak(b) = max(opt_peak, base + per_sample * b), fitted on measured phases."""
+"""autoaccum.memory.model: peak(b) = max(opt_peak, base + per_sample * b), fitted on measured phases."""
 
 import pytest
 
-from autoaccum.memory_model import GOOD_FIT_RESIDUAL, MemoryModel, MemoryPoint
+from autoaccum.memory.model import GOOD_FIT_RESIDUAL, MemoryModel, MemoryPoint
 from _probe_models import gpt_batch, gpt_loss, measure_phases, mlp, mlp_batch, mlp_loss, tiny_gpt
 
 

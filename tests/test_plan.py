@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autoaccum.plan import Plan
+from autoaccum.plan.plan import Plan
 
 
 def check_covers_target(plan: Plan, requested_micro: int) -> None:
@@ -145,7 +145,7 @@ def test_dict_round_trip_and_missing_keys():
 
 
 def test_read_plan_accepts_what_the_tools_write(tmp_path):
-    from autoaccum.plan import read_plan
+    from autoaccum.plan.plan import read_plan
 
     plan = Plan.for_target(256, 48)
     doc = {"kind": "autoaccum.probe", "plan": plan.to_dict()}

@@ -12,12 +12,12 @@ import torch
 
 import autoaccum
 import autoaccum.state
-import autoaccum.stepper
+from autoaccum.probe import stepper as stepper_module
 from autoaccum import AutoAccumError, DoesNotFitError, Plan, ProbeReport, TaskError, probe
-from autoaccum.demo import TinyGPT, synthetic_tokens, token_loss
+from autoaccum.cli import TinyGPT, synthetic_tokens, token_loss
 from autoaccum.memory import TrackedMemory
-from autoaccum.probe import RETIME_ROUNDS, THROUGHPUT_TIE, Candidate, choose_micro_batch, plan_step_times, time_slope
-from autoaccum.stepper import Stepper
+from autoaccum.probe.run import RETIME_ROUNDS, THROUGHPUT_TIE, Candidate, choose_micro_batch, plan_step_times, time_slope
+from autoaccum.probe.stepper import Stepper
 from _probe_models import (
     convnet, gpt_batch, gpt_loss, image_batch, largest_fitting, measure_phases, mlp, mlp_batch, mlp_loss, runs_under,
     stateful_batch, stateful_mlp, tiny_gpt,
@@ -262,7 +262,7 @@ def test_probe_leaves_no_trace():
 def test_probe_that_times_two_sizes_again_leaves_no_trace(monkeypatch):
     """When speed picks a size below the largest that fits, both are timed again: inside the restore.
     (A regression: the extra passes ran after it, leaving gradients, statistics and RNG moved.)"""
-    probe_module = importlib.import_module("autoaccum.probe")
+    probe_module = importlib.import_module("autoaccum.probe.run")
     choose, calls = probe_module.choose_micro_batch, []
 
     def first_pick_the_smallest(candidates, share=None, min_micro_batch=1):
@@ -376,7 +376,7 @@ def test_an_optimizer_that_wraps_another_is_stepped_itself_and_restored():
     model, trained = _trained()
     optimizer = Wrapping(model.parameters())
     optimizer.load_state_dict(trained.state_dict())
-    assert autoaccum.stepper.StandIn.of(optimizer) is None and autoaccum.stepper.StandIn.of(trained) is not None
+    assert stepper_module.StandIn.of(optimizer) is None and stepper_module.StandIn.of(trained) is not None
     calls = _Calls(optimizer)
     differences, report = _probe_keeping(model, optimizer, 1_000_000)
     assert isinstance(report, ProbeReport) and differences == []
@@ -393,7 +393,7 @@ def _give_up_without_putting_back(monkeypatch) -> None:
 
 def test_negative_control_without_the_restore_the_probe_leaves_traces(monkeypatch):
     monkeypatch.setattr(autoaccum.state, "restore", lambda *args, **kwargs: None)
-    monkeypatch.setattr(autoaccum.stepper.StandIn, "put_back", lambda self: None)  # the optimizer's state tensors
+    monkeypatch.setattr(stepper_module.StandIn, "put_back", lambda self: None)  # the optimizer's state tensors
     _give_up_without_putting_back(monkeypatch)
     model, optimizer = _trained()
     differences, report = _probe_keeping(model, optimizer, 1_000_000)
@@ -462,7 +462,7 @@ def test_the_copy_changes_no_reading_and_no_plan(monkeypatch):
     budget = 500_000
     with_copy = _probe_on_mlp(budget)
     assert len(made) == 1 and made[0] > 0
-    monkeypatch.setattr(importlib.import_module("autoaccum.probe"), "WARM_UP_ROOM", 10 ** 9)  # no room: host
+    monkeypatch.setattr(importlib.import_module("autoaccum.probe.run"), "WARM_UP_ROOM", 10 ** 9)  # no room: host
     on_host = _probe_on_mlp(budget)
     assert len(made) == 1  # no copy the second time
     peaks = [(c.micro_batch, c.status, c.peak_bytes, c.fwd_bwd_peak_bytes, c.opt_peak_bytes)
@@ -470,7 +470,7 @@ def test_the_copy_changes_no_reading_and_no_plan(monkeypatch):
     assert peaks == [(c.micro_batch, c.status, c.peak_bytes, c.fwd_bwd_peak_bytes, c.opt_peak_bytes)
                      for c in on_host.candidates]
     assert with_copy.model == on_host.model  # (the plan is chosen by measured speed: it may differ by timing)
-    monkeypatch.setattr(importlib.import_module("autoaccum.probe"), "WARM_UP_ROOM", 4)
+    monkeypatch.setattr(importlib.import_module("autoaccum.probe.run"), "WARM_UP_ROOM", 4)
     init = Stepper.__init__
     monkeypatch.setattr(Stepper, "__init__", lambda self, *a, **k: init(self, *a, **{**k, "copy_bytes": 0}))
     unsubtracted = _probe_on_mlp(budget)
@@ -482,7 +482,7 @@ def test_a_warm_up_that_runs_out_beside_the_copy_is_measured_again_from_host_mem
     warm-up runs out of memory beside the copy, and the probe measures again with the weights on the host --
     one OOM counted, the reading of a probe that never copied, no trace. Negative control: without the second
     try the probe fails."""
-    probe_module = importlib.import_module("autoaccum.probe")
+    probe_module = importlib.import_module("autoaccum.probe.run")
     model, optimizer = _trained()
     monkeypatch.setattr(probe_module, "WARM_UP_ROOM", 10 ** 9)
     on_host = probe(model=model, loss_fn=mlp_loss, make_batch=stateful_batch, optimizer=optimizer, target_batch=64,
@@ -499,7 +499,7 @@ def test_a_warm_up_that_runs_out_beside_the_copy_is_measured_again_from_host_mem
     monkeypatch.setattr(probe_module, "_measure", lambda *a, **k: probe_module._measure_once(
         *a, copy_weights=True, **k))
     _, result = _probe_keeping(model, optimizer, budget, headroom=0.0)
-    assert result is autoaccum.stepper.HostSnapshotNeeded
+    assert result is stepper_module.HostSnapshotNeeded
 
 
 class _MaxNorm(torch.nn.Linear):
@@ -531,7 +531,7 @@ def _max_norm_net(**kwargs):
 
 
 def _probe_steps_from_host(monkeypatch, **kwargs) -> ProbeReport:
-    probe_module = importlib.import_module("autoaccum.probe")
+    probe_module = importlib.import_module("autoaccum.probe.run")
     with monkeypatch.context() as patch:
         patch.setattr(probe_module, "WARM_UP_ROOM", 10 ** 9)
         model, optimizer = _max_norm_net(**kwargs)
@@ -546,7 +546,7 @@ def test_a_model_that_writes_its_parameters_in_every_forward_is_measured_from_ho
     counters; through ``.data``, the values against the copy), and the probe measures again with the weights in
     host memory -- no trace, and the first try's pass counted. Negative control: unseen, the probe leaves the
     renormalised weights behind."""
-    monkeypatch.setattr(importlib.import_module("autoaccum.probe"), "RETIME_ROUNDS", 0)  # passes by memory alone
+    monkeypatch.setattr(importlib.import_module("autoaccum.probe.run"), "RETIME_ROUNDS", 0)  # passes by memory alone
     on_host = _probe_steps_from_host(monkeypatch, through_data=through_data)
     made = _copies_made(monkeypatch)
     model, optimizer = _max_norm_net(through_data=through_data)
@@ -621,7 +621,7 @@ def test_a_copy_that_runs_out_of_memory_itself_is_made_in_host_memory_instead(mo
     differences, report = _probe_keeping(model, optimizer, 1_000_000)
     assert isinstance(report, ProbeReport) and report.probe_ooms == 0, report
     assert differences == []
-    monkeypatch.setattr(importlib.import_module("autoaccum.probe"), "catch_oom", lambda fn, *a: (fn(*a), False))
+    monkeypatch.setattr(importlib.import_module("autoaccum.probe.run"), "catch_oom", lambda fn, *a: (fn(*a), False))
     _, result = _probe_keeping(model, optimizer, 1_000_000)
     assert result is torch.OutOfMemoryError
 
@@ -761,7 +761,7 @@ def test_an_estimate_counts_only_the_rows_of_a_batch_sliced_from_a_dataset_tenso
     assert sliced.max_fitting_micro_batch == fresh.max_fitting_micro_batch > 1
     assert [c.peak_bytes for c in sliced.candidates] == [c.peak_bytes for c in fresh.candidates]
     # negative control: without the copy to the batch's own rows the whole pool is counted
-    monkeypatch.setattr(autoaccum.stepper, "own_rows", lambda batch: batch)
+    monkeypatch.setattr(stepper_module, "own_rows", lambda batch: batch)
     with pytest.raises(DoesNotFitError):
         probe(model=mlp(), make_batch=lambda b: tuple(t[:b] for t in pool), **kwargs)
 
@@ -882,7 +882,7 @@ def test_cuda_probe_copies_the_weights_on_the_device_and_reads_as_from_host_memo
     """On CUDA the warm-up's copy is made on the device (allocator bytes, subtracted from the readings): the
     sizes measured and their peaks are those of the probe that copies to host memory, and the weights come back
     bit for bit."""
-    probe_module = importlib.import_module("autoaccum.probe")
+    probe_module = importlib.import_module("autoaccum.probe.run")
     model = mlp(in_dim=512, hidden=2048, out_dim=16).cuda()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -908,7 +908,7 @@ def test_a_size_that_runs_out_of_memory_when_timed_again_is_dropped_from_the_cho
     fitting and chooses among the rest, instead of raising out of probe(). Here the budget shrinks
     between the first passes and the retiming, and speed is made to pick the smaller size first (so
     that both are timed again). Before, the OOM escaped."""
-    probe_module = importlib.import_module("autoaccum.probe")
+    probe_module = importlib.import_module("autoaccum.probe.run")
     with contextlib.ExitStack() as stack:
         stepper = _stepper(stack, mlp())
         stepper.warm_up(1)

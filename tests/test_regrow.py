@@ -18,15 +18,14 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-
-import autoaccum.growth as growth_module
-import autoaccum.recovery as recovery_module
 from _guard_models import Net, data, full_step, mse, pair, params_of
 from _spawn import results, spawn
+
+import autoaccum.memory.recovery as recovery_module
+import autoaccum.step.growth as growth_module
 from autoaccum import MemoryModel, OOMGuard, Plan, TrackedMemory
 from autoaccum.memory import CudaMeter, MemoryReading, NullMeter
-from autoaccum.policy import fitting_plan
-from autoaccum.regrow import FailedGrowth, Rise, fits, memory_limit, predicted_rise
+from autoaccum.step.growth import FailedGrowth, Rise, fits, fitting_plan, memory_limit, predicted_rise
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one intra-op thread
 
@@ -203,7 +202,7 @@ def test_a_growth_that_runs_out_of_memory_backs_off_and_waits_for_more_room(capl
     tight, full = live + int(rise * 0.6), live + int(rise * 1.15)
     mem = TrackedMemory(budget_bytes=tight).track(model, opt)
     micros = []
-    with mem, caplog.at_level(logging.WARNING, logger="autoaccum.guard"):
+    with mem, caplog.at_level(logging.WARNING, logger="autoaccum.step.guard"):
         guard = OOMGuard(model, opt, target_batch=1024, micro_batch=256, meter=mem, memory_model=wrong, headroom=0.0)
         for s in range(14):
             mem.budget_bytes = full if s >= 10 else tight
@@ -262,7 +261,7 @@ def test_default_growth_needs_a_meter_that_knows_the_limit():
 
 
 def test_the_probe_reports_model_and_headroom_reach_the_guard():
-    from autoaccum.report import ProbeReport
+    from autoaccum.probe.report import ProbeReport
 
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -16,10 +16,10 @@ import torch
 
 from autoaccum import OOMGuard, Plan, emulated_budget, probe
 from autoaccum.cli import EXIT_ERROR, EXIT_OK, main
-from autoaccum.demo import TinyGPT, synthetic_tokens, token_loss
+from autoaccum.cli import TinyGPT, synthetic_tokens, token_loss
 from autoaccum.errors import DoesNotFitError
-from autoaccum.knobs import TRIAL_RECOMPILE_LIMIT, Knobs, apply_knobs, available_knobs
-from autoaccum.task import Task
+from autoaccum.search.knobs import TRIAL_RECOMPILE_LIMIT, Knobs, apply_knobs, available_knobs
+from autoaccum.plan.task import Task
 
 optuna = pytest.importorskip("optuna")
 
@@ -28,7 +28,7 @@ from autoaccum.search import (  # noqa: E402 - after the skip: these tests need 
 )
 from autoaccum.search.compare import DEFAULT_TIE_CEILING, compare_finalists, paired_ratios  # noqa: E402
 from autoaccum.search.study import OUT_AFTER_ROUNDS  # noqa: E402
-from autoaccum.throughput import Bench, Measurement, measure  # noqa: E402
+from autoaccum.search.throughput import Bench, Measurement, measure  # noqa: E402
 
 TARGET = 32
 # Usable 1.53 MB: a guarded fp32 step fits up to about micro 10 of this model, micro 32 does not
@@ -149,7 +149,8 @@ def test_compile_knob_keeps_the_process_compiled_code_and_confines_its_recompile
 
 
 def test_knobs_autocast_table_is_the_read_only_precision_table():
-    from autoaccum import knobs, precision
+    from autoaccum import precision
+    from autoaccum.search import knobs
 
     assert knobs.AUTOCAST_DTYPES is precision.AUTOCAST_DTYPES
     with pytest.raises(TypeError):
@@ -163,15 +164,15 @@ def test_trial_leaves_the_guard_logger_alone(caplog):
     filters = []
 
     def loss_fn(model, batch):  # runs inside the trial
-        filters.append(list(logging.getLogger("autoaccum.guard").filters))
+        filters.append(list(logging.getLogger("autoaccum.step.guard").filters))
         return token_loss(model, batch)
 
-    with caplog.at_level(logging.WARNING, logger="autoaccum.guard"):
+    with caplog.at_level(logging.WARNING, logger="autoaccum.step.guard"):
         # micro 32 runs out of memory: the trial's guard shrinks the plan, which ends the trial
         m = measure(dataclasses.replace(task, loss_fn=loss_fn), TARGET, TARGET, budget=BUDGET, **FAST)
     assert m.status == "oom" and filters
     assert all(f == [] for f in filters)  # no filter on the process's guard logger during the trial
-    assert not [r for r in caplog.records if r.name == "autoaccum.guard"]  # the trial's guard logged no change
+    assert not [r for r in caplog.records if r.name == "autoaccum.step.guard"]  # the trial's guard logged no change
 
 
 # -- the search ------------------------------------------------------------------------------------

@@ -3,11 +3,11 @@ search stops refining once the plan is settled (a real CUDA probe's readings, th
 
 import pytest
 
-import autoaccum.size_search as size_search
-from autoaccum.memory_model import MemoryModel, MemoryPoint
-from autoaccum.plan import Plan
-from autoaccum.report import Candidate
-from autoaccum.size_search import LIMIT_TOLERANCE, _next_size, fit_sizes, search_sizes
+from autoaccum.probe import size_search
+from autoaccum.memory.model import MemoryModel, MemoryPoint
+from autoaccum.plan.plan import Plan
+from autoaccum.probe.report import Candidate
+from autoaccum.probe.size_search import LIMIT_TOLERANCE, _next_size, fit_sizes, search_sizes
 
 MIB = 2**20
 

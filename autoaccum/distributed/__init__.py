@@ -4,7 +4,7 @@ Where the ranks talk, per attempt of an optimizer step, in the guard's order::
 
     before        gather(row)           samples, micro-steps, items of a loss that   all_reduce SUM
                                         counts them up front, overlap votes, thrash  (waited for)
-                                        (``autoaccum.cut_agreement``)
+                                        (``autoaccum.step.sync``)
     window        no_sync():            every micro-batch's forward + backward       no collective at all
     after it      agree(status)         OK < OOM < ERROR, the worst wins             all_reduce MAX
                   reduce_gradients()    gradients summed once                        all_reduce SUM (FSDP2:
@@ -24,7 +24,7 @@ the buckets it has not sent (zeros after a failure), waits for all of them, and 
 the flag: every rank issues the same collectives in the same order whatever its micro-batches did.
 
 - **DDP**: the window is ``model.no_sync()`` (forward included, so DDP neither prepares its reducer
-  nor broadcasts buffers), gradients hold local sums, and :meth:`DistributedSync.reduce_gradients`
+  nor broadcasts buffers), gradients hold local sums, and ``DistributedSync.reduce_gradients``
   all-reduces them in flat buckets (SUM: the guard weights each micro-batch by its share of the
   *global* batch, so the sum over ranks is the full-batch gradient; DDP's own averaging never runs).
   Buffers (BatchNorm statistics) are then broadcast from rank 0, as DDP does before a forward.
@@ -43,11 +43,11 @@ about; such a model also needs the same number of forwards on every rank), an OO
 ``optimizer.step()`` (the guard raises ``OptimizerStepOOMError`` on that rank), and an error in your
 code between steps. There one rank stops while the others wait in their next collective: under
 torchrun, the agent ends them when the first process exits; otherwise the process group's timeout
-does (:func:`init_from_env` sets 5 minutes; on NCCL the watchdog then aborts the process).
+does (``init_from_env`` sets 5 minutes; on NCCL the watchdog then aborts the process).
 
 The package, by job: ``process_group`` (where this process stands, torchrun's environment, the
 small all-reduces, one plan for every rank), ``models`` (DDP, FSDP2 or plain; wrapping; full state
-for checkpoints), ``ddp`` (:class:`DistributedSync` and the bucketed gradient all-reduce),
+for checkpoints), ``ddp`` (``DistributedSync`` and the bucketed gradient all-reduce),
 ``overlap`` (the experimental all-reduce during the last backward), ``fsdp2`` (FSDP2's side of the
 accumulation window), ``settle`` (every collective returns only once gloo's worker thread has let go
 of its tensors, so nothing is freed on a worker thread during interpreter shutdown).
@@ -57,10 +57,23 @@ from __future__ import annotations
 
 from autoaccum.distributed.ddp import BUCKET_BYTES, DistributedSync  # noqa: F401 - BUCKET_BYTES: a public constant
 from autoaccum.distributed.models import (
-    ModelKind, full_state_dicts, is_fsdp2, load_full_state_dicts, model_kind, unwrap_model, wrap_model,  # noqa: F401
+    ModelKind,  # noqa: F401
+    full_state_dicts,
+    is_fsdp2,
+    load_full_state_dicts,
+    model_kind,
+    unwrap_model,
+    wrap_model,
 )
 from autoaccum.distributed.process_group import (
-    DEFAULT_TIMEOUT_S, WorldInfo, broadcast_plan, gather_to_rank_zero, init_from_env, is_distributed, is_rank_zero, world_info,
+    DEFAULT_TIMEOUT_S,
+    WorldInfo,
+    broadcast_plan,
+    gather_to_rank_zero,
+    init_from_env,
+    is_distributed,
+    is_rank_zero,
+    world_info,
 )
 from autoaccum.distributed.settle import settled
 

@@ -1,4 +1,4 @@
-"""The sync the guard uses under ``torch.distributed`` (:class:`DistributedSync`), and the bucketed
+"""The sync the guard uses under ``torch.distributed`` (``DistributedSync``), and the bucketed
 gradient all-reduce for DDP and plain modules. The protocol -- where the ranks talk and why no
 gradient collective runs inside the accumulation window -- is described in the package docstring
 (``autoaccum.distributed``); FSDP2's side of the window is in ``autoaccum.distributed.fsdp2``."""
@@ -19,8 +19,8 @@ from autoaccum.distributed.overlap import STEP_SCALARS, _OverlappedReduce
 from autoaccum.distributed.process_group import _all_reduce, broadcast_plan, is_distributed
 from autoaccum.distributed.settle import settled
 from autoaccum.log import user_stacklevel
-from autoaccum.plan import Plan
-from autoaccum.sync import StepAgreement
+from autoaccum.plan.plan import Plan
+from autoaccum.step.sync import StepAgreement
 from autoaccum.validate import check_positive_int
 
 __all__ = ["BUCKET_BYTES", "DistributedSync"]
@@ -132,7 +132,7 @@ class DistributedSync:
 
     def evaluation(self) -> contextlib.AbstractContextManager[None]:
         """Around one evaluation attempt (forwards without gradients), so that an OOM on one rank meets
-        no collective on the way to :meth:`agree`: FSDP2 unshards once at its start instead of in every
+        no collective on the way to ``agree``: FSDP2 unshards once at its start instead of in every
         module's forward. DDP runs no collective in a forward without gradients (it broadcasts buffers
         only before a forward that will sync gradients), a plain module none: nothing to do there."""
         if self._fsdp is not None:
@@ -152,7 +152,7 @@ class DistributedSync:
         return agreed
 
     def agree_plan(self, plan: Plan) -> Plan:
-        """One plan for every rank: the smallest micro-batch any rank proposes (:func:`broadcast_plan`)."""
+        """One plan for every rank: the smallest micro-batch any rank proposes (``broadcast_plan``)."""
         return broadcast_plan(plan, self.group)
 
     def gather(self, values: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
@@ -163,7 +163,7 @@ class DistributedSync:
         return tuple(tuple(int(v) for v in row) for row in summed)
 
     def agree_step(self, status: int, scalars: Sequence[float]) -> StepAgreement:
-        """:meth:`agree` after an overlapped attempt, with the step's scalars (loss sum, item count,
+        """``agree`` after an overlapped attempt, with the step's scalars (loss sum, item count,
         kinds of loss) summed over the ranks in the flag's exchange; elsewhere the status alone."""
         if self._overlap is not None and self._overlap.active:
             return self._overlap.finish(status, scalars)
@@ -213,7 +213,7 @@ class DistributedSync:
             self._overlap.release()
 
     def overlapped(self, params: list[torch.nn.Parameter]) -> Callable[[], None]:
-        """Start an overlapped attempt (every rank voted for it, :meth:`prepare_overlap` held the
+        """Start an overlapped attempt (every rank voted for it, ``prepare_overlap`` held the
         buffers); returns ``arm``, called before the last micro-step's backward."""
         overlap = self._overlap_for(params)
         if overlap is None:

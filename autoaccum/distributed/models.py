@@ -83,7 +83,7 @@ def full_state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     DDP and plain modules: the inner module's ``state_dict()`` and the optimizer's. FSDP2: the shards
     are gathered with ``torch.distributed.checkpoint.state_dict`` (full state, on the CPU); a
     collective, so every rank must call this, and only rank 0 gets the state (the others get empty
-    dicts). Loading it back: :func:`load_full_state_dicts`.
+    dicts). Loading it back: ``load_full_state_dicts``.
     """
     if model_kind(model) != "fsdp2":
         return unwrap_model(model).state_dict(), optimizer.state_dict()
@@ -94,7 +94,7 @@ def full_state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
 
 def load_full_state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
                           optimizer_state: dict) -> None:
-    """Load what :func:`full_state_dicts` returned (every rank gives the full state it read from the file)."""
+    """Load what ``full_state_dicts`` returned (every rank gives the full state it read from the file)."""
     if model_kind(model) != "fsdp2":
         unwrap_model(model).load_state_dict(model_state)
         optimizer.load_state_dict(optimizer_state)

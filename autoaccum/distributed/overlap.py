@@ -53,14 +53,14 @@ import torch.distributed as dist
 from autoaccum.distributed.process_group import _all_reduce, _comm_device
 from autoaccum.distributed.settle import settled
 from autoaccum.log import user_stacklevel
-from autoaccum.oom import is_oom
-from autoaccum.sync import OK, StepAgreement
+from autoaccum.memory.oom import is_oom
+from autoaccum.step.sync import OK, StepAgreement
 
 __all__: list[str] = []  # internal: DistributedSync drives it
 
 logger = logging.getLogger(__name__)
 
-#: the step's scalars the flag carries (``autoaccum.accumulate.step_values``: the loss sum, the item
+#: the step's scalars the flag carries (``autoaccum.step.accumulate.step_values``: the loss sum, the item
 #: count, and which kind of loss each rank saw)
 STEP_SCALARS = 4
 #: the counts at the flag's start, before the presence bits: status (two: OOM, error), late, twice
@@ -77,7 +77,7 @@ class _OverlappedReduce:
         position = {id(p): i for i, p in enumerate(params)}
         self._positions = [[position[id(p)] for p in bucket] for bucket in buckets]  # each one's place in params
         #: per bucket, the parameters whose hooks say it is final: at first its last one, then also
-        #: every one whose gradient changed after its bucket had left (:meth:`_late_params`)
+        #: every one whose gradient changed after its bucket had left (``_late_params``)
         self.watched: list[list[torch.nn.Parameter]] = [[bucket[-1]] for bucket in buckets]
         self.nbytes = sum(p.numel() * p.element_size() for p in params)
         self.flats: list[torch.Tensor] | None = None

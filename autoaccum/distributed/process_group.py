@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from autoaccum.distributed.settle import settled
-from autoaccum.plan import Plan
+from autoaccum.plan.plan import Plan
 
 if dist.is_available():
     # Imported before any process group exists, on purpose: torch.distributed.nn.functional's
@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 #: what torchrun sets for every worker
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-#: how long a collective waits for the other ranks, where :func:`init_from_env` creates the group
+#: how long a collective waits for the other ranks, where ``init_from_env`` creates the group
 DEFAULT_TIMEOUT_S = 300.0
 
 
@@ -46,7 +46,7 @@ class WorldInfo:
 
 
 def is_distributed() -> bool:
-    """A ``torch.distributed`` process group is initialised (by the user, torchrun code or :func:`init_from_env`)."""
+    """A ``torch.distributed`` process group is initialised (by the user, torchrun code or ``init_from_env``)."""
     return dist.is_available() and dist.is_initialized()
 
 
@@ -71,7 +71,7 @@ def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT
     Args:
         backend: ``nccl``, ``gloo``, ... (default: as above).
         timeout_s: how long a collective waits for the other ranks before it fails (default
-            :data:`DEFAULT_TIMEOUT_S`, 5 minutes, instead of torch's 10 for NCCL and 30 for gloo). A
+            ``DEFAULT_TIMEOUT_S``, 5 minutes, instead of torch's 10 for NCCL and 30 for gloo). A
             rank that hangs (or dies outside torchrun, whose agent ends the other workers at once)
             then ends the others with an error within this time: on gloo the waiting call raises;
             on NCCL the watchdog aborts the process after logging the collective that timed out.

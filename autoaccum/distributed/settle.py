@@ -17,7 +17,7 @@ needs no GIL to drop a reference we still hold) and bounded; it applies to CPU t
 finished gloo collective is really finished. CUDA collectives (nccl) complete on the GPU stream
 later and are left to the backend and ``destroy_process_group()``.
 
-Your own collectives get the same guarantee with :func:`settled`::
+Your own collectives get the same guarantee with ``settled``::
 
     with autoaccum.distributed.settled() as keep:
         dist.all_reduce(keep(total))

@@ -3,7 +3,7 @@
 Each framework owns its optimizer step (clipping, scheduler, logging, checkpoints). autoaccum brings
 the part that framework lacks: the exact gradient of one global batch, cut into micro-batches that
 fit, with an out-of-memory error replayed on the same samples (``OOMGuard.accumulate``). The plan is
-measured on the first global batch (:class:`~autoaccum.integrations.lazy_guard.LazyGuard`).
+measured on the first global batch (``LazyGuard``).
 
 - ``autoaccum.integrations.transformers.AutoAccumTrainer``: a drop-in ``transformers.Trainer``.
 - ``autoaccum.integrations.lightning.AutoAccum``: a Lightning callback.

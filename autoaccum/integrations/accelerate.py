@@ -83,11 +83,11 @@ def guard_for(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch
             start with, instead of probing at the first batch.
         budget, headroom: what the probe plans for (default: the device's free memory; on CPU under
             ``autoaccum.emulated_budget``, that budget).
-        **guard_options: for :class:`~autoaccum.guard.OOMGuard`: ``grow_after``, and for
+        **guard_options: for ``OOMGuard``: ``grow_after``, and for
             ``guard.step`` (which also steps the optimizer) ``scheduler`` and ``max_grad_norm``.
 
     Returns:
-        A :class:`~autoaccum.integrations.lazy_guard.LazyGuard`: ``accumulate(batch, loss_fn)``
+        A ``LazyGuard``: ``accumulate(batch, loss_fn)``
         (Accelerate steps) or ``step(batch, loss_fn)`` (the guard steps).
 
     Raises:

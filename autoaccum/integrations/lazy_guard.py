@@ -2,9 +2,9 @@
 
 A trainer that owns the loop (Hugging Face's ``Trainer``, Lightning, an Accelerate loop) hands
 over one global batch at a time and steps the optimizer itself. Its integration holds a
-:class:`LazyGuard`: the first call plans -- from a checkpoint's guard state, a plan given, or a
+``LazyGuard``: the first call plans -- from a checkpoint's guard state, a plan given, or a
 probe of real steps on slices of that first batch (``autoaccum.probe``, which leaves no trace) --
-and builds the :class:`~autoaccum.guard.OOMGuard`; every call then runs ``OOMGuard.accumulate`` (or
+and builds the ``OOMGuard``; every call then runs ``OOMGuard.accumulate`` (or
 ``step``): the exact gradient of the global batch, with OOM replay.
 
 Why the first batch: it is the first moment the integration holds real data of the run (shapes,
@@ -26,22 +26,19 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import (
-    _get_current_dispatch_mode,
-    _pop_mode_temporarily,
-)
+from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
 
 from autoaccum import distributed
-from autoaccum.batch import Batch, batch_size, split_batch
-from autoaccum.guard import AccumulateResult, OOMGuard, StepResult
 from autoaccum.log import rank_level
 from autoaccum.memory import TrackedMemory, active_budget
-from autoaccum.plan import Plan, resolve_plan
+from autoaccum.plan.batch import Batch, batch_size, split_batch
+from autoaccum.plan.plan import Plan, resolve_plan
+from autoaccum.plan.task import LossFn
 from autoaccum.precision import Precision
-from autoaccum.probe import probe
-from autoaccum.report import ProbeReport
-from autoaccum.sync import GradSync, LocalSync
-from autoaccum.task import LossFn
+from autoaccum.probe.report import ProbeReport
+from autoaccum.probe.run import probe
+from autoaccum.step.guard import AccumulateResult, OOMGuard, StepResult
+from autoaccum.step.sync import GradSync, LocalSync
 from autoaccum.units import format_bytes
 
 __all__ = ["LazyGuard", "sync_for"]
@@ -72,7 +69,7 @@ def _free_for_probe(emulated: TrackedMemory, model: torch.nn.Module, optimizer: 
 
 
 def sync_for(model: torch.nn.Module) -> GradSync:
-    """How the ranks of ``model`` agree: a :class:`~autoaccum.distributed.DistributedSync` under an
+    """How the ranks of ``model`` agree: a ``DistributedSync`` under an
     initialised process group of more than one rank, else one process."""
     if distributed.is_distributed() and distributed.world_info().world_size > 1:
         return distributed.DistributedSync(model)
@@ -80,7 +77,7 @@ def sync_for(model: torch.nn.Module) -> GradSync:
 
 
 class LazyGuard:
-    """An :class:`~autoaccum.guard.OOMGuard` built at the first global batch (see the module docstring).
+    """An ``OOMGuard`` built at the first global batch (see the module docstring).
 
     Args:
         model: what the guard trains (a DDP wrapper as the framework prepared it, or a module).
@@ -88,13 +85,13 @@ class LazyGuard:
             gradients in ``accumulate``).
         target_batch: samples per optimizer step over all ranks; default the first batch's size
             times the world size.
-        plan: a :class:`~autoaccum.plan.Plan`, probe report or plan file; or ``micro_batch``; else probed.
-        sync: how ranks agree (default :func:`sync_for` ``(model)``).
+        plan: a ``Plan``, probe report or plan file; or ``micro_batch``; else probed.
+        sync: how ranks agree (default ``sync_for`` ``(model)``).
         probe_model: the module the probe runs (default: ``model`` unwrapped from DDP: a probe runs
             no collective).
         budget, headroom, precision: what the probe plans for (``autoaccum.probe``).
         check: called before every step (e.g. a framework's accumulation setting still 1); raises to refuse it.
-        **guard_options: passed to :class:`~autoaccum.guard.OOMGuard` (``scaler``, ``autocast_dtype``,
+        **guard_options: passed to ``OOMGuard`` (``scaler``, ``autocast_dtype``,
             ``grow``, ``grow_after``, ``max_grad_norm``, ``scheduler``, ``size_fn``, ...; the probe's
             memory model and ``headroom`` reach its growth after an OOM).
     """
@@ -118,7 +115,7 @@ class LazyGuard:
         self._saved: dict[str, Any] | None = None
 
     def accumulate(self, batch: Batch, loss_fn: LossFn, *, partial: bool | None = None) -> AccumulateResult:
-        """:meth:`OOMGuard.accumulate <autoaccum.guard.OOMGuard.accumulate>` (planning first, at the
+        """``OOMGuard.accumulate <autoaccum.guard.OOMGuard.accumulate>`` (planning first, at the
         first batch). ``partial`` defaults to "the batch holds fewer samples than this rank's share"
         (the smaller last batch of an epoch, as the framework's loader yields it)."""
         if self.check is not None:
@@ -127,7 +124,7 @@ class LazyGuard:
         return guard.accumulate(batch, loss_fn, partial=self._partial(guard, batch) if partial is None else partial)
 
     def step(self, batch: Batch, loss_fn: LossFn, *, partial: bool | None = None) -> StepResult:
-        """:meth:`OOMGuard.step <autoaccum.guard.OOMGuard.step>`, planning first at the first batch."""
+        """``OOMGuard.step <autoaccum.guard.OOMGuard.step>``, planning first at the first batch."""
         if self.check is not None:
             self.check()
         guard = self.build(batch, loss_fn)

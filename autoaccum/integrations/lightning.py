@@ -57,11 +57,11 @@ from typing import Any
 
 import torch
 
-from autoaccum.batch import Batch
 from autoaccum.errors import TaskError
-from autoaccum.guard import AccumulateResult
 from autoaccum.integrations.lazy_guard import LazyGuard
-from autoaccum.task import LossFn
+from autoaccum.plan.batch import Batch
+from autoaccum.plan.task import LossFn
+from autoaccum.step.guard import AccumulateResult
 
 try:
     import lightning.pytorch as pl
@@ -91,7 +91,7 @@ class AutoAccum(pl.Callback):
         budget: memory the probe plans for ("8GiB", bytes); default what the device has free (on CPU
             under ``autoaccum.emulated_budget``, that budget).
         headroom: fraction of the budget kept free, in [0, 1).
-        plan: a :class:`~autoaccum.plan.Plan`, probe report or plan file instead of probing; or
+        plan: a ``Plan``, probe report or plan file instead of probing; or
         micro_batch: the largest micro-batch to start with, instead of probing.
         grow_after: calm steps before the guard grows the micro-batch back after an OOM (default 2;
             where memory can be read -- CUDA, an emulated budget -- it grows to what is predicted

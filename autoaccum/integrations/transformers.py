@@ -48,7 +48,7 @@ How, and why this hook:
   cannot be told, a warning says so and micro-batches are weighted by samples.
 - **Logs.** The plan is logged (logger ``autoaccum``) and added to HF's log history
   (``autoaccum/micro_batch``, ``autoaccum/accum_steps``, ``autoaccum/oom_replays``) at the first
-  step and at every change; each change is also logged as a warning by ``autoaccum.guard``.
+  step and at every change; each change is also logged as a warning by ``autoaccum.step.guard``.
 - **Checkpoints.** The guard's state (plan, counters) is saved as ``autoaccum_guard.json`` in each
   checkpoint folder; ``train(resume_from_checkpoint=...)`` reads it instead of probing again.
 
@@ -71,14 +71,14 @@ from typing import Any
 
 import torch
 
-from autoaccum.batch import Batch, split_batch
-from autoaccum.guard import AccumulateResult
 from autoaccum.integrations.lazy_guard import LazyGuard
 from autoaccum.jsonio import write_json_atomic
-from autoaccum.losses import IGNORE_INDEX
+from autoaccum.plan.batch import Batch, split_batch
+from autoaccum.plan.task import LossOutput
 from autoaccum.precision import Precision
 from autoaccum.state import capture_buffers, capture_rng, restore_buffers, restore_rng, state_buffers
-from autoaccum.task import LossOutput
+from autoaccum.step.guard import AccumulateResult
+from autoaccum.step.losses import IGNORE_INDEX
 
 try:
     from transformers import Trainer, TrainingArguments
@@ -117,7 +117,7 @@ def _precision(args: TrainingArguments) -> Precision:
 
 class _TrainerLoss:
     """HF's ``compute_loss`` on one micro-batch, normalised as HF's full-batch step normalises it
-    (see the module docstring); with :meth:`count_items` the guard counts the step's items up front."""
+    (see the module docstring); with ``count_items`` the guard counts the step's items up front."""
 
     def __init__(self, trainer: AutoAccumTrainer) -> None:
         self.trainer = trainer
@@ -149,7 +149,7 @@ class _TrainerLoss:
     def _own_mean_shifts(self, model: torch.nn.Module, batch: Mapping[str, Any], labels: torch.Tensor) -> bool | None:
         """Whether the model's own per-token mean skips each row's first label (a causal LM shifting
         labels inside its forward). It matters only for rows whose first label is a target; at the
-        first such batch the model is asked once (:meth:`_ask_model`)."""
+        first such batch the model is asked once (``_ask_model``)."""
         if self.own_mean_shifts is not None or self._unknown:
             return self.own_mean_shifts
         first_kept = labels[..., 0].ne(IGNORE_INDEX).reshape(labels.shape[0], -1).any(dim=1)
@@ -253,7 +253,7 @@ class AutoAccumTrainer(Trainer):
         budget: memory the probe plans for ("8GiB", bytes); default what the device has free (on
             CPU under ``autoaccum.emulated_budget``, that budget).
         headroom: fraction of the budget kept free, in [0, 1).
-        plan: a :class:`~autoaccum.plan.Plan`, probe report or plan file instead of probing; or
+        plan: a ``Plan``, probe report or plan file instead of probing; or
         micro_batch: the largest micro-batch to start with, instead of probing.
         grow_after: calm steps before the guard grows the micro-batch back after an OOM (default 2;
             where memory can be read -- CUDA, an emulated budget -- it grows to what is predicted

@@ -1,6 +1,6 @@
 """Memory: meters that read it, the capacity of a device, and the budget a plan is made for.
 
-This package is the only place autoaccum reads memory. A meter (:class:`Meter`) is entered around
+This package is the only place autoaccum reads memory. A meter (``Meter``) is entered around
 a region; ``reset_peak()`` starts a phase and ``read()`` returns the live bytes and their peak.
 Bytes are absolute: everything the meter counts as live, not only the region's growth.
 """
@@ -10,12 +10,23 @@ from __future__ import annotations
 import torch
 
 from autoaccum.memory.capacity import (
-    Budget, DeviceCapacity, cuda_available_bytes, cuda_capacity, device_capacity, resolve_budget, usable_bytes,
+    Budget,
+    DeviceCapacity,
+    cuda_available_bytes,
+    cuda_capacity,
+    device_capacity,
+    resolve_budget,
+    usable_bytes,
 )
 from autoaccum.memory.cuda import CudaMeter
 from autoaccum.memory.meter import MemoryReading, Meter, NullMeter
 from autoaccum.memory.tracked import (
-    TrackedMemory, active_budget, emulated_budget, is_compiled, iter_tensors, refuse_compiled,
+    TrackedMemory,
+    active_budget,
+    emulated_budget,
+    is_compiled,
+    iter_tensors,
+    refuse_compiled,
 )
 
 __all__ = [

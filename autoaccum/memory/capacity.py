@@ -1,6 +1,6 @@
 """How much memory a device has, and the budget a plan is made for.
 
-The usable part of a budget is ``budget * (1 - headroom)``: :func:`usable_bytes` is the only
+The usable part of a budget is ``budget * (1 - headroom)``: ``usable_bytes`` is the only
 place that formula is written.
 """
 
@@ -84,7 +84,7 @@ def _cuda_available(device: torch.device) -> tuple[int, int, float]:
 
 def cuda_capacity(device: torch.device) -> DeviceCapacity:
     """Total memory of a CUDA device and what this process can still use of it
-    (:func:`cuda_available_bytes`), with NVML's count of memory held by other processes."""
+    (``cuda_available_bytes``), with NVML's count of memory held by other processes."""
     available, total, fraction = _cuda_available(device)
     others = nvml_other_process_bytes(device)
     source = "cuda+nvml" if others is not None else "cuda"

@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 
 class CudaMeter:
-    """Peak and current allocated bytes from the CUDA caching allocator of one device (a :class:`Meter`).
+    """Peak and current allocated bytes from the CUDA caching allocator of one device (a ``Meter``).
 
     Args:
         device: the CUDA device.

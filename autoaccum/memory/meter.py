@@ -1,12 +1,12 @@
-"""The one interface through which autoaccum reads memory: a :class:`Meter`.
+"""The one interface through which autoaccum reads memory: a ``Meter``.
 
 The probe, the guard and the throughput measurement read memory only through a meter, so that
-every reading comes from ``autoaccum.memory``: the CUDA allocator (:class:`CudaMeter`), the
-tracked counter (:class:`TrackedMemory`, which can also enforce an emulated budget), or nothing
-(:class:`NullMeter`, on a device no meter can read, e.g. the CPU without a budget).
+every reading comes from ``autoaccum.memory``: the CUDA allocator (``CudaMeter``), the
+tracked counter (``TrackedMemory``, which can also enforce an emulated budget), or nothing
+(``NullMeter``, on a device no meter can read, e.g. the CPU without a budget).
 
 Bytes are absolute: everything the meter counts as live, not only a region's growth.
-:meth:`Meter.read` is cheap (one allocator query on CUDA, attribute reads for the counter, no
+``Meter.read`` is cheap (one allocator query on CUDA, attribute reads for the counter, no
 device synchronisation), so the guard reads it once at the start and once at the end of a step.
 """
 

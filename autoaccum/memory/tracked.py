@@ -1,7 +1,7 @@
 """Count live tensor-storage bytes with a TorchDispatchMode; optionally enforce a byte budget.
 
 The counter sees every tensor an ATen op returns while the mode is active (forward, backward
-and optimizer step alike) and every tensor handed to :meth:`TrackedMemory.track`. A storage
+and optimizer step alike) and every tensor handed to ``TrackedMemory.track``. A storage
 counts once, from the op that created it until its last reference dies (a ``weakref.finalize``
 on the storage). Views and in-place results share an input's storage and count nothing new.
 This is the idea behind ``torch.distributed._tools.mem_tracker``, reduced to the two numbers the
@@ -68,7 +68,7 @@ class TrackedMemory(TorchDispatchMode):
     """Live tensor bytes and their peak, counted op by op; raises OOM past ``budget_bytes``.
 
     Use as a context manager. Tensors that existed before entering (parameters, optimizer
-    state) are counted only once handed to :meth:`track`.
+    state) are counted only once handed to ``track``.
 
     Example::
 
@@ -182,7 +182,7 @@ def emulated_budget(budget: int | str, *track: Any) -> TrackedMemory:
 
 
 def active_budget() -> TrackedMemory | None:
-    """The innermost :class:`TrackedMemory` with a budget active in this thread (an emulated device),
+    """The innermost ``TrackedMemory`` with a budget active in this thread (an emulated device),
     or None: so that an error can state the budget of an ``emulated_budget(...)`` block it runs in."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 

@@ -1,23 +1,23 @@
 """Throughput search: the fastest configuration that fits, measured, not just the largest batch.
 
 The probe says which micro-batches fit; this package asks which one -- with which knobs
-(activation checkpointing, autocast dtype, ``torch.compile``; see :mod:`autoaccum.knobs`) -- trains
+(activation checkpointing, autocast dtype, ``torch.compile``; see ``autoaccum.search.knobs``) -- trains
 fastest at the exact global batch. Each Optuna trial picks a micro-batch and knobs, runs real
-guarded optimizer steps (:mod:`autoaccum.throughput`) and returns measured samples/s.
+guarded optimizer steps (``autoaccum.search.throughput``) and returns measured samples/s.
 
-- :mod:`~autoaccum.search.space`: what may be tried (:class:`SearchSpace`, the candidate sizes).
-- :mod:`~autoaccum.search.study`: the Optuna study (seeds, infeasible trials, patience, the
+- ``space``: what may be tried (``SearchSpace``, the candidate sizes).
+- ``study``: the Optuna study (seeds, infeasible trials, patience, the
   final comparison that picks the winner, stored studies and their resumption).
-- :mod:`~autoaccum.search.compare`: the final comparison's statistic (paired, with its noise).
-- :mod:`~autoaccum.search.result`: :class:`SearchResult`, its trials and the plan file.
+- ``compare``: the final comparison's statistic (paired, with its noise).
+- ``result``: ``SearchResult``, its trials and the plan file.
 
 Afterwards the model, optimizer and RNG are bit-identical to before (invariant 4).
 
 Process-wide effects: while the study runs, Optuna's ``FutureWarning``\\ s are ignored through
 ``warnings.catch_warnings`` (restored on return; the ``warnings`` filters are shared by all
-threads of the process). What each trial touches is in :mod:`autoaccum.throughput` and
-:mod:`autoaccum.knobs`. Nothing else outside the model, its optimizer and the study changes.
-Optuna is imported only when :func:`search` runs (the ``search`` extra).
+threads of the process). What each trial touches is in ``autoaccum.search.throughput`` and
+``autoaccum.search.knobs``. Nothing else outside the model, its optimizer and the study changes.
+Optuna is imported only when ``search`` runs (the ``search`` extra).
 """
 
 from __future__ import annotations
@@ -28,18 +28,27 @@ from typing import Any
 import torch
 
 from autoaccum import state as training_state
-from autoaccum.probe import probe
-from autoaccum.report import ProbeReport
+from autoaccum.plan.task import LossFn, Task, resolve_task, trainable_parameters
+from autoaccum.probe.report import ProbeReport
+from autoaccum.probe.run import probe
 from autoaccum.search.result import (
-    PLAN_FILE_KIND, SearchResult, TrialRecord, format_search, load_plan_file, read_plan_file,
+    PLAN_FILE_KIND,
+    SearchResult,
+    TrialRecord,
+    format_search,
+    load_plan_file,
+    read_plan_file,
 )
 from autoaccum.search.space import SearchSpace, accumulated_fit, candidate_micro_batches, resolve_space
 from autoaccum.search.study import SearchError, StudyOptions, require_optuna, run_study
-from autoaccum.task import LossFn, Task, resolve_task, trainable_parameters
-from autoaccum.throughput import Clock, make_bench
+from autoaccum.search.throughput import Clock, make_bench
 from autoaccum.units import format_bytes, parse_bytes
 from autoaccum.validate import (
-    check_fraction, check_headroom, check_non_negative_int, check_positive_float, check_positive_int,
+    check_fraction,
+    check_headroom,
+    check_non_negative_int,
+    check_positive_float,
+    check_positive_int,
 )
 
 __all__ = ["SearchSpace", "TrialRecord", "SearchResult", "SearchError", "search", "candidate_micro_batches",
@@ -74,7 +83,7 @@ def search(
 ) -> SearchResult:
     """Search micro-batch and knobs for the most samples/s that fit, with an Optuna study.
 
-    Give a :class:`Task` or its parts (``model``, ``loss_fn``, ``make_batch``; ``optimizer`` an
+    Give a ``Task`` or its parts (``model``, ``loss_fn``, ``make_batch``; ``optimizer`` an
     instance, stepped and restored, default a fresh AdamW from the task). Needs the ``search``
     extra (``pip install 'autoaccum[search]'``).
 
@@ -85,7 +94,7 @@ def search(
         storage: an Optuna storage or URL (None: in memory). ``sqlite:///autoaccum.db`` resumes
             the study ``study_name`` with its earlier trials.
         study_name: default ``autoaccum-<fingerprint>`` of model, device, budget and target.
-        space: what to search (default: :class:`SearchSpace` defaults for the model and device).
+        space: what to search (default: ``SearchSpace`` defaults for the model and device).
         budget, headroom: a trial is infeasible above ``budget * (1 - headroom)`` (default budget:
             what the device has free); on every device but CUDA an emulated OOM enforces it.
         world_size: ranks sharing the target; one rank's share is measured.
@@ -99,13 +108,13 @@ def search(
             then fewest passes) -- ``confirm_rounds`` more times each, interleaved; the leader has
             the best median, and finalists whose paired ratio to it is within noise (two standard
             errors, at least 1% and at most 10%) tie with it; the simplest of them wins (see
-            :mod:`autoaccum.search.compare`; 0 rounds: the best single trial wins).
+            ``autoaccum.search.compare``; 0 rounds: the best single trial wins).
         clock: ``wall`` time, or ``cpu`` time of this process for a CPU shared with busy
-            processes (with one intra-op thread; see :data:`autoaccum.throughput.Clock`).
-        report: a probe report to start from (default: run :func:`~autoaccum.probe`).
+            processes (with one intra-op thread; see ``autoaccum.search.throughput.Clock``).
+        report: a probe report to start from (default: run ``probe``).
 
     Returns:
-        A :class:`SearchResult`; ``result.save(path)`` writes a plan file.
+        A ``SearchResult``; ``result.save(path)`` writes a plan file.
 
     Raises:
         ImportError: Optuna is missing.

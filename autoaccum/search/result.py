@@ -1,9 +1,9 @@
 """What a search returns: every trial, the winner, and the plan file that carries the winner to training.
 
 A plan file (``SearchResult.save``, ``autoaccum search --out``) is JSON of kind ``autoaccum.plan``:
-the winner's plan and knobs and what they measured. :func:`read_plan_file` reads it back -- and a
+the winner's plan and knobs and what they measured. ``read_plan_file`` reads it back -- and a
 search result or a probe report (``autoaccum probe --json``) -- through
-:func:`autoaccum.plan.read_plan_document`, the one reader of plan files, after checking the kind.
+``autoaccum.plan.plan.read_plan_document``, the one reader of plan files, after checking the kind.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Any, Literal
 import torch
 
 from autoaccum.jsonio import write_json_atomic
-from autoaccum.knobs import Knobs
-from autoaccum.plan import Plan, read_plan_document
-from autoaccum.throughput import Status
+from autoaccum.plan.plan import Plan, read_plan_document
+from autoaccum.search.knobs import Knobs
+from autoaccum.search.throughput import Status
 from autoaccum.units import format_bytes
 
 __all__ = ["FILE_VERSION", "PLAN_FILE_KIND", "SEARCH_KIND", "FinalComparison", "SearchResult", "Stopped",
@@ -39,7 +39,7 @@ class TrialRecord:
         number: Optuna's trial number.
         plan: the plan for the whole target (micro x accum x world).
         knobs: checkpointing, autocast, compile.
-        status: ``ok``, ``oom``, ``over_budget``, ``failed`` (see :class:`~autoaccum.throughput.Measurement`).
+        status: ``ok``, ``oom``, ``over_budget``, ``failed`` (see ``Measurement``).
         samples_per_s, items_per_s, step_time_s, peak_bytes, note: what was measured.
         seeded: ``probe`` (the probe's pick) or ``fit`` (the two largest sizes predicted to fit as an
             accumulated step), enqueued before the sampler's trials; ``""`` for the sampler's.
@@ -69,7 +69,7 @@ class TrialRecord:
 
 @dataclass(frozen=True)
 class FinalComparison:
-    """One finalist of the final comparison (:mod:`autoaccum.search.compare`).
+    """One finalist of the final comparison (``autoaccum.search.compare``).
 
     Attributes:
         trial: its trial number.
@@ -169,14 +169,14 @@ class SearchResult:
                 "device": self.device, "study_name": self.study_name, "torch_version": self.torch_version}
 
     def save(self, path: str | Path) -> Path:
-        """Write the plan file (JSON, atomically) to ``path``; read it back with :func:`load_plan_file`."""
+        """Write the plan file (JSON, atomically) to ``path``; read it back with ``load_plan_file``."""
         return write_json_atomic(path, self.plan_file())
 
 
 def read_plan_file(path: str | Path) -> tuple[Plan, Knobs]:
     """The plan and knobs in a search plan file, a search result or a probe report (knobs: none).
 
-    Stricter than :func:`~autoaccum.plan.read_plan_document`, which reads the rest: the file must
+    Stricter than ``read_plan_document``, which reads the rest: the file must
     name its kind, so a stray JSON dict is not taken for a plan.
 
     Raises:
@@ -200,7 +200,7 @@ def read_plan_file(path: str | Path) -> tuple[Plan, Knobs]:
 
 
 def load_plan_file(path: str | Path) -> Plan:
-    """The :class:`Plan` in a search plan file (``autoaccum search --out``) or a probe report JSON."""
+    """The ``Plan`` in a search plan file (``autoaccum search --out``) or a probe report JSON."""
     return read_plan_file(path)[0]
 
 

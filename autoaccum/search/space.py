@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 
-from autoaccum.knobs import Knobs, available_knobs
-from autoaccum.report import ProbeReport
+from autoaccum.probe.report import ProbeReport
+from autoaccum.search.knobs import Knobs, available_knobs
 from autoaccum.validate import check_positive_float, check_positive_int
 
 __all__ = ["KNOBS", "SearchSpace", "accumulated_fit", "candidate_micro_batches", "resolve_space"]
 
-#: the knobs a trial sets, in the order of :class:`~autoaccum.knobs.Knobs`
+#: the knobs a trial sets, in the order of ``Knobs``
 KNOBS = ("checkpointing", "autocast", "compile")
 
 

@@ -2,7 +2,7 @@
 and the checks that let a stored study be resumed.
 
 - **Trials**: each trial picks a micro-batch (an index into the space's sizes) and knobs, runs
-  real guarded optimizer steps (:mod:`autoaccum.throughput`) and returns measured samples/s. A
+  real guarded optimizer steps (``autoaccum.search.throughput``) and returns measured samples/s. A
   configuration already measured in the study is not run again (its result is reused).
 - **Infeasible trials**: a trial that runs out of memory, or whose guard had to shrink the plan,
   or that peaks above the usable budget, completes with value 0 and a positive ``memory``
@@ -18,7 +18,7 @@ and the checks that let a stored study be resumed.
   fewest passes) -- are measured ``confirm_rounds`` more times, interleaved (each round runs every
   finalist once, the order rotating), and compared paired, round by round, with the leader (the
   best median): a finalist within noise of it ties, and a tie goes to the simplest
-  (:mod:`autoaccum.search.compare`). The winner comes from these rounds. After three rounds, a
+  (``autoaccum.search.compare``). The winner comes from these rounds. After three rounds, a
   finalist slower than the leader by more than the tie ceiling in every round is measured no more.
 - **Storage**: in memory by default; any Optuna storage URL (``sqlite:///autoaccum.db`` keeps and
   resumes a study with its trials; an RDB shared by several workers, one per GPU). The study
@@ -39,13 +39,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from autoaccum.errors import AutoAccumError
-from autoaccum.knobs import Knobs
-from autoaccum.plan import Plan
-from autoaccum.report import ProbeReport
+from autoaccum.plan.plan import Plan
+from autoaccum.probe.report import ProbeReport
 from autoaccum.search.compare import DEFAULT_TIE_CEILING, compare_finalists, paired_ratios
+from autoaccum.search.knobs import Knobs
 from autoaccum.search.result import FinalComparison, SearchResult, Stopped, TrialRecord
 from autoaccum.search.space import KNOBS, SearchSpace
-from autoaccum.throughput import Bench, Measurement
+from autoaccum.search.throughput import Bench, Measurement
 from autoaccum.units import format_bytes
 
 __all__ = ["SearchError", "StudyOptions", "require_optuna", "run_study", "trial_plan"]
@@ -69,7 +69,7 @@ def require_optuna() -> Any:
 
 @dataclass(frozen=True)
 class StudyOptions:
-    """What one search asks of its study (see :func:`autoaccum.search.search` for each)."""
+    """What one search asks of its study (see ``autoaccum.search.search`` for each)."""
 
     target_batch: int
     world_size: int
@@ -332,9 +332,9 @@ OUT_AFTER_ROUNDS = 3
 
 def _confirm(bench: Bench, ok: list[TrialRecord], seeded: TrialRecord | None, top: int,
              rounds: int) -> list[tuple[TrialRecord, list[float]]]:
-    """Measure the finalists (:func:`_finalists`) ``rounds`` more times, interleaved: in each round
+    """Measure the finalists (``_finalists``) ``rounds`` more times, interleaved: in each round
     every finalist once, back to back, the order rotating from round to round; return each with its
-    readings (index ``i``: round ``i``), for :func:`~autoaccum.search.compare.compare_finalists`. A
+    readings (index ``i``: round ``i``), for ``compare_finalists``. A
     trial is one reading at one moment: a configuration that won a single trial because its rivals'
     trials met a busy machine loses here, where all of them meet the same moments. After
     OUT_AFTER_ROUNDS rounds, a finalist slower than the leader (the best median) by more than the tie

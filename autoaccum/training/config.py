@@ -1,8 +1,8 @@
 """``fit``'s options as a few typed config dataclasses, validated in one place.
 
 ``fit(model, data, target_batch, **options)`` takes flat keyword options (``lr=``, ``epochs=``,
-``budget=`` ...); :meth:`FitConfig.from_options` sorts them into the groups below, and
-:meth:`FitConfig.check` finds every problem before any work is done: one problem is raised as
+``budget=`` ...); ``FitConfig.from_options`` sorts them into the groups below, and
+``FitConfig.check`` finds every problem before any work is done: one problem is raised as
 it is (a ``TypeError`` or ``ValueError`` naming the option, the value and the allowed range),
 several as one ``ValueError`` listing each. An unknown option name is a ``TypeError`` that
 suggests the closest known one.
@@ -17,14 +17,19 @@ from typing import Any, get_args
 
 import torch
 
-from autoaccum.data import LastBatch
-from autoaccum.guard import GrowMode, OverlapMode
-from autoaccum.lr import LR_RULES, LrRule
-from autoaccum.optim_step import NONFINITE_POLICIES, NonFinite
+from autoaccum.plan.data import LastBatch
 from autoaccum.precision import Precision, check_precision
+from autoaccum.step.growth import GrowMode
+from autoaccum.step.sync import OverlapMode
+from autoaccum.step.optim import NONFINITE_POLICIES, NonFinite
+from autoaccum.training.lr import LR_RULES, LrRule
 from autoaccum.units import parse_bytes
 from autoaccum.validate import (
-    check_choice, check_headroom, check_non_negative_int, check_positive_float, check_positive_int,
+    check_choice,
+    check_headroom,
+    check_non_negative_int,
+    check_positive_float,
+    check_positive_int,
 )
 
 __all__ = ["CheckpointConfig", "DataConfig", "FitConfig", "LRConfig", "MemoryConfig", "OutputConfig", "StopConfig"]
@@ -84,7 +89,7 @@ class StopConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """How the data becomes global batches (see ``autoaccum.data``).
+    """How the data becomes global batches (see ``autoaccum.plan.data``).
 
     Attributes:
         seed: the data order's seed.
@@ -92,7 +97,7 @@ class DataConfig:
         last_batch: the epoch's last, smaller batch: ``"step"`` (an exact smaller step on the samples
             that remain) or ``"drop"`` (not trained on this epoch).
         length_fn: a sample's length, for variable-length data (default: its attention mask's ones,
-            or its unpadded ``input_ids``' length; see ``autoaccum.lengths``).
+            or its unpadded ``input_ids``' length; see ``autoaccum.plan.lengths``).
         by_length: plan and cut by tokens (``True``), by samples (``False``), or decide (``None``, the
             default): by tokens where ``length_fn`` is given or the samples' lengths vary.
     """

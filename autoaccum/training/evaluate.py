@@ -1,6 +1,6 @@
 """Evaluation: the loss over a dataset without gradients, weighted exactly as a training step's.
 
-It reuses the accumulation component (``autoaccum.accumulate`` with ``backward=False``): each
+It reuses the accumulation component (``autoaccum.step.accumulate`` with ``backward=False``): each
 micro-batch's mean loss is weighted by its samples, token-level losses are summed and divided once
 by their item count, over all batches and ranks. An OOM halves only the evaluation micro-batch
 (the training plan is unchanged); every rank agrees on it, so that a shrink on one rank is a
@@ -16,17 +16,17 @@ from dataclasses import dataclass
 
 import torch
 
-from autoaccum.accumulate import Accumulated, accumulate, sum_dtype
-from autoaccum.batch import batch_size
-from autoaccum.cut import Cutter, SampleCut
-from autoaccum.data import GlobalBatches
 from autoaccum.errors import DoesNotFitError, TaskError
 from autoaccum.log import rank_level
 from autoaccum.memory import TrackedMemory, active_budget
-from autoaccum.plan import Plan
-from autoaccum.recovery import release_memory
-from autoaccum.sync import ERROR, OK, OOM, GradSync
-from autoaccum.task import LossFn
+from autoaccum.memory.recovery import release_memory
+from autoaccum.plan.batch import batch_size
+from autoaccum.plan.cut import Cutter, SampleCut
+from autoaccum.plan.data import GlobalBatches
+from autoaccum.plan.plan import Plan
+from autoaccum.plan.task import LossFn
+from autoaccum.step.accumulate import Accumulated, accumulate, sum_dtype
+from autoaccum.step.sync import ERROR, OK, OOM, GradSync
 
 __all__ = ["EvalResult", "evaluate"]
 

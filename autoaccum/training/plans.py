@@ -9,11 +9,11 @@ import torch
 
 from autoaccum import distributed
 from autoaccum.log import user_stacklevel
-from autoaccum.plan import Plan, read_plan_document, resolve_plan
-from autoaccum.probe import probe
-from autoaccum.report import ProbeReport
-from autoaccum.sync import GradSync
-from autoaccum.task import Task
+from autoaccum.plan.plan import Plan, read_plan_document, resolve_plan
+from autoaccum.plan.task import Task
+from autoaccum.probe.report import ProbeReport
+from autoaccum.probe.run import probe
+from autoaccum.step.sync import GradSync
 from autoaccum.training.config import FitConfig
 
 __all__ = ["choose_plan", "warn_unapplied_knobs"]

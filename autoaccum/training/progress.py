@@ -1,7 +1,7 @@
 """What ``fit`` reports while it runs: banner, progress bar, one JSON line per step, summary.
 
 The metrics file gets one line per optimizer step. A resumed run first cuts the file back to the
-checkpoint's step (:func:`truncate_metrics`: the lines of the steps after the checkpoint, which the
+checkpoint's step (``truncate_metrics``: the lines of the steps after the checkpoint, which the
 resumed run trains again, and a line a kill cut short), so that each step appears once.
 """
 
@@ -29,7 +29,7 @@ class Progress:
     Messages go to the ``autoaccum.fit`` logger (INFO; ``verbose=False`` drops them); on a
     terminal a tqdm bar on stderr shows each step and the messages above it (``progress=False``
     turns the bar off). ``log_file`` gets one JSON line per optimizer step; ``resumed_at``: the
-    checkpoint's step, where the file is cut back to first (:func:`truncate_metrics`).
+    checkpoint's step, where the file is cut back to first (``truncate_metrics``).
     """
 
     def __init__(self, progress: bool, total: int | None, log_file: str | os.PathLike[str] | None, rank: int,

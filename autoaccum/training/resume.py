@@ -1,6 +1,6 @@
 """What a ``fit`` checkpoint holds, what resuming from one checks, and the run's position in its data.
 
-A checkpoint is written atomically by ``autoaccum.checkpoint`` (one writer: rank 0) and loads with
+A checkpoint is written atomically by ``autoaccum.training.checkpoint`` (one writer: rank 0) and loads with
 ``torch.load(weights_only=True)``. It holds the model and optimizer (full state, FSDP2 shards
 gathered), scheduler, scaler, the guard's plan and counters, the position in the data, the run's
 counters (steps, samples, skipped steps, the last step's loss: a fixed size, however long the run;
@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from autoaccum import checkpoint as ckpt
 from autoaccum import distributed
-from autoaccum.guard import OOMGuard
 from autoaccum.log import user_stacklevel
 from autoaccum.state import capture_rng, restore_rng
+from autoaccum.step.guard import OOMGuard
+from autoaccum.training import checkpoint as ckpt
 
 __all__ = ["CHECKPOINT_FORMAT", "RunPosition", "check_resumable", "model_shapes", "restore_run", "save_run"]
 

@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 
 import autoaccum
-from autoaccum.batch import batch_size, map_tensors, move_to
-from autoaccum.losses import default_loss
+from autoaccum.plan.batch import batch_size, map_tensors, move_to
+from autoaccum.step.losses import default_loss
 from autoaccum.precision import autocast, autocast_dtype
 
 from .models import Built, fresh_model

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoaccum.batchnorm import smallest_micro_batch
+from autoaccum.plan.batchnorm import smallest_micro_batch
 
 __all__ = ["GIB", "MIB", "Built", "Workload", "build", "fresh_model", "missing_dependency", "rows40",
            "workloads"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import unittest.mock
+import importlib
 import json
 import logging
 import logging.handlers
@@ -23,6 +23,7 @@ import math
 import statistics
 import tempfile
 import time
+import unittest.mock
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,17 +32,17 @@ from typing import Any
 import torch
 
 import autoaccum
-from autoaccum.batch import map_tensors
-from autoaccum.knobs import Knobs
-from autoaccum.losses import default_loss
-from autoaccum.plan import Plan
-from autoaccum.task import Task
-from autoaccum.throughput import make_bench
+from autoaccum.plan.batch import map_tensors
+from autoaccum.plan.plan import Plan
+from autoaccum.plan.task import Task
+from autoaccum.search.knobs import Knobs
+from autoaccum.search.throughput import make_bench
+from autoaccum.step.losses import default_loss
 
 from . import loops
 from .brute import brute_around, brute_force, run_try
 from .models import Built, fresh_model
-from .squeeze import SQUEEZES, SqueezeKind, Squeezed, release, squeeze
+from .squeeze import SQUEEZES, Squeezed, SqueezeKind, release, squeeze
 
 __all__ = ["Settings", "estimate", "search", "squeezed", "sweep"]
 
@@ -134,10 +135,10 @@ def _quiet() -> contextlib.ExitStack:
 
 def estimate(built: Built, device: torch.device, settings: Settings, on: str = "default") -> dict[str, Any]:
     """``probe(estimate=True)`` for the squeezes' budget: no memory used, no step run. ``on="cpu"``: on fake
-    cpu tensors whatever the model's device (``autoaccum.estimate.estimate_device`` answers cpu), the
+    cpu tensors whatever the model's device (``autoaccum.probe.run.estimate.estimate_device`` answers cpu), the
     estimate as it was before issue 40."""
     w = built.workload
-    forced = unittest.mock.patch("autoaccum.probe.estimate_device", lambda d: torch.device("cpu")) if on == "cpu" \
+    forced = unittest.mock.patch.object(importlib.import_module("autoaccum.probe.run"), "estimate_device", lambda d: torch.device("cpu")) if on == "cpu" \
         else contextlib.nullcontext()
     started = time.perf_counter()
     with _quiet(), forced:
@@ -171,7 +172,7 @@ def _fit(built: Built, device: torch.device, sq: Squeezed, report: dict[str, Any
     """``settings.fit_steps`` steps of ``fit`` on the probe's plan under the squeeze: OOMs, peaks, step time."""
     w = built.workload
     # the guard's plan changes, one log record each: kept even when fit raises
-    changes, guard_logger = logging.handlers.BufferingHandler(capacity=2**31), logging.getLogger("autoaccum.guard")
+    changes, guard_logger = logging.handlers.BufferingHandler(capacity=2**31), logging.getLogger("autoaccum.step.guard")
     guard_logger.addHandler(changes)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

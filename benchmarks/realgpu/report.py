@@ -10,7 +10,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from autoaccum.memory_model import MemoryModel
+from autoaccum.memory.model import MemoryModel
 from autoaccum.units import format_bytes
 from results_md import markdown_table, replace_section
 

@@ -265,7 +265,7 @@ def _leak_failed_gradients(injector: Injector, log: Any) -> None:
     """The soak's negative control (``--sabotage``): a guard that, once per rank, skips clearing the
     gradients of an attempt an injected OOM ended, so that they leak into the replayed step. The sample
     audit (ids of the failed attempt counted twice) and the parameter comparison must both catch it."""
-    from autoaccum.guard import OOMGuard
+    from autoaccum.step.guard import OOMGuard
 
     clear = OOMGuard._zero_grad
     leaked = False
@@ -293,7 +293,7 @@ def run_rank(spec_path: str) -> None:
     from _audit import IdAudit  # the audit the integration tests use
 
     import autoaccum
-    from autoaccum.checkpoint import load_checkpoint
+    from autoaccum.training.checkpoint import load_checkpoint
 
     spec = json.loads(Path(spec_path).read_text())
     cfg = Config(**{k: tuple(v) if k == "worlds" else v for k, v in spec["config"].items()})
@@ -445,7 +445,7 @@ def expected_batches(cfg: Config, world: int) -> list[list[list[int]]]:
     """Per optimizer step, per rank: the sample ids the documented order gives (autoaccum.data)."""
     import torch
 
-    from autoaccum.plan import rank_share
+    from autoaccum.plan.plan import rank_share
 
     steps: list[list[list[int]]] = []
     epoch = 0

@@ -1,0 +1,302 @@
+"""Global batches from the user's data: exactly ``target_batch`` samples per optimizer step.
+
+Four kinds of data:
+- a tuple/list of tensors sharing dim 0 (indexed directly, no copies per sample);
+- a dict (or ``BatchEncoding``) of tensors sharing dim 0, e.g. a tokenizer's output: the same,
+  and every batch is a dict of the same keys (and type);
+- a map-style dataset (``__len__`` and ``__getitem__``; items may be dicts), batched by
+  ``collate_fn`` (default ``default_collate``; a padding collator such as Hugging Face's
+  ``DataCollatorForLanguageModeling`` works as it is);
+- any other iterable (a DataLoader, a generator) that already yields global batches -- under
+  torch.distributed, each rank's iterable yields that rank's share.
+
+For the indexed kinds, epoch ``e`` visits the samples in the order
+``torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed * 1_000_003 + e))``
+(a fresh permutation per epoch that a resumed run draws again; the factor keeps ``(seed, e)`` and
+``(seed + 1, e - 1)`` apart), cut into consecutive global batches of ``target_batch``. Each
+global batch is split over ranks in rank order (``autoaccum.plan.plan.rank_share``).
+
+The last batch of an epoch, when the samples do not fill it (``last_batch``):
+- ``"step"`` (default): a real, exactly weighted optimizer step on the samples that remain (a
+  smaller global batch for that one step; nothing dropped, nothing repeated);
+- ``"drop"``: those samples are not trained on in this epoch (the next epoch's order differs).
+
+Variable-length data (``by_length``): a map-style dataset's global batches come as
+``Samples`` (uncollated, with lengths), so that each micro-batch is collated
+-- padded -- on its own; a dict of tensors comes as padded rows that ``autoaccum.plan.cut.TokenCut``
+trims. ``GlobalBatches.length_profile`` reads the lengths a plan is made for (all of them, or
+an evenly spaced sample of ``length_sample`` for a large dataset, stated in the profile), and
+``GlobalBatches.sample_at`` makes the probe's batches of ``b`` samples at one length.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch.utils.data import default_collate
+
+from autoaccum.plan.batch import Batch, Samples, batch_size, like, split_batch
+from autoaccum.plan.lengths import LengthFn, LengthProfile, item_length, row_lengths
+from autoaccum.plan.plan import rank_share
+from autoaccum.state import capture_rng, restore_rng
+from autoaccum.validate import check_choice, check_positive_int
+
+__all__ = ["LENGTH_SAMPLE", "GlobalBatches", "LastBatch", "RankBatch"]
+
+LastBatch = Literal["step", "drop"]
+#: lengths read at most to plan variable-length data (evenly spaced over a larger dataset)
+LENGTH_SAMPLE = 10_000
+
+
+@dataclass(frozen=True)
+class RankBatch:
+    """This rank's share of one global batch."""
+
+    batch: Batch
+    epoch: int
+    index: int  # global batch number within the epoch
+    global_size: int  # samples in the global batch, all ranks together
+    partial: bool  # the epoch's smaller last batch
+
+
+def _tensor_columns(data: Any) -> Sequence[torch.Tensor] | Mapping[str, torch.Tensor] | None:
+    """``data`` when it is a tuple/list or dict of tensors (the indexed-tensor kind), else None."""
+    if isinstance(data, torch.Tensor):
+        return (data,)
+    if isinstance(data, (tuple, list)) and data and all(isinstance(t, torch.Tensor) for t in data):
+        return data
+    if isinstance(data, Mapping) and data and all(isinstance(t, torch.Tensor) for t in data.values()):
+        return data
+    return None
+
+
+class GlobalBatches:
+    """Draws global batches from ``data`` epoch by epoch, reproducibly, for one rank.
+
+    Args:
+        data: see the module docstring.
+        target_batch: samples per optimizer step over all ranks.
+        seed: the data order's seed.
+        rank, world_size: this process's place among the data-parallel ranks.
+        collate_fn: batches a list of dataset items (map-style datasets only).
+        last_batch: ``"step"`` or ``"drop"`` (see the module docstring).
+    """
+
+    def __init__(self, data: Any, target_batch: int, *, seed: int = 0, rank: int = 0, world_size: int = 1,
+                 collate_fn: Callable[[list[Any]], Batch] | None = None, last_batch: LastBatch = "step",
+                 by_length: bool = False, length_fn: LengthFn | None = None) -> None:
+        self.target_batch = check_positive_int(target_batch, "target_batch")
+        self.last_batch = check_choice(last_batch, "last_batch", ("step", "drop"))
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.collate_fn = collate_fn if collate_fn is not None else default_collate
+        self.by_length, self.length_fn = by_length, length_fn if length_fn is not None else item_length
+        self._lengths: tuple[list[int], list[int] | None, str] | None = None
+        self.columns: Sequence[torch.Tensor] | Mapping[str, torch.Tensor] | None = None
+        self.dataset: Any = None
+        self.iterable: Iterable[Batch] | None = None
+        self._head: list[Batch] = []  # the first batch of a one-shot iterator, taken by sample()
+        self._head_pending = False  # ... and not yet yielded by epoch()
+        columns = _tensor_columns(data)
+        if columns is not None:
+            tensors = list(columns.values()) if isinstance(columns, Mapping) else list(columns)
+            sizes = {t.shape[0] if t.dim() else None for t in tensors}
+            if len(sizes) != 1 or None in sizes:
+                raise ValueError(f"the tensors of data disagree in dim 0 (sizes {sorted(map(str, sizes))}); each "
+                                 f"tensor must hold one row per sample")
+            self.columns = columns
+            self.num_samples: int | None = int(tensors[0].shape[0])
+        elif hasattr(data, "__len__") and hasattr(data, "__getitem__") and not isinstance(data, (str, bytes, Mapping)):
+            self.dataset = data
+            self.num_samples = len(data)
+        elif isinstance(data, Iterable) and not isinstance(data, (str, bytes, Mapping)):
+            self.iterable = data
+            self.num_samples = len(data) * target_batch if hasattr(data, "__len__") else None
+        else:
+            raise TypeError(f"data must be a tuple or dict of tensors, a map-style Dataset or an iterable of batches, "
+                            f"got {type(data).__name__}" + (" (a dict whose values are not all tensors)"
+                                                            if isinstance(data, Mapping) else ""))
+        if self.num_samples == 0:
+            raise ValueError("data is empty: there is nothing to train on")
+        if self.iterable is None and self.num_samples is not None and self.num_samples < world_size:
+            raise ValueError(f"data holds {self.num_samples} samples, fewer than the {world_size} ranks")
+
+    @property
+    def is_indexed(self) -> bool:
+        return self.iterable is None
+
+    @property
+    def share(self) -> int:
+        """This rank's samples of a full global batch."""
+        bounds = rank_share(self.target_batch, self.rank, self.world_size)
+        return bounds.stop - bounds.start
+
+    @property
+    def steps_per_epoch(self) -> int | None:
+        if self.iterable is not None:
+            return len(self.iterable) if hasattr(self.iterable, "__len__") else None
+        full, rest = divmod(self.num_samples, self.target_batch)  # type: ignore[operator]
+        return full + (1 if rest and self.last_batch == "step" else 0)
+
+    @property
+    def last_global_size(self) -> int | None:
+        """Samples of the epoch's last, smaller global batch (None where there is none, or it is dropped
+        or unknown)."""
+        if self.iterable is not None or self.last_batch == "drop":
+            return None
+        return (self.num_samples % self.target_batch) or None  # type: ignore[operator]
+
+    def _gather(self, indices: torch.Tensor) -> Batch:
+        if isinstance(self.columns, Mapping):
+            return like(self.columns, ((k, t[indices]) for k, t in self.columns.items()))
+        if self.columns is not None:
+            return tuple(t[indices] for t in self.columns) if len(self.columns) > 1 else self.columns[0][indices]
+        items = [self.dataset[int(i)] for i in indices]
+        if self.by_length:  # collated per micro-batch, by the cutter
+            return Samples(tuple(items), tuple(self.length_fn(item) for item in items), self.collate_fn)
+        return self.collate_fn(items)
+
+    # -- variable-length data -------------------------------------------------------------------------
+    def lengths(self, limit: int = LENGTH_SAMPLE) -> tuple[list[int], list[int] | None, str]:
+        """``(lengths, indices, source)``: the lengths of all samples, or of ``limit`` evenly spaced
+        ones; the sample indices they belong to (None for an iterable's first batch); in words. Read once."""
+        if self._lengths is None:
+            self._lengths = self._read_lengths(limit)
+        return self._lengths
+
+    def _read_lengths(self, limit: int) -> tuple[list[int], list[int] | None, str]:
+        if self.iterable is not None:
+            first = self._first_batch()
+            return row_lengths(first), None, "the first batch (an iterable's other batches are not read ahead)"
+        if self.columns is not None and not isinstance(self.columns, Mapping):
+            raise TypeError("a tuple of tensors has no sample lengths; give a dict with an 'attention_mask', or a "
+                            "dataset of samples and length_fn=")
+        n = self.num_samples  # type: ignore[assignment]
+        indices = list(range(n)) if n <= limit else [int(i * n / limit) for i in range(limit)]
+        source = f"all {n:,} samples" if n <= limit else f"{limit:,} of {n:,} samples, evenly spaced"
+        if isinstance(self.columns, Mapping):
+            lengths = row_lengths(like(self.columns, ((k, t[indices]) for k, t in self.columns.items())))
+        else:
+            lengths = [self.length_fn(self.dataset[i]) for i in indices]
+        return lengths, indices, source
+
+    def length_profile(self, limit: int = LENGTH_SAMPLE) -> LengthProfile:
+        lengths, _, source = self.lengths(limit)
+        return LengthProfile.of(lengths, total=self.num_samples, source=source)
+
+    def sample_at(self, size: int, length: int) -> Batch:
+        """``size`` samples of ``length`` (repeated where the data has fewer), padded to it: a probe batch."""
+        lengths, indices, _ = self.lengths()
+        rows = [i for i, n in enumerate(lengths) if n == length] or \
+            [max(range(len(lengths)), key=lambda i: lengths[i] if lengths[i] <= length else -1)]
+        picked = [rows[i % len(rows)] for i in range(size)]
+        if self.iterable is not None:
+            first = self._first_batch()
+            return _trim(like(first, ((k, _row_pick(v, picked)) for k, v in first.items())), length)
+        chosen = torch.tensor([indices[i] for i in picked])  # type: ignore[index]
+        if isinstance(self.columns, Mapping):
+            return _trim(self._gather(chosen), length)
+        return self.collate_fn([self.dataset[int(i)] for i in chosen])
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.num_samples, generator=g)  # type: ignore[arg-type]
+
+    def epoch(self, epoch: int, start: int = 0) -> Iterator[RankBatch]:
+        """This rank's batches of ``epoch``, from global batch number ``start`` on."""
+        if self.iterable is not None:
+            yield from self._iterable_epoch(epoch, start)
+            return
+        order = self._order(epoch)
+        for index in range(start, self.steps_per_epoch):  # type: ignore[arg-type]
+            chunk = order[index * self.target_batch:(index + 1) * self.target_batch]
+            mine = chunk[rank_share(len(chunk), self.rank, self.world_size)]
+            yield RankBatch(self._gather(mine), epoch, index, len(chunk), len(chunk) < self.target_batch)
+
+    def _iterable_epoch(self, epoch: int, start: int) -> Iterator[RankBatch]:
+        share = self.share
+        iterator = iter(self.iterable)  # type: ignore[arg-type]
+        if self._head_pending:  # sample() took the first batch of a one-shot iterator: it comes first
+            iterator, self._head_pending = itertools.chain(self._head, iterator), False
+        ahead = next(iterator, None)
+        index = 0
+        while ahead is not None:
+            batch, ahead = ahead, next(iterator, None)  # look one ahead: only the last may be short
+            if index >= start:  # resuming: an iterable is exact to resume only if it repeats its order
+                n = batch_size(batch)
+                if n > share or (n < share and ahead is not None):
+                    raise ValueError(self._size_message(n, f"a batch at position {index}"))
+                if n < share and self.last_batch == "drop":
+                    return
+                yield RankBatch(batch, epoch, index, n * self.world_size, ahead is None and n < share)
+            index += 1
+
+    def _size_message(self, n: int, what: str) -> str:
+        default = " (fit's default)" if self.target_batch == 256 else ""
+        return (f"the data yielded {what} of {n} samples, but target_batch is {self.target_batch}{default} over "
+                f"{self.world_size} rank(s), so every batch but the last must hold this rank's share "
+                f"({self.share}). The global batch is never changed silently: pass target_batch={n * self.world_size} "
+                f"to train on batches of {n}, batch the loader at {self.share}, or give fit the dataset (not a "
+                f"DataLoader) and let it batch.")
+
+    def check(self) -> None:
+        """Fail before any work on an iterable whose batches cannot be global batches: a DataLoader whose
+        ``batch_size`` differs from this rank's share, or whose first batch holds more than it (or fewer,
+        with more batches to come)."""
+        if self.iterable is None:
+            return
+        loader_batch = getattr(self.iterable, "batch_size", None)
+        if isinstance(loader_batch, int) and loader_batch != self.share:
+            raise ValueError(self._size_message(loader_batch, "batches (DataLoader batch_size)"))
+        n = batch_size(self._first_batch())
+        more = hasattr(self.iterable, "__len__") and len(self.iterable) > 1  # type: ignore[arg-type]
+        if n > self.share or (n < self.share and more):
+            raise ValueError(self._size_message(n, "a first batch"))
+
+    def sample(self, size: int) -> Batch:
+        """``size`` samples for the probe: the first of epoch 0's order (or of the first batch)."""
+        if self.iterable is not None:
+            first = self._first_batch()
+            have = batch_size(first)
+            if size > have:
+                raise ValueError(f"the probe needs {size} samples but the data's batches hold {have}")
+            return split_batch(first, [size, have - size])[0]
+        if size > self.num_samples:  # type: ignore[operator]
+            raise ValueError(f"the probe asked for {size} samples but data holds only {self.num_samples}")
+        return self._gather(self._order(0)[:size])
+
+    def _first_batch(self) -> Batch:
+        """The iterable's first batch, fetched once for all of the probe's samples.
+
+        A one-shot iterator (a generator) keeps it for ``epoch()`` to yield first, so probing drops
+        no batch. A re-iterable (a DataLoader) is iterated afresh; the global RNG it drew from (a
+        shuffling DataLoader seeds its sampler from it) is put back, so probing leaves no trace."""
+        if self._head:
+            return self._head[0]
+        one_shot = isinstance(self.iterable, Iterator)  # iter() of a DataLoader would draw from the RNG
+        rng = None if one_shot else capture_rng()
+        first = next(iter(self.iterable), None)  # type: ignore[arg-type]
+        if rng is not None:
+            restore_rng(rng)
+        if first is None:
+            raise ValueError("data yielded no batch: there is nothing to train on (an exhausted or empty iterable?)")
+        self._head, self._head_pending = [first], one_shot
+        return first
+
+
+
+def _row_pick(value: Any, rows: list[int]) -> Any:
+    return value[torch.tensor(rows)] if isinstance(value, torch.Tensor) and value.dim() > 0 else value
+
+
+def _trim(batch: Any, length: int) -> Any:
+    """A right-padded dict batch's sequence columns (those as long as its attention mask) cut to ``length``."""
+    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[1] <= length:
+        return batch
+    padded = mask.shape[1]
+    return like(batch, ((k, v[:, :length] if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == padded
+                         else v) for k, v in batch.items()))

@@ -1,0 +1,345 @@
+"""The plan: how a target global batch is cut into micro-batches, accumulation steps and ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from autoaccum.validate import check_positive_int
+
+__all__ = ["Plan", "TokenBudget", "micro_sizes", "micro_step_count", "rank_share", "read_plan", "read_plan_document", "resolve_plan"]
+
+
+def rank_share(global_size: int, rank: int, world_size: int) -> slice:
+    """Which samples of a global batch of ``global_size`` rank ``rank`` takes: consecutive, split
+    as evenly as it goes, the first ``global_size % world_size`` ranks taking one more. The one
+    formula for a rank's share (the plan, the data and the guard all use it)."""
+    base, extra = divmod(global_size, world_size)
+    start = rank * base + min(rank, extra)
+    return slice(start, start + base + (1 if rank < extra else 0))
+
+
+def micro_step_count(largest_share: int, micro_batch: int) -> int:
+    """Micro-steps every rank runs when the largest share of any rank is ``largest_share``."""
+    return -(-largest_share // micro_batch)
+
+
+def micro_sizes(share: int, micro_batch: int, steps: int, min_micro_batch: int = 1) -> tuple[int, ...]:
+    """``share`` samples cut into ``steps`` micro-steps, as evenly as they go.
+
+    The samples fill the fewest micro-batches of at most ``micro_batch`` (``ceil(share /
+    micro_batch)`` of them), spread evenly (sizes differ by at most one, larger first, so that no
+    micro-batch is needlessly tiny: 64 in 10 is ``7 x 4 + 6 x 6``, not ``7 x 9 + 1``), then empty
+    micro-steps. Every rank runs the same ``steps`` (ranks that run different numbers of micro-steps
+    can deadlock FSDP's collectives); an empty micro-step runs no forward.
+
+    No micro-batch holds fewer than ``min_micro_batch`` samples (the smallest size the model trains
+    at, e.g. 2 with BatchNorm) unless the whole share is smaller: where ``micro_batch`` and
+    ``min_micro_batch`` leave no even cut (a share of 3 at micro 2, min 2), fewer micro-batches are
+    used and one holds up to ``min_micro_batch - 1`` samples more than ``micro_batch``.
+
+    Raises:
+        ValueError: ``share`` needs more than ``steps`` micro-batches of ``micro_batch``.
+    """
+    if share == 0:
+        return (0,) * steps
+    count = micro_step_count(share, micro_batch)
+    if min_micro_batch > 1:
+        count = max(1, min(count, share // min_micro_batch))
+    if count > steps:
+        raise ValueError(f"{share} samples do not fit in {steps} micro-batches of {micro_batch}")
+    base, extra = divmod(share, count)
+    return (base + 1,) * extra + (base,) * (count - extra) + (0,) * (steps - count)
+
+
+@dataclass(frozen=True)
+class TokenBudget:
+    """How much of a variable-length batch one micro-batch may hold (``autoaccum.memory.model``).
+
+    ``b`` samples padded to length ``L`` cost ``b * (L + quadratic * L**2 + per_sample)``
+    token-units: the tokens, the attention's quadratic term where the model has one (without a
+    fused kernel), and what a sample costs whatever its length. A micro-batch fits when its cost is
+    at most ``max_cost``.
+
+    Attributes:
+        max_cost: the token-units one micro-batch may hold.
+        quadratic: the quadratic coefficient (per token of length), 0 for linear models.
+        longest: the longest sample length planned for (a micro-batch of the smallest size at
+            this length must fit).
+        pass_cost: what one forward/backward pass costs beyond its tokens, in token-units (the
+            time of a pass is about ``pass_cost + cost``): the cutter weighs padding against passes.
+        per_sample: a sample's cost whatever its length, in token-units (may be negative).
+    """
+
+    max_cost: float
+    quadratic: float = 0.0
+    longest: int = 1
+    pass_cost: float = 0.0
+    per_sample: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.max_cost) and self.max_cost > 0):
+            raise ValueError(f"Invalid max_cost: {self.max_cost!r}. Allowed range: finite and > 0")
+        if not (math.isfinite(self.quadratic) and self.quadratic >= 0):
+            raise ValueError(f"Invalid quadratic: {self.quadratic!r}. Allowed range: finite and >= 0")
+        check_positive_int(self.longest, "longest")
+        if not (math.isfinite(self.pass_cost) and self.pass_cost >= 0):
+            raise ValueError(f"Invalid pass_cost: {self.pass_cost!r}. Allowed range: finite and >= 0")
+
+    def unit(self, length: int) -> float:
+        """The cost of one sample padded to ``length``."""
+        return max(length + self.quadratic * length * length + self.per_sample, 1e-9)
+
+    def cost(self, num_samples: int, length: int) -> float:
+        return num_samples * self.unit(length)
+
+    def max_batch(self, length: int) -> int:
+        """The most samples of ``length`` one micro-batch may hold (0 if not even one)."""
+        return int(self.max_cost // self.unit(length))
+
+    def halved(self) -> TokenBudget:
+        return dataclasses.replace(self, max_cost=self.max_cost / 2)
+
+    def to_dict(self) -> dict[str, float | int]:
+        return {"max_cost": self.max_cost, "quadratic": self.quadratic, "longest": self.longest,
+                "pass_cost": self.pass_cost, "per_sample": self.per_sample}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TokenBudget:
+        return cls(float(data["max_cost"]), float(data.get("quadratic", 0.0)), int(data.get("longest", 1)),
+                   float(data.get("pass_cost", 0.0)), float(data.get("per_sample", 0.0)))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """``micro_batch x accum_steps x world_size`` covering ``target_batch`` exactly.
+
+    Each optimizer step consumes exactly ``target_batch`` samples. Rank ``r`` gets
+    ``rank_batch(r)`` of them (the target split as evenly as it goes), cut into ``accum_steps``
+    micro-batches of at most ``micro_batch`` samples, as even as they go (``micro_sizes``). Every
+    rank runs the same number of micro-steps; the step weights each micro-batch by its share of the
+    global batch, so uneven micro-batches are exact.
+
+    Attributes:
+        micro_batch: samples per forward/backward on one rank (the largest micro-batch).
+        accum_steps: micro-batches per optimizer step on each rank.
+        world_size: number of data-parallel ranks.
+        target_batch: samples per optimizer step, over all ranks together.
+        min_micro_batch: the smallest micro-batch the model trains at (2 with BatchNorm, which
+            needs more than one value per channel); no micro-batch is cut smaller, and the guard
+            never shrinks below it.
+        tokens: for variable-length data, the token budget each micro-batch is cut by
+            (``autoaccum.plan.cut.TokenCut``); ``micro_batch`` is then the most samples a micro-batch may
+            hold (at the shortest lengths) and ``accum_steps`` the fewest micro-steps a step takes:
+            how many it takes depends on the lengths of its samples.
+    """
+
+    micro_batch: int
+    accum_steps: int
+    world_size: int
+    target_batch: int
+    min_micro_batch: int = 1
+    tokens: TokenBudget | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch", "accum_steps", "world_size", "target_batch", "min_micro_batch"):
+            check_positive_int(getattr(self, name), name)
+        if self.micro_batch < min(self.min_micro_batch, self.rank_batch(0)):
+            raise ValueError(f"Invalid micro_batch: {self.micro_batch} is below the smallest micro-batch this model "
+                             f"trains at ({self.min_micro_batch}). Allowed range: {self.min_micro_batch} ~ any")
+        if self.target_batch < self.world_size:
+            raise ValueError(
+                f"Invalid target_batch: {self.target_batch} is smaller than world_size "
+                f"{self.world_size}; every rank needs at least one sample. Use target_batch >= {self.world_size}."
+            )
+        share = self.rank_batch(0)
+        if self.accum_steps != micro_step_count(share, self.micro_batch):
+            raise ValueError(
+                f"Plan does not cover target_batch {self.target_batch} exactly: micro_batch {self.micro_batch} "
+                f"x accum_steps {self.accum_steps} x world_size {self.world_size}; for a share of {share} "
+                f"samples per rank accum_steps must be {math.ceil(share / self.micro_batch)}. "
+                f"Use Plan.for_target(...) to derive accum_steps."
+            )
+
+    @classmethod
+    def for_target(cls, target_batch: int, micro_batch: int, world_size: int = 1, min_micro_batch: int = 1) -> Plan:
+        """As few micro-steps as ``micro_batch`` allows, with micro-batches as equal as they go.
+
+        ``target 256, micro 200`` gives ``128 x 2`` rather than ``200 + 56``: the same number of
+        forward/backward passes and a lower peak; ``micro_batch`` is then the largest micro-batch
+        cut (128), capped at the rank share.
+
+        Raises:
+            ValueError: ``micro_batch`` is below ``min_micro_batch`` (and below the rank share).
+        """
+        check_positive_int(target_batch, "target_batch")
+        check_positive_int(micro_batch, "micro_batch")
+        check_positive_int(world_size, "world_size")
+        share = math.ceil(target_batch / world_size)
+        if micro_batch < min(min_micro_batch, share):
+            raise ValueError(f"Invalid micro_batch: {micro_batch} is below the smallest micro-batch this model trains "
+                             f"at ({min_micro_batch}). Allowed range: {min_micro_batch} ~ any")
+        accum = micro_step_count(share, min(micro_batch, share))
+        return cls(math.ceil(share / accum), accum, world_size, target_batch, min_micro_batch)
+
+    balanced = for_target  # the name of the same rule before plans were always balanced
+
+    def rank_batch(self, rank: int = 0) -> int:
+        """Samples rank ``rank`` sees per optimizer step (the first ``target % world`` ranks get one more)."""
+        bounds = rank_share(self.target_batch, rank, self.world_size)
+        return bounds.stop - bounds.start
+
+    def micro_sizes(self, rank: int = 0) -> tuple[int, ...]:
+        """Micro-batch sizes of one optimizer step on ``rank``; they sum to ``rank_batch(rank)``.
+        Every rank has ``accum_steps`` of them; a rank with one sample fewer than rank 0 may end
+        with an empty micro-step."""
+        return micro_sizes(self.rank_batch(rank), self.micro_batch, self.accum_steps, self.min_micro_batch)
+
+    @property
+    def last_micro_batch(self) -> int:
+        """The smallest micro-batch rank 0 runs (the last one cut)."""
+        return min(s for s in self.micro_sizes(0) if s > 0)
+
+    @property
+    def can_shrink(self) -> bool:
+        """A smaller cut exists: the micro-batch is above the model's smallest (for a token budget:
+        or the budget still holds more than the smallest micro-batch at the longest length)."""
+        if self.tokens is not None:
+            return self.tokens.max_batch(self.tokens.longest) > self.min_micro_batch or \
+                self.micro_batch > self.min_micro_batch
+        return self.micro_batch > self.min_micro_batch
+
+    def halved(self) -> Plan:
+        """The plan after an OOM: half the micro-batch (not below ``min_micro_batch``), the
+        accumulation steps it then takes; a token budget is halved too."""
+        if not self.can_shrink:
+            raise ValueError(f"a micro-batch of {self.micro_batch} cannot be halved: it is the smallest this model "
+                             f"trains at")
+        plan = self.with_micro_batch(max(self.micro_batch // 2, self.min_micro_batch))
+        if self.tokens is None:
+            return plan
+        tokens = self.tokens.halved()
+        # never below the smallest micro-batch at the longest length
+        floor = self.min_micro_batch * tokens.unit(tokens.longest)
+        return dataclasses.replace(plan, tokens=dataclasses.replace(tokens, max_cost=max(tokens.max_cost, floor)))
+
+    def with_micro_batch(self, micro_batch: int) -> Plan:
+        """The same target, ranks, smallest size and token budget, cut at ``micro_batch``."""
+        plan = Plan.for_target(self.target_batch, micro_batch, self.world_size, self.min_micro_batch)
+        return plan if self.tokens is None else dataclasses.replace(plan, tokens=self.tokens)
+
+    def with_world_size(self, world_size: int) -> Plan:
+        plan = Plan.for_target(self.target_batch, self.micro_batch, world_size, self.min_micro_batch)
+        return plan if self.tokens is None else dataclasses.replace(plan, tokens=self.tokens)
+
+    def with_min_micro_batch(self, min_micro_batch: int) -> Plan:
+        """This plan for a model that trains at no fewer than ``min_micro_batch`` samples per micro-batch."""
+        if min_micro_batch == self.min_micro_batch:
+            return self
+        plan = Plan.for_target(self.target_batch, self.micro_batch, self.world_size, min_micro_batch)
+        return plan if self.tokens is None else dataclasses.replace(plan, tokens=self.tokens)
+
+    def describe(self) -> str:
+        """``target 256 = micro 43 x accum 6 (last micro 42) x world 1``; with a token budget,
+        ``target 64 = micro <= 32 by 4,096 token-units (passes vary with length, >= 2) x world 1``."""
+        if self.tokens is not None:
+            quad = f" + {self.tokens.quadratic:.3g} x L^2 each" if self.tokens.quadratic else ""
+            return (f"target {self.target_batch} = micro <= {self.micro_batch} by {self.tokens.max_cost:,.0f} "
+                    f"token-units{quad} (passes vary with length, >= {self.accum_steps}) x world {self.world_size}")
+        last = self.last_micro_batch
+        tail = f" (last micro {last})" if last != self.micro_batch else ""
+        if self.min_micro_batch > 1:
+            tail += f" (min micro {self.min_micro_batch})"
+        return (f"target {self.target_batch} = micro {self.micro_batch} x accum {self.accum_steps}{tail} "
+                f"x world {self.world_size}")
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"micro_batch": self.micro_batch, "accum_steps": self.accum_steps,
+                               "world_size": self.world_size, "target_batch": self.target_batch,
+                               "min_micro_batch": self.min_micro_batch}
+        if self.tokens is not None:
+            out["tokens"] = self.tokens.to_dict()
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Plan:
+        try:
+            fields = {k: data[k] for k in ("micro_batch", "accum_steps", "world_size", "target_batch")}
+        except KeyError as exc:
+            raise ValueError(f"a plan needs micro_batch, accum_steps, world_size and target_batch; missing {exc}") from None
+        tokens = data.get("tokens")
+        return cls(**fields, min_micro_batch=data.get("min_micro_batch", 1),
+                   tokens=None if tokens is None else TokenBudget.from_dict(tokens))
+
+
+def read_plan_document(source: Any) -> tuple[Plan, dict[str, Any] | None]:
+    """The plan in ``source``, and the knobs it was measured with (None where it names none).
+
+    ``source`` is what the tools write: a Plan; an object with a ``.plan`` (ProbeReport,
+    SearchResult, and its ``.knobs``); a dict (a plan, or a document with a ``"plan"`` entry and
+    maybe ``"knobs"``); or the path of such a JSON document (``autoaccum probe --json``,
+    ``autoaccum search --out``). The one reader of plan files.
+
+    Raises:
+        ValueError: the file cannot be read or holds no plan.
+        TypeError: ``source`` is none of those.
+    """
+    if isinstance(source, Plan):
+        return source, None
+    if isinstance(getattr(source, "plan", None), Plan):
+        knobs = getattr(source, "knobs", None)
+        return source.plan, (knobs.to_dict() if hasattr(knobs, "to_dict") else None)
+    if isinstance(source, (str, os.PathLike)):
+        try:
+            source = json.loads(Path(source).read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"Invalid plan file {str(source)!r}: {exc}") from None
+    if isinstance(source, dict):
+        document = source if isinstance(source.get("plan"), dict) else {"plan": source}
+        try:
+            plan = Plan.from_dict(document["plan"])
+        except TypeError as exc:
+            raise ValueError(f"malformed plan: {exc}") from None
+        knobs = document.get("knobs")
+        return plan, (dict(knobs) if isinstance(knobs, dict) else None)
+    raise TypeError(f"plan must be a Plan, a probe report, a search result, a dict or a JSON path, "
+                    f"got {type(source).__name__}")
+
+
+def read_plan(source: Any) -> Plan:
+    """The ``Plan`` in ``source`` (see ``read_plan_document``)."""
+    return read_plan_document(source)[0]
+
+
+def resolve_plan(plan: Any = None, *, target_batch: int | None = None, micro_batch: int | None = None,
+                 world_size: int = 1, adapt_world_size: bool = False) -> Plan:
+    """The plan a run starts with: ``plan`` (anything ``read_plan`` reads), or one built from
+    ``target_batch`` and ``micro_batch``; checked against the run's target and ranks.
+
+    Args:
+        adapt_world_size: re-cut a plan made for another number of ranks (the global batch and
+            micro-batch stay); otherwise that is an error.
+
+    Raises:
+        TypeError: neither a plan nor target_batch and micro_batch.
+        ValueError: the plan is for another target batch (or, without ``adapt_world_size``, another world size).
+    """
+    if plan is None:
+        if target_batch is None or micro_batch is None:
+            raise TypeError("give plan=, or target_batch= and micro_batch=")
+        return Plan.for_target(target_batch, micro_batch, world_size)
+    plan = read_plan(plan)
+    if target_batch is not None and target_batch != plan.target_batch:
+        raise ValueError(f"the plan is for target_batch {plan.target_batch}, this run's is {target_batch}; the "
+                         f"global batch is never changed silently: pass target_batch={plan.target_batch} or re-plan")
+    if plan.world_size != world_size:
+        if not adapt_world_size:
+            raise ValueError(f"plan.world_size {plan.world_size} differs from the {world_size} ranks running; use "
+                             f"plan.with_world_size({world_size})")
+        plan = plan.with_world_size(world_size)
+    return plan

@@ -1,0 +1,221 @@
+"""A task: what one training step needs -- model, optimizer factory, loss, and a batch of any size.
+
+``loss_fn(model, batch)`` returns either the mean loss over the batch's samples or a pair
+``(loss_sum, num_items)`` for token-level losses (sum over items, count of items).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import torch
+
+from autoaccum.errors import TaskError
+from autoaccum.plan.batch import Batch, batch_size
+
+__all__ = ["Task", "LossFn", "LossOutput", "check_loss", "check_loss_fn", "check_optimizer_covers",
+           "default_optimizer", "load_task", "resolve_task", "trainable_parameters"]
+
+LossOutput = Union[torch.Tensor, tuple[torch.Tensor, Union[torch.Tensor, int]]]
+LossFn = Callable[[torch.nn.Module, Batch], LossOutput]
+OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+def default_optimizer(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """AdamW with torch's defaults (lr 1e-3)."""
+    return torch.optim.AdamW(params)
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters that train; a TypeError/ValueError when there are none."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(f"{type(model).__name__} has no trainable parameters (none with requires_grad=True); "
+                         f"there is nothing to train. Unfreeze some parameters first.")
+    return params
+
+
+@dataclass(frozen=True)
+class Task:
+    """Everything one training step needs.
+
+    Attributes:
+        model: the module to train (on the device the step runs on).
+        loss_fn: ``loss_fn(model, batch)`` -> mean loss, or ``(loss_sum, num_items)``.
+        make_batch: ``make_batch(b)`` -> a batch of exactly ``b`` samples.
+        make_optimizer: ``make_optimizer(params)`` -> an optimizer (default AdamW).
+        name: shown in reports.
+        lengths: for variable-length data, the lengths of the data's samples (all, or a sample of
+            them): the probe measures at the shortest, the median and the longest and plans a token
+            budget (``autoaccum.plan.plan.TokenBudget``); ``make_batch(b, length)`` then returns ``b``
+            samples padded to ``length``. None for data of one shape.
+    """
+
+    model: torch.nn.Module
+    loss_fn: LossFn
+    make_batch: Callable[..., Batch]
+    make_optimizer: OptimizerFactory = field(default=default_optimizer)
+    name: str = "task"
+    lengths: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        trainable_parameters(self.model)
+        for name in ("loss_fn", "make_batch", "make_optimizer"):
+            if not callable(getattr(self, name)):
+                raise TypeError(f"Task.{name} must be callable, got {type(getattr(self, name)).__name__}")
+        if self.lengths is not None:
+            if not self.lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.lengths):
+                raise ValueError("Task.lengths must be a non-empty sequence of ints >= 1 (the samples' lengths)")
+            object.__setattr__(self, "lengths", tuple(self.lengths))
+
+    def batch(self, size: int, length: int | None = None) -> Batch:
+        """``make_batch(size)`` (or ``make_batch(size, length)``), checked to hold exactly ``size`` samples.
+        For a task with lengths and no ``length`` given: at the longest."""
+        if length is None and self.lengths is not None:
+            length = max(self.lengths)
+        batch = self.make_batch(size) if length is None else self.make_batch(size, length)
+        got = batch_size(batch)
+        if got != size:
+            raise TaskError(f"make_batch({size}{'' if length is None else f', {length}'}) returned a batch of {got} "
+                            f"samples; it must return exactly the number of samples asked for")
+        return batch
+
+
+def resolve_task(task: Task | None, *, model: torch.nn.Module | None = None, loss_fn: LossFn | None = None,
+                 make_batch: Callable[..., Batch] | None = None, make_optimizer: OptimizerFactory | None = None,
+                 caller: str = "probe", lengths: Any = None) -> Task:
+    """``task``, or a ``Task`` built from its parts: the one rule for APIs that take either.
+
+    Raises:
+        TypeError: neither a task nor all of ``model``, ``loss_fn`` and ``make_batch``; or both.
+    """
+    parts = (model, loss_fn, make_batch)
+    if task is None:
+        if any(x is None for x in parts):
+            raise TypeError(f"{caller}() needs a Task or model=, loss_fn= and make_batch=")
+        return Task(model=model, loss_fn=loss_fn, make_batch=make_batch,  # type: ignore[arg-type]
+                    make_optimizer=make_optimizer or default_optimizer, lengths=lengths)
+    if any(x is not None for x in parts):
+        raise TypeError("pass either a Task or model=/loss_fn=/make_batch=, not both")
+    if not isinstance(task, Task):
+        raise TypeError(f"task must be an autoaccum.Task, got {type(task).__name__}")
+    if lengths is not None and tuple(lengths) != task.lengths:
+        return dataclasses.replace(task, lengths=tuple(lengths))
+    return task
+
+
+def check_loss(output: Any, *, requires_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | int | None]:
+    """Split a loss function's output into ``(loss, num_items)``; ``num_items`` is None for a mean loss.
+
+    ``requires_grad``: the loss must carry a gradient (training); False for evaluation.
+
+    Raises:
+        TaskError: the loss is not a scalar floating tensor, or ``num_items`` is not a count.
+    """
+    num_items = None
+    if not isinstance(output, (torch.Tensor, tuple, list)) and getattr(output, "loss", None) is not None:
+        raise TaskError(f"loss_fn returned the model's output ({type(output).__name__}), not a loss; return its "
+                        f"loss: loss_fn=lambda model, batch: model(**batch).loss")
+    if isinstance(output, (tuple, list)):
+        if len(output) != 2:
+            raise TaskError(f"loss_fn returned a {type(output).__name__} of {len(output)} items; return a scalar mean "
+                            f"loss or a pair (loss_sum, num_items)")
+        output, num_items = output
+        if isinstance(num_items, torch.Tensor):
+            if num_items.numel() != 1:
+                raise TaskError(f"num_items must be a single count, got a tensor of shape {tuple(num_items.shape)}")
+        elif isinstance(num_items, bool) or not isinstance(num_items, int) or num_items < 0:
+            raise TaskError(f"num_items must be an int or a one-element tensor >= 0, got {num_items!r}")
+    if not isinstance(output, torch.Tensor) or output.dim() != 0:
+        shape = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
+        raise TaskError(f"loss_fn must return a scalar tensor (0 dimensions), got {shape}; reduce the loss "
+                        f"(e.g. .mean(), or .squeeze() for a shape (1,)) or return (loss_sum, num_items)")
+    if not output.dtype.is_floating_point or (requires_grad and not output.requires_grad):
+        raise TaskError(f"the loss must be a floating tensor that requires grad (dtype {output.dtype}, "
+                        f"requires_grad={output.requires_grad}); was it computed under torch.no_grad()?")
+    return output, num_items
+
+
+def check_loss_fn(loss_fn: Any, name: str = "loss_fn") -> None:
+    """Raise TypeError for a ``loss_fn`` that cannot be called as ``loss_fn(model, batch)``."""
+    if not callable(loss_fn):
+        hint = " (the arguments look swapped: fit(model, data, target_batch, loss_fn=...))" \
+            if isinstance(loss_fn, (tuple, list, dict, torch.Tensor)) else ""
+        raise TypeError(f"{name} must be callable as {name}(model, batch), got a {type(loss_fn).__name__}{hint}")
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):  # a builtin or C function: nothing to check
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        params = ", ".join(signature.parameters) or "no arguments"
+        raise TypeError(f"{name} is called as {name}(model, batch), but yours takes ({params}); write it as "
+                        f"lambda model, batch: ... (the model comes first, so a DDP-wrapped or compiled model "
+                        f"is the one that runs)") from None
+
+
+def check_optimizer_covers(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Raise ValueError when ``optimizer`` steps none of ``model``'s trainable parameters (nothing would train)."""
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if trainable and not trainable & stepped:
+        raise ValueError(f"the optimizer ({type(optimizer).__name__}) steps none of the {len(trainable)} trainable "
+                         f"parameters of the {type(model).__name__} being trained, so nothing would train. Build it "
+                         f"from this model: {type(optimizer).__name__}(model.parameters(), ...) (after any "
+                         f"deepcopy or fully_shard of the model)")
+
+
+#: what torch says when a float tensor meets a layer of another float dtype
+_DTYPE_MISMATCH = ("expected scalar type", "must have the same dtype", "should be the same", "expected both",
+                   "found dtype", "Input type (")
+
+
+def explain_error(exc: BaseException, model: torch.nn.Module, batch: Any) -> TaskError | None:
+    """A one-line explanation of a training step's error where autoaccum can name the fix, else None.
+
+    So far: a batch whose floating tensors are of another dtype than the model's parameters (an
+    fp16 model fed fp32 inputs), which torch reports as a raw dtype mismatch deep in a layer."""
+    if not isinstance(exc, RuntimeError) or not any(m in str(exc) for m in _DTYPE_MISMATCH):
+        return None
+    from autoaccum.plan.batch import tensors
+
+    model_dtypes = {p.dtype for p in model.parameters() if p.dtype.is_floating_point}
+    batch_dtypes = {t.dtype for t in tensors(batch) if t.dtype.is_floating_point}
+    if not model_dtypes or not batch_dtypes or batch_dtypes <= model_dtypes:
+        return None
+    model_dtype, batch_dtype = sorted(map(str, model_dtypes))[0], sorted(map(str, batch_dtypes - model_dtypes))[0]
+    return TaskError(f"the model's parameters are {model_dtype} and the batch holds {batch_dtype} tensors ({exc}); "
+                     f"convert the data to the model's dtype (x.to({model_dtype})), or keep the model in float32 and "
+                     f"train in mixed precision (fit(..., precision='bf16' or 'fp16'), OOMGuard(autocast_dtype=...))")
+
+
+def load_task(spec: str, **kwargs: Any) -> Task:
+    """Import ``module:function`` and call it (with ``kwargs``) to get a ``Task``.
+
+    Raises:
+        ValueError: the spec is not ``module:function``, the module or name is missing, or the
+            function returns something other than a Task.
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"Invalid task {spec!r}: expected 'module:function', e.g. 'mytasks:make_task'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"Invalid task {spec!r}: cannot import module {module_name!r} ({exc}); is it on "
+                         f"PYTHONPATH or in the current directory?") from exc
+    factory = getattr(module, attr, None)
+    if factory is None or not callable(factory):
+        raise ValueError(f"Invalid task {spec!r}: module {module_name!r} has no callable {attr!r}")
+    task = factory(**kwargs)
+    if not isinstance(task, Task):
+        raise ValueError(f"Invalid task {spec!r}: {attr}() returned {type(task).__name__}, expected autoaccum.Task")
+    return task

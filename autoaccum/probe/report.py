@@ -1,0 +1,168 @@
+"""What a probe measured and recommends: ``ProbeReport`` and its ``Candidate`` sizes.
+
+Plain values, written as JSON (``autoaccum probe --json``, the probe cache) and read back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from autoaccum.memory import usable_bytes
+from autoaccum.memory.model import MemoryModel, TokenMemoryModel
+from autoaccum.plan.lengths import LengthProfile
+from autoaccum.plan.plan import Plan
+
+__all__ = ["Candidate", "ProbeReport", "REPORT_VERSION", "Status"]
+
+REPORT_VERSION = 2
+Status = Literal["ok", "over_budget", "oom"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One probed micro-batch size.
+
+    Attributes:
+        micro_batch: samples per step.
+        status: ``ok`` (fits under the usable budget), ``over_budget`` (ran, but its peak is
+            above ``budget * (1 - headroom)``) or ``oom`` (ran out of memory).
+        peak_bytes: the step's peak (max of the two phases); for ``oom`` the bytes it asked for.
+        fwd_bwd_peak_bytes / opt_peak_bytes: the phases' peaks (None after an OOM).
+        step_time_s: a complete one-micro-batch training step: the fastest timed forward/backward
+            pass plus the optimizer step (None after an OOM).
+        micro_step_time_s: the fastest timed forward/backward pass alone (None after an OOM).
+        length: the sequence length its samples were padded to (variable-length data), else None.
+    """
+
+    micro_batch: int
+    status: Status
+    peak_bytes: int | None
+    fwd_bwd_peak_bytes: int | None = None
+    opt_peak_bytes: int | None = None
+    step_time_s: float | None = None
+    micro_step_time_s: float | None = None
+    length: int | None = None
+
+    @property
+    def samples_per_s(self) -> float | None:
+        return None if not self.step_time_s else self.micro_batch / self.step_time_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "samples_per_s": self.samples_per_s}
+
+    def plan_step_time_s(self, share: int, min_micro_batch: int = 1, per_sample_s: float | None = None) -> float | None:
+        """Seconds of one optimizer step of ``share`` samples cut at this size: its passes, then the
+        optimizer step (None after an OOM).
+
+        The plan cuts the share evenly, so its passes hold at most this many samples, and together
+        exactly ``share``: each pass is this size's measured pass less ``per_sample_s`` for every
+        sample the cut leaves out of it (default: the pass's time per sample, as if it had no fixed
+        cost; the probe gives the slope of its timings). Timing every pass at the full size would
+        charge a size that does not divide the share for samples it never runs (40 for 256: 7
+        passes of 37, not of 40)."""
+        if self.step_time_s is None:
+            return None
+        plan = Plan.for_target(share, self.micro_batch, 1, min_micro_batch)
+        micro = self.micro_step_time_s if self.micro_step_time_s is not None else self.step_time_s
+        slope = micro / self.micro_batch if per_sample_s is None else min(max(per_sample_s, 0.0),
+                                                                          micro / self.micro_batch)
+        left_out = plan.accum_steps * min(self.micro_batch, share) - share  # samples the cut leaves out
+        return plan.accum_steps * micro - slope * max(left_out, 0) + (self.step_time_s - micro)
+
+
+@dataclass(frozen=True)
+class ProbeReport:
+    """What the probe measured and what it recommends.
+
+    Attributes:
+        plan: the recommended plan for ``target_batch``.
+        candidates: every size measured, in the order measured.
+        model: the fitted memory model (None when fewer than two sizes ran).
+        device, meter: where it ran and how memory was read (``cuda``, ``tracked``, ``fake``).
+        is_estimate: True when no real step ran (fake tensors): an estimate, not a measurement.
+        budget_bytes, headroom: the budget and the fraction kept free.
+        probe_steps: forward/backward passes run while probing (an OOM counts as one);
+        optimizer_steps: optimizer steps run while probing; probe_ooms: OOMs the probe triggered.
+        fit_note: why the model was or was not trusted.
+        precision: ``fp32``, ``bf16`` or ``fp16``: the autocast (and GradScaler) every step ran under.
+        token_model: for variable-length data, the memory model in (b, L) the token budget comes from.
+        lengths: for variable-length data, the lengths planned for and where they were read.
+        source: ``probe`` or ``cache``.
+    """
+
+    plan: Plan
+    candidates: tuple[Candidate, ...]
+    model: MemoryModel | None
+    device: str
+    device_name: str
+    meter: str
+    is_estimate: bool
+    budget_bytes: int
+    budget_source: str
+    headroom: float
+    probe_steps: int
+    probe_ooms: int
+    wall_time_s: float
+    fit_note: str
+    precision: str = "fp32"
+    optimizer_steps: int = 0
+    token_model: TokenMemoryModel | None = None
+    lengths: LengthProfile | None = None
+    fingerprint: str = ""
+    source: str = "probe"
+    torch_version: str = field(default_factory=lambda: torch.__version__)
+
+    @property
+    def usable_bytes(self) -> int:
+        return usable_bytes(self.budget_bytes, self.headroom)
+
+    @property
+    def max_fitting_micro_batch(self) -> int:
+        return max((c.micro_batch for c in self.candidates if c.status == "ok"), default=0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": REPORT_VERSION, "kind": "autoaccum.probe",
+            "source": self.source, "fingerprint": self.fingerprint, "torch_version": self.torch_version,
+            "device": self.device, "device_name": self.device_name, "meter": self.meter,
+            "is_estimate": self.is_estimate, "budget_bytes": self.budget_bytes,
+            "budget_source": self.budget_source, "headroom": self.headroom, "usable_bytes": self.usable_bytes,
+            "candidates": [c.to_dict() for c in self.candidates],
+            "model": None if self.model is None else self.model.to_dict(),
+            "fit_note": self.fit_note, "plan": self.plan.to_dict(),
+            "probe_steps": self.probe_steps, "optimizer_steps": self.optimizer_steps, "probe_ooms": self.probe_ooms,
+            "wall_time_s": self.wall_time_s, "precision": self.precision,
+            "token_model": None if self.token_model is None else self.token_model.to_dict(),
+            "lengths": None if self.lengths is None else self.lengths.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ProbeReport:
+        """Rebuild a report from ``to_dict``'s output. Raises ValueError for anything else."""
+        if not isinstance(data, dict) or data.get("kind") != "autoaccum.probe":
+            raise ValueError("not an autoaccum probe report (missing kind 'autoaccum.probe')")
+        if data.get("version") != REPORT_VERSION:
+            raise ValueError(f"probe report version {data.get('version')!r} is not supported (expected {REPORT_VERSION})")
+        try:
+            fields = {"micro_batch", "status", "peak_bytes", "fwd_bwd_peak_bytes", "opt_peak_bytes", "step_time_s",
+                      "micro_step_time_s", "length"}
+            return cls(
+                plan=Plan.from_dict(data["plan"]),
+                candidates=tuple(Candidate(**{k: v for k, v in c.items() if k in fields}) for c in data["candidates"]),
+                model=None if data["model"] is None else MemoryModel.from_dict(data["model"]),
+                device=str(data["device"]), device_name=str(data["device_name"]), meter=str(data["meter"]),
+                is_estimate=bool(data["is_estimate"]), budget_bytes=int(data["budget_bytes"]),
+                budget_source=str(data["budget_source"]), headroom=float(data["headroom"]),
+                probe_steps=int(data["probe_steps"]), probe_ooms=int(data["probe_ooms"]),
+                wall_time_s=float(data["wall_time_s"]), fit_note=str(data["fit_note"]),
+                precision=str(data["precision"]), optimizer_steps=int(data["optimizer_steps"]),
+                token_model=None if data.get("token_model") is None else TokenMemoryModel.from_dict(data["token_model"]),
+                lengths=None if data.get("lengths") is None else LengthProfile.from_dict(data["lengths"]),
+                fingerprint=str(data["fingerprint"]), source=str(data["source"]),
+                torch_version=str(data["torch_version"]),
+            )
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"malformed probe report: {exc!r}") from None

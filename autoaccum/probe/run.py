@@ -1,0 +1,414 @@
+"""The probe: measure real training steps at a few micro-batch sizes, fit the memory model, plan.
+
+The optimizer phase is measured once (two complete steps at the model's smallest size: the
+optimizer creates its state in the first); each further size runs one forward/backward pass (its
+memory and its time), as the micro-batches of an accumulation step run (``autoaccum.probe.run.stepper``).
+The forward/backward peak and the optimizer-step peak are recorded apart. Sizes are chosen, not
+laddered: the smallest the model trains at (1, or 2 with BatchNorm), a safe second size, then the
+size the fitted model says is the largest under the budget, verified by a measurement, refined by
+bisection where the model does not hold. Among the sizes that fit, the plan measured fastest wins
+(ties to fewer passes); sizes are timed again only where the choice hangs on it. Every pass runs under the run's precision (autocast, and a GradScaler for
+fp16). Afterwards the model, optimizer and RNG are exactly as before (invariant 4); a caller's optimizer is
+not even called where a stand-in can step for it (``autoaccum.probe.run.stepper.StandIn``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from autoaccum import state as training_state
+from autoaccum.memory import (
+    CudaMeter,
+    TrackedMemory,
+    cuda_available_bytes,
+    device_capacity,
+    is_compiled,
+    refuse_compiled,
+    resolve_budget,
+    usable_bytes,
+)
+from autoaccum.memory.model import MemoryModel, TokenMemoryModel
+from autoaccum.memory.recovery import catch_oom, release_memory
+from autoaccum.plan.batch import Batch
+from autoaccum.plan.batchnorm import smallest_micro_batch
+from autoaccum.plan.lengths import LengthProfile
+from autoaccum.plan.plan import Plan, TokenBudget
+from autoaccum.plan.task import LossFn, Task, default_optimizer, resolve_task, trainable_parameters
+from autoaccum.precision import Precision, autocast_dtype, check_precision, make_scaler
+from autoaccum.probe import cache as probe_cache
+from autoaccum.probe.estimate import cuda_library_bytes, estimate_device, fake_setup, with_offset
+from autoaccum.probe.length_search import search_lengths
+from autoaccum.probe.report import Candidate, ProbeReport
+from autoaccum.probe.size_search import search_sizes
+from autoaccum.probe.stepper import HostSnapshotNeeded, StandIn, Stepper
+from autoaccum.state import WeightsCopy
+from autoaccum.validate import check_positive_int
+
+__all__ = ["Candidate", "ProbeReport", "choose_micro_batch", "plan_step_times", "probe", "time_slope"]
+
+logger = logging.getLogger(__name__)
+
+#: plans whose measured step times are within this fraction of the fastest count as a tie (timing
+#: noise), and ties go to the plan with the fewest forward/backward passes
+THROUGHPUT_TIE = 0.05
+
+
+def time_slope(candidates: Iterable[Candidate]) -> float | None:
+    """Seconds a pass takes per sample: the least-squares slope of the measured pass times over the
+    sizes that ran (one length), or None where fewer than two sizes were timed or the slope is not
+    positive (noise)."""
+    points = [(c.micro_batch, c.micro_step_time_s) for c in candidates
+              if c.status == "ok" and c.micro_step_time_s is not None]
+    if len({b for b, _ in points}) < 2:
+        return None
+    mean_b = sum(b for b, _ in points) / len(points)
+    mean_t = sum(t for _, t in points) / len(points)
+    slope = sum((b - mean_b) * (t - mean_t) for b, t in points) / sum((b - mean_b) ** 2 for b, _ in points)
+    return slope if slope > 0 else None
+
+
+def plan_step_times(candidates: Iterable[Candidate], share: int, min_micro_batch: int = 1) -> dict[int, float]:
+    """Each fitting size's estimated optimizer step for ``share`` samples cut at it
+    (``Candidate.plan_step_time_s``, with the slope of the timings)."""
+    fitting = [c for c in candidates if c.status == "ok" and c.step_time_s is not None]
+    slope = time_slope(fitting)
+    return {c.micro_batch: c.plan_step_time_s(share, min_micro_batch, slope) or 0.0 for c in fitting}
+
+
+def choose_micro_batch(candidates: Iterable[Candidate], share: int | None = None, min_micro_batch: int = 1) -> int:
+    """The fitting size whose plan for ``share`` samples steps fastest by measurement
+    (``plan_step_times``); plans within THROUGHPUT_TIE of the fastest tie (timing noise), and
+    ties go to the fewest passes, then to the larger size. Without ``share``: the best measured
+    samples/s of one micro-batch, ties to the larger."""
+    fitting = [c for c in candidates if c.status == "ok"]
+    if share is None:
+        best = max(c.samples_per_s or 0.0 for c in fitting)
+        return max(c.micro_batch for c in fitting if (c.samples_per_s or 0.0) >= best * (1 - THROUGHPUT_TIE))
+    times = plan_step_times(fitting, share, min_micro_batch)
+    if not times:  # nothing timed (an estimate): the largest
+        return max(c.micro_batch for c in fitting)
+    fastest = min(times.values())
+    tied = [b for b, t in times.items() if t <= fastest * (1 + THROUGHPUT_TIE)]
+    return min(tied, key=lambda b: (Plan.for_target(share, b, 1, min_micro_batch).accum_steps, -b))
+
+
+#: most rounds of timing the chosen size and the largest again (two passes a round)
+RETIME_ROUNDS = 2
+
+
+def _choose(stepper: Stepper, share: int, min_micro_batch: int) -> int:
+    """``choose_micro_batch``, with the timing repeated where it matters. Each size's time is its
+    one (first) pass; no size is timed again while the largest that fits wins. When another size
+    wins (by speed alone), both are timed once more, interleaved, and the choice is made again on
+    the fastest readings -- up to RETIME_ROUNDS times while it still differs from the largest."""
+    chosen = choose_micro_batch(stepper.current.values(), share, min_micro_batch)
+    for _ in range(RETIME_ROUNDS):
+        # a size whose retiming ran out of memory is no longer among those that fit
+        largest = max(c.micro_batch for c in stepper.current.values() if c.status == "ok")
+        if chosen == largest:
+            break
+        for size in (chosen, largest):
+            stepper.retime(size)
+        chosen = choose_micro_batch(stepper.current.values(), share, min_micro_batch)
+    return chosen
+
+
+def _new_optimizer(make_optimizer: Callable[..., Any], model: torch.nn.Module) -> torch.optim.Optimizer:
+    optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"the optimizer factory returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
+    return optimizer
+
+
+def _check_args(target_batch: int, world_size: int, steps_per_size: int | None, max_candidates: int) -> None:
+    check_positive_int(target_batch, "target_batch")
+    check_positive_int(world_size, "world_size")
+    if steps_per_size is not None:
+        check_positive_int(steps_per_size, "steps_per_size", hint=" passes, or None for the default")
+    check_positive_int(max_candidates, "max_candidates")
+    if max_candidates < 3:
+        raise ValueError(f"Invalid max_candidates: {max_candidates}. Allowed range: >= 3")
+
+
+def probe(
+    task: Task | None = None,
+    *,
+    model: torch.nn.Module | None = None,
+    loss_fn: LossFn | None = None,
+    make_batch: Callable[[int], Batch] | None = None,
+    optimizer: torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None = None,
+    target_batch: int = 256,
+    world_size: int = 1,
+    budget: int | str | None = None,
+    headroom: float = 0.1,
+    precision: Precision = "fp32",
+    max_micro_batch: int | None = None,
+    estimate: bool = False,
+    steps_per_size: int | None = None,
+    max_candidates: int = 12,
+    cache: bool = False,
+    refresh: bool = False,
+    cache_dir: str | None = None,
+    lengths: Any = None,
+    lengths_source: str = "",
+) -> ProbeReport:
+    """Measure the memory and speed of real training steps and plan micro-batch x accumulation.
+
+    Give either a ``Task`` or its parts (``model``, ``loss_fn``, ``make_batch`` and an
+    ``optimizer`` instance or factory; default AdamW). Steps run on the model's device.
+
+    Args:
+        target_batch: samples per optimizer step over all ranks; the plan covers it exactly.
+        world_size: data-parallel ranks sharing the target.
+        budget: bytes the step may use ("8GiB", "8 GB", int). Default: what the device has free
+            (CUDA: free + this process's cache; CPU: available host RAM). On devices other than
+            CUDA the budget is enforced by the tracked counter (an emulated OOM at the crossing).
+        headroom: fraction of the budget kept free (fragmentation, other processes), in [0, 1).
+        precision: ``fp32``, ``bf16`` (autocast) or ``fp16`` (autocast + GradScaler): measure as
+            training will run.
+        max_micro_batch: largest size worth trying (default: the per-rank share of the target).
+        estimate: run the steps on fake tensors (no memory, no real compute), reported as an
+            estimate: on fake ``cuda`` tensors for a CUDA model (a CUDA build of torch), else on
+            fake ``cpu``, whose kernels differ from a GPU's.
+        steps_per_size: forward/backward passes per size. Default 1: one pass gives a size's peak and
+            its time, and where the choice between two sizes hangs on their speed both are timed
+            again, interleaved. 2 or more: the first pass warms up and the fastest of the others is
+            the time (the schedule before issue 15). A ``torch.compile``-d model defaults to 2: its
+            first pass at a new shape compiles.
+        max_candidates: most sizes to measure.
+        cache, cache_dir: reuse a report with the same fingerprint (see ``autoaccum.probe.run.cache``).
+        refresh: with ``cache``, measure anyway and overwrite the cached report.
+        lengths, lengths_source: variable-length data: the samples' lengths (instead of
+            ``Task.lengths``) and where they were read, for the report (e.g. "1,000 of 50,000 samples").
+            ``make_batch(b, length)`` then makes ``b`` samples padded to ``length``, and the plan is
+            cut by a token budget (see ``autoaccum.probe.run.length_search``).
+
+    Returns:
+        A ``ProbeReport`` with the plan, the candidates and the fitted model.
+
+    Raises:
+        DoesNotFitError: the smallest micro-batch the model trains at does not fit in the budget.
+        ValueError, TypeError: invalid arguments.
+    """
+    factory = optimizer if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) \
+        else default_optimizer
+    task = resolve_task(task, model=model, loss_fn=loss_fn, make_batch=make_batch, make_optimizer=factory,
+                        lengths=lengths)
+    _check_args(target_batch, world_size, steps_per_size, max_candidates)
+    check_precision(precision)
+    smallest = smallest_micro_batch(task.model)
+    share = Plan.for_target(target_batch, 1, world_size).rank_batch(0)
+    upper = share if max_micro_batch is None else min(check_positive_int(max_micro_batch, "max_micro_batch"), share)
+    smallest = min(smallest, upper)
+    device = trainable_parameters(task.model)[0].device
+    if estimate or device.type != "cuda":
+        refuse_compiled(task.model, "probe it")
+    capacity = device_capacity(device)
+    plan_budget = resolve_budget(budget, device, headroom)
+    task.batch(1)  # fail fast on a batch maker that returns the wrong size
+    fingerprint = probe_cache.fingerprint(task, optimizer, device=device, capacity_bytes=capacity.total_bytes,
+                                          budget_bytes=plan_budget.budget_bytes, headroom=headroom,
+                                          target_batch=target_batch, world_size=world_size, upper=upper,
+                                          estimate=estimate, precision=precision,
+                                          lengths=None if task.lengths is None else sorted(task.lengths))
+    if cache and not refresh:
+        cached = probe_cache.load(fingerprint, cache_dir)
+        if cached is not None:
+            return cached
+    started = time.perf_counter()
+    profile = None if task.lengths is None else LengthProfile.of(task.lengths, source=lengths_source)
+    # Fake tensors never allocate what cuBLAS/cuDNN keep once they have run: an estimate for a CUDA
+    # model plans against the budget less those bytes and reports every peak with them added.
+    library = cuda_library_bytes(device) if estimate and device.type == "cuda" else 0
+    passes = steps_per_size if steps_per_size is not None else 2 if is_compiled(task.model) else 1
+    measured = _measure(task, optimizer, precision, plan_budget.budget_bytes - library, plan_budget.headroom,
+                        estimate=estimate, share=share, smallest=smallest, upper=upper, passes=passes,
+                        max_candidates=max_candidates, profile=profile)
+    stepper, model_fit, token_model, note = measured.stepper, measured.model, measured.token_model, measured.note
+    candidates = tuple(stepper.measured.values())
+    if library:
+        candidates = with_offset(candidates, library)
+        model_fit = None if model_fit is None else dataclasses.replace(
+            model_fit, base_bytes=model_fit.base_bytes + library, opt_peak_bytes=model_fit.opt_peak_bytes + library)
+        token_model = None if token_model is None else dataclasses.replace(
+            token_model, base_bytes=token_model.base_bytes + library,
+            opt_peak_bytes=token_model.opt_peak_bytes + library)
+        note = f"{note}; peaks include {library} bytes the CUDA libraries keep (measured on {device})"
+    plan = Plan.for_target(target_batch, measured.best, world_size, smallest)
+    if token_model is not None and profile is not None:
+        plan = _token_plan(token_model, profile, plan, plan_budget.budget_bytes, plan_budget.headroom, upper,
+                           candidates)
+    report = ProbeReport(
+        plan=plan, candidates=candidates, model=model_fit, device=str(device),
+        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+        meter="fake" if estimate else stepper.meter.kind, is_estimate=estimate,
+        budget_bytes=plan_budget.budget_bytes, budget_source=plan_budget.source, headroom=plan_budget.headroom,
+        probe_steps=stepper.steps, probe_ooms=stepper.ooms, wall_time_s=time.perf_counter() - started,
+        fit_note=note, precision=precision, optimizer_steps=stepper.optimizer_steps, fingerprint=fingerprint,
+        token_model=token_model, lengths=profile,
+    )
+    if cache:
+        probe_cache.store(report, cache_dir)
+    return report
+
+
+@dataclass(frozen=True)
+class _Measured:
+    stepper: Stepper
+    model: MemoryModel | None
+    token_model: TokenMemoryModel | None
+    note: str
+    best: int  # the micro-batch chosen (for variable-length data: at the longest length)
+
+
+#: a pass's fixed cost, in the share of a full micro-batch's cost, where the probe's timings cannot tell
+DEFAULT_PASS_SHARE = 0.1
+
+
+def pass_cost(candidates: Iterable[Candidate], quadratic: float, max_cost: float, per_sample: float = 0.0) -> float:
+    """What a forward/backward pass costs beyond its tokens, in token-units: the intercept over the
+    slope of ``time = fixed + per_unit * b * (L + quadratic * L**2 + per_sample)`` through the timed
+    sizes at the longest length (one length: the compute per token is the same for all of them),
+    kept within 2% and 100% of a full micro-batch (a default share where the timings cannot tell)."""
+    timed = [c for c in candidates if c.status == "ok" and c.length is not None and c.micro_step_time_s]
+    longest = max((c.length for c in timed), default=None)
+    points = [(c.micro_batch * (c.length + quadratic * c.length ** 2 + per_sample), c.micro_step_time_s)
+              for c in timed if c.length == longest]
+    if len({u for u, _ in points}) < 2:
+        return DEFAULT_PASS_SHARE * max_cost
+    mean_u = sum(u for u, _ in points) / len(points)
+    mean_t = sum(t for _, t in points) / len(points)
+    slope = sum((u - mean_u) * (t - mean_t) for u, t in points) / sum((u - mean_u) ** 2 for u, _ in points)
+    if slope <= 0:
+        return DEFAULT_PASS_SHARE * max_cost
+    fixed = mean_t - slope * mean_u
+    return min(max(fixed / slope, 0.02 * max_cost), max_cost)
+
+
+def _token_plan(token_model: TokenMemoryModel, profile: LengthProfile, plan: Plan, budget_bytes: int,
+                headroom: float, upper: int, candidates: Iterable[Candidate]) -> Plan:
+    """The plan for variable-length data: cut by the token budget the model predicts fits, at most as
+    many samples per micro-batch as fit at the shortest length, passes weighed by their measured cost."""
+    max_cost = max(token_model.max_cost(budget_bytes, headroom), 1.0)
+    tokens = TokenBudget(max_cost, token_model.quadratic, profile.longest,
+                         pass_cost(candidates, token_model.quadratic, max_cost, token_model.per_sample),
+                         token_model.per_sample)
+    cap = min(upper, max(plan.min_micro_batch, tokens.max_batch(profile.shortest)))
+    return dataclasses.replace(plan.with_micro_batch(cap), tokens=tokens)
+
+
+#: the probe copies the weights on their device for its warm-up only where the room left under the usable budget
+#: (and, on CUDA, on the device) holds the copy and this many times the trainable weights' bytes besides: the
+#: warm-up's gradients, AdamW's two moments and a set of temporaries; otherwise the copy goes to host memory
+WARM_UP_ROOM = 4
+
+
+def _room_for_weights_copy(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device,
+                           usable: int) -> bool:
+    """Whether a ``WeightsCopy`` of ``model`` fits beside the warm-up (WARM_UP_ROOM)."""
+    if not WeightsCopy.usable(model):
+        return False
+    trainable = sum(p.numel() * p.element_size() for p in trainable_parameters(model))
+    need = WeightsCopy.nbytes(model) + WARM_UP_ROOM * trainable
+    if device.type == "cuda":
+        live = torch.cuda.memory_allocated(device)
+        return need <= min(usable, cuda_available_bytes(device)) - live
+    counter = TrackedMemory().track(model, optimizer)  # what the probe's counter will start from
+    live = counter.current_bytes
+    counter.close()
+    return need <= usable - live
+
+
+def _measure(task: Task, optimizer: Any, precision: Precision, budget_bytes: int, headroom: float, *,
+             estimate: bool, share: int, smallest: int, upper: int, passes: int, max_candidates: int,
+             profile: LengthProfile | None) -> _Measured:
+    """Run the measurements (on fake tensors for an estimate) and choose the size (timing again where it
+    matters); the task's state is restored after both. The weights are copied on their device for the
+    warm-up where there is room (``WARM_UP_ROOM``); where that copy did not do
+    (``HostSnapshotNeeded``), everything is measured again with them copied to host
+    memory, and the passes and OOMs of the first try count in the report."""
+    kwargs: dict[str, Any] = {"estimate": estimate, "share": share, "smallest": smallest, "upper": upper,
+                              "passes": passes, "max_candidates": max_candidates, "profile": profile}
+    try:
+        return _measure_once(task, optimizer, precision, budget_bytes, headroom, copy_weights=not estimate, **kwargs)
+    except HostSnapshotNeeded as first:
+        logger.info("probe: %s; measuring again with the weights copied to host memory", first)
+        measured = _measure_once(task, optimizer, precision, budget_bytes, headroom, copy_weights=False, **kwargs)
+        measured.stepper.steps += first.steps
+        measured.stepper.ooms += first.ooms
+        measured.stepper.optimizer_steps += first.optimizer_steps
+        return measured
+
+
+def _measure_once(task: Task, optimizer: Any, precision: Precision, budget_bytes: int, headroom: float, *,
+                  copy_weights: bool, estimate: bool, share: int, smallest: int, upper: int, passes: int,
+                  max_candidates: int, profile: LengthProfile | None) -> _Measured:
+    device = trainable_parameters(task.model)[0].device
+    run_model, make_optimizer = task.model, task.make_optimizer
+    user_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+    # the caller's optimizer is not stepped where a stand-in can be (autoaccum.stepper.StandIn)
+    stand_in = None if estimate or user_optimizer is None else StandIn.of(user_optimizer)
+    run_optimizer = user_optimizer if stand_in is None else stand_in.optimizer
+    usable = usable_bytes(budget_bytes, headroom)
+    copy_weights = copy_weights and _room_for_weights_copy(task.model, run_optimizer, device, usable)
+    # an estimate runs on fake copies: of the real state only the generators can change
+    snapshot: Any = training_state.capture_rng() if estimate else \
+        training_state.capture(task.model, user_optimizer if stand_in is None else None, parameters=not copy_weights)
+    weights_copy: WeightsCopy | None = None
+    fake_mode: Any = None
+    if estimate:  # fake tensors, on the model's CUDA device where torch can, else on cpu: see autoaccum.estimate
+        device = estimate_device(device)
+        fake_mode, run_model, make_optimizer = fake_setup(task.model, optimizer, make_optimizer, device)
+        run_optimizer = None
+    meter: Any = CudaMeter(device, budget_bytes) if device.type == "cuda" and not estimate else \
+        TrackedMemory(budget_bytes=None if estimate else budget_bytes)
+    try:
+        with fake_mode if fake_mode is not None else contextlib.nullcontext():
+            if run_optimizer is None:
+                run_optimizer = _new_optimizer(make_optimizer, run_model)
+            if isinstance(meter, TrackedMemory):
+                meter.track(run_model, run_optimizer)
+            with meter:
+                copy_bytes = 0
+                if copy_weights:  # inside the meter: it counts against the budget as it would on the device
+                    before = meter.read().current_bytes
+                    weights_copy, failed = catch_oom(WeightsCopy, task.model)
+                    if failed:  # the room was not there after all (fragmentation, another process): from the host
+                        release_memory(device)
+                        raise HostSnapshotNeeded("no device memory for the weights' copy")
+                    copy_bytes = meter.read().current_bytes - before
+                stepper = Stepper(run_model, run_optimizer, task.loss_fn, task.batch, device, meter, usable,
+                                  share=share, passes=passes, autocast_dtype=autocast_dtype(precision),
+                                  scaler=None if estimate else make_scaler(precision, device), own_inputs=estimate,
+                                  weights_copy=weights_copy, copy_bytes=copy_bytes)
+                token_model = None
+                if profile is None:
+                    model_fit, note = search_sizes(stepper, smallest, upper, budget_bytes, headroom, max_candidates)
+                else:
+                    token_model, model_fit, note = search_lengths(stepper, profile, smallest, upper, budget_bytes,
+                                                                  headroom, max_candidates)
+                # Fake steps take no real time, and a token plan is cut by memory: no speed choice there.
+                best = max(c.micro_batch for c in stepper.current.values() if c.status == "ok") \
+                    if estimate or token_model is not None else _choose(stepper, share, smallest)
+    finally:
+        if weights_copy is not None:
+            weights_copy.put_back()  # (done when the warm-up ended, unless it never ran)
+        if isinstance(meter, TrackedMemory):
+            meter.close()
+        if estimate:
+            training_state.restore_rng(snapshot)
+        else:
+            training_state.restore(snapshot, task.model, user_optimizer if stand_in is None else None)
+            if stand_in is not None:
+                stand_in.put_back()
+            del snapshot  # its page-locked host copies go back
+            training_state.release_pinned_memory()
+    return _Measured(stepper, model_fit, token_model, note, best)

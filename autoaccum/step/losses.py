@@ -1,0 +1,219 @@
+"""``fit``'s default loss: cross-entropy for ``(inputs, targets)``, the model's own loss for dict batches.
+
+For a dict batch (a tokenizer's ``BatchEncoding``, a collator's output) the model is called as
+``model(**batch)``, as Hugging Face models are, and its output's ``.loss`` is used (the batch must
+hold ``labels``). How that loss is weighted across micro-batches follows what it averages over:
+
+- **per-token losses** (``labels`` with a sequence dimension: causal and masked LMs, token
+  classification) are token-exact: the step divides the summed token losses once by the tokens of
+  the whole global batch over all ranks -- as one full-batch forward would (a mean of micro-batch
+  means would weight short micro-batches too much). This is Hugging Face's own path: the guard
+  counts the step's predicted tokens up front (``DefaultLoss.count_items``, all ranks) and each
+  micro-batch runs ``model(**batch, num_items_in_batch=N)``, so every token's gradient is computed
+  exactly as in a full-batch forward (HF computes the cross-entropy in float32, ``logits.float()``,
+  even for a float64 model; the same arithmetic on both sides keeps them equal). A model that takes
+  no loss keyword arguments gets ``loss * count / N``. Called without a count (by the probe, the
+  evaluation, or by hand) the loss returns ``(loss_sum, count)``. Predicted tokens are counted as
+  the model counts them: labels other than -100, after the shift by one that causal-LM losses apply
+  inside the model (the first label of each row is never a target), or ``shift_labels`` where the
+  batch carries them. Whether the model's ``loss_function`` shifts is asked of the function itself
+  (``loss_shifts_labels``), so a drop-in replacement of ``ForCausalLMLoss`` counts as one.
+- **per-sample losses** (``labels`` of one value per sample: sequence or image classification)
+  are means over the micro-batch, weighted by its share of the samples.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import sys
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from autoaccum.errors import TaskError
+from autoaccum.plan.batch import Batch
+from autoaccum.plan.task import LossOutput
+
+__all__ = ["IGNORE_INDEX", "DefaultLoss", "default_loss", "loss_shifts_labels", "model_loss", "predicted_tokens"]
+
+#: the label value Hugging Face (and torch's cross_entropy) leave out of a loss
+IGNORE_INDEX = -100
+
+
+class DefaultLoss:
+    """``fit``'s default loss (see the module docstring): ``loss(model, batch)``, and for per-token
+    dict batches ``loss(model, batch, num_items_in_batch=N)`` with ``count_items`` giving N."""
+
+    def __call__(self, model: torch.nn.Module, batch: Batch, num_items_in_batch: int | None = None) -> LossOutput:
+        if isinstance(batch, Mapping):
+            return model_loss(model, batch, num_items_in_batch)
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise TaskError(f"the default loss needs (inputs, targets) batches or dict batches with 'labels', got a "
+                            f"{type(batch).__name__}"
+                            f"{' of ' + str(len(batch)) if isinstance(batch, (tuple, list)) else ''}; pass "
+                            f"loss_fn=lambda model, batch: ... returning a mean loss or (loss_sum, num_items)")
+        inputs, targets = batch
+        return F.cross_entropy(model(inputs), targets)
+
+    def count_items(self, model: torch.nn.Module, batch: Batch) -> int | None:
+        """The predicted tokens of a per-token dict batch (None: the loss is a per-sample mean)."""
+        if not isinstance(batch, Mapping) or not _per_token(batch):
+            return None
+        return int(predicted_tokens(model, batch))
+
+    def __repr__(self) -> str:
+        return "autoaccum.step.losses.default_loss"
+
+
+default_loss = DefaultLoss()
+
+
+def _per_token(batch: Mapping[str, Any]) -> bool:
+    labels = batch.get("labels")
+    return isinstance(labels, torch.Tensor) and labels.dim() >= 2 and not labels.dtype.is_floating_point
+
+
+def _shifts_labels(model: torch.nn.Module) -> bool:
+    """Whether the model's loss shifts labels by one (a causal LM): decided by what its ``loss_function``
+    does (``loss_shifts_labels``), not by which function it is."""
+    inner = getattr(model, "module", model)  # a DDP wrapper: the model inside
+    if bool(getattr(getattr(inner, "config", None), "is_encoder_decoder", False)):
+        return False  # decoder labels are aligned with right-shifted decoder inputs: every label is a target
+    loss_function = getattr(inner, "loss_function", None)
+    return callable(loss_function) and loss_shifts_labels(loss_function, _device_of(inner))
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+#: verdicts of ``loss_shifts_labels``, per loss function (weakly: a function that goes is forgotten)
+_SHIFTS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def loss_shifts_labels(loss_function: Any, device: torch.device | str = "cpu") -> bool:
+    """Whether ``loss_function(logits=..., labels=..., vocab_size=...)`` (Hugging Face's calling
+    convention) never counts a row's first label, as a causal-LM loss that shifts labels by one.
+
+    Asked of the function itself, on one row of two positions with uniform logits (every target's
+    cross-entropy is ``log 2``): with only the first label kept, a shifting loss has no target
+    (NaN from a mean over none, or 0), one that does not shift has one (``log 2``); with only the
+    second kept, both have one, which checks that the function is such a loss at all. Where it is
+    not (it raises, or the second call is not ``log 2`` up to float32 rounding), the answer is
+    Hugging Face's own rule: it is ``ForCausalLMLoss``.
+    """
+    try:
+        return _SHIFTS[loss_function]
+    except (KeyError, TypeError):  # not asked yet, or a function that cannot be weakly referenced
+        pass
+    verdict = _ask_loss(loss_function, torch.device(device))
+    if verdict is None:
+        verdict = _is_causal_lm_loss(loss_function)
+    with contextlib.suppress(TypeError):
+        _SHIFTS[loss_function] = verdict
+    return verdict
+
+
+def _ask_loss(loss_function: Any, device: torch.device) -> bool | None:
+    logits = torch.zeros(1, 2, 2, device=device)
+    log2 = math.log(2.0)
+
+    def loss_with(labels: list[int]) -> float:
+        value = loss_function(logits=logits, labels=torch.tensor([labels], device=device), vocab_size=2)
+        return float(value.detach().float()) if isinstance(value, torch.Tensor) and value.numel() == 1 else math.nan
+
+    try:
+        with torch.no_grad():
+            second, first = loss_with([IGNORE_INDEX, 1]), loss_with([1, IGNORE_INDEX])
+    except Exception:  # noqa: BLE001 -- any failure means: not a loss this test can read
+        return None
+    if not math.isclose(second, log2, rel_tol=1e-5):
+        return None
+    if math.isclose(first, log2, rel_tol=1e-5):
+        return False
+    if math.isnan(first) or first == 0.0:
+        return True
+    return None
+
+
+def _is_causal_lm_loss(loss_function: Any) -> bool:
+    if "transformers" not in sys.modules:
+        return False
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return loss_function is ForCausalLMLoss
+
+
+def predicted_tokens(model: torch.nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+    """How many labels of ``batch`` the model's loss averages over (see the module docstring)."""
+    if "shift_labels" in batch:
+        labels = batch["shift_labels"]
+    else:
+        labels = batch["labels"]
+        if _shifts_labels(model):
+            labels = labels[..., 1:]
+    return (labels != IGNORE_INDEX).sum()
+
+
+def _accepts_loss_kwargs(model: torch.nn.Module) -> bool:
+    inner = getattr(model, "module", model)
+    try:
+        params = inspect.signature(inner.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def _check_keys(model: torch.nn.Module, batch: Mapping[str, Any]) -> None:
+    inner = getattr(model, "module", model)
+    try:
+        params = inspect.signature(inner.forward).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    unknown = [k for k in batch if k not in params]
+    if unknown:
+        raise TaskError(f"the default loss calls model(**batch) for dict batches, and {type(inner).__name__}.forward "
+                        f"takes no {', '.join(map(repr, unknown))}; pass loss_fn=lambda model, batch: ... (e.g. "
+                        f"F.cross_entropy(model(batch['x']), batch['y']))")
+
+
+def model_loss(model: torch.nn.Module, batch: Mapping[str, Any], num_items_in_batch: int | None = None) -> LossOutput:
+    """The model's own loss for a dict batch: ``model(**batch).loss``, token-exact for per-token labels.
+
+    Per-token labels: with ``num_items_in_batch`` (the step's predicted tokens, all micro-batches and
+    ranks) the loss divided by it, as Hugging Face computes it; without, ``(loss_sum, num_tokens)``.
+    Per-sample labels: the mean loss.
+
+    Raises:
+        TaskError: the batch has no ``labels``, the model takes other keywords, or returns no ``.loss``.
+    """
+    if "labels" not in batch:
+        raise TaskError(f"the default loss for dict batches is the model's own (model(**batch).loss), which needs "
+                        f"'labels' in the batch (keys: {', '.join(map(repr, batch))}); add them (a data collator does), "
+                        f"or pass loss_fn=")
+    _check_keys(model, batch)
+    if not _per_token(batch):
+        return _loss_of(model(**batch), model)
+    count = predicted_tokens(model, batch)
+    if num_items_in_batch is not None:
+        if _accepts_loss_kwargs(model):  # HF's own path: sum / num_items_in_batch, in the model
+            return _loss_of(model(**batch, num_items_in_batch=num_items_in_batch), model)
+        return _loss_of(model(**batch), model) * (count / num_items_in_batch)
+    if _accepts_loss_kwargs(model):
+        return _loss_of(model(**batch, num_items_in_batch=1), model), count  # sum / 1: the sum
+    return _loss_of(model(**batch), model) * count, count
+
+
+def _loss_of(output: Any, model: torch.nn.Module) -> torch.Tensor:
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if loss is None:
+        raise TaskError(f"model(**batch) on {type(getattr(model, 'module', model)).__name__} returned no .loss although "
+                        f"the batch holds 'labels'; pass loss_fn=lambda model, batch: ... computing the loss")
+    return loss

@@ -1,0 +1,315 @@
+"""``autoaccum.fit``: one call from a model and data to a trained model at an exact global batch.
+
+The recipe, over components that live apart (the way torchtune separates recipes from them):
+
+    options -> FitConfig (training.config)      validated in one place, before any work
+    plan    <- checkpoint | given | probe       (probe, plan)
+    guard   =  OOMGuard(plan)                   exact accumulation, OOM replay (guard, accumulate)
+    loop    :  global batches (data) -> guard.step -> progress (training.loop, training.progress)
+               -> evaluation (training.evaluate) -> checkpoint (training.resume)
+
+    result = autoaccum.fit(model, (inputs, targets), target_batch=256)
+
+Each optimizer step draws exactly ``target_batch`` samples (see ``autoaccum.plan.data`` for how the
+last batch of an epoch is treated) and its gradient equals that of one full-batch step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from autoaccum import distributed
+from autoaccum.log import ensure_visible
+from autoaccum.memory import TrackedMemory, refuse_compiled
+from autoaccum.memory.model import MemoryModel
+from autoaccum.plan.batchnorm import smallest_micro_batch
+from autoaccum.plan.cut import SampleCut, TokenCut
+from autoaccum.plan.data import GlobalBatches
+from autoaccum.plan.plan import Plan, rank_share
+from autoaccum.plan.task import LossFn, Task, check_loss_fn, check_optimizer_covers, trainable_parameters
+from autoaccum.precision import autocast_dtype, make_scaler
+from autoaccum.probe.report import ProbeReport
+from autoaccum.step.guard import OOMGuard, PlanChange
+from autoaccum.step.losses import default_loss
+from autoaccum.step.sync import GradSync, LocalSync
+from autoaccum.training import checkpoint as ckpt
+from autoaccum.training.config import FitConfig
+from autoaccum.training.loop import Run, train
+from autoaccum.training.lr import apply_lr_rule, warmup_lambda
+from autoaccum.training.plans import choose_plan
+from autoaccum.training.progress import Progress
+from autoaccum.training.resume import RunPosition, check_resumable, restore_run
+from autoaccum.units import format_bytes
+from autoaccum.validate import check_positive_int, resolve_device
+
+__all__ = ["FitConfig", "FitResult", "default_loss", "fit"]  # default_loss: from autoaccum.losses
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """What ``fit`` did.
+
+    Attributes:
+        plan: the plan training started with; ``final_plan`` the one in force at the end.
+        plan_source: ``probe``, ``cache``, ``given`` or ``checkpoint``.
+        plan_changes: every change of plan (OOM shrinks, growth), in order.
+        optimizer_steps, samples_seen: counted over the whole run (resumed runs included).
+        oom_events: OOMs recovered in training; eval_ooms: in evaluation.
+        skipped_steps: optimizer steps skipped for inf/NaN gradients (by the fp16 GradScaler, or under
+            ``nonfinite="skip"``), counted in ``optimizer_steps`` too (their samples were consumed).
+        final_loss: the last step's loss (sample- or token-weighted; after a resume of a finished run,
+            the checkpoint's).
+        losses: the loss of each step this call ran: steps ``optimizer_steps - len(losses) + 1`` to
+            ``optimizer_steps`` (after a resume, the steps after the checkpoint). A checkpoint keeps
+            only the last loss, so that its size does not grow with the run; ``log_file`` holds
+            every step's loss, each step once across resumes.
+        micro_steps: each step's micro-steps, for the steps in ``losses`` (with a token budget they
+            follow the step's lengths).
+        overlapped_steps: steps of this call whose gradient all-reduce ran during the last backward
+            (``overlap="on"``; 0 in one process).
+        eval_loss: the last evaluation's loss, None without eval_data.
+        lr: the learning rate the rule set (before warmup).
+        samples_per_s: samples per second of training steps in this call (probe excluded).
+        peak_bytes: the largest step peak (CUDA allocator or emulated budget), None if not measured.
+        wall_time_s, probe_time_s: this call's wall time and the part spent probing.
+        probe: the probe report, when this call probed.
+    """
+
+    plan: Plan
+    final_plan: Plan
+    plan_source: str
+    plan_changes: tuple[PlanChange, ...]
+    optimizer_steps: int
+    samples_seen: int
+    oom_events: int
+    eval_ooms: int
+    final_loss: float
+    losses: tuple[float, ...]
+    eval_loss: float | None
+    lr: float
+    samples_per_s: float
+    peak_bytes: int | None
+    wall_time_s: float
+    probe_time_s: float
+    probe: ProbeReport | None = field(default=None, repr=False)
+    micro_steps: tuple[int, ...] = ()
+    skipped_steps: int = 0
+    overlapped_steps: int = 0
+
+
+def _placed(model: torch.nn.Module, device: Any) -> tuple[torch.nn.Module, GradSync, torch.device]:
+    """The model on its device, in training mode, wrapped for data parallelism where needed, and how
+    its ranks agree. Under torchrun without a process group one is created (cuda:LOCAL_RANK on CUDA).
+
+    With more than one rank: DDP unless the model is already DDP or FSDP2 (``fully_shard``), and a
+    ``DistributedSync``."""
+    dev = resolve_device(device)  # before any process group: a bad device fails before any work
+    distributed.init_from_env()
+    trainable_parameters(model)
+    model.to(dev)
+    model.train()
+    if not distributed.is_distributed() or distributed.world_info().world_size == 1:
+        return model, LocalSync(), dev
+    model = distributed.wrap_model(model)
+    return model, distributed.DistributedSync(model), dev
+
+
+def _optimizer(model: torch.nn.Module, optimizer: Any, lr: float | None) -> torch.optim.Optimizer:
+    if optimizer is None:
+        return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr if lr is not None else 1e-3)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    check_optimizer_covers(model, optimizer)
+    if lr is not None:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+    return optimizer
+
+
+def fit(model: torch.nn.Module, data: Any, target_batch: int = 256, *, loss_fn: LossFn | None = None,
+        optimizer: torch.optim.Optimizer | None = None, eval_data: Any = None, config: FitConfig | None = None,
+        **options: Any) -> FitResult:
+    """Train ``model`` on ``data`` with exactly ``target_batch`` samples per optimizer step.
+
+    Args:
+        model: the module to train; moved to ``device``.
+        data: a tuple of tensors sharing dim 0, a map-style Dataset (collated with
+            ``default_collate``), or an iterable/DataLoader yielding global batches (under
+            torch.distributed: this rank's share). Indexed data is reshuffled every epoch from
+            ``seed``; the last batch of an epoch holds the samples that remain and is a real
+            step on them, weighted exactly (its global batch is smaller, never padded or dropped).
+        target_batch: samples per optimizer step over all ranks; never changed.
+        loss_fn: ``loss_fn(model, batch)`` -> mean loss or ``(loss_sum, num_items)``; default
+            cross-entropy of ``model(inputs)`` against ``targets``.
+        optimizer: an optimizer over ``model``'s parameters; default AdamW(lr).
+        eval_data: data to evaluate on without gradients (``eval_every`` steps and at the end).
+        config: a ``FitConfig``; ``options`` override its fields.
+        **options: ``lr``, ``base_batch``, ``lr_rule``, ``warmup_steps`` (``LRConfig``);
+            ``epochs``, ``max_steps``, ``seed`` (``StopConfig``); ``device``, ``budget``,
+            ``headroom``, ``plan``, ``precision``, ``max_grad_norm``, ``nonfinite``, ``grow``, ``grow_after``,
+            ``overlap``, ``probe_cache`` (``MemoryConfig``); ``checkpoint_dir``, ``checkpoint_every``, ``resume``
+            (``CheckpointConfig``); ``progress``, ``log_file``, ``eval_every``
+            (``OutputConfig``). Each is documented on its config class.
+
+    Returns:
+        A ``FitResult``.
+
+    Raises:
+        ValueError, TypeError: invalid arguments (before any work).
+        DoesNotFitError: even a micro-batch of 1 does not fit.
+        NonFiniteError: inf/NaN gradients or loss under ``nonfinite="stop"``, found before the
+            optimizer step (the weights, optimizer state and scheduler are those of the step before).
+        AutoAccumError: 25 steps in a row skipped for inf/NaN gradients (fp16 GradScaler, or
+            ``nonfinite="skip"``).
+    """
+    started = time.perf_counter()
+    _check_call(data, target_batch, loss_fn)
+    cfg = FitConfig.from_options(config, **options).check()
+    ckpt_dir = None if cfg.checkpoint.directory is None else ckpt.check_writable(cfg.checkpoint.directory)
+    model, sync, dev = _placed(model, cfg.memory.device)
+    inner = distributed.unwrap_model(model)
+    seed = cfg.data.seed
+    batches, eval_batches = _global_batches(data, eval_data, target_batch, cfg, sync)
+    _check_model(inner, batches, cfg, dev)
+    loss_fn = loss_fn if loss_fn is not None else default_loss
+    optimizer = _optimizer(model, optimizer, cfg.lr.lr)
+    # resume=True with no checkpoint yet (a restartable job's first start) is a fresh run: the rule applies
+    state = ckpt.load_checkpoint(ckpt_dir) if cfg.checkpoint.resume and ckpt_dir is not None else None
+    if state is not None:
+        check_resumable(state, ckpt_dir, inner, target_batch, seed)  # type: ignore[arg-type]
+    run_lr = apply_lr_rule(optimizer, cfg.lr.base_batch, target_batch, cfg.lr.rule) if state is None \
+        else float(state["lr"])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_lambda(cfg.lr.warmup_steps)) \
+        if cfg.lr.warmup_steps else None
+    scaler = make_scaler(cfg.memory.precision, dev)
+    # the module itself, not a DDP wrapper: each rank measures on its own, with no collective
+    task = Task(model=inner, loss_fn=loss_fn, make_batch=batches.sample_at if batches.by_length else batches.sample,
+                name="fit")
+    start_plan, plan_source, report = choose_plan(cfg, state, sync, task, optimizer, target_batch,
+                                                  batches.lengths() if batches.by_length else None)
+    budget_bytes = cfg.memory.budget_bytes
+    meter = TrackedMemory(budget_bytes=budget_bytes) if budget_bytes is not None and dev.type != "cuda" else None
+    cut = TokenCut() if batches.by_length else SampleCut()
+    # growth after an OOM reads the probe's memory model (a given probe report's too) and plans with its headroom
+    given_model = getattr(cfg.memory.plan, "model", None)
+    guard = OOMGuard(model, optimizer, plan=start_plan, scheduler=scheduler, scaler=scaler,
+                     max_grad_norm=cfg.memory.max_grad_norm, autocast_dtype=autocast_dtype(cfg.memory.precision),
+                     sync=sync, meter=meter, grow=cfg.memory.grow, grow_after=cfg.memory.grow_after, cut=cut,
+                     memory_model=report.model if report is not None else
+                     given_model if isinstance(given_model, MemoryModel) else None, headroom=cfg.memory.headroom,
+                     nonfinite=cfg.memory.nonfinite, overlap=cfg.memory.overlap)
+    position = RunPosition() if state is None else restore_run(
+        state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, guard=guard, rank=sync.rank,
+        world_size=sync.world_size)
+    run = Run(model, optimizer, scheduler, scaler, guard, sync, loss_fn, dev, cfg, target_batch, run_lr, ckpt_dir,
+               position)
+    if cfg.output.verbose:
+        ensure_visible()
+    progress = Progress(cfg.output.progress, _total_steps(cfg, batches), cfg.output.log_file, sync.rank,
+                        cfg.output.verbose, resumed_at=None if state is None else position.steps)
+    progress.say(_banner(run, start_plan, plan_source, emulated=meter is not None, resumed=state is not None))
+    try:
+        if meter is not None:  # the emulated device: weights and state count; steps run inside it (train)
+            meter.track(model, optimizer)
+        summary = train(run, batches, eval_batches, progress, meter)
+    finally:
+        if meter is not None:
+            meter.close()
+        progress.close()
+    return FitResult(
+        plan=start_plan, final_plan=guard.plan, plan_source=plan_source, plan_changes=tuple(guard.changes),
+        optimizer_steps=position.steps, samples_seen=position.samples, oom_events=guard.ooms,
+        eval_ooms=summary["eval_ooms"], final_loss=position.last_loss, losses=tuple(position.losses),
+        eval_loss=summary["eval_loss"], lr=run_lr, samples_per_s=summary["samples_per_s"],
+        peak_bytes=summary["peak_bytes"], wall_time_s=time.perf_counter() - started,
+        probe_time_s=0.0 if report is None else report.wall_time_s, probe=report,
+        micro_steps=tuple(summary["micro_steps"]), skipped_steps=position.skipped,
+        overlapped_steps=summary["overlapped_steps"],
+    )
+
+
+def _check_call(data: Any, target_batch: Any, loss_fn: Any) -> None:
+    """The arguments of ``fit(model, data, target_batch, loss_fn=...)``, in their places, before any work."""
+    if callable(data) and not hasattr(data, "__len__") and not hasattr(data, "__iter__"):
+        raise TypeError(f"data must be a tuple or dict of tensors, a Dataset or an iterable of batches, got a "
+                        f"{type(data).__name__}; the arguments look swapped: fit(model, data, target_batch, "
+                        f"loss_fn=...) takes the loss by keyword")
+    if isinstance(target_batch, bool) or not isinstance(target_batch, int):
+        raise TypeError(f"target_batch must be an int (samples per optimizer step), got a {type(target_batch).__name__}"
+                        f"; fit's arguments are (model, data, target_batch, loss_fn=..., ...)")
+    check_positive_int(target_batch, "target_batch")
+    if loss_fn is not None:
+        check_loss_fn(loss_fn)
+
+
+def _global_batches(data: Any, eval_data: Any, target_batch: int, cfg: FitConfig,
+                    sync: GradSync) -> tuple[GlobalBatches, GlobalBatches | None]:
+    """This rank's global batches of the training data (and of ``eval_data``), checked before any work."""
+    kwargs = {"seed": cfg.data.seed, "rank": sync.rank, "world_size": sync.world_size,
+              "collate_fn": cfg.data.collate_fn, "length_fn": cfg.data.length_fn}
+    batches = GlobalBatches(data, target_batch, last_batch=cfg.data.last_batch, **kwargs)
+    if batches.num_samples is not None and batches.is_indexed and batches.num_samples < target_batch:
+        raise ValueError(f"data holds {batches.num_samples} samples, fewer than one global batch of {target_batch}; "
+                         f"lower target_batch or add data (the global batch is never shrunk silently)")
+    batches.check()
+    batches.by_length = _by_length(batches, cfg)
+    eval_batches = None if eval_data is None else \
+        GlobalBatches(eval_data, target_batch, by_length=batches.by_length, **kwargs)
+    return batches, eval_batches
+
+
+def _by_length(batches: GlobalBatches, cfg: FitConfig) -> bool:
+    """Whether to plan and cut by tokens: as asked, or where a length_fn is given or the lengths vary."""
+    if cfg.data.by_length is not None:
+        if cfg.data.by_length:
+            batches.length_profile()  # fail before any work where no length can be read
+        return cfg.data.by_length
+    if cfg.data.length_fn is not None:
+        return True
+    try:
+        return batches.length_profile().varies
+    except TypeError:  # no attention mask, no unpadded input_ids: data of one shape
+        return False
+
+
+def _check_model(model: torch.nn.Module, batches: GlobalBatches, cfg: FitConfig, device: torch.device) -> None:
+    """What the model cannot do with this data and budget, found before any work."""
+    if cfg.memory.budget is not None and device.type != "cuda":
+        refuse_compiled(model, "train it under an emulated budget")
+    if cfg.memory.grow == "model" and cfg.memory.budget is None and device.type != "cuda":
+        raise ValueError(f"grow='model' needs memory the guard can read: a CUDA device, or budget= (an emulated "
+                         f"budget) on {device.type}. Pass budget=..., or grow='auto' (no growth here), 'double' or "
+                         f"'off'.")
+    smallest, last = smallest_micro_batch(model), batches.last_global_size
+    if smallest == 1 or last is None:
+        return
+    shares = [rank_share(last, r, batches.world_size) for r in range(batches.world_size)]
+    short = [(r, s.stop - s.start) for r, s in enumerate(shares) if 0 < s.stop - s.start < smallest]
+    if short:
+        rank, n = short[0]
+        raise ValueError(
+            f"the epoch's last global batch holds {last} sample(s) ({batches.num_samples} samples at target_batch "
+            f"{batches.target_batch}), {n} of them on rank {rank}: fewer than {smallest}, the smallest micro-batch "
+            f"{type(model).__name__} trains at (BatchNorm needs more than one value per channel). Pass "
+            f"last_batch='drop' (those samples skip that epoch; the next epoch's order differs), or change "
+            f"target_batch or the number of samples.")
+
+
+def _total_steps(cfg: FitConfig, batches: GlobalBatches) -> int | None:
+    per_epoch, epochs, max_steps = batches.steps_per_epoch, cfg.stop.epochs, cfg.stop.max_steps
+    if epochs is None or per_epoch is None:
+        return max_steps
+    return min(max_steps or epochs * per_epoch, epochs * per_epoch)
+
+
+def _banner(run: Run, plan: Plan, source: str, *, emulated: bool, resumed: bool) -> str:
+    """The one line a run starts with: device, budget, plan and where it came from, learning rate."""
+    cfg, budget_bytes, base_batch = run.config, run.config.memory.budget_bytes, run.config.lr.base_batch
+    budget = "" if budget_bytes is None else f" · budget {format_bytes(budget_bytes)}{' (emulated)' if emulated else ''}"
+    rule = "" if base_batch in (None, run.target_batch) else f" ({cfg.lr.rule} rule from base batch {base_batch})"
+    return (f"autoaccum fit · {run.device}{budget} · {plan.describe()} (plan from {source}) · lr {run.lr:.4g}{rule}"
+            + (f" · resuming at step {run.position.steps}" if resumed else ""))
