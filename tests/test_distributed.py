@@ -27,8 +27,9 @@ from autoaccum.plan.cut import SampleCut
 from autoaccum.plan.data import GlobalBatches
 from autoaccum.distributed import DistributedSync, unwrap_model, wrap_model
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="needs torch.distributed with gloo")
+pytestmark = [pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="needs torch.distributed with gloo"),
+              pytest.mark.slow]  # several processes each
 
 TARGET, MICRO, SEED = 16, 4, 7
 N_SAMPLES = 16 * 5 + 1  # five full global batches, then one of a single sample: rank 1's share is empty
@@ -416,11 +417,10 @@ def fail_on_rank_zero(rank: int, world_size: int) -> None:
 
 
 def test_value_error_on_one_rank_ends_every_rank(tmp_path: Path) -> None:
-    codes, seconds = spawn(fail_on_rank_zero, tmp_path, timeout_s=60)
-    assert all(code not in (0, None) for code in codes), codes
+    codes, _ = spawn(fail_on_rank_zero, tmp_path, timeout_s=60)
+    assert all(code not in (0, None) for code in codes), codes  # None: hung past the timeout
     ends = [e.splitlines()[0] for e in errors(tmp_path)]  # type: ignore[union-attr]
     assert ends == ["ValueError", "AutoAccumError"]  # rank 0 its own error, rank 1 the domain error
-    assert seconds < 60
 
 
 def naive_sync_in_last_backward(rank: int, world_size: int) -> None:

@@ -31,8 +31,9 @@ from autoaccum.training.checkpoint import load_checkpoint
 from autoaccum.memory import MemoryReading, NullMeter
 from test_distributed import SEED, TARGET, Net, _params, fsdp2_supported, make_data, make_net, mean_loss
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="needs torch.distributed with gloo")
+pytestmark = [pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="needs torch.distributed with gloo"),
+              pytest.mark.slow]  # several processes each
 
 needs_fsdp2 = pytest.mark.skipif(not fsdp2_supported(), reason="FSDP2 under autoaccum needs torch >= 2.13")
 

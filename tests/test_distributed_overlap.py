@@ -35,8 +35,9 @@ from autoaccum.plan.data import GlobalBatches
 from autoaccum.distributed import DistributedSync, unwrap_model, wrap_model
 from test_distributed import Injector
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="needs torch.distributed with gloo")
+pytestmark = [pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="needs torch.distributed with gloo"),
+              pytest.mark.slow]  # several processes each
 
 TARGET, MICRO, SEED = 16, 4, 11
 BUCKET_BYTES = 200  # a few buckets for this small net (fp64): some leave during the backward, some after

@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -652,14 +651,12 @@ def test_nan_loss_stops_before_the_weights_change(given_plan, tmp_path):
     def nan_loss(m, batch):
         return cross_entropy(m, batch) * float("nan")
 
-    started = time.perf_counter()
     with pytest.raises(NonFiniteError, match=r"of optimizer step 1 \(epoch 0, batch 0\); stopped before "
                                              r"optimizer.step\(\)") as info:
         autoaccum.fit(model, mlp_data(640), 64, loss_fn=nan_loss, optimizer=opt, epochs=None, max_steps=10_000,
                       plan=Plan.for_target(64, 16) if given_plan else None, budget=None if given_plan else "64MiB",
                       progress=False, log_file=log)
     assert info.value.step == 1 and isinstance(info.value, AutoAccumError)
-    assert time.perf_counter() - started < 30
     assert opt.state == {} or all(not s for s in opt.state.values())  # no optimizer step ran
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
     assert all(p.grad is None for p in model.parameters())

@@ -180,6 +180,7 @@ def test_accelerates_accumulation_switched_on_during_the_run_is_refused_at_the_n
     assert guard.guard.steps == 2 + STEPS
 
 
+@pytest.mark.slow
 def test_the_example_runs_and_recovers_in_place():
     example = Path(__file__).resolve().parent.parent / "examples" / "accelerate_loop.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

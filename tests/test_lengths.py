@@ -248,6 +248,7 @@ def two_ranks_token_cut(rank: int, world_size: int) -> dict:
     return {"params": params(model), "steps": steps}
 
 
+@pytest.mark.slow
 def test_two_ranks_with_uneven_lengths_equal_full_batch_token_mean_descent(tmp_path):
     """Each rank cuts its own share by tokens -- a different number of micro-batches on each -- and
     both run the larger count (empty micro-steps on the other); the token count is over both ranks."""

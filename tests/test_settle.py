@@ -32,8 +32,9 @@ import autoaccum
 from _collectives import intercept_all_reduces
 from _spawn import results, spawn
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="needs torch.distributed with gloo")
+pytestmark = [pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="needs torch.distributed with gloo"),
+              pytest.mark.slow]  # several processes each
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,8 +25,9 @@ import torch.distributed as dist
 SOAK = Path(__file__).resolve().parent / "stress" / "soak.py"
 WORLD = 2
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="needs torch.distributed with gloo")
+pytestmark = [pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="needs torch.distributed with gloo"),
+              pytest.mark.slow]  # several processes each
 
 
 @pytest.fixture(scope="module")
