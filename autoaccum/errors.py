@@ -16,22 +16,27 @@ class TaskError(AutoAccumError, ValueError):
 
 
 class DoesNotFitError(AutoAccumError):
-    """Even the smallest micro-batch (one sample, or two with BatchNorm) does not fit in the memory budget.
+    """Even the smallest micro-batch (one sample, or two with BatchNorm) does not fit in the memory
+    budget, on any rung of the memory ladder tried.
 
     Attributes:
-        needed_bytes: the peak the smallest step needed (measured, or a lower bound: ``at_least``).
+        needed_bytes: the peak the smallest step needed on the last rung tried (measured, or a lower
+            bound: ``at_least``).
         available_bytes: the budget the step had to fit in (None where no meter could tell).
         suggestions: what the user can do about it.
         micro_batch: the micro-batch that did not fit (the model's smallest).
+        rungs: each rung of the memory ladder tried, with the bytes it needed (None where unknown).
     """
 
     def __init__(self, needed_bytes: int | None, available_bytes: int | None, suggestions: Sequence[str] = (),
-                 *, at_least: bool = False, micro_batch: int = 1) -> None:
+                 *, at_least: bool = False, micro_batch: int = 1,
+                 rungs: Sequence[tuple[str, int | None]] = ()) -> None:
         from autoaccum.units import format_bytes
 
         self.micro_batch = micro_batch
         self.needed_bytes = needed_bytes
         self.available_bytes = None if available_bytes is None else int(available_bytes)
+        self.rungs = tuple(rungs)
         self.suggestions = tuple(suggestions) or (
             "use a smaller model or shorter sequences",
             "enable activation checkpointing or bf16 autocast",
@@ -41,11 +46,12 @@ class DoesNotFitError(AutoAccumError):
         self.at_least = at_least
         needed = "more than the budget" if needed_bytes is None else \
             ("at least " if at_least else "") + format_bytes(needed_bytes)
-        lines = [
-            f"a micro-batch of {micro_batch} does not fit: needs {needed}, "
-            f"available {'unknown (no memory meter)' if self.available_bytes is None else format_bytes(self.available_bytes)}.",
-            "What to do:",
-        ] + [f"  - {s}" for s in self.suggestions]
+        available = 'unknown (no memory meter)' if self.available_bytes is None else format_bytes(self.available_bytes)
+        lines = [f"a micro-batch of {micro_batch} does not fit: needs {needed}, available {available}."]
+        if len(self.rungs) > 1 or (self.rungs and self.rungs[0][0] != "none"):
+            tried = ", ".join(f"{rung} {'?' if b is None else format_bytes(b)}" for rung, b in self.rungs)
+            lines.append(f"Memory savers tried (bytes needed): {tried}.")
+        lines += ["What to do:"] + [f"  - {s}" for s in self.suggestions]
         super().__init__("\n".join(lines))
 
 

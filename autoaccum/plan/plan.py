@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from autoaccum.memory.savers import RUNGS
 from autoaccum.validate import check_positive_int
 
 __all__ = ["Plan", "TokenBudget", "micro_sizes", "micro_step_count", "rank_share", "read_plan", "read_plan_document", "resolve_plan"]
@@ -137,6 +138,8 @@ class Plan:
             (``autoaccum.plan.cut.TokenCut``); ``micro_batch`` is then the most samples a micro-batch may
             hold (at the shortest lengths) and ``accum_steps`` the fewest micro-steps a step takes:
             how many it takes depends on the lengths of its samples.
+        saver: the rung of the memory ladder a step runs on (``autoaccum.memory.savers``):
+            ``"none"``, ``"checkpointing"`` or ``"offload"``.
     """
 
     micro_batch: int
@@ -145,10 +148,13 @@ class Plan:
     target_batch: int
     min_micro_batch: int = 1
     tokens: TokenBudget | None = None
+    saver: str = "none"
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "accum_steps", "world_size", "target_batch", "min_micro_batch"):
             check_positive_int(getattr(self, name), name)
+        if self.saver not in RUNGS:
+            raise ValueError(f"Invalid saver: {self.saver!r}. Allowed: {', '.join(RUNGS)}")
         if self.micro_batch < min(self.min_micro_batch, self.rank_batch(0)):
             raise ValueError(f"Invalid micro_batch: {self.micro_batch} is below the smallest micro-batch this model "
                              f"trains at ({self.min_micro_batch}). Allowed range: {self.min_micro_batch} ~ any")
@@ -229,20 +235,26 @@ class Plan:
         return dataclasses.replace(plan, tokens=dataclasses.replace(tokens, max_cost=max(tokens.max_cost, floor)))
 
     def with_micro_batch(self, micro_batch: int) -> Plan:
-        """The same target, ranks, smallest size and token budget, cut at ``micro_batch``."""
-        plan = Plan.for_target(self.target_batch, micro_batch, self.world_size, self.min_micro_batch)
-        return plan if self.tokens is None else dataclasses.replace(plan, tokens=self.tokens)
+        """The same target, ranks, smallest size, token budget and rung, cut at ``micro_batch``."""
+        return self._same(Plan.for_target(self.target_batch, micro_batch, self.world_size, self.min_micro_batch))
 
     def with_world_size(self, world_size: int) -> Plan:
-        plan = Plan.for_target(self.target_batch, self.micro_batch, world_size, self.min_micro_batch)
-        return plan if self.tokens is None else dataclasses.replace(plan, tokens=self.tokens)
+        return self._same(Plan.for_target(self.target_batch, self.micro_batch, world_size, self.min_micro_batch))
 
     def with_min_micro_batch(self, min_micro_batch: int) -> Plan:
         """This plan for a model that trains at no fewer than ``min_micro_batch`` samples per micro-batch."""
         if min_micro_batch == self.min_micro_batch:
             return self
-        plan = Plan.for_target(self.target_batch, self.micro_batch, self.world_size, min_micro_batch)
-        return plan if self.tokens is None else dataclasses.replace(plan, tokens=self.tokens)
+        return self._same(Plan.for_target(self.target_batch, self.micro_batch, self.world_size, min_micro_batch))
+
+    def with_saver(self, saver: str) -> Plan:
+        """This plan on another rung of the memory ladder."""
+        return dataclasses.replace(self, saver=saver)
+
+    def _same(self, plan: Plan) -> Plan:
+        """``plan`` with this plan's token budget and rung."""
+        return plan if self.tokens is None and self.saver == "none" else \
+            dataclasses.replace(plan, tokens=self.tokens, saver=self.saver)
 
     def describe(self) -> str:
         """``target 256 = micro 43 x accum 6 (last micro 42) x world 1``; with a token budget,
@@ -250,13 +262,15 @@ class Plan:
         if self.tokens is not None:
             quad = f" + {self.tokens.quadratic:.3g} x L^2 each" if self.tokens.quadratic else ""
             return (f"target {self.target_batch} = micro <= {self.micro_batch} by {self.tokens.max_cost:,.0f} "
-                    f"token-units{quad} (passes vary with length, >= {self.accum_steps}) x world {self.world_size}")
+                    f"token-units{quad} (passes vary with length, >= {self.accum_steps}) x world {self.world_size}"
+                    f"{'' if self.saver == 'none' else f' with {self.saver}'}")
         last = self.last_micro_batch
         tail = f" (last micro {last})" if last != self.micro_batch else ""
         if self.min_micro_batch > 1:
             tail += f" (min micro {self.min_micro_batch})"
+        saver = "" if self.saver == "none" else f" with {self.saver}"
         return (f"target {self.target_batch} = micro {self.micro_batch} x accum {self.accum_steps}{tail} "
-                f"x world {self.world_size}")
+                f"x world {self.world_size}{saver}")
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"micro_batch": self.micro_batch, "accum_steps": self.accum_steps,
@@ -264,6 +278,8 @@ class Plan:
                                "min_micro_batch": self.min_micro_batch}
         if self.tokens is not None:
             out["tokens"] = self.tokens.to_dict()
+        if self.saver != "none":
+            out["saver"] = self.saver
         return out
 
     @classmethod
@@ -274,7 +290,7 @@ class Plan:
             raise ValueError(f"a plan needs micro_batch, accum_steps, world_size and target_batch; missing {exc}") from None
         tokens = data.get("tokens")
         return cls(**fields, min_micro_batch=data.get("min_micro_batch", 1),
-                   tokens=None if tokens is None else TokenBudget.from_dict(tokens))
+                   tokens=None if tokens is None else TokenBudget.from_dict(tokens), saver=data.get("saver", "none"))
 
 
 def read_plan_document(source: Any) -> tuple[Plan, dict[str, Any] | None]:

@@ -35,7 +35,7 @@ def default_cache_dir() -> Path:
 
 def fingerprint(task: Task, optimizer: Any, *, device: torch.device, capacity_bytes: int, budget_bytes: int,
                 headroom: float, target_batch: int, world_size: int, upper: int, estimate: bool,
-                precision: str = "fp32", lengths: Any = None) -> str:
+                precision: str = "fp32", lengths: Any = None, savers: Any = ("none",)) -> str:
     """A hash of what a probe's result depends on: parameter and buffer shapes and dtypes, the
     sample's shapes, the optimizer, the device and its capacity, torch, the budget and the target."""
     key = {
@@ -50,7 +50,7 @@ def fingerprint(task: Task, optimizer: Any, *, device: torch.device, capacity_by
         "torch": torch.__version__,
         "budget_bytes": budget_bytes, "headroom": headroom, "target_batch": target_batch,
         "world_size": world_size, "upper": upper, "estimate": estimate, "precision": precision,
-        "lengths": lengths,
+        "lengths": lengths, "savers": list(savers),
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 

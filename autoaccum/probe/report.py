@@ -91,6 +91,8 @@ class ProbeReport:
         token_model: for variable-length data, the memory model in (b, L) the token budget comes from.
         lengths: for variable-length data, the lengths planned for and where they were read.
         source: ``probe`` or ``cache``.
+        savers_tried: each rung of the memory ladder on which the smallest micro-batch did not fit,
+            with the bytes it needed, before the plan's rung (``plan.saver``).
     """
 
     plan: Plan
@@ -114,6 +116,7 @@ class ProbeReport:
     fingerprint: str = ""
     source: str = "probe"
     torch_version: str = field(default_factory=lambda: torch.__version__)
+    savers_tried: tuple[tuple[str, int | None], ...] = ()
 
     @property
     def usable_bytes(self) -> int:
@@ -137,6 +140,7 @@ class ProbeReport:
             "wall_time_s": self.wall_time_s, "precision": self.precision,
             "token_model": None if self.token_model is None else self.token_model.to_dict(),
             "lengths": None if self.lengths is None else self.lengths.to_dict(),
+            "savers_tried": [list(t) for t in self.savers_tried],
         }
 
     @classmethod
@@ -163,6 +167,7 @@ class ProbeReport:
                 lengths=None if data.get("lengths") is None else LengthProfile.from_dict(data["lengths"]),
                 fingerprint=str(data["fingerprint"]), source=str(data["source"]),
                 torch_version=str(data["torch_version"]),
+                savers_tried=tuple((str(r), None if b is None else int(b)) for r, b in data.get("savers_tried", ())),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed probe report: {exc!r}") from None

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 
 from autoaccum import state as training_state
+from autoaccum.errors import DoesNotFitError
+from autoaccum.log import rank_level
 from autoaccum.memory import (
     CudaMeter,
     TrackedMemory,
@@ -37,6 +39,7 @@ from autoaccum.memory import (
 )
 from autoaccum.memory.model import MemoryModel, TokenMemoryModel
 from autoaccum.memory.recovery import catch_oom, release_memory
+from autoaccum.memory.savers import apply_rung, ladder
 from autoaccum.plan.batch import Batch
 from autoaccum.plan.batchnorm import smallest_micro_batch
 from autoaccum.plan.lengths import LengthProfile
@@ -159,6 +162,7 @@ def probe(
     cache_dir: str | None = None,
     lengths: Any = None,
     lengths_source: str = "",
+    memory_savers: Any = "auto",
 ) -> ProbeReport:
     """Measure the memory and speed of real training steps and plan micro-batch x accumulation.
 
@@ -189,13 +193,18 @@ def probe(
         lengths, lengths_source: variable-length data: the samples' lengths (instead of
             ``Task.lengths``) and where they were read, for the report (e.g. "1,000 of 50,000 samples").
             ``make_batch(b, length)`` then makes ``b`` samples padded to ``length``, and the plan is
-            cut by a token budget (see ``autoaccum.probe.run.length_search``).
+            cut by a token budget (see ``autoaccum.probe.length_search``).
+        memory_savers: where even the smallest micro-batch does not fit, measure again on the next
+            rung of the memory ladder (``autoaccum.memory.savers``: checkpointing, then on CUDA
+            offload) and plan on the lowest rung where it fits. ``"auto"`` (default), ``"off"``, or a
+            tuple of rungs.
 
     Returns:
         A ``ProbeReport`` with the plan, the candidates and the fitted model.
 
     Raises:
-        DoesNotFitError: the smallest micro-batch the model trains at does not fit in the budget.
+        DoesNotFitError: the smallest micro-batch the model trains at does not fit in the budget on any
+            rung of the memory ladder.
         ValueError, TypeError: invalid arguments.
     """
     factory = optimizer if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) \
@@ -211,6 +220,7 @@ def probe(
     device = trainable_parameters(task.model)[0].device
     if estimate or device.type != "cuda":
         refuse_compiled(task.model, "probe it")
+    rungs = ladder(task.model, device, memory_savers)
     capacity = device_capacity(device)
     plan_budget = resolve_budget(budget, device, headroom)
     task.batch(1)  # fail fast on a batch maker that returns the wrong size
@@ -218,7 +228,8 @@ def probe(
                                           budget_bytes=plan_budget.budget_bytes, headroom=headroom,
                                           target_batch=target_batch, world_size=world_size, upper=upper,
                                           estimate=estimate, precision=precision,
-                                          lengths=None if task.lengths is None else sorted(task.lengths))
+                                          lengths=None if task.lengths is None else sorted(task.lengths),
+                                          savers=rungs)
     if cache and not refresh:
         cached = probe_cache.load(fingerprint, cache_dir)
         if cached is not None:
@@ -229,9 +240,20 @@ def probe(
     # model plans against the budget less those bytes and reports every peak with them added.
     library = cuda_library_bytes(device) if estimate and device.type == "cuda" else 0
     passes = steps_per_size if steps_per_size is not None else 2 if is_compiled(task.model) else 1
-    measured = _measure(task, optimizer, precision, plan_budget.budget_bytes - library, plan_budget.headroom,
-                        estimate=estimate, share=share, smallest=smallest, upper=upper, passes=passes,
-                        max_candidates=max_candidates, profile=profile)
+    tried: list[tuple[str, int | None]] = []
+    for rung in rungs:  # the memory ladder: the lowest rung on which the smallest micro-batch fits
+        try:
+            measured = _measure(task, optimizer, precision, plan_budget.budget_bytes - library, plan_budget.headroom,
+                                estimate=estimate, share=share, smallest=smallest, upper=upper, passes=passes,
+                                max_candidates=max_candidates, profile=profile, rung=rung)
+            break
+        except DoesNotFitError as exc:
+            tried.append((rung, exc.needed_bytes))
+            if rung == rungs[-1]:
+                raise DoesNotFitError(exc.needed_bytes, exc.available_bytes, _suggestions(rungs), at_least=exc.at_least,
+                                      micro_batch=exc.micro_batch, rungs=tried) from None
+            logger.log(rank_level(logging.INFO), "probe: micro-batch %d does not fit with memory saver %s; "
+                       "measuring with the next one", exc.micro_batch, rung)
     stepper, model_fit, token_model, note = measured.stepper, measured.model, measured.token_model, measured.note
     candidates = tuple(stepper.measured.values())
     if library:
@@ -242,7 +264,7 @@ def probe(
             token_model, base_bytes=token_model.base_bytes + library,
             opt_peak_bytes=token_model.opt_peak_bytes + library)
         note = f"{note}; peaks include {library} bytes the CUDA libraries keep (measured on {device})"
-    plan = Plan.for_target(target_batch, measured.best, world_size, smallest)
+    plan = Plan.for_target(target_batch, measured.best, world_size, smallest).with_saver(measured.rung)
     if token_model is not None and profile is not None:
         plan = _token_plan(token_model, profile, plan, plan_budget.budget_bytes, plan_budget.headroom, upper,
                            candidates)
@@ -253,7 +275,7 @@ def probe(
         budget_bytes=plan_budget.budget_bytes, budget_source=plan_budget.source, headroom=plan_budget.headroom,
         probe_steps=stepper.steps, probe_ooms=stepper.ooms, wall_time_s=time.perf_counter() - started,
         fit_note=note, precision=precision, optimizer_steps=stepper.optimizer_steps, fingerprint=fingerprint,
-        token_model=token_model, lengths=profile,
+        token_model=token_model, lengths=profile, savers_tried=tuple(tried),
     )
     if cache:
         probe_cache.store(report, cache_dir)
@@ -267,6 +289,7 @@ class _Measured:
     token_model: TokenMemoryModel | None
     note: str
     best: int  # the micro-batch chosen (for variable-length data: at the longest length)
+    rung: str = "none"  # the memory ladder's rung it was measured on
 
 
 #: a pass's fixed cost, in the share of a full micro-batch's cost, where the probe's timings cannot tell
@@ -327,16 +350,26 @@ def _room_for_weights_copy(model: torch.nn.Module, optimizer: torch.optim.Optimi
     return need <= usable - live
 
 
+def _suggestions(rungs: tuple[str, ...]) -> tuple[str, ...]:
+    """What to do where no rung of the ladder fits the smallest micro-batch."""
+    saver = () if "checkpointing" in rungs else (
+        "give the model's blocks an nn.ModuleList (or a gradient_checkpointing_enable()) so that they can be "
+        "checkpointed, or allow memory_savers",)
+    return (*saver, "use bf16 autocast (precision='bf16'), shorter sequences or a smaller model",
+            "offload optimizer state and parameters to host memory (FSDP2's CPUOffloadPolicy), or shard them over "
+            "more devices (FSDP)", "free memory held by other processes, or raise the budget")
+
+
 def _measure(task: Task, optimizer: Any, precision: Precision, budget_bytes: int, headroom: float, *,
              estimate: bool, share: int, smallest: int, upper: int, passes: int, max_candidates: int,
-             profile: LengthProfile | None) -> _Measured:
+             profile: LengthProfile | None, rung: str = "none") -> _Measured:
     """Run the measurements (on fake tensors for an estimate) and choose the size (timing again where it
     matters); the task's state is restored after both. The weights are copied on their device for the
     warm-up where there is room (``WARM_UP_ROOM``); where that copy did not do
     (``HostSnapshotNeeded``), everything is measured again with them copied to host
     memory, and the passes and OOMs of the first try count in the report."""
     kwargs: dict[str, Any] = {"estimate": estimate, "share": share, "smallest": smallest, "upper": upper,
-                              "passes": passes, "max_candidates": max_candidates, "profile": profile}
+                              "passes": passes, "max_candidates": max_candidates, "profile": profile, "rung": rung}
     try:
         return _measure_once(task, optimizer, precision, budget_bytes, headroom, copy_weights=not estimate, **kwargs)
     except HostSnapshotNeeded as first:
@@ -350,7 +383,7 @@ def _measure(task: Task, optimizer: Any, precision: Precision, budget_bytes: int
 
 def _measure_once(task: Task, optimizer: Any, precision: Precision, budget_bytes: int, headroom: float, *,
                   copy_weights: bool, estimate: bool, share: int, smallest: int, upper: int, passes: int,
-                  max_candidates: int, profile: LengthProfile | None) -> _Measured:
+                  max_candidates: int, profile: LengthProfile | None, rung: str) -> _Measured:
     device = trainable_parameters(task.model)[0].device
     run_model, make_optimizer = task.model, task.make_optimizer
     user_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
@@ -376,7 +409,7 @@ def _measure_once(task: Task, optimizer: Any, precision: Precision, budget_bytes
                 run_optimizer = _new_optimizer(make_optimizer, run_model)
             if isinstance(meter, TrackedMemory):
                 meter.track(run_model, run_optimizer)
-            with meter:
+            with meter, apply_rung(run_model, rung):
                 copy_bytes = 0
                 if copy_weights:  # inside the meter: it counts against the budget as it would on the device
                     before = meter.read().current_bytes
@@ -411,4 +444,4 @@ def _measure_once(task: Task, optimizer: Any, precision: Precision, budget_bytes
                 stand_in.put_back()
             del snapshot  # its page-locked host copies go back
             training_state.release_pinned_memory()
-    return _Measured(stepper, model_fit, token_model, note, best)
+    return _Measured(stepper, model_fit, token_model, note, best, rung)

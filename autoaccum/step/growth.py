@@ -187,6 +187,11 @@ class Growth:
         self._fwd_bwd: MemoryReading | None = None  # the meter after this step's forward/backward passes
         self._full_step = False  # the step holds this rank's whole share (a partial one measures nothing)
 
+    def fresh(self) -> Growth:
+        """A record with the same settings and nothing measured (the step changed: another memory
+        saver); the probe's memory model is dropped too, as it was measured for the other one."""
+        return Growth(self.grow, self.grow_after, None, self.headroom)
+
     @property
     def guided(self) -> bool:
         """Memory-guided growth is asked for (where the meter allows it)."""

@@ -22,6 +22,7 @@ from autoaccum.errors import AutoAccumError, DoesNotFitError, NonFiniteError
 from autoaccum.log import user_stacklevel
 from autoaccum.memory import Meter, TrackedMemory, active_budget, default_meter
 from autoaccum.memory.model import MemoryModel
+from autoaccum.memory.savers import MemorySavers, apply_rung, ladder
 from autoaccum.memory.recovery import catch_oom, release_memory
 from autoaccum.plan.batch import Batch, SplitFn
 from autoaccum.plan.cut import Cutter, MicroBatch, SampleCut
@@ -95,6 +96,10 @@ class OOMGuard:
             rank said OK; ``"on"`` (experimental: verified on gloo and on NCCL in a world of one, not
             on NCCL across GPUs) all-reduces them during the last backward. Worth trying with few
             micro-batches a step and a large model.
+        memory_savers: when even the smallest micro-batch runs out of memory, the next rung of the
+            memory ladder (``autoaccum.memory.savers``: activation checkpointing, then on CUDA
+            activation offload), each exact; ``"auto"`` (default) every rung the model and device
+            have, ``"off"`` none, or a tuple of rungs.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, target_batch: int | None = None,
@@ -104,7 +109,8 @@ class OOMGuard:
                  size_fn: Callable[[Batch], int] | None = None, cut: Cutter | None = None, sync: GradSync | None = None,
                  grow: GrowMode = "auto", grow_after: int | None = None, memory_model: MemoryModel | None = None,
                  headroom: float | None = None, thrash_steps: int = 2, meter: Meter | None = None,
-                 log_changes: bool = True, nonfinite: NonFinite | None = "stop", overlap: OverlapMode = "off") -> None:
+                 log_changes: bool = True, nonfinite: NonFinite | None = "stop", overlap: OverlapMode = "off",
+                 memory_savers: MemorySavers = "auto") -> None:
         self.params, self._outside_optimizer = trained_params(model, optimizer)
         self.sync: GradSync = sync if sync is not None else LocalSync()
         plan_ = guard_plan(model, plan, target_batch=target_batch, micro_batch=micro_batch,
@@ -126,8 +132,13 @@ class OOMGuard:
             cast(OverlapSync, self.sync) if overlap == "on" and isinstance(self.sync, OverlapSync) else None)
         if self._overlapper is not None:
             warnings.warn(OVERLAP_WARNING, stacklevel=user_stacklevel())
+        rungs = ladder(model, self.device, memory_savers)
+        if plan_.saver not in rungs:
+            raise ValueError(f"the plan runs with memory saver {plan_.saver!r}, which is not on this guard's ladder "
+                             f"{rungs} (memory_savers={memory_savers!r}, device {self.device.type}); allow it, or "
+                             f"plan again on this device")
         self._policy = PlanPolicy(plan_, self.sync, Growth(grow, grow_after, memory_model, headroom), thrash_steps,
-                                  log_changes=log_changes, model=model)
+                                  log_changes=log_changes, model=model, ladder=rungs)
         self._buffer_slots = state_buffers(model)
         self.steps = 0  # optimizer steps (or accumulations) completed
         self.overlapped_steps = 0  # steps whose gradient all-reduce ran during the last backward
@@ -264,10 +275,11 @@ class OOMGuard:
                 raise agreed.error
             arm = self._overlapper.overlapped(self.params) if agreed.overlap and self._overlapper else None
             micro_batches = _armed(self.cut(batch, n, self.plan, agreed.terms.steps), agreed.terms.steps, arm)
-            result = accumulate(self.model, micro_batches, loss_fn, num_samples=agreed.terms.num_samples,
-                                device=self.device, sync=self.sync, scaler=self._options.scaler,
-                                autocast_dtype=self._options.autocast_dtype, num_items_in_batch=agreed.terms.num_items,
-                                copy_inputs=self._options.emulated)
+            with apply_rung(self.model, self.plan.saver):  # the memory ladder's rung, for the attempt only
+                result = accumulate(self.model, micro_batches, loss_fn, num_samples=agreed.terms.num_samples,
+                                    device=self.device, sync=self.sync, scaler=self._options.scaler,
+                                    autocast_dtype=self._options.autocast_dtype,
+                                    num_items_in_batch=agreed.terms.num_items, copy_inputs=self._options.emulated)
             micro_batches = None  # type: ignore[assignment]
             summed = None
             if arm is not None and self._overlapper is not None:  # the flag after every bucket, with the scalars
@@ -288,7 +300,8 @@ class OOMGuard:
                            thorough=attempts > 1)
             restore_rng(rng)
             restore_buffers(buffers)
-            changes.append(self._policy.shrink("oom", where, self.steps + 1, self._does_not_fit))
+            changes.append(self._policy.shrink("oom", where, self.steps + 1, self._does_not_fit,
+                                               needed_bytes=self._budget_meter().last_oom_needed_bytes))
         buffers = None  # type: ignore[assignment]
         growth.passes_done(self.meter)
         if not isinstance(result, Accumulated):
@@ -350,13 +363,19 @@ class OOMGuard:
         for p in self._outside_optimizer:
             p.grad = None
 
+    def _budget_meter(self) -> Meter:
+        """The meter that knows the budget: this guard's, or an emulated budget it runs under."""
+        return self.meter if self.meter.budget_bytes is not None else (active_budget() or self.meter)
+
     def _does_not_fit(self) -> DoesNotFitError:
-        meter = self.meter if self.meter.budget_bytes is not None else (active_budget() or self.meter)
+        meter, ladder_ = self._budget_meter(), self._policy.ladder
+        saver = [] if "checkpointing" in ladder_ else ["give the model's blocks an nn.ModuleList (or a "
+                                                        "gradient_checkpointing_enable()) so that they can be checkpointed"]
         return DoesNotFitError(meter.last_oom_needed_bytes, meter.budget_bytes, at_least=True,
-                               micro_batch=self.plan.micro_batch, suggestions=(
-            "enable activation checkpointing or bf16 autocast (autocast_dtype=torch.bfloat16)",
-            "use shorter sequences or a smaller model",
-            "shard the model and optimizer state over more devices (FSDP)",
+                               micro_batch=self.plan.micro_batch, rungs=self._policy.rungs_tried, suggestions=(
+            *saver, "use bf16 autocast (autocast_dtype=torch.bfloat16), shorter sequences or a smaller model",
+            "offload optimizer state and parameters to host memory (FSDP2's CPUOffloadPolicy), or shard them over "
+            "more devices (FSDP)",
             "free memory held by other processes, or run on a device with more memory",
         ))
 

@@ -9,7 +9,10 @@ across ranks:
   (``autoaccum.step.growth.fitting_plan``);
 - after calm steps, blindly (``grow="double"``, or where no meter reads memory): at most double,
   never to a size that failed, and only where that saves micro-steps; then the smallest
-  micro-batch with that many steps (the lowest peak) (``grown_plan``).
+  micro-batch with that many steps (the lowest peak) (``grown_plan``);
+- after an OOM at the smallest micro-batch: the next rung of the memory ladder
+  (``autoaccum.memory.savers``), and after many calm steps at the smallest micro-batch back down a
+  rung (waiting twice as long after each step down that ran out of memory).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 
 from autoaccum.log import rank_level
 from autoaccum.memory import MemoryReading, Meter
+from autoaccum.memory.savers import Rung, next_rung, rung_index
 from autoaccum.plan.batchnorm import warn_batchnorm
 from autoaccum.plan.plan import Plan
 from autoaccum.step.growth import Growth
@@ -31,6 +35,8 @@ from autoaccum.step.sync import GradSync
 __all__ = ["PlanChange", "PlanPolicy", "Reason", "ThrashWatch", "grown_plan", "shrunk_plan"]
 
 Reason = Literal["oom", "thrash", "grow"]
+#: calm steps at the smallest micro-batch before stepping a rung down, in units of ``grow_after``
+STEP_DOWN_AFTER = 4
 
 #: plan changes are the guard's messages (rank 0 warns; the others log at debug level)
 logger = logging.getLogger("autoaccum.step.guard")
@@ -55,8 +61,10 @@ class PlanChange:
             return (f"{what[self.reason]} a budget of {self.old.tokens.max_cost:,.0f} -> {self.new.tokens.max_cost:,.0f} "
                     f"token-units per micro-batch (micro <= {self.old.micro_batch} -> {self.new.micro_batch}), "
                     f"global batch {self.new.target_batch} unchanged")
+        rung = f", memory saver {self.old.saver} -> {self.new.saver}" if self.old.saver != self.new.saver else ""
         return (f"{what[self.reason]} micro {self.old.micro_batch} -> {self.new.micro_batch}, accum "
-                f"{self.old.accum_steps} -> {self.new.accum_steps}, global batch {self.new.target_batch} unchanged")
+                f"{self.old.accum_steps} -> {self.new.accum_steps}{rung}, global batch {self.new.target_batch} "
+                f"unchanged")
 
 
 def shrunk_plan(plan: Plan, floor: int | None = None) -> Plan:
@@ -125,8 +133,12 @@ class PlanPolicy:
     """
 
     def __init__(self, plan: Plan, sync: GradSync, growth: Growth, thrash_steps: int, *, log_changes: bool,
-                 model: torch.nn.Module) -> None:
-        self.plan, self.sync, self.growth = plan, sync, growth
+                 model: torch.nn.Module, ladder: tuple[Rung, ...] = ("none",)) -> None:
+        self.plan, self.sync, self.growth, self.ladder = plan, sync, growth, ladder
+        #: each rung the smallest micro-batch ran out of memory on, with the bytes it needed
+        self.rungs_tried: list[tuple[str, int | None]] = []
+        self._down_after = STEP_DOWN_AFTER * growth.calm_needed  # calm steps before a step down
+        self._stepped_down = False  # the last change stepped a rung down, and no step has run clean since
         self.thrash = ThrashWatch(thrash_steps)
         self.log_changes = log_changes
         self._model = model  # for the BatchNorm warning, said once where a micro-batch is small
@@ -139,12 +151,23 @@ class PlanPolicy:
         self.failed_growths = 0
         self.changes: list[PlanChange] = []
 
-    def shrink(self, reason: Reason, where: str, step: int, does_not_fit: Callable[[], Exception]) -> PlanChange:
-        """Half the micro-batch (after an OOM or thrashing); ``does_not_fit()`` is raised at the smallest."""
+    def shrink(self, reason: Reason, where: str, step: int, does_not_fit: Callable[[], Exception],
+               needed_bytes: int | None = None) -> PlanChange:
+        """Half the micro-batch (after an OOM or thrashing); at the smallest, the next rung of the
+        memory ladder; at its top, ``does_not_fit()`` is raised (``needed_bytes``: what the OOM asked)."""
         old = self.plan
         self.ooms += reason == "oom"
         if not old.can_shrink:
-            raise does_not_fit()
+            self.rungs_tried.append((old.saver, needed_bytes))
+            higher = next_rung(self.ladder, old.saver)
+            if higher is None:
+                raise does_not_fit()
+            if self._stepped_down:  # the lighter rung did not fit after all: wait twice as long next time
+                self._down_after *= 2
+            self._stepped_down = False
+            self.plan = self.sync.agree_plan(old.with_saver(higher))
+            self.growth = self.growth.fresh()  # what steps took on the other rung says nothing here
+            return self._record(reason, where, old, step)
         self.ceiling = old.micro_batch if self.ceiling is None else min(self.ceiling, old.micro_batch)
         self.plan = self.sync.agree_plan(shrunk_plan(old, self.floor))
         self.growth.grown = False
@@ -180,6 +203,7 @@ class PlanPolicy:
         self.floor = self.plan.micro_batch
         if attempts == 1:
             self.growth.measured(self.plan.micro_batch, reading)
+            self._stepped_down = False
         if self.thrash.reached(reading, attempts, self.plan.can_shrink):
             if self.sync.world_size == 1:
                 self.growth.thrashed(self.plan.micro_batch)  # memory-guided growth: not back to it soon
@@ -195,6 +219,8 @@ class PlanPolicy:
                 where = f"allocator retries on rank{'s' if len(thrashing) > 1 else ''} {ranks}"
                 return [self.shrink("thrash", where, step, does_not_fit)]
         self.growth.count_calm(attempts)
+        if self.plan.saver != "none" and not self.plan.can_shrink and self.growth.calm >= self._down_after:
+            return self._step_down(step)
         if not self.growth.doubles or self.growth.calm < self.growth.calm_needed:
             return []
         self.growth.calm = 0
@@ -221,6 +247,20 @@ class PlanPolicy:
         self.ooms, self.failed_growths = int(state["ooms"]), int(state.get("failed_growths", 0))
         self.thrash = ThrashWatch(self.thrash.steps)  # no thrash carries over (every rank loads alike)
         self.warn_batchnorm()
+
+    def _step_down(self, step: int) -> list[PlanChange]:
+        """Calm steps at the smallest micro-batch on a rung above none: one rung down (the memory taken
+        by another process may have come back); an OOM there climbs again."""
+        lower = [r for r in self.ladder if rung_index(r) < rung_index(self.plan.saver)]
+        if not lower:
+            return []
+        old, calm = self.plan, self.growth.calm
+        self.plan = self.sync.agree_plan(old.with_saver(lower[-1]))
+        if self.plan.saver == old.saver:
+            return []
+        self._stepped_down = True
+        self.growth = self.growth.fresh()
+        return [self._record("grow", f"{calm} calm steps at the smallest micro-batch", old, step)]
 
     def _record(self, reason: Reason, where: str, old: Plan, step: int) -> PlanChange:
         change = PlanChange(step, reason, where, old, self.plan)

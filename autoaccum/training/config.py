@@ -17,6 +17,7 @@ from typing import Any, get_args
 
 import torch
 
+from autoaccum.memory.savers import check_memory_savers
 from autoaccum.plan.data import LastBatch
 from autoaccum.precision import Precision, check_precision
 from autoaccum.step.growth import GrowMode
@@ -146,6 +147,9 @@ class MemoryConfig:
         overlap: under torch.distributed, whether the gradient all-reduce runs during the last
             micro-batch's backward (``OOMGuard(overlap=...)``): ``off`` (default), or ``on``
             (experimental: verified on gloo and on NCCL in a world of one, not on NCCL across GPUs).
+        memory_savers: where even the smallest micro-batch does not fit, the memory ladder's next rung
+            (activation checkpointing, then on CUDA activation offload), each exact: ``auto``
+            (default), ``off``, or a tuple of rungs (``OOMGuard(memory_savers=...)``).
         probe_cache: reuse a cached probe result with the same fingerprint.
     """
 
@@ -159,6 +163,7 @@ class MemoryConfig:
     grow: GrowMode = _option(default="auto")
     grow_after: int | None = _option(default=None)
     overlap: OverlapMode = _option(default="off")
+    memory_savers: Any = _option(default="auto")
     probe_cache: bool = _option(default=False)
 
     @property
@@ -176,6 +181,7 @@ class MemoryConfig:
             lambda: check_choice(self.grow, "grow", get_args(GrowMode)),
             lambda: self.grow_after is None or check_positive_int(self.grow_after, "grow_after"),
             lambda: check_choice(self.overlap, "overlap", get_args(OverlapMode)),
+            lambda: check_memory_savers(self.memory_savers),
         )
 
 

@@ -151,7 +151,7 @@ def fit(model: torch.nn.Module, data: Any, target_batch: int = 256, *, loss_fn: 
         **options: ``lr``, ``base_batch``, ``lr_rule``, ``warmup_steps`` (``LRConfig``);
             ``epochs``, ``max_steps``, ``seed`` (``StopConfig``); ``device``, ``budget``,
             ``headroom``, ``plan``, ``precision``, ``max_grad_norm``, ``nonfinite``, ``grow``, ``grow_after``,
-            ``overlap``, ``probe_cache`` (``MemoryConfig``); ``checkpoint_dir``, ``checkpoint_every``, ``resume``
+            ``overlap``, ``memory_savers``, ``probe_cache`` (``MemoryConfig``); ``checkpoint_dir``, ``checkpoint_every``, ``resume``
             (``CheckpointConfig``); ``progress``, ``log_file``, ``eval_every``
             (``OutputConfig``). Each is documented on its config class.
 
@@ -201,7 +201,7 @@ def fit(model: torch.nn.Module, data: Any, target_batch: int = 256, *, loss_fn: 
                      sync=sync, meter=meter, grow=cfg.memory.grow, grow_after=cfg.memory.grow_after, cut=cut,
                      memory_model=report.model if report is not None else
                      given_model if isinstance(given_model, MemoryModel) else None, headroom=cfg.memory.headroom,
-                     nonfinite=cfg.memory.nonfinite, overlap=cfg.memory.overlap)
+                     nonfinite=cfg.memory.nonfinite, overlap=cfg.memory.overlap, memory_savers=cfg.memory.memory_savers)
     position = RunPosition() if state is None else restore_run(
         state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, guard=guard, rank=sync.rank,
         world_size=sync.world_size)

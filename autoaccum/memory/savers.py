@@ -1,0 +1,200 @@
+"""The memory ladder: what a step does when even its smallest micro-batch does not fit.
+
+Each rung adds to the one before and changes nothing but memory and speed (DESIGN, invariant 8):
+
+- ``"none"``: the step as written;
+- ``"checkpointing"``: the model's blocks recompute their activations in backward instead of keeping
+  them. Through the model's own switch where it has one (Hugging Face's
+  ``gradient_checkpointing_enable``), else every block of its first ``nn.ModuleList`` under
+  non-reentrant ``torch.utils.checkpoint``. Dropout draws the same masks in the recomputation (the RNG
+  state is kept for it), and the buffers a forward updates (BatchNorm running statistics) are put back
+  after the recomputation, so they are updated once per forward, not twice;
+- ``"offload"`` (CUDA only): checkpointing, and the tensors the forward saves for backward kept in
+  pinned host memory (``torch.autograd.graph.save_on_cpu``) until backward needs them.
+
+A further rung that stays exact (optimizer state or parameters offloaded with FSDP2's
+``CPUOffloadPolicy``) is not built: ``DoesNotFitError`` names it as a suggestion.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal, get_args
+
+import torch
+from torch import nn
+
+from autoaccum.state import capture_buffers, restore_buffers, state_buffers
+
+__all__ = ["MemorySavers", "RUNGS", "Rung", "apply_rung", "check_memory_savers", "checkpoint_layers",
+           "has_own_switch", "ladder",
+           "next_rung", "rung_index"]
+
+#: the rungs, in the order they are climbed
+Rung = Literal["none", "checkpointing", "offload"]
+RUNGS: tuple[Rung, ...] = get_args(Rung)
+#: ``"auto"``: every rung this model and device have; ``"off"``: none; or the rungs allowed, in order
+MemorySavers = Literal["auto", "off"] | Sequence[Rung]
+
+
+def rung_index(rung: str) -> int:
+    return RUNGS.index(rung)  # type: ignore[arg-type]
+
+
+def checkpoint_layers(model: nn.Module) -> nn.ModuleList | None:
+    """The blocks generic checkpointing wraps: the model's first non-empty ``nn.ModuleList``."""
+    return next((m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0), None)
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The module under a DDP (or DataParallel) wrapper: where a model's own switch lives."""
+    inner = getattr(model, "module", None)
+    return inner if isinstance(inner, nn.Module) and type(model).__name__ in ("DistributedDataParallel",
+                                                                               "DataParallel") else model
+
+
+def _switch(model: nn.Module) -> tuple[str, str, str] | None:
+    """A Hugging Face style switch: the names of its enable and disable methods and of its state
+    (``activation_checkpointing_*`` from transformers 5.x, else ``gradient_checkpointing_*``)."""
+    for prefix in ("activation", "gradient"):
+        enable, disable = f"{prefix}_checkpointing_enable", f"{prefix}_checkpointing_disable"
+        if callable(getattr(model, enable, None)) and callable(getattr(model, disable, None)):
+            return enable, disable, f"is_{prefix}_checkpointing"
+    return None
+
+
+def has_own_switch(model: nn.Module) -> bool:
+    """The model turns checkpointing on and off itself (Hugging Face models that support it)."""
+    model = _unwrapped(model)
+    return _switch(model) is not None and bool(getattr(model, "supports_gradient_checkpointing", True))
+
+
+def check_memory_savers(savers: Any) -> tuple[str, ...]:
+    """The rungs ``memory_savers`` allows, ``"none"`` first.
+
+    Raises:
+        ValueError, TypeError: ``savers`` is not ``"auto"``, ``"off"`` or a sequence of rung names.
+    """
+    if isinstance(savers, str):
+        if savers not in ("auto", "off"):
+            raise ValueError(f"Invalid memory_savers: {savers!r}. Allowed: 'auto', 'off', or a tuple of rungs "
+                             f"from {RUNGS} (e.g. ('checkpointing',))")
+        wanted: tuple[str, ...] = RUNGS if savers == "auto" else ("none",)
+    elif isinstance(savers, (tuple, list)) and all(isinstance(r, str) for r in savers):
+        unknown = [r for r in savers if r not in RUNGS]
+        if unknown:
+            raise ValueError(f"Invalid memory_savers: {tuple(savers)!r}; unknown rung(s) {unknown}. Allowed: {RUNGS}")
+        wanted = ("none", *savers)
+    else:
+        raise TypeError(f"memory_savers must be 'auto', 'off' or a tuple of rung names from {RUNGS}, got {savers!r}")
+    return wanted
+
+
+def ladder(model: nn.Module, device: torch.device, savers: Any = "auto") -> tuple[Rung, ...]:
+    """The rungs a step may climb for ``model`` on ``device``, starting with ``"none"`` (``savers``
+    as ``check_memory_savers`` takes it)."""
+    wanted = check_memory_savers(savers)
+    blocks = has_own_switch(model) or checkpoint_layers(_unwrapped(model)) is not None
+    possible = {"none": True, "checkpointing": blocks, "offload": blocks and device.type == "cuda"}
+    return tuple(r for r in RUNGS if r in wanted and possible[r])
+
+
+def next_rung(rungs: Sequence[Rung], rung: str) -> Rung | None:
+    """The rung after ``rung`` on the ladder ``rungs``, or None at its top."""
+    later = [r for r in rungs if rung_index(r) > rung_index(rung)]
+    return later[0] if later else None
+
+
+@contextlib.contextmanager
+def _buffers_kept(modules: Callable[[], nn.Module]) -> Iterator[None]:
+    """The buffers a forward updates, put back after the forward inside (a recomputation)."""
+    saved = capture_buffers(state_buffers(modules()))
+    try:
+        yield
+    finally:
+        restore_buffers(saved)
+
+
+def _context_fn(module: nn.Module) -> Callable[[], tuple[Any, Any]]:
+    """For ``checkpoint(context_fn=...)``: nothing around the forward, the buffers kept around the
+    recomputation (otherwise BatchNorm's running statistics would be updated twice)."""
+    return lambda: (contextlib.nullcontext(), _buffers_kept(lambda: module))
+
+
+@contextlib.contextmanager
+def _checkpointed(model: nn.Module) -> Iterator[None]:
+    inner = _unwrapped(model)
+    switch = _switch(inner) if has_own_switch(inner) else None
+    if switch is not None:
+        enable, disable, state = switch
+        if getattr(inner, state, False):  # the user's own checkpointing: kept as it is
+            yield
+            return
+        getattr(inner, enable)({"use_reentrant": False, "context_fn": _context_fn(inner)})
+        try:
+            yield
+        finally:
+            getattr(inner, disable)()
+        return
+    layers = checkpoint_layers(inner)
+    if layers is None:
+        raise ValueError(f"{type(inner).__name__} has no nn.ModuleList of blocks to checkpoint and no "
+                         f"gradient_checkpointing_enable()")
+    from torch.utils.checkpoint import checkpoint
+
+    patched: list[tuple[nn.Module, Any]] = []
+    try:
+        for layer in layers:
+            original = layer.forward  # the bound method (or an instance attribute someone set)
+
+            def forward(*args: Any, _original: Any = original, _layer: nn.Module = layer, **kwargs: Any) -> Any:
+                if not torch.is_grad_enabled():
+                    return _original(*args, **kwargs)
+                # non-reentrant: keyword arguments, inputs that need no grad, frozen and tied weights
+                return checkpoint(_original, *args, use_reentrant=False, context_fn=_context_fn(_layer), **kwargs)
+
+            patched.append((layer, layer.__dict__.get("forward")))
+            layer.forward = forward
+        yield
+    finally:
+        for layer, before in reversed(patched):
+            if before is None:
+                del layer.forward  # the class's forward shows through again
+            else:
+                layer.forward = before
+
+
+@contextlib.contextmanager
+def _offloaded(model: nn.Module) -> Iterator[None]:
+    """Every tensor the model's forward saves for backward goes to pinned host memory meanwhile."""
+    original = model.__dict__.get("forward")
+    bound = model.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return bound(*args, **kwargs)
+        with torch.autograd.graph.save_on_cpu(pin_memory=True):
+            return bound(*args, **kwargs)
+
+    model.forward = forward
+    try:
+        yield
+    finally:
+        if original is None:
+            del model.forward
+        else:
+            model.forward = original
+
+
+@contextlib.contextmanager
+def apply_rung(model: nn.Module, rung: str) -> Iterator[None]:
+    """``model`` runs on ``rung`` inside the block; as it was afterwards."""
+    if rung not in RUNGS:
+        raise ValueError(f"Invalid rung: {rung!r}. Allowed: {RUNGS}")
+    with contextlib.ExitStack() as stack:
+        if rung in ("checkpointing", "offload"):
+            stack.enter_context(_checkpointed(model))
+        if rung == "offload":
+            stack.enter_context(_offloaded(model))
+        yield

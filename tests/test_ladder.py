@@ -1,0 +1,135 @@
+"""The memory ladder in use: a transformer whose one-sample step does not fit the (emulated) budget
+trains to the end on the next rung (activation checkpointing), with the probe and the guard climbing
+to it, and its weights equal an unconstrained run's (fp64, 1e-12). Negative controls: with
+``memory_savers="off"`` the same run ends in ``DoesNotFitError``; under a budget no rung fits, the
+error lists every rung tried.
+
+Sizes (TinyGPT, vocab 64, 128 tokens, dim 32, 4 blocks, fp64, AdamW, counted by the tracked meter):
+a step at micro-batch 1 peaks at about 3.3 MB without checkpointing and 1.9 MB with it; 3.5 MB at 2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import autoaccum
+from autoaccum import DoesNotFitError, OOMGuard, emulated_budget
+from autoaccum.cli import TinyGPT, synthetic_tokens, token_loss
+
+TIGHT = {"rtol": 1e-10, "atol": 1e-12}
+SEQ, TARGET, STEPS = 128, 4, 4
+LADDER_ONLY = "2900KB"  # micro-batch 1 fits only with checkpointing
+TOO_SMALL = "1MB"  # not even with checkpointing
+
+
+def _model() -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(vocab_size=64, seq_len=SEQ, dim=32, layers=4, heads=2).double()
+
+
+def _data() -> torch.Tensor:
+    return synthetic_tokens(TARGET * STEPS, SEQ, 64)
+
+
+def _reference() -> dict[str, torch.Tensor]:
+    """Full-batch AdamW steps with no budget at all."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = _data()
+    for step in range(STEPS):
+        opt.zero_grad()
+        token_loss(model, data[step * TARGET:(step + 1) * TARGET]).backward()
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _guard_run(budgets: list[str | None], **options) -> tuple[dict[str, torch.Tensor], OOMGuard]:
+    """Guarded steps at micro-batch 4, each under its own emulated budget (None: none)."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = OOMGuard(model, opt, target_batch=TARGET, micro_batch=TARGET, **options)
+    data = _data()
+    for step, budget in enumerate(budgets):
+        batch = data[step * TARGET:(step + 1) * TARGET]
+        if budget is None:
+            guard.step(batch, token_loss)
+        else:
+            with emulated_budget(budget, model, opt):
+                guard.step(batch, token_loss)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, guard
+
+
+def test_the_guard_climbs_to_checkpointing_where_one_sample_does_not_fit_and_stays_exact() -> None:
+    """Two steps with memory to spare, then the budget drops below one sample's step: the guard halves
+    4 -> 2 -> 1, then climbs to checkpointing and replays the same samples; the weights are those of
+    full-batch steps."""
+    params, guard = _guard_run([None, None, LADDER_ONLY, LADDER_ONLY])
+    changes = [(c.step, c.old.micro_batch, c.new.micro_batch, c.old.saver, c.new.saver) for c in guard.changes]
+    assert changes == [(3, 4, 2, "none", "none"), (3, 2, 1, "none", "none"),
+                       (3, 1, 1, "none", "checkpointing")], changes
+    assert guard.plan.saver == "checkpointing" and guard.ooms == 3
+    assert "memory saver none -> checkpointing" in guard.changes[-1].describe()
+    for name, p in _reference().items():
+        torch.testing.assert_close(params[name], p, **TIGHT, msg=name)
+
+
+def test_negative_control_without_memory_savers_the_same_run_does_not_fit() -> None:
+    with pytest.raises(DoesNotFitError, match="a micro-batch of 1 does not fit") as info:
+        _guard_run([None, None, LADDER_ONLY], memory_savers="off")
+    assert "checkpointed" in str(info.value)  # ... and it says how to get there
+
+
+def test_where_no_rung_fits_every_rung_tried_is_named() -> None:
+    with pytest.raises(DoesNotFitError) as info:
+        _guard_run([TOO_SMALL])
+    assert [r for r, _ in info.value.rungs] == ["none", "checkpointing"]
+    assert all(b is not None and b > 1e6 for _, b in info.value.rungs)
+    assert "Memory savers tried" in str(info.value) and "CPUOffloadPolicy" in str(info.value)
+
+
+@pytest.mark.slow
+def test_after_calm_steps_at_the_smallest_micro_batch_the_guard_steps_back_down() -> None:
+    """Memory comes back: after enough calm steps at micro-batch 1 on checkpointing the guard tries the
+    rung below; it fits, and the run goes on there, exact."""
+    budgets = [LADDER_ONLY] + [None] * 9
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = OOMGuard(model, opt, target_batch=TARGET, micro_batch=TARGET, grow="off", grow_after=1)
+    data = synthetic_tokens(TARGET * len(budgets), SEQ, 64)
+    savers = []
+    for step, budget in enumerate(budgets):
+        batch = data[step * TARGET:(step + 1) * TARGET]
+        with emulated_budget(budget, model, opt) if budget else contextlib.nullcontext():
+            guard.step(batch, token_loss)
+        savers.append(guard.plan.saver)
+    assert savers[0] == "checkpointing" and savers[-1] == "none", savers
+    down = [c for c in guard.changes if c.old.saver == "checkpointing" and c.new.saver == "none"]
+    assert len(down) == 1 and "calm steps" in down[0].describe()
+
+
+def test_fit_plans_on_the_rung_where_one_sample_fits_and_trains_exactly() -> None:
+    """fit's probe finds that micro-batch 1 does not fit without a saver, measures with checkpointing,
+    plans there; the run needs no OOM and equals full-batch steps."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    result = autoaccum.fit(model, _data(), target_batch=TARGET, loss_fn=token_loss, optimizer=opt, epochs=1,
+                           budget=LADDER_ONLY, headroom=0.0, progress=False, verbose=False, seed=0,
+                           last_batch="drop")
+    assert result.plan.saver == "checkpointing" and result.oom_events == 0
+    assert [r for r, _ in result.probe.savers_tried] == ["none"]
+    assert result.probe.to_dict()["plan"]["saver"] == "checkpointing"
+    got = {n: p.detach() for n, p in model.named_parameters()}
+    # fit shuffles each epoch from its seed: the same order, full-batch
+    order = torch.randperm(TARGET * STEPS, generator=torch.Generator().manual_seed(0 * 1_000_003 + 0))
+    ref = _model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    data = _data()[order]
+    for step in range(STEPS):
+        ref_opt.zero_grad()
+        token_loss(ref, data[step * TARGET:(step + 1) * TARGET]).backward()
+        ref_opt.step()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), **TIGHT, msg=name)

@@ -1,0 +1,165 @@
+"""The memory ladder's rungs (autoaccum.memory.savers): each gives the gradients of the step without
+it (fp64, 1e-12), draws the same dropout masks, updates BatchNorm running statistics once per forward,
+and handles tied and frozen weights as without it. Each property with a negative control: plain
+``torch.utils.checkpoint`` updates the statistics twice; without the RNG state kept the masks differ.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autoaccum.memory.savers import RUNGS, apply_rung, checkpoint_layers, ladder, next_rung
+
+TIGHT = {"rtol": 1e-12, "atol": 1e-14}
+
+
+class Block(nn.Module):
+    """A residual block with BatchNorm (running statistics), dropout and a LoRA-style adapter: a frozen
+    base weight and a trainable low-rank update."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(dim)
+        self.base = nn.Linear(dim, dim)
+        self.base.requires_grad_(False)  # frozen, as under LoRA
+        self.lora_a = nn.Parameter(torch.randn(4, dim) * 0.1)
+        self.lora_b = nn.Parameter(torch.randn(dim, 4) * 0.1)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x.transpose(1, 2)).transpose(1, 2)
+        h = self.base(h) + h @ self.lora_a.t() @ self.lora_b.t()
+        return x + self.drop(torch.tanh(h))
+
+
+class Net(nn.Module):
+    """Blocks in an ``nn.ModuleList`` between an embedding and a head whose weight is the embedding's (tied)."""
+
+    def __init__(self, vocab: int = 11, dim: int = 8, depth: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(depth))
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def _net() -> Net:
+    torch.manual_seed(0)
+    return Net().double()
+
+
+def _step(model: nn.Module, rung: str, seed: int = 5) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One forward/backward on ``rung`` from a fixed RNG state: the gradients and the buffers after it."""
+    ids = torch.randint(0, 11, (6, 7), generator=torch.Generator().manual_seed(1))
+    model.train()
+    with apply_rung(model, rung):
+        torch.manual_seed(seed)
+        loss = F.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+        loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return grads, {n: b.detach().clone() for n, b in model.named_buffers()}
+
+
+def test_checkpointing_gives_the_same_gradients_masks_and_statistics() -> None:
+    want_grads, want_buffers = _step(_net(), "none")
+    grads, buffers = _step(_net(), "checkpointing")
+    assert grads.keys() == want_grads.keys() and "blocks.0.base.weight" not in grads  # frozen stays frozen
+    assert "embed.weight" in grads  # tied: one gradient, from the embedding and the head
+    for name, g in want_grads.items():
+        torch.testing.assert_close(grads[name], g, **TIGHT, msg=name)
+    for name, b in want_buffers.items():
+        torch.testing.assert_close(buffers[name], b, **TIGHT, msg=name)
+    assert int(buffers["blocks.0.norm.num_batches_tracked"]) == 1  # one forward: one update
+
+
+def test_negative_control_plain_checkpoint_updates_batchnorm_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the buffers put back around the recomputation (plain ``torch.utils.checkpoint``), the
+    running statistics are updated again in backward: the comparison above would fail."""
+    import autoaccum.memory.savers as savers
+
+    monkeypatch.setattr(savers, "_context_fn", lambda module: (lambda: (contextlib.nullcontext(),
+                                                                         contextlib.nullcontext())))
+    _, want_buffers = _step(_net(), "none")
+    _, buffers = _step(_net(), "checkpointing")
+    assert int(buffers["blocks.0.norm.num_batches_tracked"]) == 2
+    assert not torch.allclose(buffers["blocks.0.norm.running_mean"], want_buffers["blocks.0.norm.running_mean"])
+
+
+def test_negative_control_without_the_rng_state_the_dropout_masks_differ(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.utils.checkpoint as ckpt
+
+    real = ckpt.checkpoint
+    monkeypatch.setattr(ckpt, "checkpoint", lambda *a, **k: real(*a, **{**k, "preserve_rng_state": False}))
+    want_grads, _ = _step(_net(), "none")
+    grads, _ = _step(_net(), "checkpointing")
+    assert not torch.allclose(grads["blocks.0.lora_a"], want_grads["blocks.0.lora_a"], rtol=1e-6, atol=1e-9)
+
+
+def test_the_rung_is_taken_off_afterwards_and_keeps_no_memory_of_activations() -> None:
+    model = _net()
+    layers = checkpoint_layers(model)
+    assert layers is model.blocks
+    with apply_rung(model, "checkpointing"):
+        assert all("forward" in block.__dict__ for block in model.blocks)
+    assert all("forward" not in block.__dict__ for block in model.blocks)
+    # what the rung is for: the blocks' activations are not kept for backward
+    from autoaccum.memory import TrackedMemory
+
+    peaks = {}
+    for rung in ("none", "checkpointing"):
+        m = Net(dim=64, depth=6).double()
+        ids = torch.randint(0, 11, (16, 64))
+        with TrackedMemory().track(m) as mem, apply_rung(m, rung):
+            loss = m(ids).sum()
+            peaks[rung] = mem.current_bytes
+            loss.backward()
+    assert peaks["checkpointing"] < 0.6 * peaks["none"], peaks
+
+
+def test_a_hugging_face_model_uses_its_own_switch_with_the_same_gradients() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=31, n_positions=16,
+                                     resid_pdrop=0.2, embd_pdrop=0.2, attn_pdrop=0.2)
+
+    def run(rung: str) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(config).double().train()
+        ids = torch.randint(0, 31, (3, 12), generator=torch.Generator().manual_seed(2))
+        state = "is_activation_checkpointing" if hasattr(model, "activation_checkpointing_enable") \
+            else "is_gradient_checkpointing"
+        with apply_rung(model, rung):
+            assert getattr(model, state) == (rung != "none")
+            torch.manual_seed(9)
+            model(input_ids=ids, labels=ids).loss.backward()
+        assert not getattr(model, state)  # switched off again
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want, got = run("none"), run("checkpointing")
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, **TIGHT, msg=name)
+
+
+def test_the_ladder_follows_the_model_the_device_and_the_option() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert ladder(_net(), cpu) == ("none", "checkpointing")
+    assert ladder(_net(), cuda) == RUNGS  # offload needs CUDA (host memory is the device on a CPU)
+    assert ladder(_net(), cuda, "off") == ("none",)
+    assert ladder(_net(), cuda, ("checkpointing",)) == ("none", "checkpointing")
+    assert ladder(nn.Sequential(nn.Linear(2, 2)), cuda) == ("none",)  # no blocks, no switch: nothing to save
+    assert next_rung(RUNGS, "none") == "checkpointing" and next_rung(RUNGS, "offload") is None
+    for bad in ("sometimes", ("checkpointing", "swap")):
+        with pytest.raises(ValueError, match="memory_savers"):
+            ladder(_net(), cpu, bad)
+    with pytest.raises(TypeError, match="memory_savers"):
+        ladder(_net(), cpu, 3)
