@@ -155,6 +155,9 @@ def format_probe(report: ProbeReport) -> str:
         lines.append(f"probe: {report.probe_steps} forward/backward passes and {report.optimizer_steps} optimizer "
                      f"steps, {report.probe_ooms} OOMs, {report.wall_time_s:.2f} s")
     plan = report.plan
+    for rung, needed in report.savers_tried:
+        lines.append(f"memory saver {rung}: micro-batch {plan.min_micro_batch} did not fit (needs "
+                     f"{'?' if needed is None else format_bytes(needed)}); measured with the next one")
     # the plan is cut evenly from the size it was chosen at: the smallest measured size that covers it
     chosen = min((c for c in report.candidates if c.status == "ok" and c.micro_batch >= plan.micro_batch),
                  key=lambda c: c.micro_batch, default=None)
