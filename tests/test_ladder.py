@@ -133,3 +133,96 @@ def test_fit_plans_on_the_rung_where_one_sample_fits_and_trains_exactly() -> Non
         ref_opt.step()
     for name, p in ref.named_parameters():
         torch.testing.assert_close(got[name], p.detach(), **TIGHT, msg=name)
+
+
+def two_rank_fit(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    """fit on each of two gloo ranks under a budget only checkpointing fits (a little more than in one
+    process: the gradients' flat all-reduce buffer is held too)."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    result = autoaccum.fit(model, _data(), target_batch=TARGET, loss_fn=token_loss, optimizer=opt, epochs=1,
+                           budget="3200KB", headroom=0.0, progress=False, verbose=False, seed=0)
+    assert result.plan.saver == "checkpointing" and result.final_plan.saver == "checkpointing"
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.slow
+def test_two_ranks_plan_on_the_same_rung_and_equal_full_batch_steps(tmp_path) -> None:
+    import torch.distributed as dist
+
+    from _spawn import results, spawn
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("needs torch.distributed with gloo")
+    out = results(tmp_path, spawn(two_rank_fit, tmp_path)[0])
+    order = torch.randperm(TARGET * STEPS, generator=torch.Generator().manual_seed(0))
+    ref = _model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    data = _data()[order]
+    for step in range(STEPS):
+        ref_opt.zero_grad()
+        token_loss(ref, data[step * TARGET:(step + 1) * TARGET]).backward()
+        ref_opt.step()
+    for rank, params in enumerate(out):
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(params[name], p.detach(), **TIGHT, msg=f"rank {rank} {name}")
+
+
+@pytest.mark.gpu
+def test_offload_on_cuda_gives_the_same_gradients_and_keeps_less_on_the_device() -> None:
+    """Rung ``offload`` (checkpointing + the forward's saved tensors in pinned host memory) on a CUDA
+    model, fp64: the gradients of the step without a saver, and less device memory at the end of the
+    forward than checkpointing alone."""
+    from autoaccum.memory.savers import apply_rung
+
+    device = torch.device("cuda")
+    x = synthetic_tokens(8, 512, 64).to(device)
+    grads, held = {}, {}
+    for rung in ("none", "checkpointing", "offload"):
+        torch.manual_seed(0)
+        model = TinyGPT(vocab_size=64, seq_len=512, dim=128, layers=6, heads=4).double().to(device)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated(device)
+        with apply_rung(model, rung):
+            loss = token_loss(model, x)
+            torch.cuda.synchronize()
+            held[rung] = torch.cuda.memory_allocated(device) - base
+            loss.backward()
+        grads[rung] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for rung in ("checkpointing", "offload"):
+        for name, g in grads["none"].items():
+            torch.testing.assert_close(grads[rung][name], g, **TIGHT, msg=f"{rung} {name}")
+    assert held["offload"] < held["checkpointing"] < held["none"], held
+
+
+@pytest.mark.slow
+def test_the_hf_trainer_integration_climbs_through_the_models_own_switch(tmp_path) -> None:
+    """AutoAccumTrainer on a GPT-2 whose one-sample step does not fit 6 MB without checkpointing (about
+    9.5 MB) but does with it (3.6 MB): its probe plans on the model's own switch, and the run equals HF's
+    own full-batch run without a budget (fp64)."""
+    transformers = pytest.importorskip("transformers")
+    from autoaccum.integrations.transformers import AutoAccumTrainer
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.GPT2Config(n_layer=4, n_embd=32, n_head=2, vocab_size=64, n_positions=256,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (8, 256), generator=torch.Generator().manual_seed(3))]
+
+    def run(cls, per_device: int, accum: int, budget: str | None):
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(config).double()
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / cls.__name__), per_device_train_batch_size=per_device,
+            gradient_accumulation_steps=accum, max_steps=2, learning_rate=1e-2, optim="adamw_torch", report_to="none",
+            use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0)
+        trainer = cls(model=model, args=args, train_dataset=rows)
+        with emulated_budget(budget, model) if budget else contextlib.nullcontext():
+            trainer.train()
+        return trainer, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    trainer, got = run(AutoAccumTrainer, 2, 2, "6MB")
+    plan = trainer.autoaccum_guard.guard.plan
+    assert plan.saver == "checkpointing" and plan.micro_batch == 1, plan
+    _, want = run(transformers.Trainer, 4, 1, None)
+    for name, p in want.items():
+        torch.testing.assert_close(got[name], p, **TIGHT, msg=name)
