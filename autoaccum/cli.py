@@ -1,6 +1,8 @@
 """The command line: ``autoaccum probe`` (and ``autoaccum search`` with the search extra).
 
-Only this module prints. ``--json`` keeps stdout for one JSON document; logs go to stderr.
+Only this module prints. ``--json`` keeps stdout for one JSON document; logs go to stderr. The
+built-in demo task (``TinyGPT`` on synthetic tokens) lives here too, so that the probe runs without a
+task of the user's.
 """
 
 from __future__ import annotations
@@ -266,8 +268,7 @@ if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
 
 
-
-
+# -- the built-in demo: a small GPT-style transformer on synthetic tokens (``demo_task``) ---------------
 class _Block(nn.Module):
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()

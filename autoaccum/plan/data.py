@@ -81,9 +81,12 @@ class GlobalBatches:
         data: see the module docstring.
         target_batch: samples per optimizer step over all ranks.
         seed: the data order's seed.
-        rank, world_size: this process's place among the data-parallel ranks.
+        rank: this process's rank among the data-parallel ranks.
+        world_size: the number of data-parallel ranks.
         collate_fn: batches a list of dataset items (map-style datasets only).
         last_batch: ``"step"`` or ``"drop"`` (see the module docstring).
+        by_length: variable-length data: a map-style dataset's batches come as ``Samples``.
+        length_fn: the length of one dataset item (default ``autoaccum.plan.lengths.item_length``).
     """
 
     def __init__(self, data: Any, target_batch: int, *, seed: int = 0, rank: int = 0, world_size: int = 1,
