@@ -1,10 +1,14 @@
 """The OOM guard: exact accumulation (``autoaccum.step.accumulate``) with the OOM policy on top.
 
-One attempt, on every rank: the cut's exchange (``autoaccum.step.sync``), the micro-batches under
-``no_sync``, the status agreed (OK < OOM < ERROR), then, after OK, the gradients reduced once. On an
-OOM anywhere, every rank replays the step on the same samples with a smaller micro-batch (invariant
-3): outside the ``except`` block, with the gradients cleared, memory released and the RNG state and
-the buffers a forward updates put back. The plan's changes are ``autoaccum.step.policy``'s.
+One attempt, on every rank: the cut's exchange (``autoaccum.step.sync.agree_cut``), the
+micro-batches under ``no_sync``, the status agreed (OK < OOM < ERROR), then, after OK, the gradients
+reduced once. On an OOM anywhere, every rank replays the step on the same samples with a smaller
+micro-batch (invariant 3): outside the ``except`` block, with the gradients cleared, memory released
+and the RNG state and the buffers a forward updates put back.
+
+``OOMGuard.step`` adds the optimizer step (``autoaccum.step.optim``); ``OOMGuard.accumulate`` stops
+at the gradient, for trainers that step themselves. How the plan shrinks, grows back and reacts to
+allocator thrashing is ``autoaccum.step.policy``'s and ``autoaccum.step.growth``'s.
 """
 
 from __future__ import annotations
@@ -92,9 +96,9 @@ class OOMGuard:
             (default) raises ``NonFiniteError`` with nothing stepped; ``"skip"`` skips the step;
             ``None`` does not check. With a GradScaler its own check applies.
         overlap: under ``torch.distributed``, ``"off"`` (default) reduces the gradients after every
-            rank said OK; ``"on"`` (experimental: verified on gloo and on NCCL in a world of one, not
-            on NCCL across GPUs) all-reduces them during the last backward. Worth trying with few
-            micro-batches a step and a large model.
+            rank said OK; ``"on"`` (experimental, not run by the project on NCCL across GPUs)
+            all-reduces them during the last backward, which hides the most where a step has few
+            micro-batches and the model is large.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, target_batch: int | None = None,
@@ -178,9 +182,13 @@ class OOMGuard:
                 batch of an epoch), which is then one exact step on the samples it holds.
             loss_fn: ``loss_fn(model, micro_batch)`` -> mean loss over the micro-batch, or
                 ``(loss_sum, num_items)`` for token-level losses.
+            partial: the batch is the epoch's smaller last one.
+
+        Returns:
+            What the step did: its loss, plan, plan changes, attempts, gradient norm.
 
         Raises:
-            DoesNotFitError: a micro-batch of 1 ran out of memory.
+            DoesNotFitError: the smallest micro-batch the model trains at ran out of memory.
             OptimizerStepOOMError: out of memory in gradient reduction, clipping or ``optimizer.step()``.
             NonFiniteError: inf/NaN gradients or loss under ``nonfinite="stop"`` (nothing was stepped).
             ValueError: the batch holds the wrong number of samples.
