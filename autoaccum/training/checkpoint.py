@@ -147,7 +147,7 @@ def save_checkpoint(path: str | os.PathLike[str], state: dict) -> None:
 
 def _read(path: Path) -> dict:
     # torch.load does not check the zip records' CRC-32, so a flipped byte inside a tensor would
-    # load as a wrong value; testzip reads every record and compares (GB/s, small next to loading).
+    # load as a wrong value; testzip reads every record and compares (a checksum pass, cheap next to loading).
     with zipfile.ZipFile(path) as archive:
         bad = archive.testzip()
     if bad is not None:

@@ -72,7 +72,8 @@ class StopConfig:
     """How long to train.
 
     Attributes:
-        epochs, max_steps: stop after ``epochs`` passes or ``max_steps`` steps, whichever first.
+        epochs: stop after this many passes over the data (or ``max_steps``, whichever first).
+        max_steps: stop after this many optimizer steps (or ``epochs``, whichever first).
     """
 
     epochs: int | None = _option(default=1)
@@ -136,7 +137,8 @@ class MemoryConfig:
             ``"stop"`` (default) raises ``NonFiniteError`` naming the step, with the weights,
             optimizer state and scheduler of the step before; ``"skip"`` skips it and counts it
             (``FitResult.skipped_steps``, ``"skipped"`` in the metrics file), as the fp16
-            GradScaler does. Either way fit stops after 25 skipped steps in a row.
+            GradScaler does. Either way fit stops after ``MAX_SKIPPED_STEPS`` (25) skipped steps
+            in a row.
         grow: how the guard grows the micro-batch back after an OOM (``OOMGuard(grow=...)``):
             ``auto`` (default): after calm steps, straight to the largest micro-batch predicted to
             fit in the memory free now (the probe's model, the steps run, the meter's limit) where
@@ -145,7 +147,7 @@ class MemoryConfig:
         grow_after: calm steps before the guard grows back (default 2).
         overlap: under torch.distributed, whether the gradient all-reduce runs during the last
             micro-batch's backward (``OOMGuard(overlap=...)``): ``off`` (default), or ``on``
-            (experimental: verified on gloo and on NCCL in a world of one, not on NCCL across GPUs).
+            (experimental, not run by the project on NCCL across GPUs).
         probe_cache: reuse a cached probe result with the same fingerprint.
     """
 
