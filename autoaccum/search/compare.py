@@ -74,7 +74,15 @@ class Finalist(Generic[K]):
 
 @dataclass(frozen=True)
 class Verdict(Generic[K]):
-    """The comparison's outcome: the winner, the leader by median, and every finalist's numbers."""
+    """The comparison's outcome.
+
+    Attributes:
+        winner: the simplest finalist within noise of the leader.
+        leader: the finalist with the best median.
+        finalists: every finalist's numbers against the leader.
+        tolerance_floor: the tolerance's lower bound used.
+        tolerance_ceiling: the tolerance's upper bound used.
+    """
 
     winner: K
     leader: K
@@ -104,7 +112,8 @@ def compare_finalists(readings: Mapping[K, Sequence[float | None]], simplicity: 
             index ``i`` for every finalist; ``None`` where a round has no reading.
         simplicity: a sort key, smaller is simpler (e.g. ``(knobs switched on, passes)``); without
             it the leader wins.
-        floor, ceiling: the tolerance's bounds (fractions of the leader's speed).
+        floor: the tolerance's lower bound (a fraction of the leader's speed).
+        ceiling: the tolerance's upper bound (a fraction of the leader's speed).
 
     Raises:
         ValueError: no finalist, a finalist without a reading, or bounds out of order.
