@@ -71,12 +71,10 @@ def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT
     Args:
         backend: ``nccl``, ``gloo``, ... (default: as above).
         timeout_s: how long a collective waits for the other ranks before it fails (default
-            ``DEFAULT_TIMEOUT_S``, 5 minutes, instead of torch's 10 for NCCL and 30 for gloo). A
-            rank that hangs (or dies outside torchrun, whose agent ends the other workers at once)
-            then ends the others with an error within this time: on gloo the waiting call raises;
-            on NCCL the watchdog aborts the process after logging the collective that timed out.
-            Raise it where one rank legitimately works alone for longer (a long evaluation or
-            checkpoint write on rank 0).
+            ``DEFAULT_TIMEOUT_S``, 300 s, instead of torch's 10 minutes for NCCL and 30 for gloo),
+            so that a rank that hangs ends the others within it (gloo: the waiting call raises;
+            NCCL: the watchdog aborts the process). Raise it where one rank legitimately works
+            alone for longer (a long evaluation or checkpoint write on rank 0).
 
     Returns:
         True if this call initialised the group; False when one existed or the variables are not set.

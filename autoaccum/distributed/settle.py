@@ -3,10 +3,10 @@ collective's tensors before going on.
 
 Why. gloo runs each collective on a worker thread of the process group. A collective call returns
 when its result is ready, but the worker drops its own reference to the collective (and so to its
-tensors) a moment later, often after the call has returned. If the caller has dropped the tensor by
-then, the worker thread frees it, and freeing a tensor that has a Python object needs the GIL. When that
-moment falls inside interpreter shutdown the thread cannot take the GIL: Python ends it
-(``pthread_exit``), the unwinding meets a ``noexcept`` destructor, and the process aborts with
+tensors) when it finishes, which can be after the call has returned. If the caller has dropped the
+tensor by then, the worker thread frees it, and freeing a tensor that has a Python object needs the
+GIL. When that moment falls inside interpreter shutdown the thread cannot take the GIL: Python ends
+it (``pthread_exit``), the unwinding meets a ``noexcept`` destructor, and the process aborts with
 "terminate called without an active exception" after all its work is done.
 
 So autoaccum holds every tensor it hands to a collective until the backend's reference is gone (the

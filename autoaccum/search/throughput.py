@@ -2,28 +2,23 @@
 
 A measurement runs ``warmup_steps`` complete accumulated optimizer steps through an ``OOMGuard``
 (the optimizer state appears in the first, so the peak is in the second or later), then times
-``measure_steps`` more and reports samples/s from the fastest of them: every step covers the same global batch, and contention on a shared machine only ever
-slows a step, so the fastest is the truest reading (the probe and ``timeit`` do the same).
+``measure_steps`` more and reports samples/s from the fastest of them: every step covers the same
+global batch, and contention on a shared machine only ever slows a step, so the fastest is the
+truest reading (the probe and ``timeit`` do the same).
 
 The guard must not rescue a configuration: the first OOM -- or any shrink of the plan, such as
-allocator thrashing on CUDA -- makes the configuration infeasible (status ``oom``) instead of
-being replayed at a smaller micro-batch. A run whose peak is above the usable budget
-(``budget * (1 - headroom)``) is ``over_budget``.
+allocator thrashing on CUDA -- makes it infeasible (status ``oom``) instead of being replayed at a
+smaller micro-batch. A run that peaks above the usable budget (``budget * (1 - headroom)``) is
+``over_budget``. Memory is read from the CUDA allocator on CUDA, and elsewhere from the tracked
+counter with an emulated budget of the usable bytes, which raises an OOM where a small device
+would fail. The counter covers the warm-up steps only: its per-op Python hook would slow small
+micro-batches more than large ones and bias the timed ranking.
 
-Where memory is counted: on CUDA the allocator's peak (``max_memory_allocated``); on any other
-device the tracked counter with an emulated budget of the *usable* bytes, so an allocation past
-it raises ``torch.OutOfMemoryError`` where a small device would fail. The warm-up steps run under
-the counter; the timed steps run without it (its per-op Python hook would otherwise slow small
-micro-batches more than large ones and bias the ranking). The global batch is built once,
-outside the counter, as a device's host-side data loader would hold it.
-
-Process-wide effects of a measurement: after a failed one (and after every one on CUDA) memory is
-released with ``autoaccum.memory.recovery.release_memory``: a full garbage collection and, on CUDA,
-``torch.cuda.empty_cache()``, which returns the cached blocks of the whole process to the driver.
-While the trial's guard is built, warnings are silenced with ``warnings.catch_warnings`` (the
-``warnings`` filters are shared by the process's threads). The guard's plan-change warnings are
-switched off for the trial's guard alone (``OOMGuard(log_changes=False)``); the
-``autoaccum.step.guard`` logger is not touched. Knobs: see ``autoaccum.search.knobs``.
+Process-wide effects: after a failed measurement (and after every one on CUDA) memory is released
+(``autoaccum.memory.recovery.release_memory``: a full garbage collection and, on CUDA,
+``torch.cuda.empty_cache()`` for the whole process); warnings are silenced while the trial's guard
+is built (``warnings.catch_warnings``, whose filters the process's threads share). The trial's
+guard logs no plan changes (``OOMGuard(log_changes=False)``). Knobs: ``autoaccum.search.knobs``.
 """
 
 from __future__ import annotations

@@ -134,16 +134,11 @@ class MemoryConfig:
         precision: ``fp32``, ``bf16`` (autocast) or ``fp16`` (autocast + GradScaler).
         max_grad_norm: clip the global gradient norm once per step.
         nonfinite: a step whose gradients (or loss) hold inf/NaN, found before ``optimizer.step()``:
-            ``"stop"`` (default) raises ``NonFiniteError`` naming the step, with the weights,
-            optimizer state and scheduler of the step before; ``"skip"`` skips it and counts it
-            (``FitResult.skipped_steps``, ``"skipped"`` in the metrics file), as the fp16
-            GradScaler does. Either way fit stops after ``MAX_SKIPPED_STEPS`` (25) skipped steps
-            in a row.
+            ``"stop"`` (default) raises ``NonFiniteError`` with nothing stepped; ``"skip"`` skips and
+            counts it (``FitResult.skipped_steps``), as the fp16 GradScaler does. Either way fit
+            stops after ``MAX_SKIPPED_STEPS`` (25) skipped steps in a row.
         grow: how the guard grows the micro-batch back after an OOM (``OOMGuard(grow=...)``):
-            ``auto`` (default): after calm steps, straight to the largest micro-batch predicted to
-            fit in the memory free now (the probe's model, the steps run, the meter's limit) where
-            memory can be read -- on CUDA, and under ``budget=`` elsewhere; otherwise no growth
-            unless ``grow_after`` is given (then blind doubling). ``model``, ``double``, ``off``.
+            ``auto`` (default), ``model``, ``double`` or ``off``.
         grow_after: calm steps before the guard grows back (default 2).
         overlap: under torch.distributed, whether the gradient all-reduce runs during the last
             micro-batch's backward (``OOMGuard(overlap=...)``): ``off`` (default), or ``on``

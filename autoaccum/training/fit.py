@@ -66,10 +66,8 @@ class FitResult:
             ``nonfinite="skip"``), counted in ``optimizer_steps`` too (their samples were consumed).
         final_loss: the last step's loss (sample- or token-weighted; after a resume of a finished run,
             the checkpoint's).
-        losses: the loss of each step this call ran: steps ``optimizer_steps - len(losses) + 1`` to
-            ``optimizer_steps`` (after a resume, the steps after the checkpoint). A checkpoint keeps
-            only the last loss, so that its size does not grow with the run; ``log_file`` holds
-            every step's loss, each step once across resumes.
+        losses: the loss of each step this call ran (after a resume, the steps after the
+            checkpoint); ``log_file`` holds every step's loss, each step once across resumes.
         micro_steps: each step's micro-steps, for the steps in ``losses`` (with a token budget they
             follow the step's lengths).
         overlapped_steps: steps of this call whose gradient all-reduce ran during the last backward
