@@ -8,9 +8,9 @@ plan with the fewest micro-steps predicted to fit in what is free now (``grow="m
 the guard double blindly (``grow="double"``, or ``"auto"`` with ``grow_after`` where no meter knows
 the limit). It holds no plan and talks to no other rank: the guard agrees the plan and records it.
 
-The rules (``fits``): a size does not fit where a growth to it or a smaller size failed with as much
-room as there is now; it fits where it ran clean with no more room than now; otherwise its predicted
-rise must stay within the usable part of the limit. The predicted rise of a size not run
+The rules (``fits``): a size does not fit where a growth to it or to a smaller size failed with no
+less room than there is now; it fits where it ran clean with no more room than now; otherwise its
+predicted rise must stay within the usable part of the limit. The predicted rise of a size not run
 (``predicted_rise``) is the largest of: the line through the sizes run (the rises failed growths
 reached count as lower bounds), the nearest smaller size plus the probe model's bytes per sample,
 and -- with nothing else to go by, or once a growth past that size failed -- that size's rise
