@@ -1,6 +1,8 @@
 """The command line: ``autoaccum probe`` (and ``autoaccum search`` with the search extra).
 
-Only this module prints. ``--json`` keeps stdout for one JSON document; logs go to stderr.
+Only this module prints. ``--json`` keeps stdout for one JSON document; logs go to stderr. The
+built-in demo task (``TinyGPT`` on synthetic tokens) lives here too, so that the probe runs without a
+task of the user's.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from autoaccum.errors import DoesNotFitError
 from autoaccum.plan.task import Task, load_task
 from autoaccum.precision import PRECISIONS
 from autoaccum.probe.report import REPORT_VERSION, ProbeReport
-from autoaccum.probe.run import plan_step_times, probe
+from autoaccum.probe.choice import plan_step_times
+from autoaccum.probe.run import probe
 from autoaccum.units import format_bytes, parse_bytes
 from autoaccum.validate import check_headroom, resolve_device
 
@@ -269,8 +272,7 @@ if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
 
 
-
-
+# -- the built-in demo: a small GPT-style transformer on synthetic tokens (``demo_task``) ---------------
 class _Block(nn.Module):
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()

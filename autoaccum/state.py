@@ -54,11 +54,10 @@ def _plain(t: torch.Tensor) -> bool:
 
 def _host_copy(t: torch.Tensor, queued: set[int] | None) -> torch.Tensor:
     """A host copy of ``t``. With ``queued`` (a set), a CUDA tensor goes to page-locked memory without waiting and
-    its device is added to ``queued``; the caller synchronises once (``_synchronize``). A copy to pageable
-    memory is staged through the driver's buffers and faults in every new page: for the 537 MB of a
-    134M-parameter MLP on an H200, 0.31-0.33 s against 0.17-0.19 s page-locked, and the parameters' way back 56-62
-    ms against 10 ms (benchmarks/RESULTS.md, "Cold probe on a GPU"). Where pinning fails, and for tensor
-    subclasses (DTensor), the copy is pageable and done on return."""
+    its device is added to ``queued``; the caller synchronises once (``_synchronize``). Page-locked because a
+    copy to pageable memory is staged through the driver's buffers and faults in every new page, which is
+    slower both ways. Where pinning fails, and for tensor subclasses (DTensor), the copy is pageable and done
+    on return."""
     t = t.detach()
     if queued is not None and _pinnable(t):
         try:
@@ -206,13 +205,10 @@ def restore(snapshot: TrainingSnapshot, model: torch.nn.Module, optimizer: torch
 class WeightsCopy:
     """A copy of a model's parameters made where they are (on their device), for the probe's warm-up: its two
     optimizer steps change them, and nothing after it should (forward and backward passes only), so the copy
-    is put back when the warm-up ends and given up. On a GPU this is a device-to-device copy instead of pinning
-    the weights' size of host memory and giving it back: for a 134M-parameter MLP on an H100 the probe's
-    snapshot went from 1.07-1.36 steps of 0.29 s to 0.01 (benchmarks/RESULTS.md, "Cold probe on a GPU: the
-    weights copied on the device"). It takes device memory while it
-    lives, which the probe subtracts from its readings (``autoaccum.probe.run.stepper``). Frozen parameters are copied
-    too: a forward may write them (``nn.Embedding(max_norm=...)`` renormalises its rows in place), and nothing
-    else holds them.
+    is put back when the warm-up ends and given up. On a GPU this is a device-to-device copy, so the probe
+    need not pin the weights' size of host memory. It takes device memory while it lives, which the probe
+    subtracts from its readings (``autoaccum.probe.stepper``). Frozen parameters are copied too: a forward
+    may write them (``nn.Embedding(max_norm=...)`` renormalises its rows in place), and nothing else holds them.
 
     A model's forward may write its own parameters (a max-norm constraint, weight clipping). Such writes are
     seen two ways: ``differs`` compares the values with the copy while it is held, bit for bit (writes
@@ -264,7 +260,7 @@ class WeightsCopy:
 
     def put_back(self) -> None:
         """Copy the saved values into the parameters (bit for bit), give the copy up, and watch the version
-        counters from here. Again: nothing."""
+        counters from here. A second call does nothing."""
         if self.copies is None:
             return
         with torch.no_grad():

@@ -16,7 +16,8 @@ from autoaccum.probe import stepper as stepper_module
 from autoaccum import AutoAccumError, DoesNotFitError, Plan, ProbeReport, TaskError, probe
 from autoaccum.cli import TinyGPT, synthetic_tokens, token_loss
 from autoaccum.memory import TrackedMemory
-from autoaccum.probe.run import RETIME_ROUNDS, THROUGHPUT_TIE, Candidate, choose_micro_batch, plan_step_times, time_slope
+from autoaccum.probe.choice import RETIME_ROUNDS, THROUGHPUT_TIE, choose_micro_batch, plan_step_times, time_slope
+from autoaccum.probe.report import Candidate
 from autoaccum.probe.stepper import Stepper
 from _probe_models import (
     convnet, gpt_batch, gpt_loss, image_batch, largest_fitting, measure_phases, mlp, mlp_batch, mlp_loss, runs_under,
@@ -262,7 +263,7 @@ def test_probe_leaves_no_trace():
 def test_probe_that_times_two_sizes_again_leaves_no_trace(monkeypatch):
     """When speed picks a size below the largest that fits, both are timed again: inside the restore.
     (A regression: the extra passes ran after it, leaving gradients, statistics and RNG moved.)"""
-    probe_module = importlib.import_module("autoaccum.probe.run")
+    probe_module = importlib.import_module("autoaccum.probe.choice")
     choose, calls = probe_module.choose_micro_batch, []
 
     def first_pick_the_smallest(candidates, share=None, min_micro_batch=1):
@@ -546,7 +547,7 @@ def test_a_model_that_writes_its_parameters_in_every_forward_is_measured_from_ho
     counters; through ``.data``, the values against the copy), and the probe measures again with the weights in
     host memory -- no trace, and the first try's pass counted. Negative control: unseen, the probe leaves the
     renormalised weights behind."""
-    monkeypatch.setattr(importlib.import_module("autoaccum.probe.run"), "RETIME_ROUNDS", 0)  # passes by memory alone
+    monkeypatch.setattr(importlib.import_module("autoaccum.probe.choice"), "RETIME_ROUNDS", 0)  # passes by memory alone
     on_host = _probe_steps_from_host(monkeypatch, through_data=through_data)
     made = _copies_made(monkeypatch)
     model, optimizer = _max_norm_net(through_data=through_data)
@@ -908,7 +909,7 @@ def test_a_size_that_runs_out_of_memory_when_timed_again_is_dropped_from_the_cho
     fitting and chooses among the rest, instead of raising out of probe(). Here the budget shrinks
     between the first passes and the retiming, and speed is made to pick the smaller size first (so
     that both are timed again). Before, the OOM escaped."""
-    probe_module = importlib.import_module("autoaccum.probe.run")
+    probe_module = importlib.import_module("autoaccum.probe.choice")
     with contextlib.ExitStack() as stack:
         stepper = _stepper(stack, mlp())
         stepper.warm_up(1)
@@ -925,6 +926,6 @@ def test_a_size_that_runs_out_of_memory_when_timed_again_is_dropped_from_the_cho
             return real(*args)
 
         monkeypatch.setattr(probe_module, "choose_micro_batch", speed_picks_8_first)
-        chosen = probe_module._choose(stepper, 4096, 1)
+        chosen = probe_module.choose(stepper, 4096, 1)
     assert stepper.current[16].status == "oom" and stepper.ooms == 1
     assert chosen in (1, 8) and stepper.current[8].status == "ok"  # by speed among the sizes that still fit

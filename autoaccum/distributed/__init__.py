@@ -1,56 +1,34 @@
-"""Many processes: the guard and fit on ``torch.distributed`` (DDP or FSDP2), one process per device.
+"""Many processes: the guard and ``fit`` on ``torch.distributed`` (DDP or FSDP2), one process per device.
 
-Where the ranks talk, per attempt of an optimizer step, in the guard's order::
+Per attempt of an optimizer step the ranks talk at fixed points only, in the guard's order::
 
-    before        gather(row)           samples, micro-steps, items of a loss that   all_reduce SUM
-                                        counts them up front, overlap votes, thrash  (waited for)
-                                        (``autoaccum.step.sync``)
-    window        no_sync():            every micro-batch's forward + backward       no collective at all
-    after it      agree(status)         OK < OOM < ERROR, the worst wins             all_reduce MAX
-                  reduce_gradients()    gradients summed once                        all_reduce SUM (FSDP2:
-                                                                                     reduce-scatter SUM)
-                  sum_items(scalars)    loss sum, item (token) count                 all_reduce SUM
+    before the window  gather(row)         samples, micro-steps, items, overlap vote, thrash   all_reduce SUM
+    the window         no_sync()           every micro-batch's forward + backward              none
+    after the window   agree(status)       OK < OOM < ERROR, the worst wins                    all_reduce MAX
+    after OK           reduce_gradients()  gradients summed once        all_reduce SUM (FSDP2: reduce-scatter)
+                       sum_items(scalars)  loss sum, item (token) count                        all_reduce SUM
 
-The gloo hazard (a rank that runs out of memory inside a synchronising backward enters the flag
-all-reduce while the other rank is inside its gradient all-reduce; the two collectives pair up and
-both processes die) cannot happen in this protocol: no micro-batch, not even the last, runs a
-gradient collective; the OOM flag is exchanged after the window, and gradients are reduced once,
-after every rank has said OK. A rank that fails can only be waiting in ``agree``, where every other
-rank is headed too.
+No micro-batch, not even the last, runs a gradient collective: under DDP the window is
+``model.no_sync()`` (forward included); under FSDP2 every FSDP module is unsharded once at the
+window's start and reduce-scatters once after the flag (``fsdp2``); a plain module is treated like
+DDP, broadcast from rank 0 when the sync is built. So when the status is agreed no gradient
+collective can be in flight: a rank that ran out of memory can only be waiting in ``agree``, where
+every other rank is headed too, and an OOM on one rank becomes a shrink on every rank. Gradients are
+summed, not averaged: each micro-batch is weighted by its share of the global batch. With
+``OOMGuard(overlap="on")`` (experimental, ``overlap``) the buckets are all-reduced during the last
+backward instead, and the flag follows every bucket.
 
-``OOMGuard(overlap="on")`` (experimental, DDP and plain modules, ``autoaccum.distributed.overlap``)
-all-reduces the buckets during the last micro-batch's backward instead; after it every rank sends
-the buckets it has not sent (zeros after a failure), waits for all of them, and only then exchanges
-the flag: every rank issues the same collectives in the same order whatever its micro-batches did.
-
-- **DDP**: the window is ``model.no_sync()`` (forward included, so DDP neither prepares its reducer
-  nor broadcasts buffers), gradients hold local sums, and ``DistributedSync.reduce_gradients``
-  all-reduces them in flat buckets (SUM: the guard weights each micro-batch by its share of the
-  *global* batch, so the sum over ranks is the full-batch gradient; DDP's own averaging never runs).
-  Buffers (BatchNorm statistics) are then broadcast from rank 0, as DDP does before a forward.
-- **A plain module** (not wrapped) is treated like DDP; its parameters and buffers are broadcast from
-  rank 0 when the sync is built, so every rank starts equal.
-- **FSDP2** (``fully_shard``) all-gathers parameters inside forward and backward, which would put
-  collectives in the window. So at the window's start every FSDP module is unsharded once (one
-  all-gather, before any user code), resharding after forward/backward is switched off for the
-  window, gradients accumulate unsharded (as under FSDP2's own ``set_requires_gradient_sync(False)``),
-  and after the flag exchange FSDP2 reduce-scatters them once (SUM) and reshards. Optimizer state
-  stays sharded; during accumulation each rank holds the full parameters and gradients.
-
-What is not agreed on: an OOM in the FSDP2 all-gather at the window's start (memory that does not
-depend on the micro-batch), a collective the model runs in its own forward (SyncBatchNorm: warned
-about; such a model also needs the same number of forwards on every rank), an OOM in clipping or
-``optimizer.step()`` (the guard raises ``OptimizerStepOOMError`` on that rank), and an error in your
-code between steps. There one rank stops while the others wait in their next collective: under
-torchrun, the agent ends them when the first process exits; otherwise the process group's timeout
-does (``init_from_env`` sets 5 minutes; on NCCL the watchdog then aborts the process).
+Not agreed on: an OOM in FSDP2's all-gather at the window's start, a collective the model runs in its
+own forward (SyncBatchNorm, warned about), an OOM in clipping or ``optimizer.step()``, an error in
+the caller's code between steps. Then the other ranks wait in their next collective until torchrun's
+agent ends them or the process group's timeout does (``init_from_env`` sets ``DEFAULT_TIMEOUT_S``,
+300 s; on NCCL the watchdog then aborts the process).
 
 The package, by job: ``process_group`` (where this process stands, torchrun's environment, the
 small all-reduces, one plan for every rank), ``models`` (DDP, FSDP2 or plain; wrapping; full state
-for checkpoints), ``ddp`` (``DistributedSync`` and the bucketed gradient all-reduce),
-``overlap`` (the experimental all-reduce during the last backward), ``fsdp2`` (FSDP2's side of the
-accumulation window), ``settle`` (every collective returns only once gloo's worker thread has let go
-of its tensors, so nothing is freed on a worker thread during interpreter shutdown).
+for checkpoints), ``ddp`` (``DistributedSync`` and the bucketed gradient all-reduce), ``overlap``
+(the experimental all-reduce during the last backward), ``fsdp2`` (FSDP2's side of the window),
+``settle`` (collectives that return only once gloo's worker thread has let go of their tensors).
 """
 
 from __future__ import annotations

@@ -222,7 +222,7 @@ class DistributedSync:
 
     def _overlap_for(self, params: list[torch.nn.Parameter]) -> _OverlappedReduce | None:
         if self._fsdp is not None:
-            return None  # FSDP2 keeps today's protocol: its reduce-scatter runs inside FSDP2
+            return None  # FSDP2 is not overlapped: its reduce-scatter runs inside FSDP2, after the flag
         overlap = self._overlap
         if overlap is None or overlap.ids != tuple(map(id, params)):
             # backward makes the last layers' gradients first: buckets in reverse order, as DDP's

@@ -62,7 +62,7 @@ class _FSDP2Window:
         """Forward passes without gradients and without collectives: the same unsharded window (one
         all-gather at its start), resharded at its end. Without it each module's forward all-gathers,
         and an OOM in mid-forward on one rank sends it to the status exchange while the others wait
-        in the next module's all-gather (seen: both ranks stuck until the process group's timeout)."""
+        in the next module's all-gather, until the process group's timeout."""
         self._open()
         try:
             yield

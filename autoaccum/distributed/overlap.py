@@ -1,42 +1,32 @@
 """The gradient all-reduce overlapped with the last micro-batch's backward (``OOMGuard(overlap="on")``).
 
-**Experimental.** Verified on gloo (CPU) with 1, 2 and 4 ranks, and on NCCL in a world of one; not
-yet run on NCCL across GPUs. The default (``overlap="off"``) reduces the gradients after every rank
-said OK, with no collective inside the accumulation window (``autoaccum.distributed``).
+**Experimental**, and not run by the project on NCCL across GPUs. The default (``overlap="off"``)
+reduces the gradients after every rank said OK, with no collective inside the accumulation window
+(``autoaccum.distributed``).
 
-gloo and NCCL pair collectives by their order on the group: the k-th collective one rank issues
-meets the k-th of every other rank. The overlapped attempt keeps that order whatever its last
-micro-batch does:
+gloo and NCCL pair collectives by their order on the group (the k-th collective of one rank meets
+the k-th of every other), so an overlapped attempt issues the same collectives in the same order
+whatever its last micro-batch does. During the last backward each bucket is all-reduced
+asynchronously once its gradients are final, strictly in bucket order. After the micro-batches
+(every backward done, or an OOM or error anywhere) each rank issues the buckets it has not issued
+yet, in the same order (its local sums, or zeros after a failure), and waits for all of them. Only
+then is the flag exchanged, in one float64 all-reduce of its own: OOM or error, a bucket that left
+too early, which parameters have a gradient, and the step's scalars (loss sum, item count, kinds of
+loss). If any rank said OOM or ERROR, every rank drops the sums (the gradients themselves were never
+touched: the buffers are separate) and the guard replays the step, not overlapped; if all said OK,
+the sums become the gradients as views of the flat buffers (as DDP's ``gradient_as_bucket_view``).
+The buffers stay allocated from step to step; a replay after an OOM gives them back first.
 
-- during the last micro-batch's backward each bucket of gradients is all-reduced asynchronously
-  as soon as every gradient in it is final (below), buckets strictly in their fixed order;
-- after the micro-batches, whatever happened (every backward done, or an OOM or error in any
-  forward, loss or backward), each rank issues the buckets it has not issued yet, in the same order
-  (its local sums, or zeros after a failure), and waits until every one is done;
-- only then is the flag exchanged, in one float64 all-reduce of its own: whether this rank ran out
-  of memory or failed, whether a bucket left before its gradients were final, which parameters have
-  a gradient, and the step's scalars (loss sum, item count, kinds of loss). No gradient collective
-  is in flight then (DESIGN.md, Scale).
-
-If any rank said OOM (or ERROR), every rank drops the sums (its own gradients were never touched:
-the buffers are separate) and the guard replays the step, not overlapped. If every rank said OK, the
-sums become the gradients as views of the flat buffers (as DDP's ``gradient_as_bucket_view``: no
-copy back), until the next step clears them. The buffers (the gradients' bytes) stay allocated from
-step to step while overlapping; a replay after an OOM gives them back first.
-
-**How a bucket is known to be final.** A hook (post-accumulate-grad) on one parameter per bucket: at
-first the bucket's last, which a backward makes last where it makes gradients in about the reverse
-of the parameters' order (the order DDP's buckets assume). The bucket leaves once every watched
-parameter of it (and every earlier bucket) has its gradient for the step. What it held is recorded:
-each gradient tensor and its version counter. After the backward, a gradient of a sent bucket that
-is another tensor now, or whose version moved (the backward added to it later), shows that the
-bucket left before it was final: the flag tells every rank, the sums are dropped and the step's
-gradients are reduced the default way (its local gradients are intact), and that parameter is
-watched from then on. A watched parameter whose gradient changes after its hook fired (accumulated
-twice in one backward, e.g. a weight shared by two reentrant checkpointed regions, or written by a
-later hook) cannot be watched: the step is reduced the default way and overlap is switched off for
-this sync, with a warning. Not seen: a write to a sent gradient that bypasses its version counter
-(``p.grad.data.mul_()`` in another parameter's hook); such a hook needs ``overlap="off"``.
+A bucket is final once a post-accumulate-grad hook has fired on each of its watched parameters (at
+first its last one: a backward makes gradients in about the reverse of the parameters' order, as
+DDP's buckets assume) and every earlier bucket has left. What each bucket sent during the backward
+held is recorded (each gradient tensor and its version counter); after the backward, a change shows
+that it left too early: the flag tells every rank, the step's gradients are reduced the default way,
+and that parameter is watched from then on. A watched parameter whose gradient changes after its
+hook fired (accumulated twice in one backward, e.g. a weight shared by two reentrant checkpointed
+regions, or written by a later hook) cannot be watched: overlap is switched off for this sync, with
+a warning. A write that bypasses the version counter (``p.grad.data.mul_()`` in another parameter's
+hook) is not seen; such a hook needs ``overlap="off"``.
 """
 
 from __future__ import annotations
@@ -218,7 +208,7 @@ class _OverlappedReduce:
             self._hooks, self._sent, self._works = [], [], []  # a work handle holds its tensor: dropped first
             settle, self._settle = self._settle, None
             if settle is not None:
-                settle.__exit__(None, None, None)  # returns once gloo's worker let go of every buffer (settle.py)
+                settle.__exit__(None, None, None)  # returns once gloo's worker let go of every buffer (see settle)
             self._keep, self.active = None, False
         flags = [status == 1, status == 2, twice or bool(changed), twice] + [p.grad is not None for p in self.params]
         counts, sums = self._exchange_flag(flags, scalars)

@@ -72,12 +72,10 @@ def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT
     Args:
         backend: ``nccl``, ``gloo``, ... (default: as above).
         timeout_s: how long a collective waits for the other ranks before it fails (default
-            ``DEFAULT_TIMEOUT_S``, 5 minutes, instead of torch's 10 for NCCL and 30 for gloo). A
-            rank that hangs (or dies outside torchrun, whose agent ends the other workers at once)
-            then ends the others with an error within this time: on gloo the waiting call raises;
-            on NCCL the watchdog aborts the process after logging the collective that timed out.
-            Raise it where one rank legitimately works alone for longer (a long evaluation or
-            checkpoint write on rank 0).
+            ``DEFAULT_TIMEOUT_S``, 300 s, instead of torch's 10 minutes for NCCL and 30 for gloo),
+            so that a rank that hangs ends the others within it (gloo: the waiting call raises;
+            NCCL: the watchdog aborts the process). Raise it where one rank legitimately works
+            alone for longer (a long evaluation or checkpoint write on rank 0).
 
     Returns:
         True if this call initialised the group; False when one existed or the variables are not set.
@@ -122,7 +120,7 @@ def _all_reduce(values: torch.Tensor, op: Any, group: Any = None) -> torch.Tenso
     """``values`` reduced over the group with ``op``, returned on the device and in the dtype they came in."""
     device = _comm_device(group)
     work = values.detach().to(device, copy=True)
-    with settled(work):  # returns once gloo's worker thread has let go of `work` (see settle.py)
+    with settled(work):  # returns once gloo's worker thread has let go of `work` (``autoaccum.distributed.settle``)
         dist.all_reduce(work, op=op, group=group)
     return work.to(values.device)
 
@@ -133,12 +131,12 @@ def gather_to_rank_zero(obj: Any, group: Any = None) -> list[Any] | None:
 
     Not ``dist.gather_object``: it runs its all-gather and gather on tensors it makes and drops inside
     the call, so gloo's worker thread may be the last to hold them and free them later, during
-    interpreter shutdown (the exit-time abort, see settle.py). A trailing settled collective would not
-    prove them gone either: gloo runs collectives on a pool of worker threads, and one thread finishing
-    a later collective says nothing of another still letting go of an earlier one. So the same two
-    steps run here on tensors this function holds until the worker let go of them: the pickled sizes
-    (one settled all-reduce, each rank's size in its own slot), then one gather of the payloads padded
-    to the largest size.
+    interpreter shutdown (the exit-time abort, ``autoaccum.distributed.settle``). A trailing settled
+    collective would not prove them gone either: gloo runs collectives on a pool of worker threads,
+    and one thread finishing a later collective says nothing of another still letting go of an
+    earlier one. So the same two steps run here on tensors this function holds until the worker let
+    go of them: the pickled sizes (one settled all-reduce, each rank's size in its own slot), then
+    one gather of the payloads padded to the largest size.
     """
     if not is_distributed() or dist.get_world_size(group) == 1:
         return [obj]

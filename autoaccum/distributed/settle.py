@@ -3,11 +3,10 @@ collective's tensors before going on.
 
 Why. gloo runs each collective on a worker thread of the process group. A collective call returns
 when its result is ready, but the worker drops its own reference to the collective (and so to its
-tensors) a moment later: in about a third of the calls on a loaded 2-core machine (measured with
-``Tensor._use_count``; ``benchmarks/exit_aborts.py``). If the caller has dropped the tensor by then,
-the worker thread frees it, and freeing a tensor that has a Python object needs the GIL. When that
-moment falls inside interpreter shutdown the thread cannot take the GIL: Python ends it
-(``pthread_exit``), the unwinding meets a ``noexcept`` destructor, and the process aborts with
+tensors) when it finishes, which can be after the call has returned. If the caller has dropped the
+tensor by then, the worker thread frees it, and freeing a tensor that has a Python object needs the
+GIL. When that moment falls inside interpreter shutdown the thread cannot take the GIL: Python ends
+it (``pthread_exit``), the unwinding meets a ``noexcept`` destructor, and the process aborts with
 "terminate called without an active exception" after all its work is done.
 
 So autoaccum holds every tensor it hands to a collective until the backend's reference is gone (the
@@ -53,10 +52,16 @@ def settled(*tensors: torch.Tensor, timeout_s: float = SETTLE_TIMEOUT_S) -> Iter
     """Run collectives on ``tensors`` (and on what ``keep`` is given) and return only once the
     process group's worker threads no longer hold any of them.
 
-    Yields ``keep``: ``keep(t)`` notes ``t`` (its use count now) and returns it, for tensors made
-    inside the block. On leaving, waits until every noted CPU tensor's use count is back to what it
-    was when noted; after ``timeout_s`` it stops waiting with a warning (the collective is done; only
-    an abort at exit stays possible).
+    On leaving, waits until every noted CPU tensor's use count is back to what it was when noted.
+
+    Args:
+        tensors: the tensors the block's collectives run on, known before it.
+        timeout_s: how long to wait; then it stops waiting with a warning (the collective is done;
+            only an abort at exit stays possible).
+
+    Yields:
+        ``keep``: ``keep(t)`` notes ``t`` (its use count now) and returns it, for tensors made inside
+        the block.
     """
     noted: list[tuple[torch.Tensor, int]] = []
 

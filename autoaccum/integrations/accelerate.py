@@ -1,12 +1,12 @@
 """The guard for an Accelerate loop: exact global batches, OOM replay, your own optimizer step.
 
-A typical Accelerate loop, changed in three lines::
+A typical Accelerate loop, changed in two places::
 
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     guard = guard_for(accelerator, model, optimizer)          # + this line
     for batch in loader:                                      # each batch: this process's global share
-        guard.accumulate(batch, loss_fn)                      # was: with accelerator.accumulate(model):
-                                                              #          accelerator.backward(loss_fn(model, batch))
+        guard.accumulate(batch, loss_fn)                      # instead of: with accelerator.accumulate(model):
+                                                              #     accelerator.backward(loss_fn(model, batch))
         accelerator.clip_grad_norm_(model.parameters(), 1.0)  # unchanged: Accelerate's own step
         optimizer.step()
         scheduler.step()
@@ -18,32 +18,21 @@ num_items)`` for token-level losses. The loader's batch is this process's share 
 one, cuts every batch into micro-batches that fit, and replays a step that runs out of memory on the
 same samples with a smaller micro-batch. Afterwards ``.grad`` holds the global batch's gradient.
 
-What it takes from Accelerate, and why:
+What it takes from Accelerate: the model as ``accelerator.prepare`` returned it (with several
+processes a DDP wrapper, whose ``no_sync`` is the guard's window; Accelerate's ``GradientState`` is
+left as outside ``accelerator.accumulate``, so the ``AcceleratedOptimizer`` steps and zeroes as
+usual); the wrapped torch optimizer, whose gradients the guard clears before each step and on a
+replay; and ``accelerator.scaler`` (fp16), with which the guard scales every micro-batch's loss as
+``accelerator.backward`` does. Autocast is Accelerate's (the prepared model's forward).
 
-- the model as ``accelerator.prepare`` returned it. Several processes: a torch DDP wrapper, used as
-  the guard's window (``no_sync``, forward included) and summed once per step, after every process
-  said its micro-batches ran (``autoaccum.distributed``); Accelerate's ``GradientState`` is left as
-  it is (``sync_gradients`` True, as outside ``accelerator.accumulate``), so the
-  ``AcceleratedOptimizer`` steps and zeroes as usual;
-- the ``AcceleratedOptimizer``'s torch optimizer, whose gradients the guard clears before each step
-  and on a replay (the wrapper clears only when ``sync_gradients`` is set);
-- ``accelerator.scaler`` (fp16): the guard scales every micro-batch's loss with it, as
-  ``accelerator.backward`` does, so ``accelerator.clip_grad_norm_`` unscales and the
-  ``AcceleratedOptimizer`` steps through it unchanged. Autocast is Accelerate's (the prepared
-  model's forward).
-
-``accelerator.backward`` would divide each loss by ``gradient_accumulation_steps``; the guard does
-the accumulation, so that must be 1 (refused otherwise, also where it is changed during the run, at
-the next step), and ``accelerator.accumulate`` is not used.
-Not supported: DeepSpeed, Megatron-LM and XLA (their engines own backward). A prepared loader puts
-each global batch on the device whole; ``accelerator.prepare(..., loader, device_placement=[..., False])``
-leaves it in host memory, and the guard moves one micro-batch at a time. The last, shorter batch of
-an epoch is one exact step on the samples it holds (Accelerate's own accumulation would divide each of
-its ``j`` remaining micro-batches by ``gradient_accumulation_steps`` ``k``: ``j/k`` of their mean
-gradient). With ``even_batches``
-(Accelerate's default) the last batch of an epoch is filled up with samples from its start on
-every process, as in any Accelerate loop; ``Accelerator(even_batches=False)`` or a ``drop_last``
-loader avoid it.
+``gradient_accumulation_steps`` must be 1 (``accelerator.backward`` would divide each loss by it;
+refused at the start and at any step where it changed). Not supported: DeepSpeed, Megatron-LM and
+XLA (their engines own backward). A prepared loader puts each global batch on the device whole;
+``accelerator.prepare(..., loader, device_placement=[..., False])`` leaves it in host memory, and the
+guard moves one micro-batch at a time. The last, shorter batch of an epoch is one exact step on the
+samples it holds; with ``even_batches`` (Accelerate's default) it is filled up with samples from the
+epoch's start on every process, as in any Accelerate loop (``Accelerator(even_batches=False)`` or a
+``drop_last`` loader avoid it).
 """
 
 from __future__ import annotations
@@ -76,19 +65,21 @@ def guard_for(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch
 
     Args:
         accelerator: the ``Accelerator`` that prepared them (``gradient_accumulation_steps`` 1).
-        model, optimizer: as ``accelerator.prepare`` returned them.
+        model: as ``accelerator.prepare`` returned it.
+        optimizer: as ``accelerator.prepare`` returned it.
         target_batch: samples per optimizer step over all processes; default the first batch's size
             times the number of processes.
-        plan, micro_batch: a plan (``Plan``, probe report, plan file) or the largest micro-batch to
-            start with, instead of probing at the first batch.
-        budget, headroom: what the probe plans for (default: the device's free memory; on CPU under
+        plan: a ``Plan``, probe report or plan file, instead of probing at the first batch.
+        micro_batch: the largest micro-batch to start with, instead of probing at the first batch.
+        budget: what the probe plans for (default: the device's free memory; on CPU under
             ``autoaccum.emulated_budget``, that budget).
-        **guard_options: for ``OOMGuard``: ``grow_after``, and for
-            ``guard.step`` (which also steps the optimizer) ``scheduler`` and ``max_grad_norm``.
+        headroom: the fraction of the budget the probe keeps free.
+        **guard_options: for ``OOMGuard``: ``grow_after``, and for ``guard.step`` (which also steps
+            the optimizer) ``scheduler`` and ``max_grad_norm``.
 
     Returns:
-        A ``LazyGuard``: ``accumulate(batch, loss_fn)``
-        (Accelerate steps) or ``step(batch, loss_fn)`` (the guard steps).
+        A ``LazyGuard``: ``accumulate(batch, loss_fn)`` (Accelerate steps) or ``step(batch, loss_fn)``
+        (the guard steps).
 
     Raises:
         ValueError: gradient accumulation configured in Accelerate, or a distributed type whose

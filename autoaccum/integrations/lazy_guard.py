@@ -86,10 +86,12 @@ class LazyGuard:
         target_batch: samples per optimizer step over all ranks; default the first batch's size
             times the world size.
         plan: a ``Plan``, probe report or plan file; or ``micro_batch``; else probed.
-        sync: how ranks agree (default ``sync_for`` ``(model)``).
+        sync: how ranks agree (default ``sync_for(model)``).
         probe_model: the module the probe runs (default: ``model`` unwrapped from DDP: a probe runs
             no collective).
-        budget, headroom, precision: what the probe plans for (``autoaccum.probe``).
+        budget: the memory the probe plans for (default: what the device has free).
+        headroom: the fraction of the budget the probe keeps free.
+        precision: the precision the probe measures under (``fp32``, ``bf16``, ``fp16``).
         check: called before every step (e.g. a framework's accumulation setting still 1); raises to refuse it.
         **guard_options: passed to ``OOMGuard`` (``scaler``, ``autocast_dtype``,
             ``grow``, ``grow_after``, ``max_grad_norm``, ``scheduler``, ``size_fn``, ...; the probe's
@@ -115,16 +117,16 @@ class LazyGuard:
         self._saved: dict[str, Any] | None = None
 
     def accumulate(self, batch: Batch, loss_fn: LossFn, *, partial: bool | None = None) -> AccumulateResult:
-        """``OOMGuard.accumulate <autoaccum.guard.OOMGuard.accumulate>`` (planning first, at the
-        first batch). ``partial`` defaults to "the batch holds fewer samples than this rank's share"
-        (the smaller last batch of an epoch, as the framework's loader yields it)."""
+        """``autoaccum.step.guard.OOMGuard.accumulate``, planning first at the first batch. ``partial``
+        defaults to "the batch holds fewer samples than this rank's share" (the smaller last batch of
+        an epoch, as the framework's loader yields it)."""
         if self.check is not None:
             self.check()
         guard = self.build(batch, loss_fn)
         return guard.accumulate(batch, loss_fn, partial=self._partial(guard, batch) if partial is None else partial)
 
     def step(self, batch: Batch, loss_fn: LossFn, *, partial: bool | None = None) -> StepResult:
-        """``OOMGuard.step <autoaccum.guard.OOMGuard.step>``, planning first at the first batch."""
+        """``autoaccum.step.guard.OOMGuard.step``, planning first at the first batch."""
         if self.check is not None:
             self.check()
         guard = self.build(batch, loss_fn)

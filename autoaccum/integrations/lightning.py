@@ -9,43 +9,30 @@
     trainer.fit(module, loader)
 
 The DataLoader yields global batches (under DDP each process's share: ``batch_size x devices``
-samples per optimizer step); ``accumulate_grad_batches`` stays 1. At the first batch the callback
-probes real steps; it then cuts every global batch into the micro-batches that fit, calls the
-module's own ``training_step`` on each, and replays a step that runs out of memory on the same
-samples with a smaller micro-batch. Lightning keeps the rest: the optimizer step, gradient
-clipping, schedulers (stepped once per optimizer step), logging, validation and checkpoints.
-Changing ``accumulate_grad_batches`` during training (``GradientAccumulationScheduler``, or a
-callback) is refused: at setup for a scheduler, at the batch where it changed otherwise. The last,
-shorter batch of an epoch is one exact step on the samples it holds (Lightning's own accumulation
-divides each of the last window's ``j`` batches by ``accumulate_grad_batches`` ``k``: ``j/k`` of
-their mean gradient).
+samples per optimizer step); ``accumulate_grad_batches`` stays 1 (a change during training is
+refused: at setup for a ``GradientAccumulationScheduler``, else at the batch where it changed). At
+the first batch the callback probes real steps; it then cuts every global batch into micro-batches
+that fit, calls the module's own ``training_step`` on each, and replays a step that runs out of
+memory on the same samples with a smaller micro-batch. Lightning keeps the rest: the optimizer
+step, clipping, schedulers, logging, validation and checkpoints. The last, shorter batch of an
+epoch is one exact step on the samples it holds.
 
-How (the smallest construct Lightning allows): a callback cannot own backward, so for the duration
-of ``fit`` it sets three attributes on the module instance (its class is not touched, and they are
-removed again at the end of training or on an exception):
-
-- ``training_step`` runs ``OOMGuard.accumulate`` on the global batch -- the original
-  ``training_step`` once per micro-batch, each backward owned by the guard -- and returns the
-  step's exact loss, detached;
-- ``backward`` does nothing (the guard did every backward), so Lightning's backward hooks
-  (``on_before_backward``, ``on_after_backward``) see the finished gradient;
-- ``optimizer_zero_grad`` does nothing: Lightning zeroes gradients *after* ``training_step`` and
-  before backward; the guard clears them at the start of every step itself.
-
-Under DDP the guard's window is DDP's ``no_sync`` and gradients are summed once per step
-(``autoaccum.distributed``); DDP's own reducer is kept out by ``require_backward_grad_sync = False``
-on the wrapper while training (restored afterwards), as Lightning itself does for manual optimization.
+A callback cannot own backward, so for the duration of ``fit`` it sets three attributes on the
+module instance (its class is not touched; they are removed at the end of training or on an
+exception): ``training_step`` runs ``OOMGuard.accumulate`` on the global batch (the original once
+per micro-batch) and returns the step's exact loss, detached; ``backward`` and
+``optimizer_zero_grad`` do nothing (the guard did every backward and clears gradients itself), so
+Lightning's backward hooks see the finished gradient. Under DDP the guard's window is ``no_sync``
+and gradients are summed once per step; DDP's reducer is kept out with
+``require_backward_grad_sync = False`` while training, as Lightning does for manual optimization.
 Lightning's fp16 ``GradScaler`` scales every micro-batch's loss; its autocast wraps them.
 
-What it asks of the module: automatic optimization with one optimizer; ``training_step(batch, ...)``
-returns the *mean* loss over the samples of the batch it is given (a tensor, or a dict with
-``"loss"``), from that batch alone; it may be called on part of a batch. For a token-level loss pass
-``AutoAccum(loss_fn=lambda module, batch: (loss_sum, num_tokens))``: the step then divides by the
-tokens of the whole global batch over all ranks. ``self.log`` inside ``training_step`` runs once per
-micro-batch: a per-step value is the last micro-batch's, an epoch mean weights micro-batches by
-their samples. Overrides of ``backward`` or ``optimizer_zero_grad`` are bypassed while it trains.
-Lightning moves each global batch to the device before ``training_step`` (the micro-batches are
-views of it): inputs are usually small next to activations, but they count against the memory.
+What it asks of the module: automatic optimization with one optimizer, and a ``training_step``
+that returns the *mean* loss over the batch it is given (a tensor, or a dict with ``"loss"``), from
+that batch alone. For a token-level loss pass ``AutoAccum(loss_fn=lambda module, batch: (loss_sum,
+num_tokens))``. ``self.log`` inside ``training_step`` runs once per micro-batch (a per-step value is
+the last micro-batch's). Lightning moves each global batch to the device before ``training_step``,
+so its inputs count against the memory.
 """
 
 from __future__ import annotations
@@ -91,7 +78,7 @@ class AutoAccum(pl.Callback):
         budget: memory the probe plans for ("8GiB", bytes); default what the device has free (on CPU
             under ``autoaccum.emulated_budget``, that budget).
         headroom: fraction of the budget kept free, in [0, 1).
-        plan: a ``Plan``, probe report or plan file instead of probing; or
+        plan: a ``Plan``, probe report or plan file, instead of probing.
         micro_batch: the largest micro-batch to start with, instead of probing.
         grow_after: calm steps before the guard grows the micro-batch back after an OOM (default 2;
             where memory can be read -- CUDA, an emulated budget -- it grows to what is predicted

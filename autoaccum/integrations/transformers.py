@@ -4,58 +4,41 @@
 
     from autoaccum.integrations.transformers import AutoAccumTrainer
 
-    trainer = AutoAccumTrainer(model=model, args=args, train_dataset=train, data_collator=collator)  # was Trainer(...)
+    trainer = AutoAccumTrainer(model=model, args=args, train_dataset=train, data_collator=collator)
     trainer.train()
 
-The global batch is the one the arguments describe: ``per_device_train_batch_size x
-gradient_accumulation_steps x world size`` samples per optimizer step. autoaccum probes real steps
-at the first one, cuts each global batch into the micro-batches that fit, and replays a step that
-runs out of memory on the same samples with a smaller micro-batch. The arguments need no change.
+The global batch is the one the arguments describe (``per_device_train_batch_size x
+gradient_accumulation_steps x world size`` samples per optimizer step), and the arguments need no
+change. autoaccum probes real steps at the first global batch, cuts each into micro-batches that
+fit, and replays a step that runs out of memory on the same samples with a smaller micro-batch.
 
-How, and why this hook:
+How: the Trainer runs a copy of the arguments with the whole share in one device batch
+(``per_device_train_batch_size x gradient_accumulation_steps``, ``gradient_accumulation_steps = 1``;
+``trainer.args``), so HF's loop calls ``training_step`` once per optimizer step -- HF's own run at
+``per_device = global``, the reference the tests compare with -- and keeps clipping, the optimizer
+step, the scheduler, logging, evaluation, checkpoints and resume. ``training_step`` runs
+``OOMGuard.accumulate`` on that batch: HF's ``compute_loss`` on each micro-batch, every backward the
+guard's (no loss divided by accumulation steps), the gradient of the global batch left in ``.grad``.
+The loader leaves batches in host memory and the guard moves one micro-batch at a time; under DDP
+every micro-batch runs under ``no_sync`` and gradients are summed once (``autoaccum.distributed``).
 
-- **HF runs its own full-batch loop.** The Trainer is given a copy of the arguments with
-  ``per_device_train_batch_size = per_device x gradient_accumulation_steps`` and
-  ``gradient_accumulation_steps = 1`` (``trainer.args``; the caller's object is left as it is). So
-  HF's dataloader yields each process's share of a global batch (collated, and padded, as one),
-  ``_inner_training_loop`` calls ``training_step`` once per optimizer step, and everything around it
-  stays HF's: gradient clipping, ``optimizer.step()``, the scheduler, logging, evaluation,
-  checkpoints and resume (trained batches skipped, RNG restored), counted in optimizer steps as the
-  caller's arguments count them. This is exactly HF's own run of ``per_device = global``: the
-  reference the tests compare with.
-- **``training_step`` is replaced** by ``OOMGuard.accumulate`` on that global batch: the guard cuts
-  it, runs HF's ``compute_loss`` on each micro-batch, owns every backward (HF's
-  ``accelerator.backward`` is not called; no loss is divided by accumulation steps), replays on OOM
-  (gradients cleared, RNG and BatchNorm buffers restored) and leaves the gradient of the whole
-  global batch in ``.grad`` for HF's optimizer step. The loader leaves each global batch in host
-  memory (HF would put it on the device whole): the guard moves one micro-batch at a time. Under DDP every micro-batch runs under
-  ``no_sync`` and gradients are summed once (``autoaccum.distributed``).
-- **Losses are HF's, normalised as HF's full-batch step normalises them.** Per-token labels (the
-  Trainer counts items when the model takes loss keyword arguments or ``compute_loss_func`` is
-  given): the step's items are counted as HF's ``_get_num_items_in_batch`` counts them (labels other
-  than -100, after the shift when the Trainer's loss shifts labels; ``shift_labels`` where given)
-  over the whole global batch and every rank, and each micro-batch's ``compute_loss`` gets that
-  count as ``num_items_in_batch`` (a device tensor, as HF passes it). HF then multiplies the loss by
-  the number of processes (``average_tokens_across_devices``) because DDP averages gradients;
-  autoaccum sums them, so that factor is divided out. Per-sample labels (sequence classification):
-  the micro-batches' mean losses weighted by their samples -- HF would pass a count there too, which
-  e.g. ``BertForSequenceClassification``'s loss ignores (its accumulated steps sum micro-batch means).
-  A model whose ``forward`` takes no loss keyword arguments (HF passes it no count) averages per-token
-  labels itself: each micro-batch's mean is weighted by its share of the step's tokens, counted from
-  the labels (exact for a mean over the labels other than -100). Whether that mean skips each row's
-  first label (a causal LM shifting inside its forward) is asked of the model once, by a forward
-  without gradients of one row with only its first label kept (RNG and buffers put back); where that
-  cannot be told, a warning says so and micro-batches are weighted by samples.
-- **Logs.** The plan is logged (logger ``autoaccum``) and added to HF's log history
-  (``autoaccum/micro_batch``, ``autoaccum/accum_steps``, ``autoaccum/oom_replays``) at the first
-  step and at every change; each change is also logged as a warning by ``autoaccum.step.guard``.
-- **Checkpoints.** The guard's state (plan, counters) is saved as ``autoaccum_guard.json`` in each
-  checkpoint folder; ``train(resume_from_checkpoint=...)`` reads it instead of probing again.
+Losses are normalised as HF's full-batch step normalises them. Where the Trainer counts items (the
+model takes loss keyword arguments, or ``compute_loss_func`` is given), the step's items are counted
+as HF's ``_get_num_items_in_batch`` counts them, over the whole global batch and every rank, and
+passed to each micro-batch's ``compute_loss`` as ``num_items_in_batch``; HF's factor of the number
+of processes (``average_tokens_across_devices``, for DDP's averaging) is divided out, since the
+guard sums. Per-sample labels: mean losses weighted by samples. A model that takes no loss keywords
+averages per-token labels itself: each micro-batch's mean is weighted by its share of the step's
+tokens; whether that mean skips each row's first label is asked of the model once (one forward
+without gradients, RNG and buffers put back), with a warning and weighting by samples where it
+cannot be told.
 
-Refused at construction, with the reason: ``auto_find_batch_size`` (it would shrink the global
-batch; the guard replaces it), DataParallel (``n_gpu > 1``: run one process per GPU with
-``torchrun``), DeepSpeed and FSDP (the guard drives DDP), context or sequence parallelism, and an
-``accelerator_config`` that sets ``num_steps`` (set ``gradient_accumulation_steps``).
+The plan goes to HF's log history (``autoaccum/micro_batch``, ``autoaccum/accum_steps``,
+``autoaccum/oom_replays``) at the first step and at every change; the guard's state is saved as
+``autoaccum_guard.json`` in each checkpoint folder and read on resume instead of probing. Refused at
+construction, with the reason: ``auto_find_batch_size`` (it would shrink the global batch),
+DataParallel (run one process per GPU with torchrun), DeepSpeed and FSDP, context or sequence
+parallelism, and an ``accelerator_config`` that sets ``num_steps``.
 """
 
 from __future__ import annotations
@@ -253,7 +236,7 @@ class AutoAccumTrainer(Trainer):
         budget: memory the probe plans for ("8GiB", bytes); default what the device has free (on
             CPU under ``autoaccum.emulated_budget``, that budget).
         headroom: fraction of the budget kept free, in [0, 1).
-        plan: a ``Plan``, probe report or plan file instead of probing; or
+        plan: a ``Plan``, probe report or plan file, instead of probing.
         micro_batch: the largest micro-batch to start with, instead of probing.
         grow_after: calm steps before the guard grows the micro-batch back after an OOM (default 2;
             where memory can be read -- CUDA, an emulated budget -- it grows to what is predicted

@@ -1,12 +1,11 @@
 """The memory model: ``peak(b) = max(opt_peak, base + per_sample * b)``, fitted on measured phases;
-for variable-length data ``peak(b, L) = max(opt_peak, base + b * (a * L + c * L**2))``.
+for variable-length data ``peak(b, L) = max(opt_peak, base + b * (per_sample + a * L + c * L**2))``.
 
 A training step has two peaks. The forward/backward peak holds weights, gradients, optimizer
 state and the activations of ``b`` samples, so it grows linearly in ``b``. The optimizer-step peak
-holds weights, gradients, state and the optimizer's temporaries (about 16-20 bytes per parameter
-with AdamW) and does not depend on ``b``. One straight line fitted to the overall peak at small
-``b`` (where the optimizer peak dominates) under-predicts large ``b`` badly, so the two phases
-are measured apart and fitted apart.
+holds weights, gradients, state and the optimizer's temporaries, and does not depend on ``b``. One
+straight line fitted to the overall peak at small ``b`` (where the optimizer peak dominates)
+under-predicts large ``b`` badly, so the two phases are measured apart and fitted apart.
 """
 
 from __future__ import annotations
@@ -79,7 +78,7 @@ class MemoryModel:
 
     @property
     def is_good_fit(self) -> bool:
-        """True when the points follow the model (three or more points within GOOD_FIT_RESIDUAL)."""
+        """True when the line's residual on its own points is within GOOD_FIT_RESIDUAL."""
         return self.residual <= GOOD_FIT_RESIDUAL
 
     def predict(self, micro_batch: int) -> int:

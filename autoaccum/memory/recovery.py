@@ -2,24 +2,19 @@
 
 An exception's traceback holds the frames of the failed attempt, and those frames hold its
 activations. Recovery -- freeing memory, replaying, shrinking -- therefore happens only after the
-``except`` block is left, when the exception and its traceback are gone (house rule 9). Three
-pieces, used by the probe, the guard, the optimizer step, the evaluation and the search:
+``except`` block is left, when the exception and its traceback are gone. Three pieces, used by the
+probe, the guard, the optimizer step, the evaluation and the search:
 
-- ``drop_frames`` clears the locals of the frames an OOM unwound, inside the ``except``
-  block: a frame caught in a reference cycle (a local that refers back to its frame, the
-  exception or its traceback) then holds no tensor, and the activations die by reference
+- ``drop_frames`` clears the locals of the frames an OOM unwound, inside the ``except`` block: a
+  frame caught in a reference cycle then holds no tensor, and the activations die by reference
   counting when the exception is dropped, with no garbage collection.
-- ``catch_oom`` runs a function and turns an OOM into a returned flag: the caller recovers
-  outside any ``except`` block. Other exceptions pass through unchanged.
-- ``release_memory`` frees what a failed attempt left. A full garbage collection costs about
-  0.1-0.3 s in a process that has imported torch (hundreds of thousands of objects; more in a big
-  process), as much as a whole training step of a small model, so it runs only where needed:
-  not at all where the meter shows the live bytes back at the step's start; otherwise first a
-  collection of the young generations (the objects made during the failed attempt, where the
-  frames of its traceback are: about 0.1 ms), then a full one only where the meter still shows
-  memory missing. With no meter to read, callers choose: a full collection (the default), or --
-  the guard -- the young generations, and a full collection when the same step runs out of
-  memory again. On CUDA the allocator's cached blocks go back to the driver.
+- ``catch_oom`` runs a function and turns an OOM into a returned flag: the caller recovers outside
+  any ``except`` block. Other exceptions pass through unchanged.
+- ``release_memory`` frees what a failed attempt left. A full garbage collection walks every object
+  of the process (hundreds of thousands once torch is imported), so it runs only where needed: not
+  at all where the meter shows the live bytes back at the step's start, else the young generations
+  first (where the failed attempt's frames are) and a full collection only if memory is still
+  missing. On CUDA the allocator's cached blocks go back to the driver.
 """
 
 from __future__ import annotations

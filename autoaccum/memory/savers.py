@@ -28,7 +28,7 @@ from torch import nn
 from autoaccum.state import capture_buffers, restore_buffers, state_buffers
 
 __all__ = ["MemorySavers", "RUNGS", "Rung", "apply_rung", "check_memory_savers", "checkpoint_layers",
-           "has_own_switch", "ladder",
+           "has_own_switch", "ladder", "suggestions",
            "next_rung", "rung_index"]
 
 #: the rungs, in the order they are climbed
@@ -98,6 +98,16 @@ def ladder(model: nn.Module, device: torch.device, savers: Any = "auto") -> tupl
     blocks = has_own_switch(model) or checkpoint_layers(_unwrapped(model)) is not None
     possible = {"none": True, "checkpointing": blocks, "offload": blocks and device.type == "cuda"}
     return tuple(r for r in RUNGS if r in wanted and possible[r])
+
+
+def suggestions(rungs: Sequence[str]) -> tuple[str, ...]:
+    """What to do where no rung of the ladder ``rungs`` fits the smallest micro-batch."""
+    blocks = () if "checkpointing" in rungs else (
+        "give the model's blocks an nn.ModuleList (or a gradient_checkpointing_enable()) so that they can be "
+        "checkpointed, and allow memory_savers",)
+    return (*blocks, "use bf16 autocast (precision='bf16'), shorter sequences or a smaller model",
+            "offload optimizer state and parameters to host memory (FSDP2's CPUOffloadPolicy), or shard them over "
+            "more devices (FSDP)", "free memory held by other processes, or raise the budget")
 
 
 def next_rung(rungs: Sequence[Rung], rung: str) -> Rung | None:

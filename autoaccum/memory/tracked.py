@@ -14,8 +14,8 @@ With a budget the counter becomes an emulated device: the op whose result pushes
 past the budget raises ``torch.OutOfMemoryError`` -- mid-forward, mid-backward or inside the
 optimizer step, where a real device would fail. Its message reads like a CUDA one ("CUDA out of
 memory. Tried to allocate ...") with a marker that it is emulated, so that other libraries' OOM
-handlers treat it as real. The result of that op is dropped with the
-exception, so the count falls back as the stack unwinds.
+handlers treat it as real. The result of that op is dropped with the exception, so the count falls
+back as the stack unwinds.
 """
 
 from __future__ import annotations

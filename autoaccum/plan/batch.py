@@ -159,7 +159,8 @@ def split_batch(batch: Batch, sizes: Sequence[int], split_fn: SplitFn | None = N
     Objects of other types need ``split_fn(batch, sizes) -> parts``.
 
     Raises:
-        ValueError: ``sizes`` do not add up to the batch size.
+        ValueError: ``sizes`` do not add up to the batch size, or ``split_fn`` returned a part count
+            other than ``len(sizes)``.
     """
     if isinstance(batch, Samples):
         starts = [sum(sizes[:i]) for i in range(len(sizes))]

@@ -82,8 +82,8 @@ class SampleCut:
 
 class TokenCut:
     """Cut by tokens: the step's samples ordered by length, longest first, packed into micro-batches
-    whose padded cost fits ``plan.tokens`` (``b * (L + quadratic * L**2)``, ``L`` the micro-batch's
-    longest sample) and that hold at most ``plan.micro_batch`` samples; each micro-batch is padded
+    whose padded cost fits ``plan.tokens`` (``b * (L + quadratic * L**2 + per_sample)``, ``L`` the
+    micro-batch's longest sample) and that hold at most ``plan.micro_batch`` samples; each micro-batch is padded
     only to its own longest sample. The global batch is never changed: every sample of the step is
     in one micro-batch. Without a token budget in the plan, micro-batches of ``plan.micro_batch``
     samples in length order (as Hugging Face's ``group_by_length`` does).
@@ -110,7 +110,7 @@ class TokenCut:
             return list(batch.lengths)
         if isinstance(batch, Mapping):
             return row_lengths(batch)
-        raise TypeError(f"TokenCut cuts autoaccum.batch.Samples or padded dict batches with an attention_mask, "
+        raise TypeError(f"TokenCut cuts autoaccum.plan.batch.Samples or padded dict batches with an attention_mask, "
                         f"got a {type(batch).__name__}")
 
     def groups(self, batch: Batch, plan: Plan) -> list[list[int]]:

@@ -1,32 +1,26 @@
 """Global batches from the user's data: exactly ``target_batch`` samples per optimizer step.
 
-Four kinds of data:
-- a tuple/list of tensors sharing dim 0 (indexed directly, no copies per sample);
-- a dict (or ``BatchEncoding``) of tensors sharing dim 0, e.g. a tokenizer's output: the same,
-  and every batch is a dict of the same keys (and type);
-- a map-style dataset (``__len__`` and ``__getitem__``; items may be dicts), batched by
-  ``collate_fn`` (default ``default_collate``; a padding collator such as Hugging Face's
-  ``DataCollatorForLanguageModeling`` works as it is);
-- any other iterable (a DataLoader, a generator) that already yields global batches -- under
-  torch.distributed, each rank's iterable yields that rank's share.
+Four kinds of data: a tuple/list of tensors sharing dim 0 (indexed directly, no copies per
+sample); a dict (or ``BatchEncoding``) of such tensors, e.g. a tokenizer's output, batched as dicts
+of the same keys and type; a map-style dataset (``__len__`` and ``__getitem__``), batched by
+``collate_fn`` (default ``default_collate``; a padding collator such as Hugging Face's works as it
+is); any other iterable (a DataLoader, a generator) that already yields global batches -- under
+torch.distributed, each rank's iterable yields that rank's share.
 
 For the indexed kinds, epoch ``e`` visits the samples in the order
 ``torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed * 1_000_003 + e))``
 (a fresh permutation per epoch that a resumed run draws again; the factor keeps ``(seed, e)`` and
-``(seed + 1, e - 1)`` apart), cut into consecutive global batches of ``target_batch``. Each
-global batch is split over ranks in rank order (``autoaccum.plan.plan.rank_share``).
+``(seed + 1, e - 1)`` apart), cut into consecutive global batches of ``target_batch``, each split
+over ranks in rank order (``autoaccum.plan.plan.rank_share``). The epoch's last batch, when the
+samples do not fill it (``last_batch``), is a real, exactly weighted step on the samples that
+remain (``"step"``, the default: nothing dropped, nothing repeated), or not trained on in this
+epoch (``"drop"``; the next epoch's order differs).
 
-The last batch of an epoch, when the samples do not fill it (``last_batch``):
-- ``"step"`` (default): a real, exactly weighted optimizer step on the samples that remain (a
-  smaller global batch for that one step; nothing dropped, nothing repeated);
-- ``"drop"``: those samples are not trained on in this epoch (the next epoch's order differs).
-
-Variable-length data (``by_length``): a map-style dataset's global batches come as
-``Samples`` (uncollated, with lengths), so that each micro-batch is collated
--- padded -- on its own; a dict of tensors comes as padded rows that ``autoaccum.plan.cut.TokenCut``
-trims. ``GlobalBatches.length_profile`` reads the lengths a plan is made for (all of them, or
-an evenly spaced sample of ``length_sample`` for a large dataset, stated in the profile), and
-``GlobalBatches.sample_at`` makes the probe's batches of ``b`` samples at one length.
+Variable-length data (``by_length``): a map-style dataset's global batches come as ``Samples``
+(uncollated, with lengths), so that each micro-batch is collated -- padded -- on its own; a dict of
+tensors comes as padded rows that ``autoaccum.plan.cut.TokenCut`` trims. ``length_profile`` reads
+the lengths a plan is made for (all, or an evenly spaced ``LENGTH_SAMPLE`` of a large dataset), and
+``sample_at`` makes the probe's batches of ``b`` samples at one length.
 """
 
 from __future__ import annotations
@@ -81,9 +75,12 @@ class GlobalBatches:
         data: see the module docstring.
         target_batch: samples per optimizer step over all ranks.
         seed: the data order's seed.
-        rank, world_size: this process's place among the data-parallel ranks.
+        rank: this process's rank among the data-parallel ranks.
+        world_size: the number of data-parallel ranks.
         collate_fn: batches a list of dataset items (map-style datasets only).
         last_batch: ``"step"`` or ``"drop"`` (see the module docstring).
+        by_length: variable-length data: a map-style dataset's batches come as ``Samples``.
+        length_fn: the length of one dataset item (default ``autoaccum.plan.lengths.item_length``).
     """
 
     def __init__(self, data: Any, target_batch: int, *, seed: int = 0, rank: int = 0, world_size: int = 1,

@@ -57,8 +57,11 @@ class LengthProfile:
     """The lengths a plan is made for: the shortest, the median and the longest, and where they came from.
 
     Attributes:
-        shortest, median, longest: over the lengths read.
-        count: how many lengths were read; total: how many samples the data holds (None: unknown).
+        shortest: the shortest length read.
+        median: the median length read (the lower of the two middle ones for an even count).
+        longest: the longest length read.
+        count: how many lengths were read.
+        total: how many samples the data holds (None: unknown).
         source: in words, e.g. ``all 1,000 samples``, ``1,000 of 50,000 samples (evenly spaced)``.
     """
 

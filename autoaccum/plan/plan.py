@@ -193,7 +193,7 @@ class Plan:
         accum = micro_step_count(share, min(micro_batch, share))
         return cls(math.ceil(share / accum), accum, world_size, target_batch, min_micro_batch)
 
-    balanced = for_target  # the name of the same rule before plans were always balanced
+    balanced = for_target  # an alias: every cut ``for_target`` makes is balanced
 
     def rank_batch(self, rank: int = 0) -> int:
         """Samples rank ``rank`` sees per optimizer step (the first ``target % world`` ranks get one more)."""
@@ -338,6 +338,10 @@ def resolve_plan(plan: Any = None, *, target_batch: int | None = None, micro_bat
     ``target_batch`` and ``micro_batch``; checked against the run's target and ranks.
 
     Args:
+        plan: a plan, or anything ``read_plan`` reads; None builds one from the next two.
+        target_batch: the run's global batch; a ``plan`` for another one is refused.
+        micro_batch: the micro-batch of a plan built here (with ``target_batch``).
+        world_size: the number of ranks running.
         adapt_world_size: re-cut a plan made for another number of ranks (the global batch and
             micro-batch stay); otherwise that is an error.
 

@@ -114,7 +114,9 @@ def resolve_task(task: Task | None, *, model: torch.nn.Module | None = None, los
 def check_loss(output: Any, *, requires_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | int | None]:
     """Split a loss function's output into ``(loss, num_items)``; ``num_items`` is None for a mean loss.
 
-    ``requires_grad``: the loss must carry a gradient (training); False for evaluation.
+    Args:
+        output: what ``loss_fn(model, batch)`` returned.
+        requires_grad: the loss must carry a gradient (training); False for evaluation.
 
     Raises:
         TaskError: the loss is not a scalar floating tensor, or ``num_items`` is not a count.
@@ -181,8 +183,9 @@ _DTYPE_MISMATCH = ("expected scalar type", "must have the same dtype", "should b
 def explain_error(exc: BaseException, model: torch.nn.Module, batch: Any) -> TaskError | None:
     """A one-line explanation of a training step's error where autoaccum can name the fix, else None.
 
-    So far: a batch whose floating tensors are of another dtype than the model's parameters (an
-    fp16 model fed fp32 inputs), which torch reports as a raw dtype mismatch deep in a layer."""
+    One case is recognised: a batch whose floating tensors are of another dtype than the model's
+    parameters (an fp16 model fed fp32 inputs), which torch reports as a raw dtype mismatch deep in
+    a layer."""
     if not isinstance(exc, RuntimeError) or not any(m in str(exc) for m in _DTYPE_MISMATCH):
         return None
     from autoaccum.plan.batch import tensors

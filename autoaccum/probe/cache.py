@@ -1,7 +1,7 @@
 """Probe results kept on disk as JSON, keyed by a fingerprint of everything the memory depends on.
 
-Files are written atomically (``autoaccum.jsonio``: temporary file, fsync, rename, fsync of the folder). A file that is corrupt, of another
-version or of another fingerprint is ignored with a warning: never trusted blindly, never unpickled.
+Files are written atomically (``autoaccum.jsonio``). A file that is corrupt, of another version or
+of another fingerprint is ignored with a warning: never trusted blindly, never unpickled.
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ def describe_optimizer(optimizer: Any, task: Task) -> dict[str, Any]:
 
     For a factory (``task.make_optimizer``) it is what the factory builds on the model's trainable
     parameters, as the probe will build it: two lambdas share a ``__qualname__`` (``<lambda>``), so
-    the name alone made ``lambda p: SGD(p, lr=0.1)`` and ``lambda p: AdamW(p)`` collide. Building a
-    torch optimizer allocates no state (that comes with the first ``step()``). A factory that
+    the name alone would not tell ``lambda p: SGD(p, lr=0.1)`` from ``lambda p: AdamW(p)``. Building
+    a torch optimizer allocates no state (that comes with the first ``step()``). A factory that
     cannot be built here is described by its code's location instead (the probe will report why).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):

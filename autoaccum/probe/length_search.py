@@ -1,11 +1,11 @@
 """The probe for variable-length data: sizes at several lengths, and the memory model in (b, L).
 
-At the longest length the usual search over sizes (``autoaccum.probe.run.size_search``) finds the limit. At
-the shortest and the median length one size each is measured, holding three quarters of the tokens
-of that limit (short of the budget: attention without a fused kernel grows with the square of the
-length). A ``TokenMemoryModel`` is anchored on the line through the
-sizes at the longest length (its intercept and cost per sample), its quadratic term fitted on the
-shorter lengths' sizes that came near the budget; from it the plan's token budget.
+At the longest length the usual search over sizes (``autoaccum.probe.size_search``) finds the
+limit. At the shortest and the median length one size each is measured, holding SHORT_FRACTION of
+the tokens of that limit (short of the budget: attention without a fused kernel grows with the
+square of the length). A ``TokenMemoryModel`` is anchored on the line through the sizes at the
+longest length (its intercept and cost per sample), its shape in ``L`` fitted on the shorter
+lengths' sizes that came near the budget; the plan's token budget comes from it.
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ class Candidate:
         status: ``ok`` (fits under the usable budget), ``over_budget`` (ran, but its peak is
             above ``budget * (1 - headroom)``) or ``oom`` (ran out of memory).
         peak_bytes: the step's peak (max of the two phases); for ``oom`` the bytes it asked for.
-        fwd_bwd_peak_bytes / opt_peak_bytes: the phases' peaks (None after an OOM).
+        fwd_bwd_peak_bytes: the forward/backward pass's peak (None after an OOM).
+        opt_peak_bytes: the optimizer step's peak (None after an OOM).
         step_time_s: a complete one-micro-batch training step: the fastest timed forward/backward
             pass plus the optimizer step (None after an OOM).
         micro_step_time_s: the fastest timed forward/backward pass alone (None after an OOM).
@@ -81,16 +82,24 @@ class ProbeReport:
         plan: the recommended plan for ``target_batch``.
         candidates: every size measured, in the order measured.
         model: the fitted memory model (None when fewer than two sizes ran).
-        device, meter: where it ran and how memory was read (``cuda``, ``tracked``, ``fake``).
+        device: where it ran, e.g. ``cuda:0``.
+        device_name: the GPU's name, or the device type.
+        meter: how memory was read (``cuda``, ``tracked``, ``fake``).
         is_estimate: True when no real step ran (fake tensors): an estimate, not a measurement.
-        budget_bytes, headroom: the budget and the fraction kept free.
-        probe_steps: forward/backward passes run while probing (an OOM counts as one);
-        optimizer_steps: optimizer steps run while probing; probe_ooms: OOMs the probe triggered.
+        budget_bytes: the budget planned for.
+        budget_source: ``given``, or where the device's capacity was read.
+        headroom: the fraction of the budget kept free.
+        probe_steps: forward/backward passes run while probing (an OOM counts as one).
+        probe_ooms: OOMs the probe triggered.
+        wall_time_s: how long the probe took.
         fit_note: why the model was or was not trusted.
+        optimizer_steps: optimizer steps run while probing.
         precision: ``fp32``, ``bf16`` or ``fp16``: the autocast (and GradScaler) every step ran under.
         token_model: for variable-length data, the memory model in (b, L) the token budget comes from.
         lengths: for variable-length data, the lengths planned for and where they were read.
+        fingerprint: the hash the probe cache keys the report by.
         source: ``probe`` or ``cache``.
+        torch_version: the torch that ran the probe.
         savers_tried: each rung of the memory ladder on which the smallest micro-batch did not fit,
             with the bytes it needed, before the plan's rung (``plan.saver``).
     """

@@ -1,15 +1,12 @@
 """The probe: measure real training steps at a few micro-batch sizes, fit the memory model, plan.
 
-The optimizer phase is measured once (two complete steps at the model's smallest size: the
-optimizer creates its state in the first); each further size runs one forward/backward pass (its
-memory and its time), as the micro-batches of an accumulation step run (``autoaccum.probe.run.stepper``).
-The forward/backward peak and the optimizer-step peak are recorded apart. Sizes are chosen, not
-laddered: the smallest the model trains at (1, or 2 with BatchNorm), a safe second size, then the
-size the fitted model says is the largest under the budget, verified by a measurement, refined by
-bisection where the model does not hold. Among the sizes that fit, the plan measured fastest wins
-(ties to fewer passes); sizes are timed again only where the choice hangs on it. Every pass runs under the run's precision (autocast, and a GradScaler for
-fp16). Afterwards the model, optimizer and RNG are exactly as before (invariant 4); a caller's optimizer is
-not even called where a stand-in can step for it (``autoaccum.probe.run.stepper.StandIn``).
+The optimizer phase is measured once, in a warm-up of two complete steps at the model's smallest size; every
+further size runs forward/backward passes only, as an accumulation's micro-batches do (``autoaccum.probe.stepper``).
+Sizes are chosen, not laddered (``autoaccum.probe.size_search``): the smallest, a safe second size, then the limit
+the fitted model predicts, verified, and bisected where the model does not hold. Among the sizes that fit, the plan
+measured fastest wins (ties to fewer passes); sizes are timed again only where the choice hangs on it. Every pass
+runs under the run's precision. Afterwards the model, optimizer and RNG are exactly as before (invariant 4); a
+caller's optimizer is not even stepped where a ``StandIn`` can step for it.
 """
 
 from __future__ import annotations
@@ -39,7 +36,7 @@ from autoaccum.memory import (
 )
 from autoaccum.memory.model import MemoryModel, TokenMemoryModel
 from autoaccum.memory.recovery import catch_oom, release_memory
-from autoaccum.memory.savers import apply_rung, ladder
+from autoaccum.memory.savers import apply_rung, ladder, suggestions
 from autoaccum.plan.batch import Batch
 from autoaccum.plan.batchnorm import smallest_micro_batch
 from autoaccum.plan.lengths import LengthProfile
@@ -49,80 +46,16 @@ from autoaccum.precision import Precision, autocast_dtype, check_precision, make
 from autoaccum.probe import cache as probe_cache
 from autoaccum.probe.estimate import cuda_library_bytes, estimate_device, fake_setup, with_offset
 from autoaccum.probe.length_search import search_lengths
+from autoaccum.probe.choice import choose
 from autoaccum.probe.report import Candidate, ProbeReport
 from autoaccum.probe.size_search import search_sizes
 from autoaccum.probe.stepper import HostSnapshotNeeded, StandIn, Stepper
 from autoaccum.state import WeightsCopy
 from autoaccum.validate import check_positive_int
 
-__all__ = ["Candidate", "ProbeReport", "choose_micro_batch", "plan_step_times", "probe", "time_slope"]
+__all__ = ["Candidate", "ProbeReport", "probe"]
 
 logger = logging.getLogger(__name__)
-
-#: plans whose measured step times are within this fraction of the fastest count as a tie (timing
-#: noise), and ties go to the plan with the fewest forward/backward passes
-THROUGHPUT_TIE = 0.05
-
-
-def time_slope(candidates: Iterable[Candidate]) -> float | None:
-    """Seconds a pass takes per sample: the least-squares slope of the measured pass times over the
-    sizes that ran (one length), or None where fewer than two sizes were timed or the slope is not
-    positive (noise)."""
-    points = [(c.micro_batch, c.micro_step_time_s) for c in candidates
-              if c.status == "ok" and c.micro_step_time_s is not None]
-    if len({b for b, _ in points}) < 2:
-        return None
-    mean_b = sum(b for b, _ in points) / len(points)
-    mean_t = sum(t for _, t in points) / len(points)
-    slope = sum((b - mean_b) * (t - mean_t) for b, t in points) / sum((b - mean_b) ** 2 for b, _ in points)
-    return slope if slope > 0 else None
-
-
-def plan_step_times(candidates: Iterable[Candidate], share: int, min_micro_batch: int = 1) -> dict[int, float]:
-    """Each fitting size's estimated optimizer step for ``share`` samples cut at it
-    (``Candidate.plan_step_time_s``, with the slope of the timings)."""
-    fitting = [c for c in candidates if c.status == "ok" and c.step_time_s is not None]
-    slope = time_slope(fitting)
-    return {c.micro_batch: c.plan_step_time_s(share, min_micro_batch, slope) or 0.0 for c in fitting}
-
-
-def choose_micro_batch(candidates: Iterable[Candidate], share: int | None = None, min_micro_batch: int = 1) -> int:
-    """The fitting size whose plan for ``share`` samples steps fastest by measurement
-    (``plan_step_times``); plans within THROUGHPUT_TIE of the fastest tie (timing noise), and
-    ties go to the fewest passes, then to the larger size. Without ``share``: the best measured
-    samples/s of one micro-batch, ties to the larger."""
-    fitting = [c for c in candidates if c.status == "ok"]
-    if share is None:
-        best = max(c.samples_per_s or 0.0 for c in fitting)
-        return max(c.micro_batch for c in fitting if (c.samples_per_s or 0.0) >= best * (1 - THROUGHPUT_TIE))
-    times = plan_step_times(fitting, share, min_micro_batch)
-    if not times:  # nothing timed (an estimate): the largest
-        return max(c.micro_batch for c in fitting)
-    fastest = min(times.values())
-    tied = [b for b, t in times.items() if t <= fastest * (1 + THROUGHPUT_TIE)]
-    return min(tied, key=lambda b: (Plan.for_target(share, b, 1, min_micro_batch).accum_steps, -b))
-
-
-#: most rounds of timing the chosen size and the largest again (two passes a round)
-RETIME_ROUNDS = 2
-
-
-def _choose(stepper: Stepper, share: int, min_micro_batch: int) -> int:
-    """``choose_micro_batch``, with the timing repeated where it matters. Each size's time is its
-    one (first) pass; no size is timed again while the largest that fits wins. When another size
-    wins (by speed alone), both are timed once more, interleaved, and the choice is made again on
-    the fastest readings -- up to RETIME_ROUNDS times while it still differs from the largest."""
-    chosen = choose_micro_batch(stepper.current.values(), share, min_micro_batch)
-    for _ in range(RETIME_ROUNDS):
-        # a size whose retiming ran out of memory is no longer among those that fit
-        largest = max(c.micro_batch for c in stepper.current.values() if c.status == "ok")
-        if chosen == largest:
-            break
-        for size in (chosen, largest):
-            stepper.retime(size)
-        chosen = choose_micro_batch(stepper.current.values(), share, min_micro_batch)
-    return chosen
-
 
 def _new_optimizer(make_optimizer: Callable[..., Any], model: torch.nn.Module) -> torch.optim.Optimizer:
     optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
@@ -170,42 +103,40 @@ def probe(
     ``optimizer`` instance or factory; default AdamW). Steps run on the model's device.
 
     Args:
+        task: the model, loss, batch maker and optimizer factory; or None and the next four.
+        model: the module to train (without ``task``).
+        loss_fn: ``loss_fn(model, batch)`` -> mean loss or ``(loss_sum, num_items)`` (without ``task``).
+        make_batch: ``make_batch(b)`` -> a batch of ``b`` samples (without ``task``).
+        optimizer: an optimizer instance (restored afterwards) or a factory of one.
         target_batch: samples per optimizer step over all ranks; the plan covers it exactly.
         world_size: data-parallel ranks sharing the target.
-        budget: bytes the step may use ("8GiB", "8 GB", int). Default: what the device has free
-            (CUDA: free + this process's cache; CPU: available host RAM). On devices other than
-            CUDA the budget is enforced by the tracked counter (an emulated OOM at the crossing).
+        budget: bytes the step may use ("8GiB", "8 GB", int). Default: what the device has free (CUDA: free + this
+            process's cache; CPU: available host RAM). Off CUDA the tracked counter enforces it (an emulated OOM).
         headroom: fraction of the budget kept free (fragmentation, other processes), in [0, 1).
-        precision: ``fp32``, ``bf16`` (autocast) or ``fp16`` (autocast + GradScaler): measure as
-            training will run.
+        precision: ``fp32``, ``bf16`` (autocast) or ``fp16`` (autocast + GradScaler), as training runs.
         max_micro_batch: largest size worth trying (default: the per-rank share of the target).
-        estimate: run the steps on fake tensors (no memory, no real compute), reported as an
-            estimate: on fake ``cuda`` tensors for a CUDA model (a CUDA build of torch), else on
-            fake ``cpu``, whose kernels differ from a GPU's.
-        steps_per_size: forward/backward passes per size. Default 1: one pass gives a size's peak and
-            its time, and where the choice between two sizes hangs on their speed both are timed
-            again, interleaved. 2 or more: the first pass warms up and the fastest of the others is
-            the time (the schedule before issue 15). A ``torch.compile``-d model defaults to 2: its
-            first pass at a new shape compiles.
-        max_candidates: most sizes to measure.
-        cache, cache_dir: reuse a report with the same fingerprint (see ``autoaccum.probe.run.cache``).
-        refresh: with ``cache``, measure anyway and overwrite the cached report.
-        lengths, lengths_source: variable-length data: the samples' lengths (instead of
-            ``Task.lengths``) and where they were read, for the report (e.g. "1,000 of 50,000 samples").
-            ``make_batch(b, length)`` then makes ``b`` samples padded to ``length``, and the plan is
-            cut by a token budget (see ``autoaccum.probe.length_search``).
-        memory_savers: where even the smallest micro-batch does not fit, measure again on the next
-            rung of the memory ladder (``autoaccum.memory.savers``: checkpointing, then on CUDA
-            offload) and plan on the lowest rung where it fits. ``"auto"`` (default), ``"off"``, or a
-            tuple of rungs.
+        estimate: run the steps on fake tensors (no memory, no real compute), reported as an estimate: fake ``cuda``
+            for a CUDA model (peaks plus the bytes cuBLAS and cuDNN keep), else fake ``cpu``, whose kernels differ.
+        steps_per_size: forward/backward passes per size. Default 1 (2 for a ``torch.compile``-d model, whose first
+            pass at a shape compiles); with 2 or more the first warms up and the fastest of the others is the time.
+        max_candidates: most sizes to measure (at least 3).
+        cache: reuse a stored report with the same fingerprint (``autoaccum.probe.cache``).
+        refresh: with ``cache``, measure anyway and overwrite the stored report.
+        cache_dir: where reports are stored (default ``~/.cache/autoaccum``).
+        lengths: variable-length data: the samples' lengths (instead of ``Task.lengths``); ``make_batch(b, length)``
+            then makes ``b`` samples padded to ``length``, and the plan is cut by a token budget.
+        lengths_source: where ``lengths`` were read, for the report (e.g. "1,000 of 50,000 samples").
+        memory_savers: where even the smallest micro-batch does not fit, measure again on the next rung of the
+            memory ladder (``autoaccum.memory.savers``) and plan on the lowest rung where it fits: ``"auto"``
+            (default), ``"off"``, or a tuple of rungs.
 
     Returns:
         A ``ProbeReport`` with the plan, the candidates and the fitted model.
 
     Raises:
-        DoesNotFitError: the smallest micro-batch the model trains at does not fit in the budget on any
-            rung of the memory ladder.
-        ValueError, TypeError: invalid arguments.
+        DoesNotFitError: the smallest micro-batch the model trains at does not fit on any rung of the ladder.
+        ValueError: an argument out of its range.
+        TypeError: an argument of the wrong type.
     """
     factory = optimizer if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) \
         else default_optimizer
@@ -236,8 +167,6 @@ def probe(
             return cached
     started = time.perf_counter()
     profile = None if task.lengths is None else LengthProfile.of(task.lengths, source=lengths_source)
-    # Fake tensors never allocate what cuBLAS/cuDNN keep once they have run: an estimate for a CUDA
-    # model plans against the budget less those bytes and reports every peak with them added.
     library = cuda_library_bytes(device) if estimate and device.type == "cuda" else 0
     passes = steps_per_size if steps_per_size is not None else 2 if is_compiled(task.model) else 1
     tried: list[tuple[str, int | None]] = []
@@ -250,7 +179,7 @@ def probe(
         except DoesNotFitError as exc:
             tried.append((rung, exc.needed_bytes))
             if rung == rungs[-1]:
-                raise DoesNotFitError(exc.needed_bytes, exc.available_bytes, _suggestions(rungs), at_least=exc.at_least,
+                raise DoesNotFitError(exc.needed_bytes, exc.available_bytes, suggestions(rungs), at_least=exc.at_least,
                                       micro_batch=exc.micro_batch, rungs=tried) from None
             logger.log(rank_level(logging.INFO), "probe: micro-batch %d does not fit with memory saver %s; "
                        "measuring with the next one", exc.micro_batch, rung)
@@ -297,10 +226,9 @@ DEFAULT_PASS_SHARE = 0.1
 
 
 def pass_cost(candidates: Iterable[Candidate], quadratic: float, max_cost: float, per_sample: float = 0.0) -> float:
-    """What a forward/backward pass costs beyond its tokens, in token-units: the intercept over the
-    slope of ``time = fixed + per_unit * b * (L + quadratic * L**2 + per_sample)`` through the timed
-    sizes at the longest length (one length: the compute per token is the same for all of them),
-    kept within 2% and 100% of a full micro-batch (a default share where the timings cannot tell)."""
+    """What a forward/backward pass costs beyond its tokens, in token-units: the intercept over the slope of
+    ``time = fixed + per_unit * b * (L + quadratic * L**2 + per_sample)`` through the sizes timed at the longest length,
+    kept within 2% and 100% of a full micro-batch (DEFAULT_PASS_SHARE where the timings cannot tell)."""
     timed = [c for c in candidates if c.status == "ok" and c.length is not None and c.micro_step_time_s]
     longest = max((c.length for c in timed), default=None)
     points = [(c.micro_batch * (c.length + quadratic * c.length ** 2 + per_sample), c.micro_step_time_s)
@@ -328,9 +256,8 @@ def _token_plan(token_model: TokenMemoryModel, profile: LengthProfile, plan: Pla
     return dataclasses.replace(plan.with_micro_batch(cap), tokens=tokens)
 
 
-#: the probe copies the weights on their device for its warm-up only where the room left under the usable budget
-#: (and, on CUDA, on the device) holds the copy and this many times the trainable weights' bytes besides: the
-#: warm-up's gradients, AdamW's two moments and a set of temporaries; otherwise the copy goes to host memory
+#: the weights are copied on their device for the warm-up only where the room left holds the copy and this many times
+#: the trainable bytes besides (gradients, AdamW's two moments, temporaries); otherwise they go to host memory
 WARM_UP_ROOM = 4
 
 
@@ -350,24 +277,12 @@ def _room_for_weights_copy(model: torch.nn.Module, optimizer: torch.optim.Optimi
     return need <= usable - live
 
 
-def _suggestions(rungs: tuple[str, ...]) -> tuple[str, ...]:
-    """What to do where no rung of the ladder fits the smallest micro-batch."""
-    saver = () if "checkpointing" in rungs else (
-        "give the model's blocks an nn.ModuleList (or a gradient_checkpointing_enable()) so that they can be "
-        "checkpointed, or allow memory_savers",)
-    return (*saver, "use bf16 autocast (precision='bf16'), shorter sequences or a smaller model",
-            "offload optimizer state and parameters to host memory (FSDP2's CPUOffloadPolicy), or shard them over "
-            "more devices (FSDP)", "free memory held by other processes, or raise the budget")
-
-
 def _measure(task: Task, optimizer: Any, precision: Precision, budget_bytes: int, headroom: float, *,
              estimate: bool, share: int, smallest: int, upper: int, passes: int, max_candidates: int,
              profile: LengthProfile | None, rung: str = "none") -> _Measured:
-    """Run the measurements (on fake tensors for an estimate) and choose the size (timing again where it
-    matters); the task's state is restored after both. The weights are copied on their device for the
-    warm-up where there is room (``WARM_UP_ROOM``); where that copy did not do
-    (``HostSnapshotNeeded``), everything is measured again with them copied to host
-    memory, and the passes and OOMs of the first try count in the report."""
+    """Run the measurements (on fake tensors for an estimate) and choose the size; the task's state is restored
+    after both. Where the weights' copy on the device did not do (``HostSnapshotNeeded``), everything is measured
+    again with them copied to host memory; the first try's passes and OOMs count in the report."""
     kwargs: dict[str, Any] = {"estimate": estimate, "share": share, "smallest": smallest, "upper": upper,
                               "passes": passes, "max_candidates": max_candidates, "profile": profile, "rung": rung}
     try:
@@ -387,7 +302,7 @@ def _measure_once(task: Task, optimizer: Any, precision: Precision, budget_bytes
     device = trainable_parameters(task.model)[0].device
     run_model, make_optimizer = task.model, task.make_optimizer
     user_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
-    # the caller's optimizer is not stepped where a stand-in can be (autoaccum.stepper.StandIn)
+    # the caller's optimizer is not stepped where a StandIn can step for it (autoaccum.probe.stepper)
     stand_in = None if estimate or user_optimizer is None else StandIn.of(user_optimizer)
     run_optimizer = user_optimizer if stand_in is None else stand_in.optimizer
     usable = usable_bytes(budget_bytes, headroom)
@@ -397,7 +312,7 @@ def _measure_once(task: Task, optimizer: Any, precision: Precision, budget_bytes
         training_state.capture(task.model, user_optimizer if stand_in is None else None, parameters=not copy_weights)
     weights_copy: WeightsCopy | None = None
     fake_mode: Any = None
-    if estimate:  # fake tensors, on the model's CUDA device where torch can, else on cpu: see autoaccum.estimate
+    if estimate:  # fake tensors, on the model's CUDA device where torch can, else on cpu (autoaccum.probe.estimate)
         device = estimate_device(device)
         fake_mode, run_model, make_optimizer = fake_setup(task.model, optimizer, make_optimizer, device)
         run_optimizer = None
@@ -430,7 +345,7 @@ def _measure_once(task: Task, optimizer: Any, precision: Precision, budget_bytes
                                                                   headroom, max_candidates)
                 # Fake steps take no real time, and a token plan is cut by memory: no speed choice there.
                 best = max(c.micro_batch for c in stepper.current.values() if c.status == "ok") \
-                    if estimate or token_model is not None else _choose(stepper, share, smallest)
+                    if estimate or token_model is not None else choose(stepper, share, smallest)
     finally:
         if weights_copy is not None:
             weights_copy.put_back()  # (done when the warm-up ended, unless it never ran)

@@ -1,37 +1,28 @@
-"""Measured training steps for the probe: the peak memory and the time of each phase, per size.
+"""Measured training passes for the probe: the peak memory and the time of each phase, per size.
 
-A training step has two peaks (``autoaccum.memory.model``): the forward/backward peak, which grows
-with the micro-batch, and the optimizer-step peak, which does not. So the optimizer phase is
-measured once, and every candidate size only runs forward and backward:
+A training step has two peaks (``autoaccum.memory.model``): the forward/backward peak grows with the
+micro-batch, the optimizer-step peak does not. So the optimizer phase is measured once, and every
+other size runs forward and backward only:
 
-- ``Stepper.warm_up`` runs two complete training steps at the smallest size (the optimizer
-  creates its state in the first, so the peak of the optimizer phase is known after the second)
-  and times the optimizer step. These are the only steps that change the weights: given a
-  ``WeightsCopy`` (made on the device), the stepper puts it back when the
-  warm-up ends and gives it up, and until then subtracts the bytes it holds from every reading. Where
-  the copy may have changed the outcome -- the warm-up ran out of memory while it was held, or its
-  first pass wrote the parameters (then the later passes would write them too, after the copy is
-  gone) -- it raises ``HostSnapshotNeeded`` after putting it back: the probe starts again with
-  the weights copied to host memory. A write first seen after the copy is gone raises
+- ``Stepper.warm_up``: two complete training steps at the smallest size (the optimizer creates its
+  state in the first), which give the optimizer phase's peak and time. They are the only steps that
+  change the weights. A ``WeightsCopy`` made on the device is put back when the warm-up ends, and
+  its bytes are subtracted from every reading until then. Where the copy may have changed the
+  outcome (an OOM while it was held, or a first pass that wrote the parameters, as later passes
+  would after the copy is gone), ``HostSnapshotNeeded`` asks the probe to start again with the
+  weights copied to host memory. A write first seen after the copy is gone raises
   ``AutoAccumError`` naming the parameter: nothing could restore it.
-- ``Stepper.measure`` runs ``passes`` forward/backward passes at one size. A size smaller
-  than the rank's share will accumulate, so it runs as a real accumulation's later micro-batches
-  do: with the summed gradients of earlier ones in memory (and the optimizer state; where none are
-  held, after an OOM, a pass at the smallest size makes them first). The share itself runs alone,
-  from no gradients, as the guard runs it. With one pass (the default) that pass is the size's
-  memory reading and its time; with more, the first warms up and the fastest of the others is the
-  time (contention only ever slows a pass).
-- ``Stepper.retime`` times one more pass at a size already measured, where the choice between
-  sizes hangs on their speed.
+- ``Stepper.measure``: ``passes`` forward/backward passes at one size. A size below the rank's
+  share runs as an accumulation's later micro-batches do, with summed gradients already in memory
+  (after an OOM, a pass at the smallest size makes them first); the share itself runs from no
+  gradients, as the guard runs it. One pass gives the size's peak and time; with more, the first
+  warms up and the fastest of the others is the time (contention only ever slows a pass).
+- ``Stepper.retime``: one more timed pass at a measured size, where the choice hangs on speed.
 
-Each pass runs under the run's precision: forward and loss under autocast, the loss scaled by a
-GradScaler for fp16. An OOM ends the size (status ``oom``) and is recovered outside the
-``except`` block.
-
-The caller's optimizer is not stepped: the warm-up's steps run on a ``StandIn``, a second object
-of its class over the same parameter groups and state tensors, without its instance's hooks and
-wrappers (an LR scheduler's step counter, ``register_step_post_hook``, a patched ``zero_grad``).
-Gradients are cleared by setting ``.grad`` to None: no ``zero_grad`` of any optimizer is called.
+Each pass runs under the run's precision (autocast; a GradScaler for fp16). An OOM ends the size
+(status ``oom``) and is recovered outside the ``except`` block. The caller's optimizer is not
+stepped: the warm-up steps a ``StandIn``. Gradients are cleared by setting ``.grad`` to None, so no
+``zero_grad`` of any optimizer is called.
 """
 
 from __future__ import annotations
@@ -139,12 +130,14 @@ class Stepper:
     """Runs measured passes of one task on one meter (see the module docstring).
 
     Attributes:
-        steps: forward/backward passes run (an OOM counts as one); optimizer_steps: optimizer steps run.
+        steps: forward/backward passes run (an OOM counts as one).
+        optimizer_steps: optimizer steps run.
         ooms: OOMs the measurements triggered.
         length: the sequence length batches are made at (variable-length data; None otherwise):
             ``make_batch(size, length)``.
-        measured: every size measured, by ``(size, length)``; ``current`` those at ``length``.
-        opt_peak_bytes, opt_time_s: the optimizer phase's peak and time (after ``warm_up``).
+        measured: every size measured, by ``(size, length)`` (``current``: those at ``length``).
+        opt_peak_bytes: the optimizer phase's peak (after ``warm_up``).
+        opt_time_s: the optimizer phase's time (after ``warm_up``).
         start_bytes: bytes live when the last measured pass began (weights, state, gradients, batch).
     """
 

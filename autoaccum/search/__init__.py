@@ -6,14 +6,16 @@ fastest at the exact global batch. Each Optuna trial picks a micro-batch and kno
 guarded optimizer steps (``autoaccum.search.throughput``) and returns measured samples/s.
 
 - ``space``: what may be tried (``SearchSpace``, the candidate sizes).
-- ``study``: the Optuna study (seeds, infeasible trials, patience, the
-  final comparison that picks the winner, stored studies and their resumption).
+- ``knobs``: the knobs and how a trial applies them to the model and undoes them.
+- ``throughput``: one trial's guarded steps and their measured samples/s.
+- ``study``: the Optuna study (seeds, infeasible trials, patience, the final comparison that picks
+  the winner, stored studies and their resumption).
 - ``compare``: the final comparison's statistic (paired, with its noise).
 - ``result``: ``SearchResult``, its trials and the plan file.
 
 Afterwards the model, optimizer and RNG are bit-identical to before (invariant 4).
 
-Process-wide effects: while the study runs, Optuna's ``FutureWarning``\\ s are ignored through
+Process-wide effects: while the study runs, Optuna's ``FutureWarning`` warnings are ignored through
 ``warnings.catch_warnings`` (restored on return; the ``warnings`` filters are shared by all
 threads of the process). What each trial touches is in ``autoaccum.search.throughput`` and
 ``autoaccum.search.knobs``. Nothing else outside the model, its optimizer and the study changes.
@@ -88,27 +90,36 @@ def search(
     extra (``pip install 'autoaccum[search]'``).
 
     Args:
+        task: the model, loss and batch maker; or None and the next three.
         target_batch: samples per optimizer step over all ranks; every trial covers it exactly.
+        model: the module to train (without ``task``).
+        loss_fn: ``loss_fn(model, batch)`` -> mean loss or ``(loss_sum, num_items)`` (without ``task``).
+        make_batch: ``make_batch(b)`` -> a batch of ``b`` samples (without ``task``).
+        optimizer: an optimizer instance, stepped by the trials and restored (default: a fresh AdamW).
         n_trials: most trials this call runs (the probe's pick is the first).
         timeout_s: stop starting trials after this many seconds (None: no limit).
         storage: an Optuna storage or URL (None: in memory). ``sqlite:///autoaccum.db`` resumes
             the study ``study_name`` with its earlier trials.
         study_name: default ``autoaccum-<fingerprint>`` of model, device, budget and target.
         space: what to search (default: ``SearchSpace`` defaults for the model and device).
-        budget, headroom: a trial is infeasible above ``budget * (1 - headroom)`` (default budget:
-            what the device has free); on every device but CUDA an emulated OOM enforces it.
+        budget: a trial is infeasible above ``budget * (1 - headroom)`` (default: what the device
+            has free); on every device but CUDA an emulated OOM enforces it.
+        headroom: the fraction of the budget kept free.
         world_size: ranks sharing the target; one rank's share is measured.
-        warmup_steps, measure_steps: optimizer steps per trial before timing (>= 2), and timed.
+        warmup_steps: optimizer steps per trial before timing (>= 2).
+        measure_steps: optimizer steps per trial that are timed.
         patience: stop after this many trials in a row without a ``min_improvement`` (relative)
             gain in the best samples/s (None: never); the seeds and the sampler's random start
             trials do not count.
+        min_improvement: the relative gain in the best samples/s that resets ``patience``.
         seed: the sampler's seed.
-        confirm_top, confirm_rounds: afterwards, measure the finalists -- the ``confirm_top``
-            fastest configurations, the probe's pick and the simplest feasible one (fewest knobs,
-            then fewest passes) -- ``confirm_rounds`` more times each, interleaved; the leader has
-            the best median, and finalists whose paired ratio to it is within noise (two standard
-            errors, at least 1% and at most 10%) tie with it; the simplest of them wins (see
-            ``autoaccum.search.compare``; 0 rounds: the best single trial wins).
+        confirm_top: the fastest configurations that go to the final comparison, beside the probe's
+            pick and the simplest feasible one (fewest knobs, then fewest passes). There the leader
+            has the best median, finalists whose paired ratio to it is within noise (two standard
+            errors, at least 1% and at most 10%) tie with it, and the simplest of them wins
+            (``autoaccum.search.compare``).
+        confirm_rounds: how many more times each finalist is measured, interleaved (0: the best
+            single trial wins).
         clock: ``wall`` time, or ``cpu`` time of this process for a CPU shared with busy
             processes (with one intra-op thread; see ``autoaccum.search.throughput.Clock``).
         report: a probe report to start from (default: run ``probe``).
@@ -118,9 +129,10 @@ def search(
 
     Raises:
         ImportError: Optuna is missing.
-        DoesNotFitError: a micro-batch of 1 does not fit (from the probe).
+        DoesNotFitError: the smallest micro-batch does not fit (from the probe).
         SearchError: no trial fitted.
-        ValueError, TypeError: invalid arguments, or a stored study made for another target or space.
+        ValueError: an argument out of its range, or a stored study made for another target or space.
+        TypeError: an argument of the wrong type.
     """
     optuna = require_optuna()
     started = time.perf_counter()

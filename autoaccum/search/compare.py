@@ -1,28 +1,20 @@
 """The final comparison of a search: which finalist is fastest, and whether by more than the noise.
 
 The finalists are measured in rounds; in each round every finalist runs once, back to back, the
-order rotating from round to round (A B C, B C A, C A B, ...), so the readings of one round meet the
-same moment of a machine whose load drifts. The statistic is paired:
+order rotating (A B C, B C A, C A B, ...), so the readings of one round meet the same moment of a
+machine whose load drifts. The statistic is paired. The *leader* has the best median reading; for
+every other finalist the ratio of its reading to the leader's in the same round gives one ratio
+per round, whose median (``ratio``) says how fast it is, and whose median absolute deviation says
+how much one round strays (a round that met a busy moment moves one ratio, not the median). Its
+``noise`` is the standard error of the median ratio, estimated robustly as
+``1.2533 * 1.4826 * MAD / sqrt(rounds)`` (the median's standard error for normal scatter, the MAD
+scaled to a standard deviation). A finalist is *within noise* of the leader when
+``1 - ratio <= tolerance``: two standard errors, at least ``floor`` (a smaller gain is not worth a
+more complex configuration) and at most ``ceiling`` (a finalist this much slower is never a tie).
 
-- the *leader* is the finalist with the best median reading;
-- for every finalist, the ratio of its reading to the leader's in the same round, one per round:
-  their median (``ratio``) says how fast it is against the leader, and their median absolute
-  deviation says how much one round's ratio strays. A round that met a busy moment for one of the
-  two moves one ratio, not the median;
-- ``noise`` is the standard error of that median ratio, estimated robustly:
-  ``1.2533 * 1.4826 * MAD / sqrt(rounds)`` (the median's standard error for normal scatter, with
-  the MAD scaled to a standard deviation);
-- a finalist is *within noise* of the leader when ``1 - ratio <= tolerance``, where the tolerance
-  is two standard errors, at least ``floor`` (a gain below it is not worth a more complex
-  configuration) and at most ``ceiling`` (however noisy the readings, a finalist measured this much
-  slower is not called a tie).
-
-Among the finalists within noise of the leader (the leader included) the simplest wins: fewer knobs
-switched on, then fewer forward/backward passes per optimizer step, then the better median. Where
-two are within noise, a more complex configuration's lead is a guess, and fewer passes are faster
-in expectation (each pass has a fixed cost).
-
-Pure statistics on readings: nothing here runs a step (unit-tested with synthetic readings).
+Among the finalists within noise of the leader (the leader included) the simplest wins: fewer
+knobs switched on, then fewer forward/backward passes per step (each pass has a fixed cost), then
+the better median. Pure statistics on readings: nothing here runs a step.
 """
 
 from __future__ import annotations
@@ -74,7 +66,15 @@ class Finalist(Generic[K]):
 
 @dataclass(frozen=True)
 class Verdict(Generic[K]):
-    """The comparison's outcome: the winner, the leader by median, and every finalist's numbers."""
+    """The comparison's outcome.
+
+    Attributes:
+        winner: the simplest finalist within noise of the leader.
+        leader: the finalist with the best median.
+        finalists: every finalist's numbers against the leader.
+        tolerance_floor: the tolerance's lower bound used.
+        tolerance_ceiling: the tolerance's upper bound used.
+    """
 
     winner: K
     leader: K
@@ -104,7 +104,8 @@ def compare_finalists(readings: Mapping[K, Sequence[float | None]], simplicity: 
             index ``i`` for every finalist; ``None`` where a round has no reading.
         simplicity: a sort key, smaller is simpler (e.g. ``(knobs switched on, passes)``); without
             it the leader wins.
-        floor, ceiling: the tolerance's bounds (fractions of the leader's speed).
+        floor: the tolerance's lower bound (a fraction of the leader's speed).
+        ceiling: the tolerance's upper bound (a fraction of the leader's speed).
 
     Raises:
         ValueError: no finalist, a finalist without a reading, or bounds out of order.

@@ -14,18 +14,15 @@
 
 Which knobs apply depends on the device (``available_knobs``): on CUDA bf16 where the device
 supports it and fp16; on CPU bf16 only where oneDNN has native bf16; compile only on CUDA by
-default (compiling on CPU takes longer than a whole search; ask for it explicitly).
+default (compiling on CPU is slow next to the steps it would speed up; ask for it explicitly).
 
-Process-wide effects of ``apply_knobs``: with ``compile``, dynamo's cache and one config
-value. Dynamo caches compiled code per code object (here the model's ``forward``) for the whole
-process. A trial does not clear it (``torch._dynamo.reset()`` would clear every compiled function
-of the process), so the entries of earlier trials stay, and each new combination of knobs or
-shape class adds one. Past dynamo's ``recompile_limit`` (8 by default) a frame runs eagerly, and
-a search with compile in its space gets there soon (24 knob and size combinations of a small
-model on CPU did); so inside the trial the limit is raised to ``TRIAL_RECOMPILE_LIMIT`` with
-``torch._dynamo.config.patch``, restored on exit. While it is raised, it is raised for the whole
-process (a thread compiling at the same moment sees it too). Checkpointing touches only the
-model's layers, and is removed on exit.
+Process-wide effects of ``apply_knobs``: with ``compile``, dynamo's cache and one config value.
+Dynamo's cache of compiled code is the process's, and a trial does not clear it
+(``torch._dynamo.reset()`` would clear every compiled function of the process), so each new
+combination of knobs or shape class adds an entry; past ``recompile_limit`` (8 by default) a frame
+runs eagerly. Inside a trial the limit is raised to ``TRIAL_RECOMPILE_LIMIT``
+(``torch._dynamo.config.patch``, for the whole process while it lasts), and restored on exit.
+Checkpointing touches only the model's layers, and is removed on exit.
 """
 
 from __future__ import annotations

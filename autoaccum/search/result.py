@@ -33,14 +33,18 @@ Stopped = Literal["n_trials", "timeout", "patience"]
 
 @dataclass(frozen=True)
 class TrialRecord:
-    """One trial of the study (earlier sessions' included).
+    """One trial of the study (those of earlier searches on a resumed study included).
 
     Attributes:
         number: Optuna's trial number.
         plan: the plan for the whole target (micro x accum x world).
         knobs: checkpointing, autocast, compile.
         status: ``ok``, ``oom``, ``over_budget``, ``failed`` (see ``Measurement``).
-        samples_per_s, items_per_s, step_time_s, peak_bytes, note: what was measured.
+        samples_per_s: samples of one rank's share per second (None unless ok).
+        items_per_s: items (e.g. tokens) per second for token-level losses, else None.
+        step_time_s: the fastest timed optimizer step (None unless ok).
+        peak_bytes: the largest step peak seen.
+        note: where an OOM struck, or a knob's error.
         seeded: ``probe`` (the probe's pick) or ``fit`` (the two largest sizes predicted to fit as an
             accumulated step), enqueued before the sampler's trials; ``""`` for the sampler's.
         duplicate_of: the earlier trial whose measurement this one reused, or None.
@@ -103,20 +107,28 @@ class SearchResult:
         plan: the winner's plan for ``target_batch`` (give it to ``OOMGuard(plan=...)`` / ``fit``).
         knobs: the winner's knobs (``knobs.autocast_dtype`` for ``OOMGuard(autocast_dtype=...)``).
         samples_per_s: the winner's samples/s on one rank: the median of its readings in the
-            final rounds (its trial's reading without them); items_per_s likewise.
+            final rounds (its trial's reading without them).
+        items_per_s: the winner's items/s, likewise (None for losses that count no items).
         peak_bytes: the winner's peak memory.
         trials: every completed trial of the study, in order (samples/s as measured in the trial).
         confirmed: ``(trial number, samples/s readings)`` of the finalists measured again (reading
-            ``i``: round ``i``; a finalist out of the race after three rounds has fewer).
+            ``i``: round ``i``; a finalist out of the race after ``OUT_AFTER_ROUNDS`` has fewer).
         comparison: the finalists' paired comparison with the leader (empty without rounds): the
             winner is the simplest finalist within noise of the leader.
-        probe_plan: what the probe picked; probe_samples_per_s: its samples/s in this search, read
-            as the winner's (None if it did not fit as a guarded, accumulated step).
-        budget_bytes, usable_bytes: the budget and ``budget * (1 - headroom)`` every trial had to fit.
-        device: where it ran; emulated: memory counted and enforced by the tracked counter.
+        probe_plan: what the probe picked.
+        probe_samples_per_s: the probe's pick's samples/s in this search, read as the winner's
+            (None if it did not fit as a guarded, accumulated step).
+        budget_bytes: the budget.
+        usable_bytes: ``budget * (1 - headroom)``, which every trial had to fit.
+        headroom: the fraction of the budget kept free.
+        device: where it ran.
+        emulated: memory was counted and enforced by the tracked counter.
         study_name: the Optuna study (resume it with the same storage and name).
-        n_trials_run: trials run by this call; stopped: why it stopped.
-        wall_time_s: the whole search, probe included; probe_wall_time_s: the probe alone.
+        n_trials_run: trials run by this call.
+        stopped: why it stopped (``n_trials``, ``timeout`` or ``patience``).
+        wall_time_s: the whole search, probe included.
+        probe_wall_time_s: the probe alone.
+        torch_version: the torch that ran the search.
     """
 
     plan: Plan

@@ -31,7 +31,7 @@ class SearchSpace:
     """What the search may choose. ``None``: the default for the model and device.
 
     Attributes:
-        micro_batches: sizes to try (default: from the probe's memory model, see the module doc).
+        micro_batches: sizes to try (default: from the probe's memory model, see the module docstring).
         checkpointing: e.g. ``(False, True)`` (default where the model has layers to checkpoint).
         autocast: among ``fp32``, ``bf16``, ``fp16`` (default: what the device supports).
         compile: e.g. ``(False, True)`` (default: on CUDA only; compiling on CPU is slow).
@@ -95,9 +95,10 @@ def resolve_space(space: SearchSpace, report: ProbeReport, model: torch.nn.Modul
 
 
 def accumulated_fit(report: ProbeReport, share: int, grad_bytes: int) -> int:
-    """The largest micro-batch predicted to fit as an *accumulated* step. A probe step starts with
-    no gradients; an accumulated step holds the summed gradients while every later micro-batch
-    runs forward and backward, so below the full share the prediction adds them."""
+    """The largest micro-batch predicted to fit as an *accumulated* step (the study's seeds go up to
+    it): the share where the model predicts it fits in one pass; below it, the room the memory
+    model leaves under the usable budget less ``grad_bytes`` (the summed gradients an accumulated
+    step holds while later micro-batches run), over the model's bytes per sample."""
     model = report.model
     if model is None:
         return max(report.max_fitting_micro_batch, 1)

@@ -13,13 +13,9 @@ and the checks that let a stored study be resumed.
   accumulated step. The search stops after ``n_trials`` trials, ``timeout_s`` seconds, or
   ``patience`` trials in a row without a ``min_improvement`` gain.
 - **Final comparison**: a trial is one reading on a possibly busy machine, and the best of many
-  readings flatters whoever got a quiet moment. The finalists -- the ``confirm_top`` fastest
-  configurations, the probe's pick and the simplest feasible configuration (fewest knobs, then
-  fewest passes) -- are measured ``confirm_rounds`` more times, interleaved (each round runs every
-  finalist once, the order rotating), and compared paired, round by round, with the leader (the
-  best median): a finalist within noise of it ties, and a tie goes to the simplest
-  (``autoaccum.search.compare``). The winner comes from these rounds. After three rounds, a
-  finalist slower than the leader by more than the tie ceiling in every round is measured no more.
+  readings flatters whoever got a quiet moment. So the finalists (the ``confirm_top`` fastest, the
+  probe's pick and the simplest feasible configuration) are measured ``confirm_rounds`` more times,
+  interleaved, and the winner comes from these rounds (``_confirm``, ``autoaccum.search.compare``).
 - **Storage**: in memory by default; any Optuna storage URL (``sqlite:///autoaccum.db`` keeps and
   resumes a study with its trials; an RDB shared by several workers, one per GPU). The study
   keeps its space and what it measures (target, world size, device, a given budget) in its user
@@ -332,15 +328,12 @@ OUT_AFTER_ROUNDS = 3
 
 def _confirm(bench: Bench, ok: list[TrialRecord], seeded: TrialRecord | None, top: int,
              rounds: int) -> list[tuple[TrialRecord, list[float]]]:
-    """Measure the finalists (``_finalists``) ``rounds`` more times, interleaved: in each round
-    every finalist once, back to back, the order rotating from round to round; return each with its
-    readings (index ``i``: round ``i``), for ``compare_finalists``. A
-    trial is one reading at one moment: a configuration that won a single trial because its rivals'
-    trials met a busy machine loses here, where all of them meet the same moments. After
-    OUT_AFTER_ROUNDS rounds, a finalist slower than the leader (the best median) by more than the tie
-    ceiling in every round is out of the race: it could neither lead nor tie, and its later rounds
-    are not run. Without rounds, the trial's reading stands. A configuration that no longer fits
-    (e.g. fragmentation on CUDA) drops out."""
+    """Measure the finalists (``_finalists``) ``rounds`` more times, interleaved (each round every
+    finalist once, the order rotating); return each with its readings (index ``i``: round ``i``),
+    for ``compare_finalists``. After OUT_AFTER_ROUNDS rounds a finalist slower than the leader by
+    more than the tie ceiling in every round could neither lead nor tie, and is measured no more.
+    Without rounds, the trial's reading stands. A configuration that no longer fits (e.g.
+    fragmentation on CUDA) drops out."""
     chosen = _finalists(ok, seeded, top)
     if rounds == 0:
         return [(r, [float(r.samples_per_s or 0.0)]) for r in chosen]

@@ -1,30 +1,24 @@
 """Measure one configuration (micro-batch + knobs): real guarded optimizer steps, samples/s and peak memory.
 
-A measurement runs ``warmup_steps`` complete accumulated optimizer steps through an
-``OOMGuard`` (the optimizer state appears in the first, so the peak is in
-the second or later), then times ``measure_steps`` more and reports samples/s from the fastest
-of them: every step covers the same global batch, and contention on a shared machine only ever
-slows a step, so the fastest is the truest reading (the probe and ``timeit`` do the same).
+A measurement runs ``warmup_steps`` complete accumulated optimizer steps through an ``OOMGuard``
+(the optimizer state appears in the first, so the peak is in the second or later), then times
+``measure_steps`` more and reports samples/s from the fastest of them: every step covers the same
+global batch, and contention on a shared machine only ever slows a step, so the fastest is the
+truest reading (the probe and ``timeit`` do the same).
 
 The guard must not rescue a configuration: the first OOM -- or any shrink of the plan, such as
-allocator thrashing on CUDA -- makes the configuration infeasible (status ``oom``) instead of
-being replayed at a smaller micro-batch. A run whose peak is above the usable budget
-(``budget * (1 - headroom)``) is ``over_budget``.
+allocator thrashing on CUDA -- makes it infeasible (status ``oom``) instead of being replayed at a
+smaller micro-batch. A run that peaks above the usable budget (``budget * (1 - headroom)``) is
+``over_budget``. Memory is read from the CUDA allocator on CUDA, and elsewhere from the tracked
+counter with an emulated budget of the usable bytes, which raises an OOM where a small device
+would fail. The counter covers the warm-up steps only: its per-op Python hook would slow small
+micro-batches more than large ones and bias the timed ranking.
 
-Where memory is counted: on CUDA the allocator's peak (``max_memory_allocated``); on any other
-device the tracked counter with an emulated budget of the *usable* bytes, so an allocation past
-it raises ``torch.OutOfMemoryError`` where a small device would fail. The warm-up steps run under
-the counter; the timed steps run without it (its per-op Python hook would otherwise slow small
-micro-batches more than large ones and bias the ranking). The global batch is built once,
-outside the counter, as a device's host-side data loader would hold it.
-
-Process-wide effects of a measurement: after a failed one (and after every one on CUDA) memory is
-released with ``autoaccum.memory.recovery.release_memory``: a full garbage collection and, on CUDA,
-``torch.cuda.empty_cache()``, which returns the cached blocks of the whole process to the driver.
-While the trial's guard is built, warnings are silenced with ``warnings.catch_warnings`` (the
-``warnings`` filters are shared by the process's threads). The guard's plan-change warnings are
-switched off for the trial's guard alone (``OOMGuard(log_changes=False)``); the ``autoaccum.step.guard``
-logger is not touched. Knobs: see ``autoaccum.search.knobs``.
+Process-wide effects: after a failed measurement (and after every one on CUDA) memory is released
+(``autoaccum.memory.recovery.release_memory``: a full garbage collection and, on CUDA,
+``torch.cuda.empty_cache()`` for the whole process); warnings are silenced while the trial's guard
+is built (``warnings.catch_warnings``, whose filters the process's threads share). The trial's
+guard logs no plan changes (``OOMGuard(log_changes=False)``). Knobs: ``autoaccum.search.knobs``.
 """
 
 from __future__ import annotations
@@ -103,14 +97,18 @@ class Bench:
     the state each measurement starts from, and the budget.
 
     Attributes:
-        model, optimizer, loss_fn: what a training step runs.
+        model: the module a training step runs.
+        optimizer: its optimizer.
+        loss_fn: ``loss_fn(model, batch)``.
         batch: one rank's share of the global batch, built once (the same samples for every trial).
+        share: the samples in ``batch``.
         device: where steps run.
         usable_bytes: ``budget * (1 - headroom)``; a configuration above it is infeasible.
         emulate: count memory with the tracked counter and raise OOM past ``usable_bytes``
             (every device but CUDA).
         snapshot: the state restored after each measurement (every trial starts from it).
-        warmup_steps, measure_steps: optimizer steps run before timing, and timed.
+        warmup_steps: optimizer steps run before timing.
+        measure_steps: optimizer steps timed.
         clock: ``wall`` or ``cpu`` (see ``Clock``).
     """
 
@@ -213,8 +211,8 @@ class Bench:
 
     def restore(self, collect: bool = True) -> None:
         """Back to ``snapshot``. ``collect``: also run the garbage collector (frames of a failed
-        attempt may sit in reference cycles; it takes a few hundred ms with torch loaded, so a CPU
-        trial that went well skips it) and, on CUDA, always release cached blocks."""
+        attempt may sit in reference cycles; a full collection walks every object of the process,
+        so a CPU trial that went well skips it); on CUDA cached blocks are always released."""
         self.optimizer.zero_grad(set_to_none=True)
         training_state.restore(self.snapshot, self.model, self.optimizer)
         if collect or self.device.type == "cuda":
@@ -252,13 +250,16 @@ def measure(task: Task, target_batch: int, micro_batch: int, knobs: Knobs | None
 
     Args:
         task: the training step.
-        target_batch, world_size: the global batch and ranks; one rank's share is measured.
+        target_batch: the global batch over all ranks.
         micro_batch: samples per forward/backward; accumulation covers the share exactly.
         knobs: checkpointing, autocast, compile (default: none).
         optimizer: step this optimizer (restored afterwards) instead of a fresh one from the task.
-        budget, headroom: infeasible above ``budget * (1 - headroom)`` (default budget: what the
-            device has free); enforced by an emulated OOM on every device but CUDA.
-        warmup_steps, measure_steps: optimizer steps before timing (>= 2), and timed.
+        world_size: the ranks sharing ``target_batch``; one rank's share is measured.
+        budget: infeasible above ``budget * (1 - headroom)`` (default: what the device has free);
+            enforced by an emulated OOM on every device but CUDA.
+        headroom: the fraction of the budget kept free.
+        warmup_steps: optimizer steps before timing (>= 2).
+        measure_steps: optimizer steps timed.
         clock: ``wall`` (default) or ``cpu`` time (see ``Clock``).
     """
     share = Plan.for_target(target_batch, 1, world_size).rank_batch(0)

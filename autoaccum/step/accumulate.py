@@ -1,22 +1,21 @@
 """The exact gradient of one global batch (invariant 2), as a component.
 
-``accumulate`` runs the forward and backward of each micro-batch of one rank, inside the
-sync's accumulation window (no gradient collective of the model's own), with each loss weighted so
-that the summed gradients are those of the whole global batch:
+``accumulate`` runs the forward and backward of each micro-batch of one rank inside the sync's
+accumulation window (no gradient collective of the model's own), each loss weighted so that the
+summed gradients are those of the whole global batch:
 
 - a **mean loss** over a micro-batch of ``n_i`` samples is weighted by ``n_i / N``, ``N`` the
   samples of the global batch over all ranks (each ``.backward()`` adds to ``.grad``);
-- a **token-level loss** ``(loss_sum, num_items)`` is summed as it is; ``reduce_gradients``
+- a **token-level loss** ``(loss_sum, num_items)`` is summed as it is, and ``reduce_gradients``
   divides the summed gradients once by the item count of the whole step, over all micro-batches
   and ranks (not a mean of means);
-- a loss **normalised by the step's item count** (Hugging Face's ``num_items_in_batch``: the
-  caller counted the step's items up front and passes the total) is summed as it is: each
-  micro-batch's loss is already its share of the full-batch loss.
+- a loss **normalised by the step's item count** (Hugging Face's ``num_items_in_batch``, counted
+  by the caller up front) is summed as it is: each micro-batch's loss is already its share.
 
-It never raises for what a micro-batch did: it returns ``Accumulated``, or ``Failed``
-with the phase and (for errors other than OOM) the exception. Catching here keeps the exception,
-and the activations its traceback holds, inside this frame, which is gone by the time the caller
-recovers (``autoaccum.memory.recovery``). With ``backward=False`` it evaluates: the same weighting under
+It never raises for what a micro-batch did: it returns ``Accumulated``, or ``Failed`` with the
+phase and (for errors other than OOM) the exception. Catching here keeps the exception, and the
+activations its traceback holds, inside this frame, which is gone by the time the caller recovers
+(``autoaccum.memory.recovery``). With ``backward=False`` it evaluates: the same weighting under
 ``torch.no_grad()``, no window, no gradients.
 
 ``reduce_gradients`` then sums gradients over ranks once, adds up the step's scalars in one
@@ -214,12 +213,20 @@ def reduce_gradients(params: Sequence[torch.nn.Parameter], result: Accumulated, 
                      summed: Sequence[float] | None = None) -> StepTotals:
     """Sum gradients over ranks once, add up the step's scalars, normalise token-level gradients.
 
-    Returns the step's totals; afterwards each parameter's ``.grad`` is the gradient of the
-    global batch (for an optimizer step, clipping or a trainer's own step).
+    Afterwards each parameter's ``.grad`` is the gradient of the global batch (for an optimizer
+    step, clipping or a trainer's own step).
 
     Args:
+        params: the parameters whose gradients ``accumulate`` summed.
+        result: this rank's ``Accumulated``.
+        num_samples: samples of the global batch over all ranks.
+        sync: how ranks sum gradients and scalars (default: one process).
+        num_items_in_batch: the step's item count where the losses were normalised by it up front.
         summed: the step's ``step_values`` summed over ranks already (an overlapped step's flag
             exchange carries them); None: summed here, after the gradients.
+
+    Returns:
+        The step's totals over all ranks (its loss, samples and items).
 
     Raises:
         TaskError: ranks returned different kinds of loss, or a token-level step counted 0 items.

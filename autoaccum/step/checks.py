@@ -11,6 +11,7 @@ from typing import Any, get_args
 import torch
 
 from autoaccum.memory.model import MemoryModel
+from autoaccum.memory.savers import ladder
 from autoaccum.plan.batch import Batch, SplitFn, batch_size
 from autoaccum.plan.batchnorm import smallest_micro_batch
 from autoaccum.plan.cut import Cutter
@@ -21,7 +22,7 @@ from autoaccum.step.optim import NONFINITE_POLICIES, NonFinite
 from autoaccum.step.sync import GradSync, OverlapMode
 from autoaccum.validate import check_choice, check_positive_float, check_positive_int
 
-__all__ = ["GuardOptions", "check_step_args", "checked_options", "count_items", "guard_plan", "local_size",
+__all__ = ["GuardOptions", "check_step_args", "guard_ladder", "checked_options", "count_items", "guard_plan", "local_size",
            "trained_params"]
 
 
@@ -127,3 +128,12 @@ class GuardOptions:
     overlap: OverlapMode
     log_changes: bool
     emulated: bool  # a counter with a budget: micro-batches are copied in, as a GPU's would be
+
+
+def guard_ladder(model: torch.nn.Module, device: torch.device, plan: Plan, memory_savers: Any) -> tuple[str, ...]:
+    """The rungs of the memory ladder the guard may climb; the plan's own rung must be one of them."""
+    rungs = ladder(model, device, memory_savers)
+    if plan.saver not in rungs:
+        raise ValueError(f"the plan runs with memory saver {plan.saver!r}, which is not on this guard's ladder {rungs} "
+                         f"(memory_savers={memory_savers!r}, device {device.type}); allow it, or plan again here")
+    return rungs

@@ -1,13 +1,20 @@
 """Growth after an OOM: the guard's record of what its steps took, and when to grow back.
 
-The guard halves the micro-batch on an OOM (``autoaccum.step.policy``); this component decides when and
-how far it grows back. It keeps what clean steps took per size (``Rise``),
-the growths that ran out of memory (``FailedGrowth``), the meter's reading
-and limit at the step's start, and the calm steps since the last plan change. After calm steps it
-proposes the plan predicted to fit in what is free now (``grow="model"``: the rules of
-``autoaccum.step.growth``), or says that the guard may double blindly (``grow="double"``, or ``"auto"``
-with ``grow_after`` where no meter knows the limit). The guard agrees the plan across ranks and
-records the change; this component holds no plan and talks to no other rank.
+The guard halves the micro-batch on an OOM (``autoaccum.step.policy``); ``Growth`` decides when and
+how far it grows back. It keeps what clean steps took per size above the bytes live at their start
+(``Rise``), the growths that ran out of memory (``FailedGrowth``), the meter's reading and limit at
+the step's start, and the calm steps since the last plan change. After calm steps it proposes the
+plan with the fewest micro-steps predicted to fit in what is free now (``grow="model"``), or lets
+the guard double blindly (``grow="double"``, or ``"auto"`` with ``grow_after`` where no meter knows
+the limit). It holds no plan and talks to no other rank: the guard agrees the plan and records it.
+
+The rules (``fits``): a size does not fit where a growth to it or to a smaller size failed with no
+less room than there is now; it fits where it ran clean with no more room than now; otherwise its
+predicted rise must stay within the usable part of the limit. The predicted rise of a size not run
+(``predicted_rise``) is the largest of: the line through the sizes run (the rises failed growths
+reached count as lower bounds), the nearest smaller size plus the probe model's bytes per sample,
+and -- with nothing else to go by, or once a growth past that size failed -- that size's rise
+scaled in proportion.
 """
 
 from __future__ import annotations
@@ -90,8 +97,8 @@ def _optimizer_rise(rise: Rise) -> int:
 
 def predicted_rise(micro_batch: int, rises: Mapping[int, Rise], prior: MemoryModel | None = None,
                    failures: Iterable[FailedGrowth] = ()) -> int | None:
-    """How far a step at ``micro_batch`` is predicted to rise above the bytes live at its start
-    (the largest of the estimates in the module docstring); None where nothing can be estimated."""
+    """How far a step at ``micro_batch`` is predicted to rise above the bytes live at its start (the
+    rules of the module docstring); None where nothing can be estimated."""
     failures = tuple(failures)
     reached = max((f.reached_bytes for f in failures if f.micro_batch <= micro_batch), default=0)
     if micro_batch in rises:
@@ -169,7 +176,7 @@ class Growth:
         rises: what clean full steps took, per micro-batch size.
         failures: growths that ran out of memory (or thrashed), against the room they had.
         grown: the plan in force was grown and has not run a clean step yet.
-        limit: the meter's limit at this step's start (read where growth or the overlap needs it).
+        limit: the meter's limit at this step's start (read only for memory-guided growth).
         start: the meter at this step's start.
         calm: clean steps since the last plan change.
     """
@@ -209,7 +216,7 @@ class Growth:
     # -- one step ---------------------------------------------------------------------------------------
     def begin(self, meter: Meter, *, full_step: bool, read_limit: bool) -> MemoryReading | None:
         """At a step's start: the meter's reading (peak reset) and, where ``read_limit``, its limit
-        (CUDA: two allocator queries, so only where growth or the overlap's room needs it)."""
+        (CUDA: two allocator queries, so only where memory-guided growth needs it)."""
         meter.reset_peak()
         self.start = meter.read()
         self._start_ooms = getattr(meter, "oom_count", 0)
@@ -284,7 +291,7 @@ class Growth:
         self.calm = self.calm + 1 if attempts == 1 else 0
 
     def predicted_rise(self, micro_batch: int) -> int | None:
-        """A step's predicted rise at ``micro_batch`` from the record (``autoaccum.step.growth``)."""
+        """A step's predicted rise at ``micro_batch`` from the record (``predicted_rise``)."""
         return predicted_rise(micro_batch, self.rises, self.memory_model, self.failures)
 
 

@@ -1,10 +1,14 @@
 """The OOM guard: exact accumulation (``autoaccum.step.accumulate``) with the OOM policy on top.
 
-One attempt, on every rank: the cut's exchange (``autoaccum.step.sync``), the micro-batches under
-``no_sync``, the status agreed (OK < OOM < ERROR), then, after OK, the gradients reduced once. On an
-OOM anywhere, every rank replays the step on the same samples with a smaller micro-batch (invariant
-3): outside the ``except`` block, with the gradients cleared, memory released and the RNG state and
-the buffers a forward updates put back. The plan's changes are ``autoaccum.step.policy``'s.
+One attempt, on every rank: the cut's exchange (``autoaccum.step.sync.agree_cut``), the
+micro-batches under ``no_sync``, the status agreed (OK < OOM < ERROR), then, after OK, the gradients
+reduced once. On an OOM anywhere, every rank replays the step on the same samples with a smaller
+micro-batch (invariant 3): outside the ``except`` block, with the gradients cleared, memory released
+and the RNG state and the buffers a forward updates put back.
+
+``OOMGuard.step`` adds the optimizer step (``autoaccum.step.optim``); ``OOMGuard.accumulate`` stops
+at the gradient, for trainers that step themselves. How the plan shrinks, grows back and reacts to
+allocator thrashing is ``autoaccum.step.policy``'s and ``autoaccum.step.growth``'s.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from autoaccum.errors import AutoAccumError, DoesNotFitError, NonFiniteError
 from autoaccum.log import user_stacklevel
 from autoaccum.memory import Meter, TrackedMemory, active_budget, default_meter
 from autoaccum.memory.model import MemoryModel
-from autoaccum.memory.savers import MemorySavers, apply_rung, ladder
+from autoaccum.memory.savers import MemorySavers, apply_rung, suggestions
 from autoaccum.memory.recovery import catch_oom, release_memory
 from autoaccum.plan.batch import Batch, SplitFn
 from autoaccum.plan.cut import Cutter, MicroBatch, SampleCut
@@ -30,7 +34,7 @@ from autoaccum.plan.plan import Plan
 from autoaccum.plan.task import LossFn, explain_error
 from autoaccum.state import capture_buffers, capture_rng, restore_buffers, restore_rng, state_buffers
 from autoaccum.step.accumulate import Accumulated, Failed, StepTotals, accumulate, reduce_gradients, step_values
-from autoaccum.step.checks import (GuardOptions, check_step_args, checked_options, count_items, guard_plan,
+from autoaccum.step.checks import (GuardOptions, guard_ladder, check_step_args, checked_options, count_items, guard_plan,
                                    local_size, trained_params)
 from autoaccum.step.growth import GrowMode, Growth, Rise, check_growth_meter
 from autoaccum.step.optim import NonFinite, step_oom_error, step_optimizer
@@ -93,13 +97,11 @@ class OOMGuard:
             (default) raises ``NonFiniteError`` with nothing stepped; ``"skip"`` skips the step;
             ``None`` does not check. With a GradScaler its own check applies.
         overlap: under ``torch.distributed``, ``"off"`` (default) reduces the gradients after every
-            rank said OK; ``"on"`` (experimental: verified on gloo and on NCCL in a world of one, not
-            on NCCL across GPUs) all-reduces them during the last backward. Worth trying with few
-            micro-batches a step and a large model.
-        memory_savers: when even the smallest micro-batch runs out of memory, the next rung of the
-            memory ladder (``autoaccum.memory.savers``: activation checkpointing, then on CUDA
-            activation offload), each exact; ``"auto"`` (default) every rung the model and device
-            have, ``"off"`` none, or a tuple of rungs.
+            rank said OK; ``"on"`` (experimental, not run by the project on NCCL across GPUs)
+            all-reduces them during the last backward, which hides the most where a step has few
+            micro-batches and the model is large.
+        memory_savers: at an OOM at the smallest micro-batch, the next rung of the memory ladder
+            (``autoaccum.memory.savers``), each exact: ``"auto"`` (default), ``"off"``, or a tuple of rungs.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, target_batch: int | None = None,
@@ -132,11 +134,7 @@ class OOMGuard:
             cast(OverlapSync, self.sync) if overlap == "on" and isinstance(self.sync, OverlapSync) else None)
         if self._overlapper is not None:
             warnings.warn(OVERLAP_WARNING, stacklevel=user_stacklevel())
-        rungs = ladder(model, self.device, memory_savers)
-        if plan_.saver not in rungs:
-            raise ValueError(f"the plan runs with memory saver {plan_.saver!r}, which is not on this guard's ladder "
-                             f"{rungs} (memory_savers={memory_savers!r}, device {self.device.type}); allow it, or "
-                             f"plan again on this device")
+        rungs = guard_ladder(model, self.device, plan_, memory_savers)
         self._policy = PlanPolicy(plan_, self.sync, Growth(grow, grow_after, memory_model, headroom), thrash_steps,
                                   log_changes=log_changes, model=model, ladder=rungs)
         self._buffer_slots = state_buffers(model)
@@ -189,9 +187,13 @@ class OOMGuard:
                 batch of an epoch), which is then one exact step on the samples it holds.
             loss_fn: ``loss_fn(model, micro_batch)`` -> mean loss over the micro-batch, or
                 ``(loss_sum, num_items)`` for token-level losses.
+            partial: the batch is the epoch's smaller last one.
+
+        Returns:
+            What the step did: its loss, plan, plan changes, attempts, gradient norm.
 
         Raises:
-            DoesNotFitError: a micro-batch of 1 ran out of memory.
+            DoesNotFitError: the smallest micro-batch the model trains at ran out of memory.
             OptimizerStepOOMError: out of memory in gradient reduction, clipping or ``optimizer.step()``.
             NonFiniteError: inf/NaN gradients or loss under ``nonfinite="stop"`` (nothing was stepped).
             ValueError: the batch holds the wrong number of samples.
@@ -368,16 +370,9 @@ class OOMGuard:
         return self.meter if self.meter.budget_bytes is not None else (active_budget() or self.meter)
 
     def _does_not_fit(self) -> DoesNotFitError:
-        meter, ladder_ = self._budget_meter(), self._policy.ladder
-        saver = [] if "checkpointing" in ladder_ else ["give the model's blocks an nn.ModuleList (or a "
-                                                        "gradient_checkpointing_enable()) so that they can be checkpointed"]
-        return DoesNotFitError(meter.last_oom_needed_bytes, meter.budget_bytes, at_least=True,
-                               micro_batch=self.plan.micro_batch, rungs=self._policy.rungs_tried, suggestions=(
-            *saver, "use bf16 autocast (autocast_dtype=torch.bfloat16), shorter sequences or a smaller model",
-            "offload optimizer state and parameters to host memory (FSDP2's CPUOffloadPolicy), or shard them over "
-            "more devices (FSDP)",
-            "free memory held by other processes, or run on a device with more memory",
-        ))
+        meter = self._budget_meter()
+        return DoesNotFitError(meter.last_oom_needed_bytes, meter.budget_bytes, suggestions(self._policy.ladder),
+                               at_least=True, micro_batch=self.plan.micro_batch, rungs=self._policy.rungs_tried)
 
 
 def _armed(micro_batches: Iterable[MicroBatch], steps: int, arm: Callable[[], None] | None) -> Iterator[MicroBatch]:

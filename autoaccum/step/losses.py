@@ -1,25 +1,22 @@
 """``fit``'s default loss: cross-entropy for ``(inputs, targets)``, the model's own loss for dict batches.
 
-For a dict batch (a tokenizer's ``BatchEncoding``, a collator's output) the model is called as
-``model(**batch)``, as Hugging Face models are, and its output's ``.loss`` is used (the batch must
-hold ``labels``). How that loss is weighted across micro-batches follows what it averages over:
+A dict batch (a tokenizer's ``BatchEncoding``, a collator's output) runs as ``model(**batch)``, as
+Hugging Face models are called, and its output's ``.loss`` is used (the batch must hold ``labels``).
+How that loss is weighted across micro-batches follows what it averages over:
 
 - **per-token losses** (``labels`` with a sequence dimension: causal and masked LMs, token
-  classification) are token-exact: the step divides the summed token losses once by the tokens of
-  the whole global batch over all ranks -- as one full-batch forward would (a mean of micro-batch
-  means would weight short micro-batches too much). This is Hugging Face's own path: the guard
-  counts the step's predicted tokens up front (``DefaultLoss.count_items``, all ranks) and each
-  micro-batch runs ``model(**batch, num_items_in_batch=N)``, so every token's gradient is computed
-  exactly as in a full-batch forward (HF computes the cross-entropy in float32, ``logits.float()``,
-  even for a float64 model; the same arithmetic on both sides keeps them equal). A model that takes
-  no loss keyword arguments gets ``loss * count / N``. Called without a count (by the probe, the
-  evaluation, or by hand) the loss returns ``(loss_sum, count)``. Predicted tokens are counted as
-  the model counts them: labels other than -100, after the shift by one that causal-LM losses apply
-  inside the model (the first label of each row is never a target), or ``shift_labels`` where the
-  batch carries them. Whether the model's ``loss_function`` shifts is asked of the function itself
-  (``loss_shifts_labels``), so a drop-in replacement of ``ForCausalLMLoss`` counts as one.
-- **per-sample losses** (``labels`` of one value per sample: sequence or image classification)
-  are means over the micro-batch, weighted by its share of the samples.
+  classification) are token-exact: the step's summed token losses are divided once by the tokens of
+  the whole global batch over all ranks, as one full-batch forward would (a mean of micro-batch
+  means would over-weight short micro-batches). The guard counts the step's predicted tokens up
+  front (``DefaultLoss.count_items``) and each micro-batch runs ``model(**batch,
+  num_items_in_batch=N)``: Hugging Face's own path, so each token's loss is computed with the same
+  arithmetic as in a full-batch forward. A model that takes no loss keywords gets
+  ``loss * count / N``; called without a count (the probe, the evaluation) the loss returns
+  ``(loss_sum, count)``. Tokens are counted as the model counts them: labels other than -100, after
+  the causal-LM shift by one where the model's ``loss_function`` shifts (``loss_shifts_labels`` asks
+  the function itself), or ``shift_labels`` where the batch carries them.
+- **per-sample losses** (one label per sample: sequence or image classification) are means over the
+  micro-batch, weighted by its share of the samples.
 """
 
 from __future__ import annotations

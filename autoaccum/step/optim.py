@@ -2,18 +2,18 @@
 
 The check (``check_finite``): inf/NaN gradients never reach the weights. Before the step, one
 fused reduction over every gradient (``torch._foreach_norm``; with clipping, the total norm clipping
-computes anyway) and one read of its result on the host: a non-finite
-value skips ``optimizer.step()`` and the scheduler, and the caller decides what follows (stop or
-skip, ``autoaccum.step.guard``). The gradients are checked after they were reduced over ranks: under
+computes anyway) and one read of its result on the host: a non-finite value skips
+``optimizer.step()`` and the scheduler, and the caller decides what follows (stop or skip,
+``autoaccum.step.guard``). The gradients are checked after they were reduced over ranks: under
 DDP every rank holds the same sums, so every rank decides the same; under FSDP2 each rank holds a
 shard, so the ranks exchange their verdicts (one all-reduce of one number). In fp16 the
 GradScaler checks (and skips) itself.
 
-An out-of-memory error here is not replayed (a decided limit, see the README): this memory does
-not depend on the micro-batch, so shrinking cannot help, and an OOM inside ``optimizer.step()``
-can leave some parameters updated and others not. It raises ``OptimizerStepOOMError``
-naming the phase, after releasing what the failed phase held and resetting the GradScaler's
-record of the step, so that a caller who goes on (e.g. after freeing memory) can step again.
+An out-of-memory error here is not replayed, by design: this memory does not depend on the
+micro-batch, so shrinking cannot help, and an OOM inside ``optimizer.step()`` can leave some
+parameters updated and others not. It raises ``OptimizerStepOOMError`` naming the phase, after
+releasing what the failed phase held and resetting the GradScaler's record of the step, so that a
+caller who goes on (e.g. after freeing memory) can step again.
 """
 
 from __future__ import annotations
@@ -72,10 +72,20 @@ def step_optimizer(optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.P
     """Unscale (once), check, clip (once), step and update the scaler; step the scheduler unless skipped.
 
     Args:
+        optimizer: the optimizer to step.
+        params: every parameter the step computed a gradient for (clipped and checked together).
+        scaler: a GradScaler (fp16): unscaled before clipping, then ``scaler.step`` and ``update``.
+        scheduler: stepped after the optimizer, unless the step was skipped.
+        max_grad_norm: clip the total gradient norm to this (None: no clipping).
+        step_number: the optimizer step's number, for the error message.
+        micro_batch: the plan's micro-batch, for the error message.
         check_finite: without a scaler, skip the step (``nonfinite=True``) when a gradient or
             ``loss`` holds inf/NaN (see the module docstring).
         loss: the step's loss (a device tensor or a float), checked with the gradients.
         sync: how the ranks agree on the check where each holds a shard of the gradients (FSDP2).
+
+    Returns:
+        What the step did: the gradient norm, and whether it was skipped.
 
     Raises:
         OptimizerStepOOMError: out of memory in unscaling, clipping or ``optimizer.step()``.
@@ -134,7 +144,7 @@ def _check_finite(params: Sequence[torch.nn.Parameter], loss: torch.Tensor | flo
     non-finite); with clipping, the total norm clipping needs anyway, so the check costs no second
     pass. A norm can also overflow where every element is finite (fp32 beyond ~1.8e19, fp16 beyond
     65504): only then, and only on a non-finite norm, are the elements looked at one by one.
-    (``ord=inf``, which cannot overflow, is some 100 times slower on the CPU.) FSDP2 gradients are
+    (``ord=inf`` cannot overflow, but is a much slower reduction on the CPU.) FSDP2 gradients are
     DTensor shards: each rank reduces its own shard (no collective inside) and the ranks exchange
     one number."""
     grads = [p.grad for p in params if p.grad is not None]

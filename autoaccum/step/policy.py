@@ -44,8 +44,16 @@ logger = logging.getLogger("autoaccum.step.guard")
 
 @dataclass(frozen=True)
 class PlanChange:
-    """One change of plan: why, at which optimizer step, and where the OOM struck (for a growth: what
-    guided it, empty for blind doubling; for thrashing across ranks: which ranks said so)."""
+    """One change of plan.
+
+    Attributes:
+        step: the optimizer step (1-based) during or after which the plan changed.
+        reason: ``oom``, ``thrash`` (allocator retries rising) or ``grow``.
+        where: for an OOM, the phase it struck in (or ``another rank``); for a growth, what guided it
+            (empty for blind doubling); for thrashing across ranks, which ranks said so.
+        old: the plan before the change.
+        new: the plan after it.
+    """
 
     step: int
     reason: Reason
@@ -126,9 +134,12 @@ class PlanPolicy:
     back after calm steps; each change agreed across ranks (``sync.agree_plan``), logged and recorded.
 
     Attributes:
-        plan: the plan in force. initial_micro_batch: the one the run started with (never grown past).
-        ceiling: the smallest micro-batch that failed; floor: the micro-batch of the last clean step.
-        ooms: OOMs recovered; failed_growths: growths that ran out of memory (each also in ``ooms``).
+        plan: the plan in force.
+        initial_micro_batch: the micro-batch the run started with (never grown past).
+        ceiling: the smallest micro-batch that failed.
+        floor: the micro-batch of the last step that succeeded.
+        ooms: OOMs recovered.
+        failed_growths: growths that ran out of memory (each also in ``ooms``).
         changes: every change so far.
     """
 

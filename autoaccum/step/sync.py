@@ -3,8 +3,8 @@
 
 The guard asks these things of a sync, in this order, once per attempt of an optimizer step:
 
-1. ``gather(row)``: every rank's row of the cut's exchange (``autoaccum.step.sync``: its samples,
-   the micro-steps its cut needs, its overlap vote, its item count, whether its allocator thrashed),
+1. ``gather(row)``: every rank's row of the cut's exchange (``agree_cut``: its samples, the
+   micro-steps its cut needs, its overlap vote, its item count, whether its allocator thrashed),
    before any micro-batch runs;
 2. ``no_sync()`` around every micro-batch's forward and backward: no gradient collective runs
    while a rank may still hit an OOM;

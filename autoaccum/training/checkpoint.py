@@ -101,10 +101,8 @@ def save_checkpoint(path: str | os.PathLike[str], state: dict) -> None:
     """Write ``state`` to ``path`` atomically, keeping the previous checkpoint as ``<path>.prev``.
 
     ``state`` is checked first (``check_plain``), so what is written always loads with
-    ``weights_only=True``. Then: ``torch.save`` to ``.<name>.<random>.tmp`` in the same directory,
-    flush and fsync it, rename an existing ``<name>`` to ``<name>.prev``, rename the temp file to
-    ``<name>``, fsync the directory. A kill at any point leaves either the new or the old
-    checkpoint loadable by ``load_checkpoint``. Temp files left by killed writes are removed.
+    ``weights_only=True``; then it is written as the module docstring says, so that a kill at any
+    point leaves the new or the old checkpoint loadable. Temp files left by killed writes are removed.
 
     Args:
         path: the checkpoint file, or an existing directory (the file is then
@@ -147,7 +145,7 @@ def save_checkpoint(path: str | os.PathLike[str], state: dict) -> None:
 
 def _read(path: Path) -> dict:
     # torch.load does not check the zip records' CRC-32, so a flipped byte inside a tensor would
-    # load as a wrong value; testzip reads every record and compares (GB/s, small next to loading).
+    # load as a wrong value; testzip reads every record and compares (a checksum pass, cheap next to loading).
     with zipfile.ZipFile(path) as archive:
         bad = archive.testzip()
     if bad is not None:

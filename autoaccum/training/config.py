@@ -73,7 +73,8 @@ class StopConfig:
     """How long to train.
 
     Attributes:
-        epochs, max_steps: stop after ``epochs`` passes or ``max_steps`` steps, whichever first.
+        epochs: stop after this many passes over the data (or ``max_steps``, whichever first).
+        max_steps: stop after this many optimizer steps (or ``epochs``, whichever first).
     """
 
     epochs: int | None = _option(default=1)
@@ -134,19 +135,15 @@ class MemoryConfig:
         precision: ``fp32``, ``bf16`` (autocast) or ``fp16`` (autocast + GradScaler).
         max_grad_norm: clip the global gradient norm once per step.
         nonfinite: a step whose gradients (or loss) hold inf/NaN, found before ``optimizer.step()``:
-            ``"stop"`` (default) raises ``NonFiniteError`` naming the step, with the weights,
-            optimizer state and scheduler of the step before; ``"skip"`` skips it and counts it
-            (``FitResult.skipped_steps``, ``"skipped"`` in the metrics file), as the fp16
-            GradScaler does. Either way fit stops after 25 skipped steps in a row.
+            ``"stop"`` (default) raises ``NonFiniteError`` with nothing stepped; ``"skip"`` skips and
+            counts it (``FitResult.skipped_steps``), as the fp16 GradScaler does. Either way fit
+            stops after ``MAX_SKIPPED_STEPS`` (25) skipped steps in a row.
         grow: how the guard grows the micro-batch back after an OOM (``OOMGuard(grow=...)``):
-            ``auto`` (default): after calm steps, straight to the largest micro-batch predicted to
-            fit in the memory free now (the probe's model, the steps run, the meter's limit) where
-            memory can be read -- on CUDA, and under ``budget=`` elsewhere; otherwise no growth
-            unless ``grow_after`` is given (then blind doubling). ``model``, ``double``, ``off``.
+            ``auto`` (default), ``model``, ``double`` or ``off``.
         grow_after: calm steps before the guard grows back (default 2).
         overlap: under torch.distributed, whether the gradient all-reduce runs during the last
             micro-batch's backward (``OOMGuard(overlap=...)``): ``off`` (default), or ``on``
-            (experimental: verified on gloo and on NCCL in a world of one, not on NCCL across GPUs).
+            (experimental, not run by the project on NCCL across GPUs).
         memory_savers: where even the smallest micro-batch does not fit, the memory ladder's next rung
             (activation checkpointing, then on CUDA activation offload), each exact: ``auto``
             (default), ``off``, or a tuple of rungs (``OOMGuard(memory_savers=...)``).

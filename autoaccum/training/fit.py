@@ -1,12 +1,12 @@
 """``autoaccum.fit``: one call from a model and data to a trained model at an exact global batch.
 
-The recipe, over components that live apart (the way torchtune separates recipes from them):
+The recipe, over components that live apart (the way torchtune separates recipes from them)::
 
-    options -> FitConfig (training.config)      validated in one place, before any work
-    plan    <- checkpoint | given | probe       (probe, plan)
-    guard   =  OOMGuard(plan)                   exact accumulation, OOM replay (guard, accumulate)
-    loop    :  global batches (data) -> guard.step -> progress (training.loop, training.progress)
-               -> evaluation (training.evaluate) -> checkpoint (training.resume)
+    options -> FitConfig (training.config)       validated in one place, before any work
+    plan    <- checkpoint | given | probe        (training.plans, probe)
+    guard   =  OOMGuard(plan)                    exact accumulation, OOM replay (step.guard)
+    loop    :  global batches (plan.data) -> guard.step -> progress (training.loop, training.progress)
+               -> evaluation (training.evaluate) -> checkpoint (training.checkpoint, training.resume)
 
     result = autoaccum.fit(model, (inputs, targets), target_batch=256)
 
@@ -46,7 +46,7 @@ from autoaccum.training.resume import RunPosition, check_resumable, restore_run
 from autoaccum.units import format_bytes
 from autoaccum.validate import check_positive_int, resolve_device
 
-__all__ = ["FitConfig", "FitResult", "default_loss", "fit"]  # default_loss: from autoaccum.losses
+__all__ = ["FitConfig", "FitResult", "default_loss", "fit"]  # default_loss: from autoaccum.step.losses
 
 
 @dataclass(frozen=True)
@@ -54,19 +54,20 @@ class FitResult:
     """What ``fit`` did.
 
     Attributes:
-        plan: the plan training started with; ``final_plan`` the one in force at the end.
+        plan: the plan training started with.
+        final_plan: the plan in force at the end.
         plan_source: ``probe``, ``cache``, ``given`` or ``checkpoint``.
         plan_changes: every change of plan (OOM shrinks, growth), in order.
-        optimizer_steps, samples_seen: counted over the whole run (resumed runs included).
-        oom_events: OOMs recovered in training; eval_ooms: in evaluation.
+        optimizer_steps: optimizer steps over the whole run (resumed runs included).
+        samples_seen: samples trained on over the whole run (resumed runs included).
+        oom_events: OOMs recovered in training.
+        eval_ooms: OOMs recovered in evaluation.
         skipped_steps: optimizer steps skipped for inf/NaN gradients (by the fp16 GradScaler, or under
             ``nonfinite="skip"``), counted in ``optimizer_steps`` too (their samples were consumed).
         final_loss: the last step's loss (sample- or token-weighted; after a resume of a finished run,
             the checkpoint's).
-        losses: the loss of each step this call ran: steps ``optimizer_steps - len(losses) + 1`` to
-            ``optimizer_steps`` (after a resume, the steps after the checkpoint). A checkpoint keeps
-            only the last loss, so that its size does not grow with the run; ``log_file`` holds
-            every step's loss, each step once across resumes.
+        losses: the loss of each step this call ran (after a resume, the steps after the
+            checkpoint); ``log_file`` holds every step's loss, each step once across resumes.
         micro_steps: each step's micro-steps, for the steps in ``losses`` (with a token budget they
             follow the step's lengths).
         overlapped_steps: steps of this call whose gradient all-reduce ran during the last backward
@@ -75,7 +76,8 @@ class FitResult:
         lr: the learning rate the rule set (before warmup).
         samples_per_s: samples per second of training steps in this call (probe excluded).
         peak_bytes: the largest step peak (CUDA allocator or emulated budget), None if not measured.
-        wall_time_s, probe_time_s: this call's wall time and the part spent probing.
+        wall_time_s: this call's wall time.
+        probe_time_s: the part of it spent probing.
         probe: the probe report, when this call probed.
     """
 
@@ -137,34 +139,37 @@ def fit(model: torch.nn.Module, data: Any, target_batch: int = 256, *, loss_fn: 
 
     Args:
         model: the module to train; moved to ``device``.
-        data: a tuple of tensors sharing dim 0, a map-style Dataset (collated with
+        data: a tuple or dict of tensors sharing dim 0, a map-style Dataset (collated with
             ``default_collate``), or an iterable/DataLoader yielding global batches (under
             torch.distributed: this rank's share). Indexed data is reshuffled every epoch from
-            ``seed``; the last batch of an epoch holds the samples that remain and is a real
-            step on them, weighted exactly (its global batch is smaller, never padded or dropped).
+            ``seed``; the last batch of an epoch holds the samples that remain and is a real step
+            on them, weighted exactly (a smaller global batch, never padded), unless
+            ``last_batch="drop"``.
         target_batch: samples per optimizer step over all ranks; never changed.
         loss_fn: ``loss_fn(model, batch)`` -> mean loss or ``(loss_sum, num_items)``; default
             cross-entropy of ``model(inputs)`` against ``targets``.
         optimizer: an optimizer over ``model``'s parameters; default AdamW(lr).
         eval_data: data to evaluate on without gradients (``eval_every`` steps and at the end).
         config: a ``FitConfig``; ``options`` override its fields.
-        **options: ``lr``, ``base_batch``, ``lr_rule``, ``warmup_steps`` (``LRConfig``);
-            ``epochs``, ``max_steps``, ``seed`` (``StopConfig``); ``device``, ``budget``,
-            ``headroom``, ``plan``, ``precision``, ``max_grad_norm``, ``nonfinite``, ``grow``, ``grow_after``,
-            ``overlap``, ``memory_savers``, ``probe_cache`` (``MemoryConfig``); ``checkpoint_dir``, ``checkpoint_every``, ``resume``
-            (``CheckpointConfig``); ``progress``, ``log_file``, ``eval_every``
+        **options: ``lr``, ``base_batch``, ``lr_rule``, ``warmup_steps`` (``LRConfig``); ``epochs``,
+            ``max_steps`` (``StopConfig``); ``seed``, ``collate_fn``, ``last_batch``, ``length_fn``,
+            ``by_length`` (``DataConfig``); ``device``, ``budget``, ``headroom``, ``plan``,
+            ``precision``, ``max_grad_norm``, ``nonfinite``, ``grow``, ``grow_after``, ``overlap``,
+            ``memory_savers``, ``probe_cache`` (``MemoryConfig``); ``checkpoint_dir``, ``checkpoint_every``, ``resume``
+            (``CheckpointConfig``); ``progress``, ``log_file``, ``eval_every``, ``verbose``
             (``OutputConfig``). Each is documented on its config class.
 
     Returns:
         A ``FitResult``.
 
     Raises:
-        ValueError, TypeError: invalid arguments (before any work).
-        DoesNotFitError: even a micro-batch of 1 does not fit.
+        ValueError: an argument or option out of its range (before any work).
+        TypeError: an argument or option of the wrong type, or an unknown option (before any work).
+        DoesNotFitError: even the smallest micro-batch the model trains at does not fit.
         NonFiniteError: inf/NaN gradients or loss under ``nonfinite="stop"``, found before the
             optimizer step (the weights, optimizer state and scheduler are those of the step before).
-        AutoAccumError: 25 steps in a row skipped for inf/NaN gradients (fp16 GradScaler, or
-            ``nonfinite="skip"``).
+        AutoAccumError: ``MAX_SKIPPED_STEPS`` (25) steps in a row skipped for inf/NaN gradients
+            (fp16 GradScaler, or ``nonfinite="skip"``).
     """
     started = time.perf_counter()
     _check_call(data, target_batch, loss_fn)

@@ -26,7 +26,7 @@ from autoaccum.units import format_bytes
 
 __all__ = ["MAX_SKIPPED_STEPS", "Run", "train"]
 
-logger = logging.getLogger("autoaccum.fit")  # fit's own messages, as before the loop moved here
+logger = logging.getLogger("autoaccum.fit")  # fit's own logger (OutputConfig.verbose), not this module's name
 
 #: consecutive steps skipped for inf/NaN gradients before fit stops (the fp16 GradScaler skips a few at the
 #: start while it finds its scale; under nonfinite="skip" a long streak means every step is broken)

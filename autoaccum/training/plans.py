@@ -60,5 +60,5 @@ def warn_unapplied_knobs(plan: Any, precision: str) -> None:
     if extra or autocast != precision:
         warnings.warn(f"the plan was measured with knobs {knobs}; fit applies the plan's micro-batch and "
                       f"precision={precision!r} only. Pass precision={autocast!r}"
-                      + (f" and apply {', '.join(extra)} with autoaccum.knobs.apply_knobs(model, ...)" if extra else "")
+                      + (f" and apply {', '.join(extra)} with autoaccum.search.knobs.apply_knobs(model, ...)" if extra else "")
                       + " to train as measured.", stacklevel=user_stacklevel())

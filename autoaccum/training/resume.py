@@ -39,8 +39,10 @@ class RunPosition:
     """Where a run stands: the next global batch to draw, and what it has done so far.
 
     Attributes:
-        epoch, index: the epoch in progress and the number of the next global batch in it.
-        steps, samples: optimizer steps taken and samples seen (resumed runs included).
+        epoch: the epoch in progress.
+        index: the number of the next global batch in it.
+        steps: optimizer steps taken (resumed runs included).
+        samples: samples seen (resumed runs included).
         skipped: steps skipped for inf/NaN gradients (resumed runs included).
         last_loss: the last step's loss (resumed runs included), None before the first step.
         losses: the loss of each step this process ran (not saved: a checkpoint stays one size).
@@ -114,7 +116,7 @@ def restore_run(state: dict[str, Any], *, model: torch.nn.Module, optimizer: tor
     _restore_rank_rng(state["rng"], rank, world_size)
     counters = state["counters"]
     last_loss = counters.get("last_loss")
-    if "losses" in counters:  # written before the counters were bounded: every step's loss
+    if "losses" in counters:  # counters that hold every step's loss: the last one is the one kept
         last_loss = float(counters["losses"][-1]) if counters["losses"] else None
     return RunPosition(epoch=int(state["position"]["epoch"]), index=int(state["position"]["index"]),
                        steps=int(counters["steps"]), samples=int(counters["samples"]),
@@ -124,7 +126,7 @@ def restore_run(state: dict[str, Any], *, model: torch.nn.Module, optimizer: tor
 
 def _restore_rank_rng(saved: Any, rank: int, world_size: int) -> None:
     """This rank's RNG state from the checkpoint's list (one per rank that saved it)."""
-    if isinstance(saved, dict):  # written before RNG states were saved per rank: rank 0's, restored everywhere
+    if isinstance(saved, dict):  # one state for the run, not a list per rank: rank 0's, restored everywhere
         restore_rng(ckpt.rng_from_plain(saved))
         return
     if len(saved) != world_size and rank == 0:
