@@ -187,11 +187,11 @@ def test_the_example_runs_and_recovers_in_place():
     proc = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=180, env=env,
                           cwd=example.parent.parent)
     assert proc.returncode == 0, proc.stderr
-    assert "plan from probe: target 256 = micro 128 x accum 2" in proc.stdout
+    assert "first plan (probe): batch 256 = 128 x 2 (2 micro-batches)" in proc.stdout
     # halved to 64 at the drop, then grown into the room left (memory-guided growth, the default)
-    assert "16 optimizer steps, 1 OOM(s) replayed, plan now target 256 = micro 86 x accum 3" in proc.stdout
+    assert "16 optimizer steps, 1 OOM(s) replayed, plan now batch 256 = 86 + 85 x 2 (3 micro-batches)" in proc.stdout
     assert float(proc.stdout.rsplit("full-batch loop: ", 1)[1].split()[0]) < 1e-12
-    assert "OOM in " in proc.stderr and "global batch 256 unchanged" in proc.stderr  # the guard's log line
+    assert "OOM in " in proc.stderr and "; the global batch is unchanged" in proc.stderr  # the guard's log line
 
 
 # -- two processes (gloo), the DDP wrapper Accelerate returns ---------------------------------------------

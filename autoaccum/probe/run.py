@@ -41,7 +41,7 @@ from autoaccum.plan.batch import Batch
 from autoaccum.plan.batchnorm import smallest_micro_batch
 from autoaccum.plan.lengths import LengthProfile
 from autoaccum.plan.plan import Plan, TokenBudget
-from autoaccum.plan.task import LossFn, Task, default_optimizer, resolve_task, trainable_parameters
+from autoaccum.plan.task import LossFn, Task, check_loss_fn, default_optimizer, resolve_task, trainable_parameters
 from autoaccum.precision import Precision, autocast_dtype, check_precision, make_scaler
 from autoaccum.probe import cache as probe_cache
 from autoaccum.probe.estimate import cuda_library_bytes, estimate_device, fake_setup, with_offset
@@ -143,6 +143,7 @@ def probe(
     task = resolve_task(task, model=model, loss_fn=loss_fn, make_batch=make_batch, make_optimizer=factory,
                         lengths=lengths)
     _check_args(target_batch, world_size, steps_per_size, max_candidates)
+    check_loss_fn(task.loss_fn, "loss_fn")
     check_precision(precision)
     smallest = smallest_micro_batch(task.model)
     share = Plan.for_target(target_batch, 1, world_size).rank_batch(0)
@@ -181,8 +182,9 @@ def probe(
             if rung == rungs[-1]:
                 raise DoesNotFitError(exc.needed_bytes, exc.available_bytes, suggestions(rungs), at_least=exc.at_least,
                                       micro_batch=exc.micro_batch, rungs=tried) from None
-            logger.log(rank_level(logging.INFO), "probe: micro-batch %d does not fit with memory saver %s; "
-                       "measuring with the next one", exc.micro_batch, rung)
+            logger.log(rank_level(logging.INFO), "probe: even micro-batch %d does not fit %s; measuring again with "
+                       "%s", exc.micro_batch, "without a memory saver" if rung == "none" else f"with {rung}",
+                       rungs[rungs.index(rung) + 1])
     stepper, model_fit, token_model, note = measured.stepper, measured.model, measured.token_model, measured.note
     candidates = tuple(stepper.measured.values())
     if library:
@@ -288,7 +290,7 @@ def _measure(task: Task, optimizer: Any, precision: Precision, budget_bytes: int
     try:
         return _measure_once(task, optimizer, precision, budget_bytes, headroom, copy_weights=not estimate, **kwargs)
     except HostSnapshotNeeded as first:
-        logger.info("probe: %s; measuring again with the weights copied to host memory", first)
+        logger.debug("probe: %s; measuring again with the weights copied to host memory", first)
         measured = _measure_once(task, optimizer, precision, budget_bytes, headroom, copy_weights=False, **kwargs)
         measured.stepper.steps += first.steps
         measured.stepper.ooms += first.ooms
