@@ -56,8 +56,13 @@ def test_a_batchnorm_mlp_probes_from_two_and_trains_under_a_budget():
 def test_the_guard_never_runs_a_batchnorm_model_below_two():
     model = bn_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match=r"Invalid micro_batch: 1\. Sequential has BatchNorm layers .*Allowed range: 2"):
-        OOMGuard(model, opt, target_batch=16, micro_batch=1)
+    state = [t.detach().clone() for t in (*model.parameters(), *model.buffers())]
+    one = OOMGuard(model, opt, target_batch=16, micro_batch=1)  # one sample is tried at the first step
+    with pytest.raises(ValueError, match=r"Invalid micro_batch: 1\. A BatchNorm layer of Sequential gets one value per "
+                                         r"channel from one sample .*no fewer than 2 samples .*Allowed range: 2 ~ any"):
+        one.step(data(16), ce)
+    assert all(torch.equal(a, b) for a, b in zip(state, (*model.parameters(), *model.buffers())))  # before any work
+    assert one.steps == 0 and all(p.grad is None for p in model.parameters())
     guard = OOMGuard(model, opt, target_batch=16, micro_batch=2)
     batch = data(16)
     live = autoaccum.TrackedMemory().track(model, opt, batch).current_bytes
@@ -69,6 +74,44 @@ def test_the_guard_never_runs_a_batchnorm_model_below_two():
     assert info.value.micro_batch == 2 and "a micro-batch of 2 does not fit" in str(info.value)
     with pytest.raises(ValueError, match=r"batch holds 1 sample\(s\), fewer than the smallest .*drop_last=True"):
         guard.step(data(1), ce, partial=True)  # an epoch's last batch of one sample
+
+
+class TokenBatchNorm(nn.Module):
+    """BatchNorm1d over tokens, (N, C, L): one sample gives L values per channel, so it trains at 1."""
+
+    def __init__(self, vocab: int = 32, dim: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.norm, self.out = nn.Embedding(vocab, dim), nn.BatchNorm1d(dim), nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(self.emb(tokens).transpose(1, 2)).transpose(1, 2))
+
+
+def token_ce(model: nn.Module, batch) -> torch.Tensor:
+    tokens = batch[0] if isinstance(batch, (tuple, list)) else batch
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def test_a_batchnorm_over_tokens_trains_at_one_sample_everywhere():
+    """The floor is found by trying one sample, not read off the presence of BatchNorm: BatchNorm1d on
+    (N, C, L) gets L values per channel from one sample, and the probe, the guard and fit run it at 1."""
+    tokens = torch.randint(0, 32, (65, 9), generator=torch.Generator().manual_seed(0))
+    model = TokenBatchNorm()
+    state = [t.detach().clone() for t in (*model.parameters(), *model.buffers())]
+    report = probe(model=model, loss_fn=token_ce, make_batch=lambda b: tokens[:b], target_batch=16, budget="40KiB")
+    assert report.plan.min_micro_batch == 1 and report.candidates[0].micro_batch == 1
+    assert all(torch.equal(a, b) for a, b in zip(state, (*model.parameters(), *model.buffers())))  # the trial too
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the BatchNorm note: micro-batches have their own statistics
+        guard = OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), target_batch=16, micro_batch=1)
+        result = guard.step(tokens[:16], token_ce)
+        assert result.plan.min_micro_batch == 1 and result.micro_steps == 16
+        # fit: an epoch of 65 at target 64 ends in a step of one sample, which trains here
+        fitted = autoaccum.fit(TokenBatchNorm(), (tokens,), 64, loss_fn=token_ce, plan=Plan.for_target(64, 16),
+                               progress=False, verbose=False)
+    assert fitted.optimizer_steps == 2 and fitted.samples_seen == 65
 
 
 def test_a_193_sample_epoch_at_target_64_is_refused_before_training_or_dropped():
@@ -245,7 +288,8 @@ def test_fit_speaks_off_a_terminal_without_any_logging_setup(tmp_path):
     """
     result = _run_script(job.replace("VERBOSE", "verbose=True"), tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "autoaccum: autoaccum fit · cpu · budget 120 KiB (emulated) · target 128 = micro" in result.stderr
+    assert "autoaccum: autoaccum fit · cpu · budget 120 KiB (emulated) · batch 128 = " in result.stderr
+    assert "micro-batches), measured by the probe · lr " in result.stderr
     assert "autoaccum: autoaccum fit done · 2 steps, 256 samples" in result.stderr
     quiet = _run_script(job.replace("VERBOSE", "verbose=False"), tmp_path)
     assert quiet.returncode == 0 and "autoaccum fit" not in quiet.stderr
@@ -253,3 +297,34 @@ def test_fit_speaks_off_a_terminal_without_any_logging_setup(tmp_path):
                                          "        logging.basicConfig(level=logging.WARNING)")
                              .replace("VERBOSE", "verbose=True"), tmp_path)
     assert configured.returncode == 0 and "autoaccum fit ·" not in configured.stderr  # the application's rules
+
+
+def test_verbose_false_prints_nothing_after_an_earlier_fit_in_the_process(tmp_path):
+    """The first fit installs the stderr handler; a later fit(verbose=False) printed the probe's byte lines
+    through it. Now it prints nothing, and a default fit prints the same lines the first time and later."""
+    job = """
+        import sys, torch, autoaccum
+        torch.manual_seed(0)
+        x, y = torch.randn(256, 6), torch.randint(0, 3, (256,))
+        def run(**kwargs):
+            model = torch.nn.Sequential(torch.nn.Linear(6, 64), torch.nn.ReLU(), torch.nn.Linear(64, 3))
+            autoaccum.fit(model, (x, y), 128, budget="120KiB", epochs=1, **kwargs)
+        run()
+        print("-- quiet", file=sys.stderr, flush=True)
+        run(verbose=False)
+        print("-- default again", file=sys.stderr, flush=True)
+        run()
+    """
+    result = _run_script(job, tmp_path)
+    assert result.returncode == 0, result.stderr
+    first, rest = result.stderr.split("-- quiet\n")
+    quiet, again = rest.split("-- default again\n")
+    assert quiet == ""
+    def kinds(text: str) -> list[str]:  # each line without its time, loss and speed
+        return [line.split(" ", 1)[1].split(" · final loss")[0] for line in text.splitlines()]
+
+    shown = kinds(first)
+    assert kinds(again) == shown
+    assert len(shown) == 2 and shown[0].startswith("autoaccum: autoaccum fit · ")
+    assert shown[1].startswith("autoaccum: autoaccum fit done · 2 steps, 256 samples")
+    assert "peak 7" not in first and "probe micro-batch" not in result.stderr  # no raw bytes, no measurements

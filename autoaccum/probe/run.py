@@ -37,7 +37,7 @@ from autoaccum.memory import (
 from autoaccum.memory.model import MemoryModel, TokenMemoryModel
 from autoaccum.memory.recovery import catch_oom, release_memory
 from autoaccum.memory.savers import apply_rung, ladder, suggestions
-from autoaccum.plan.batch import Batch
+from autoaccum.plan.batch import Batch, move_to
 from autoaccum.plan.batchnorm import smallest_micro_batch
 from autoaccum.plan.lengths import LengthProfile
 from autoaccum.plan.plan import Plan, TokenBudget
@@ -47,7 +47,7 @@ from autoaccum.probe import cache as probe_cache
 from autoaccum.probe.estimate import cuda_library_bytes, estimate_device, fake_setup, with_offset
 from autoaccum.probe.length_search import search_lengths
 from autoaccum.probe.choice import choose
-from autoaccum.probe.report import Candidate, ProbeReport
+from autoaccum.probe.report import Candidate, ProbeReport, model_fingerprint, model_summary
 from autoaccum.probe.size_search import search_sizes
 from autoaccum.probe.stepper import HostSnapshotNeeded, StandIn, Stepper
 from autoaccum.state import WeightsCopy
@@ -145,17 +145,19 @@ def probe(
     _check_args(target_batch, world_size, steps_per_size, max_candidates)
     check_loss_fn(task.loss_fn, "loss_fn")
     check_precision(precision)
-    smallest = smallest_micro_batch(task.model)
     share = Plan.for_target(target_batch, 1, world_size).rank_batch(0)
     upper = share if max_micro_batch is None else min(check_positive_int(max_micro_batch, "max_micro_batch"), share)
-    smallest = min(smallest, upper)
     device = trainable_parameters(task.model)[0].device
     if estimate or device.type != "cuda":
         refuse_compiled(task.model, "probe it")
     rungs = ladder(task.model, device, memory_savers)
     capacity = device_capacity(device)
     plan_budget = resolve_budget(budget, device, headroom)
-    task.batch(1)  # fail fast on a batch maker that returns the wrong size
+    one = task.batch(1)  # fail fast on a batch maker that returns the wrong size
+    # with BatchNorm: whether one sample trains, by trying it (an estimate runs nothing real: 2 there)
+    smallest = min(smallest_micro_batch(task.model, None if estimate else
+                                        lambda: task.loss_fn(task.model, move_to(one, device))), upper)
+    del one
     fingerprint = probe_cache.fingerprint(task, optimizer, device=device, capacity_bytes=capacity.total_bytes,
                                           budget_bytes=plan_budget.budget_bytes, headroom=headroom,
                                           target_batch=target_batch, world_size=world_size, upper=upper,
@@ -207,6 +209,7 @@ def probe(
         probe_steps=stepper.steps, probe_ooms=stepper.ooms, wall_time_s=time.perf_counter() - started,
         fit_note=note, precision=precision, optimizer_steps=stepper.optimizer_steps, fingerprint=fingerprint,
         token_model=token_model, lengths=profile, savers_tried=tuple(tried),
+        model_fingerprint=model_fingerprint(task.model), model_summary=model_summary(task.model),
     )
     if cache:
         probe_cache.store(report, cache_dir)

@@ -26,6 +26,7 @@ from autoaccum import distributed
 from autoaccum.log import ensure_visible, quiet
 from autoaccum.memory import TrackedMemory, refuse_compiled
 from autoaccum.memory.model import MemoryModel
+from autoaccum.plan.batch import move_to
 from autoaccum.plan.batchnorm import smallest_micro_batch
 from autoaccum.plan.cut import SampleCut, TokenCut
 from autoaccum.plan.data import GlobalBatches
@@ -190,8 +191,8 @@ def _fit(model: torch.nn.Module, data: Any, target_batch: int, loss_fn: LossFn |
     inner = distributed.unwrap_model(model)
     seed = cfg.data.seed
     batches, eval_batches = _global_batches(data, eval_data, target_batch, cfg, sync)
-    _check_model(inner, batches, cfg, dev)
     loss_fn = loss_fn if loss_fn is not None else default_loss
+    _check_model(inner, batches, cfg, dev, loss_fn)
     optimizer = _optimizer(model, optimizer, cfg.lr.lr)
     # resume="auto" with no checkpoint yet (a restartable job's first start) is a fresh run: the rule applies
     state = ckpt.load_checkpoint(ckpt_dir) if cfg.checkpoint.resume and ckpt_dir is not None else None
@@ -292,7 +293,8 @@ def _by_length(batches: GlobalBatches, cfg: FitConfig) -> bool:
         return False
 
 
-def _check_model(model: torch.nn.Module, batches: GlobalBatches, cfg: FitConfig, device: torch.device) -> None:
+def _check_model(model: torch.nn.Module, batches: GlobalBatches, cfg: FitConfig, device: torch.device,
+                 loss_fn: LossFn) -> None:
     """What the model cannot do with this data and budget, found before any work."""
     if cfg.memory.budget is not None and device.type != "cuda":
         refuse_compiled(model, "train it under an emulated budget")
@@ -300,8 +302,11 @@ def _check_model(model: torch.nn.Module, batches: GlobalBatches, cfg: FitConfig,
         raise ValueError(f"grow='model' needs memory the guard can read: a CUDA device, or budget= (an emulated "
                          f"budget) on {device.type}. Pass budget=..., or grow='auto' (no growth here), 'double' or "
                          f"'off'.")
-    smallest, last = smallest_micro_batch(model), batches.last_global_size
-    if smallest == 1 or last is None:
+    last = batches.last_global_size
+    if last is None or last >= 2 * batches.world_size:
+        return  # every rank's share of the last batch holds two samples or more: any model trains on it
+    smallest = smallest_micro_batch(model, lambda: loss_fn(model, move_to(batches.sample(1), device)))
+    if smallest == 1:
         return
     shares = [rank_share(last, r, batches.world_size) for r in range(batches.world_size)]
     short = [(r, s.stop - s.start) for r, s in enumerate(shares) if 0 < s.stop - s.start < smallest]
@@ -310,7 +315,8 @@ def _check_model(model: torch.nn.Module, batches: GlobalBatches, cfg: FitConfig,
         raise ValueError(
             f"the epoch's last global batch holds {last} sample(s) ({batches.num_samples} samples at target_batch "
             f"{batches.target_batch}), {n} of them on rank {rank}: fewer than {smallest}, the smallest micro-batch "
-            f"{type(model).__name__} trains at (BatchNorm needs more than one value per channel). Pass "
+            f"{type(model).__name__} trains at (its BatchNorm gets one value per channel from one sample, and needs "
+            f"more). Pass "
             f"last_batch='drop' (those samples skip that epoch; the next epoch's order differs), or change "
             f"target_batch or the number of samples.")
 
