@@ -328,3 +328,140 @@ def test_verbose_false_prints_nothing_after_an_earlier_fit_in_the_process(tmp_pa
     assert len(shown) == 2 and shown[0].startswith("autoaccum: autoaccum fit · ")
     assert shown[1].startswith("autoaccum: autoaccum fit done · 2 steps, 256 samples")
     assert "peak 7" not in first and "probe micro-batch" not in result.stderr  # no raw bytes, no measurements
+
+
+# -- first contact: mistakes named before any work (the probe's warm-up included) ------------------------
+
+def _untouched(model: nn.Module):
+    """A check that ``model``'s parameters and buffers are as they are now."""
+    state = [t.detach().clone() for t in (*model.parameters(), *model.buffers())]
+    return lambda: all(torch.equal(a, b) for a, b in zip(state, (*model.parameters(), *model.buffers())))
+
+
+def test_a_float16_model_fed_float32_data_is_explained_on_every_path(tmp_path):
+    """The guard's path explained it; the probe's warm-up (fit without plan=, probe, the CLI) raised torch's
+    'mat1 and mat2 must have the same dtype' 20 frames deep. One line now, naming both dtypes and the fixes."""
+    says = (r"the model's parameters are torch.float16 and the batch holds torch.float32 tensors \(.*\); convert "
+            r"the data to the model's dtype \(x.to\(torch.float16\)\), or keep the model in float32 and train in "
+            r"mixed precision \(fit\(..., precision='bf16' or 'fp16'\)")
+    model = mlp().half()
+    same = _untouched(model)
+    with pytest.raises(TaskError, match=says):
+        autoaccum.fit(model, data(64), 32, budget="1MiB", progress=False)  # the probe's warm-up
+    with pytest.raises(TaskError, match=says):
+        probe(model=model, loss_fn=ce, make_batch=data, target_batch=32, budget="1MiB")
+    with pytest.raises(TaskError, match=says):
+        autoaccum.fit(model, data(64), 32, plan=Plan.for_target(32, 8), progress=False)  # the guard's path
+    assert same()
+
+
+def test_a_loss_fn_with_swapped_arguments_is_named_before_any_work():
+    model = mlp()
+    same = _untouched(model)
+    with pytest.raises(TypeError, match=r"loss_fn takes \(batch, model\), but it is called as loss_fn\(model, batch\): "
+                                        r"the arguments are swapped\. Write it as lambda model, batch: \.\.\."):
+        autoaccum.fit(model, data(64), 32, loss_fn=lambda batch, model: ce(model, batch), progress=False)
+    with pytest.raises(TaskError, match=r"the loss function called the batch \(tuple\) as a model \('tuple' object is "
+                                        r"not callable\): its arguments look swapped\. loss_fn is called as "
+                                        r"loss_fn\(model, batch\); write it as lambda model, batch"):
+        autoaccum.fit(model, data(64), 32, loss_fn=lambda b, m: ce(m, b), budget="1MiB", progress=False)
+    with pytest.raises(TaskError, match=r"its arguments look swapped"):  # the guard's path
+        autoaccum.fit(model, data(64), 32, loss_fn=lambda b, m: ce(m, b), plan=Plan.for_target(32, 8), progress=False)
+    assert same()
+
+
+@pytest.mark.parametrize(("model", "targets", "says"), [
+    (lambda: nn.Linear(6, 1), torch.randn(64), r"the model gives 1 output per sample \(output shape \(\d+, 1\)\), and "
+     r"cross-entropy over a single class is 0 whatever it predicts.*For regression pass loss_fn=lambda model, batch: "
+     r"F.mse_loss"),
+    (lambda: nn.Linear(6, 3), torch.randn(64), r"the targets are torch.float32 of shape \(\d+,\) \(regression values\?\): "
+     r"expected class indices \(an integer tensor of shape \(\d+,\)\) or class probabilities .*F.mse_loss"),
+    (lambda: nn.Linear(6, 3), torch.arange(64) % 4, r"Invalid target 3: the default loss is cross-entropy over the "
+     r"model's 3 outputs, so targets are class indices in 0 ~ 2 \(or -100, skipped\)\. Give the model one output per "
+     r"class \(at least 4\), or map the labels to 0 ~ 2"),
+    (lambda: nn.Linear(6, 3), -(torch.arange(64) % 2), r"Invalid target -1: .* class indices in 0 ~ 2"),
+])
+def test_the_default_loss_refuses_targets_it_cannot_mean_before_any_work(model, targets, says):
+    """Float regression targets and labels out of range reached torch's cross_entropy (a shape error, a
+    silent zero loss, 'Target 3 is out of bounds', or on CUDA a device-side assert)."""
+    torch.manual_seed(0)
+    net = model()
+    same = _untouched(net)
+    x = torch.randn(64, 6)
+    with pytest.raises(TaskError, match=says):
+        autoaccum.fit(net, (x, targets), 32, budget="1MiB", progress=False)  # in the probe's warm-up
+    with pytest.raises(TaskError, match=says):
+        autoaccum.fit(net, (x, targets), 32, plan=Plan.for_target(32, 8), progress=False)  # the guard's first pass
+    assert same()
+
+
+def test_the_default_loss_takes_class_probabilities_and_skipped_labels():
+    model = nn.Linear(6, 3)
+    probabilities = torch.softmax(torch.randn(64, 3), dim=1)
+    assert autoaccum.fit(model, (torch.randn(64, 6), probabilities), 32, epochs=1, plan=Plan.for_target(32, 8),
+                         progress=False).optimizer_steps == 2
+    labels = torch.arange(64) % 3
+    labels[::5] = -100
+    assert autoaccum.fit(model, (torch.randn(64, 6), labels), 32, epochs=1, plan=Plan.for_target(32, 8),
+                         progress=False).optimizer_steps == 2
+
+
+def test_a_log_file_in_a_missing_directory_is_refused_before_the_probe(tmp_path, monkeypatch):
+    import autoaccum.training.plans as plans
+
+    monkeypatch.setattr(plans, "probe", lambda *a, **k: pytest.fail("probed before checking log_file"))
+    missing = tmp_path / "no" / "such" / "metrics.jsonl"
+    with pytest.raises(ValueError, match=rf"Invalid log_file '{missing}': its directory '{missing.parent}' does not "
+                                         rf"exist\. Allowed: a file path in an existing directory; create it first "
+                                         rf"\(os.makedirs\('{missing.parent}', exist_ok=True\)\)"):
+        autoaccum.fit(mlp(), data(64), 32, log_file=missing, progress=False)
+    with pytest.raises(ValueError, match=r"Invalid log_file .*: it is a directory"):
+        autoaccum.fit(mlp(), data(64), 32, log_file=tmp_path, progress=False)
+
+
+def test_a_probe_report_of_another_model_is_refused_as_plan(tmp_path):
+    """plan= given a probe report (or its --json file) made for another model was used as it was: its cut and
+    its memory model (which growth after an OOM reads) belong to that model. Refused, naming both models and
+    the fixes; a bare Plan is the caller's explicit choice and passes."""
+    report = probe(model=mlp(), loss_fn=ce, make_batch=data, target_batch=32, budget="1MiB")
+    assert report.model_fingerprint and report.model_summary.startswith("Sequential: ")
+    path = tmp_path / "plan.json"
+    path.write_text(__import__("json").dumps(report.to_dict()))
+    other = nn.Sequential(nn.Linear(6, 128), nn.ReLU(), nn.Linear(128, 3))
+    same = _untouched(other)
+    says = (r"plan= is a probe report.* measured on another model \(Sequential: .* parameters .*\) than the one "
+            r"training \(Sequential: .*\); .* Probe this model \(drop plan=\), pass the report made for it, or, to "
+            r"keep that cut anyway, pass only its plan: plan=autoaccum.read_plan\(...\)")
+    for source in (report, path, str(path), report.to_dict()):
+        with pytest.raises(ValueError, match=says):
+            autoaccum.fit(other, data(64), 32, plan=source, progress=False)
+    with pytest.raises(ValueError, match=says):
+        OOMGuard(other, torch.optim.SGD(other.parameters(), lr=0.1), plan=report)
+    assert same()
+    assert autoaccum.fit(other, data(64), 32, plan=report.plan, progress=False).plan_source == "given"
+    assert autoaccum.fit(mlp(), data(64), 32, plan=path, progress=False).plan_source == "given"  # its own model
+
+
+def test_fit_refuses_budget_next_to_a_plan_on_cuda_where_it_means_nothing():
+    """On CUDA budget= sizes the probe's plan only (no emulated device there): next to plan= it is refused."""
+    from autoaccum.training.config import FitConfig
+    from autoaccum.training.fit import _check_model
+
+    cfg = FitConfig.from_options(None, budget="1GiB", plan=Plan.for_target(32, 8)).check()
+    with pytest.raises(TypeError, match=r"budget= is the memory the probe plans for, and plan= skips the probe.*"
+                                        r"budget= would mean nothing on cuda"):
+        _check_model(mlp(), None, cfg, torch.device("cuda"), ce)  # type: ignore[arg-type]
+
+
+def test_announce_shows_a_line_on_the_console_without_any_logging_setup(tmp_path):
+    """The integrations' plan line goes where fit's banner goes: stderr, with nothing configured."""
+    job = """
+        import logging
+        from autoaccum.log import announce
+        announce(logging.getLogger("autoaccum.integrations.lazy_guard"), "autoaccum · batch 8 = 3 x 2 + 2")
+        logging.getLogger("autoaccum").setLevel(logging.WARNING)
+        announce(logging.getLogger("autoaccum.integrations.lazy_guard"), "silenced")
+    """
+    result = _run_script(job, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.endswith("autoaccum: autoaccum · batch 8 = 3 x 2 + 2\n") and "silenced" not in result.stderr

@@ -149,6 +149,20 @@ def test_gradient_accumulation_configured_in_accelerate_is_refused():
         guard_for(accelerator, model, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
+def test_guard_for_checks_its_options_when_it_is_called():
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = gpt2()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"budget= is the memory the probe plans for, and micro_batch= skips the probe"):
+        guard_for(accelerator, model, optimizer, budget="2MiB", micro_batch=3)
+    with pytest.raises(ValueError, match=r"Invalid headroom: 2"):
+        guard_for(accelerator, model, optimizer, headroom=2)
+    foreign = {"plan": {"micro_batch": 4, "accum_steps": 2, "world_size": 1, "target_batch": 8},
+               "model_fingerprint": "0" * 64, "model_summary": "MLP: 10 parameters (10 trainable), float32"}
+    with pytest.raises(ValueError, match=r"plan= is a probe report measured on another model \(MLP: 10 parameters"):
+        guard_for(accelerator, model, optimizer, plan=foreign)
+
+
 def test_accelerates_accumulation_switched_on_during_the_run_is_refused_at_the_next_step():
     """``accelerator.gradient_accumulation_steps = 2`` after step 2: Accelerate would step once per 2 batches,
     each from the gradients the guard cleared, the last batch's alone. Refused at step 3, before its forward.

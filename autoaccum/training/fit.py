@@ -296,6 +296,10 @@ def _by_length(batches: GlobalBatches, cfg: FitConfig) -> bool:
 def _check_model(model: torch.nn.Module, batches: GlobalBatches, cfg: FitConfig, device: torch.device,
                  loss_fn: LossFn) -> None:
     """What the model cannot do with this data and budget, found before any work."""
+    if cfg.memory.budget is not None and cfg.memory.plan is not None and device.type == "cuda":
+        raise TypeError("budget= is the memory the probe plans for, and plan= skips the probe; on CUDA no emulated "
+                        "device runs either (that is off CUDA only), so budget= would mean nothing on cuda. Give "
+                        "budget= alone (the probe plans for it) or plan= alone")
     if cfg.memory.budget is not None and device.type != "cuda":
         refuse_compiled(model, "train it under an emulated budget")
     if cfg.memory.grow == "model" and cfg.memory.budget is None and device.type != "cuda":
