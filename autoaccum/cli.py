@@ -77,7 +77,8 @@ def add_task_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
                         help="measure under this precision: fp32, bf16 (autocast) or fp16 (autocast + GradScaler)")
     parser.add_argument("--json", action="store_true", help="print one JSON document on stdout, nothing else")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log each measurement and the memory model's fit to stderr (debug)")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log each measurement and the memory model's fit to stderr (debug)")
 
 
 def resolve_task(spec: str | None, device: str | None) -> Task:
