@@ -407,7 +407,7 @@ def test_the_default_loss_takes_class_probabilities_and_skipped_labels():
 
 
 def test_a_log_file_in_a_missing_directory_is_refused_before_the_probe(tmp_path, monkeypatch):
-    import autoaccum.training.plans as plans
+    from autoaccum.training import plans
 
     monkeypatch.setattr(plans, "probe", lambda *a, **k: pytest.fail("probed before checking log_file"))
     missing = tmp_path / "no" / "such" / "metrics.jsonl"

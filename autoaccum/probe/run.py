@@ -157,7 +157,6 @@ def probe(
     # with BatchNorm: whether one sample trains, by trying it (an estimate runs nothing real: 2 there)
     smallest = min(smallest_micro_batch(task.model, None if estimate else
                                         lambda: task.loss_fn(task.model, move_to(one, device))), upper)
-    del one
     fingerprint = probe_cache.fingerprint(task, optimizer, device=device, capacity_bytes=capacity.total_bytes,
                                           budget_bytes=plan_budget.budget_bytes, headroom=headroom,
                                           target_batch=target_batch, world_size=world_size, upper=upper,
