@@ -54,17 +54,22 @@ def guard_plan(model: torch.nn.Module, plan: Any, *, target_batch: int | None, m
     return resolve_plan(plan, target_batch=target_batch, micro_batch=micro_batch, world_size=world_size)
 
 
-def batchnorm_floor(model: torch.nn.Module, plan: Plan, batch: Batch, n: int, loss_fn: LossFn,
-                    split_fn: SplitFn | None, device: torch.device) -> Plan:
+def batchnorm_floor(model: torch.nn.Module, plan: Plan, batch: Batch, loss_fn: LossFn,
+                    size_fn: Callable[[Batch], int] | None, cut: Cutter, device: torch.device) -> Plan | None:
     """At the guard's first step, before any work: ``plan`` with the smallest micro-batch ``model`` trains at,
     found by trying one sample of ``batch`` (``autoaccum.plan.batchnorm.smallest_micro_batch``): a model whose
-    BatchNorm gets one value per channel from one sample trains at no fewer than 2.
+    BatchNorm gets one value per channel from one sample trains at no fewer than 2. None where ``batch`` is
+    empty (a rank's share of a short last batch): the next step tries.
 
     Raises:
         ValueError: the plan's micro-batch is below that smallest one, naming both and the allowed range.
     """
     if plan.min_micro_batch >= 2 or smallest_micro_batch(model) == 1:
         return plan
+    n = size_fn(batch) if size_fn is not None else batch_size(batch)
+    if n == 0:
+        return None
+    split_fn: SplitFn | None = getattr(cut, "split_fn", None)
     inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     try:
         one = batch if n == 1 else split_batch(batch, [1, n - 1], split_fn)[0]

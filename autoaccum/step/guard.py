@@ -28,14 +28,14 @@ from autoaccum.memory import Meter, TrackedMemory, active_budget, default_meter
 from autoaccum.memory.model import MemoryModel
 from autoaccum.memory.savers import MemorySavers, apply_rung, suggestions
 from autoaccum.memory.recovery import catch_oom, release_memory
-from autoaccum.plan.batch import Batch, SplitFn, batch_size
+from autoaccum.plan.batch import Batch, SplitFn
 from autoaccum.plan.cut import Cutter, MicroBatch, SampleCut
 from autoaccum.plan.plan import Plan
 from autoaccum.plan.task import LossFn, explain_error
 from autoaccum.state import capture_buffers, capture_rng, restore_buffers, restore_rng, state_buffers
 from autoaccum.step.accumulate import Accumulated, Failed, StepTotals, accumulate, reduce_gradients, step_values
-from autoaccum.step.checks import (GuardOptions, batchnorm_floor, guard_ladder, check_step_args, checked_options, count_items, guard_plan,
-                                   local_size, trained_params)
+from autoaccum.step.checks import (GuardOptions, batchnorm_floor, check_step_args, checked_options, count_items,
+                                   guard_ladder, guard_plan, local_size, trained_params)
 from autoaccum.step.growth import GrowMode, Growth, Rise, check_growth_meter
 from autoaccum.step.optim import NonFinite, step_oom_error, step_optimizer
 from autoaccum.step.policy import PlanChange, PlanPolicy
@@ -261,11 +261,8 @@ class OOMGuard:
             check_step_args(batch, loss_fn)
             self._checked_loss_fn = loss_fn
         if not self._floor_checked:  # with BatchNorm: the smallest micro-batch, by trying one sample
-            size = self._options.size_fn(batch) if self._options.size_fn is not None else batch_size(batch)
-            if size > 0:
-                self.plan = batchnorm_floor(self.model, self.plan, batch, size, loss_fn,
-                                            getattr(self.cut, "split_fn", None), self.device)
-                self._floor_checked = True
+            floored = batchnorm_floor(self.model, self.plan, batch, loss_fn, self._options.size_fn, self.cut, self.device)
+            self.plan, self._floor_checked = floored or self.plan, floored is not None
         n = local_size(batch, self.plan, self.sync, self._options.size_fn, partial)
         items = count_items(loss_fn, self.model, batch)
         growth = self._policy.growth
