@@ -395,6 +395,15 @@ def test_the_default_loss_refuses_targets_it_cannot_mean_before_any_work(model, 
     assert same()
 
 
+def test_the_default_loss_runs_in_an_estimate_on_fake_tensors():
+    """Fake tensors hold no values: the labels' range is not read there (an estimate runs no real step)."""
+    from autoaccum.step.losses import default_loss
+
+    report = probe(model=nn.Linear(6, 3), loss_fn=default_loss, make_batch=data, target_batch=32, budget="1MiB",
+                   estimate=True)
+    assert report.is_estimate and report.plan.target_batch == 32
+
+
 def test_the_default_loss_takes_class_probabilities_and_skipped_labels():
     model = nn.Linear(6, 3)
     probabilities = torch.softmax(torch.randn(64, 3), dim=1)
