@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 from collections.abc import Sequence
 
@@ -25,7 +26,7 @@ from autoaccum.precision import PRECISIONS
 from autoaccum.probe.report import REPORT_VERSION, ProbeReport
 from autoaccum.probe.choice import plan_step_times
 from autoaccum.probe.run import probe
-from autoaccum.units import format_bytes, parse_bytes
+from autoaccum.units import counted, format_bytes, parse_bytes
 from autoaccum.validate import check_headroom, resolve_device
 
 __all__ = ["demo_task", "EXIT_DOES_NOT_FIT", "EXIT_ERROR", "EXIT_OK", "EXIT_USAGE", "main", "pad_rows",
@@ -76,7 +77,8 @@ def add_task_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
                         help="measure under this precision: fp32, bf16 (autocast) or fp16 (autocast + GradScaler)")
     parser.add_argument("--json", action="store_true", help="print one JSON document on stdout, nothing else")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log each measurement to stderr")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log each measurement and the memory model's fit to stderr (debug)")
 
 
 def resolve_task(spec: str | None, device: str | None) -> Task:
@@ -98,18 +100,25 @@ def resolve_task(spec: str | None, device: str | None) -> Task:
                 make_optimizer=task.make_optimizer, name=task.name, lengths=task.lengths)
 
 
+#: a candidate's status in the table, in words
+_STATUS_WORDS = {"ok": "fits", "over_budget": "too big", "oom": "OOM"}
+#: how memory was read, in words
+_METER_WORDS = {"tracked": "counting tensor bytes", "cuda": "the CUDA allocator"}
+
+
 def _probe_table(report: ProbeReport) -> str:
     """One row per size. An estimate ran no real step, so it has no times."""
     share, smallest = report.plan.rank_batch(0), report.plan.min_micro_batch
     by_length = report.lengths is not None  # samples/s of a plan cut at one size says little there
     times = not report.is_estimate and not by_length
-    head = (("length",) if by_length else ()) + ("micro", "status", "peak", "fwd/bwd", "opt step") + \
-        (("pass s", "samples/s") if times else ("pass s",) if by_length and not report.is_estimate else ())
+    head = (("length",) if by_length else ()) + ("micro-batch", "status", "peak", "forward/backward",
+                                                "optimizer step") + \
+        (("s per pass", "samples/s") if times else ("s per pass",) if by_length and not report.is_estimate else ())
     rows = [head]
     steps = plan_step_times(report.candidates, share, smallest) if times else {}
     for c in sorted(report.candidates, key=lambda c: (-(c.length or 0), c.micro_batch)):
         row = (str(c.length),) if by_length else ()
-        row += (str(c.micro_batch), c.status,
+        row += (str(c.micro_batch), _STATUS_WORDS[c.status],
                "-" if c.peak_bytes is None else ("~" if c.status == "oom" else "") + format_bytes(c.peak_bytes),
                "-" if c.fwd_bwd_peak_bytes is None else format_bytes(c.fwd_bwd_peak_bytes),
                "-" if c.opt_peak_bytes is None else format_bytes(c.opt_peak_bytes))
@@ -130,11 +139,12 @@ def format_probe(report: ProbeReport) -> str:
     passes, then the optimizer step), one rank's share per second."""
     lines = []
     kind = "ESTIMATE on fake cpu tensors (no step ran; CPU kernels differ from a GPU's)" if report.is_estimate \
-        else f"measured with the {report.meter} meter"
+        else f"measured by {_METER_WORDS.get(report.meter, report.meter)}"
     lines.append(f"autoaccum probe · {report.device} ({report.device_name}) · {report.precision} · {kind}")
-    lines.append(f"budget {format_bytes(report.budget_bytes)} ({report.budget_source}), headroom "
-                 f"{report.headroom:.0%} -> usable {format_bytes(report.usable_bytes)}"
-                 + (" · from cache" if report.source == "cache" else ""))
+    lines.append(f"budget {format_bytes(report.budget_bytes)} ({report.budget_source}), {report.headroom:.0%} kept free: "
+                 f"plans for {format_bytes(report.usable_bytes)}"
+                 + (" · from the cache: measured earlier for this model, device and budget (--refresh measures "
+                    "again)" if report.source == "cache" else ""))
     lines.append("")
     lines.append(_probe_table(report))
     lines.append("")
@@ -145,22 +155,25 @@ def format_probe(report: ProbeReport) -> str:
         t = report.token_model
         square = f" + {format_bytes(t.per_token_sq_bytes)} x L^2" if t.per_token_sq_bytes else ""
         each = f"{format_bytes(t.per_sample_bytes)} + " if round(t.per_sample_bytes) else ""
-        lines.append(f"memory model: peak(b, L) = max({format_bytes(t.opt_peak_bytes)}, {format_bytes(t.base_bytes)} "
-                     f"+ b x ({each}{format_bytes(t.per_token_bytes)} x L{square})) · {report.fit_note}")
+        per = f"{each}{format_bytes(t.per_token_bytes)} x L{square}"
+        lines.append(f"memory: {format_bytes(t.base_bytes)} + {f'({per})' if each or square else per} for each "
+                     f"sample of length L (the optimizer step needs {format_bytes(t.opt_peak_bytes)})")
     elif report.model is not None:
         m = report.model
-        lines.append(f"memory model: peak(b) = max({format_bytes(m.opt_peak_bytes)}, "
-                     f"{format_bytes(m.base_bytes)} + {format_bytes(m.per_sample_bytes)} x b), "
-                     f"residual {m.residual:.2%} · {report.fit_note}")
+        lines.append(f"memory: {format_bytes(m.base_bytes)} + {format_bytes(m.per_sample_bytes)} per sample (the "
+                     f"optimizer step needs {format_bytes(m.opt_peak_bytes)})")
     if report.is_estimate:
-        lines.append(f"estimate: {len(report.candidates)} sizes on fake tensors, {report.wall_time_s:.2f} s")
+        lines.append(f"estimate: {counted(len(report.candidates), 'size')} on fake tensors, {report.wall_time_s:.2f} s")
     else:
-        lines.append(f"probe: {report.probe_steps} forward/backward passes and {report.optimizer_steps} optimizer "
-                     f"steps, {report.probe_ooms} OOMs, {report.wall_time_s:.2f} s")
+        ooms = "none" if not report.probe_ooms else f"{report.probe_ooms:,}"
+        lines.append(f"probe: {counted(report.probe_steps, 'forward/backward pass', 'forward/backward passes')} and "
+                     f"{counted(report.optimizer_steps, 'optimizer step')} in {report.wall_time_s:.2f} s, {ooms} ran "
+                     f"out of memory")
     plan = report.plan
     for rung, needed in report.savers_tried:
-        lines.append(f"memory saver {rung}: micro-batch {plan.min_micro_batch} did not fit (needs "
-                     f"{'?' if needed is None else format_bytes(needed)}); measured with the next one")
+        lines.append(f"micro-batch {plan.min_micro_batch} did not fit "
+                     f"{'without a memory saver' if rung == 'none' else f'with {rung}'} (needs "
+                     f"{'?' if needed is None else format_bytes(needed)}); measured again with the next memory saver")
     # the plan is cut evenly from the size it was chosen at: the smallest measured size that covers it
     chosen = min((c for c in report.candidates if c.status == "ok" and c.micro_batch >= plan.micro_batch),
                  key=lambda c: c.micro_batch, default=None)
@@ -175,6 +188,10 @@ def format_probe(report: ProbeReport) -> str:
 
 
 def _cmd_probe(args: argparse.Namespace) -> int:
+    if args.plot:  # before the probe: a plot that cannot be written should not cost a probe first
+        from autoaccum.probe.plot import check_plot_path
+
+        check_plot_path(args.plot)
     task = resolve_task(args.task, args.device)
     try:
         report = probe(task, target_batch=args.target_batch, world_size=args.world_size, budget=args.budget,
@@ -256,11 +273,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _attach_negative_values(argv: Sequence[str]) -> list[str]:
+    """``--budget -1GiB`` as ``--budget=-1GiB``: argparse takes a token that starts with ``-`` and is not a plain
+    number for an option and says "expected one argument"; joined, the value reaches its check, which names
+    the allowed range. No option of autoaccum's starts with ``-`` and a digit, so such a token is a value."""
+    out: list[str] = []
+    for token in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and re.match(r"-\.?\d", token):
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_attach_negative_values(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(name)s: %(message)s")
+    if args.verbose:  # each measurement, the memory model's fit: details logged at debug level
+        logging.getLogger("autoaccum").setLevel(logging.DEBUG)
     try:
         return args.handler(args)
     except (ValueError, TypeError, ImportError) as exc:

@@ -11,11 +11,13 @@ sets INFO. An application's own logging configuration takes precedence; silence 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+from collections.abc import Iterator
 
-__all__ = ["SHOWN", "ensure_visible", "rank_level", "user_stacklevel"]
+__all__ = ["SHOWN", "announce", "ensure_visible", "quiet", "rank_level", "user_stacklevel"]
 
 #: set on a record's ``extra`` when the message is already shown on the terminal (above a progress bar)
 SHOWN = "autoaccum_shown"
@@ -26,17 +28,57 @@ class _NotShownYet(logging.Filter):
         return not getattr(record, SHOWN, False)
 
 
+class _OwnHandler(logging.StreamHandler):
+    """The stderr handler ``ensure_visible`` adds (told apart from an application's own handlers)."""
+
+
 def ensure_visible() -> None:
     """Give the ``autoaccum`` logger a stderr handler where nothing would show its messages."""
     package = logging.getLogger("autoaccum")
     if package.hasHandlers():  # the application configured logging (here or on the root): its rules apply
         return
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _OwnHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s autoaccum: %(message)s", "%H:%M:%S"))
     handler.addFilter(_NotShownYet())
     package.addHandler(handler)
     if package.level == logging.NOTSET:
         package.setLevel(logging.INFO)
+
+
+@contextlib.contextmanager
+def quiet(enabled: bool = True) -> Iterator[None]:
+    """With ``enabled``, autoaccum's INFO messages are dropped for the duration (``fit(verbose=False)``): the
+    ``autoaccum`` logger's level is raised to WARNING where it is lower, and put back afterwards. Warnings
+    (plan changes) still show."""
+    package = logging.getLogger("autoaccum")
+    level = package.level
+    if not enabled or package.getEffectiveLevel() >= logging.WARNING:
+        yield
+        return
+    package.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        package.setLevel(level)
+
+
+def announce(logger: logging.Logger, message: str, rank: int | None = None) -> None:
+    """A line a user should see once, such as a run's plan: logged at INFO on rank 0 (DEBUG on the others,
+    ``rank_level``), shown on stderr where logging is not configured (``ensure_visible``). On a terminal
+    where autoaccum's own handler shows it and a tqdm bar may be drawn (a framework's), it is written with
+    ``tqdm.write``, which redraws the bar below it."""
+    level = rank_level(logging.INFO, rank)
+    if level != logging.INFO:
+        logger.log(level, message)
+        return
+    ensure_visible()
+    own = any(isinstance(h, _OwnHandler) for h in logging.getLogger("autoaccum").handlers)
+    shown = own and logger.isEnabledFor(logging.INFO) and "tqdm" in sys.modules and sys.stderr.isatty()
+    if shown:
+        from tqdm.auto import tqdm
+
+        tqdm.write(f"autoaccum: {message}", file=sys.stderr)
+    logger.info(message, extra={SHOWN: shown})
 
 
 def rank_level(level: int, rank: int | None = None) -> int:

@@ -1,18 +1,18 @@
-"""Byte sizes: parse what users type ("8GiB", "8 GB", "8589934592"), print what people read."""
+"""Byte sizes: parse what users type ("8GiB", "8 GB", "8589934592"), print what people read; counts in words."""
 
 from __future__ import annotations
 
 import math
 import re
 
-__all__ = ["parse_bytes", "format_bytes"]
+__all__ = ["counted", "format_bytes", "parse_bytes"]
 
 _UNITS = {
     "": 1, "b": 1,
     "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
     "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
 }
-_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_PATTERN = re.compile(r"^\s*([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_bytes(value: int | float | str, *, name: str = "budget") -> int:
@@ -38,7 +38,8 @@ def parse_bytes(value: int | float | str, *, name: str = "budget") -> int:
     else:
         number = float(value)
     if not math.isfinite(number) or number < 1:
-        raise ValueError(f"Invalid {name} {value!r}: must be at least 1 byte. Allowed range: 1 B ~ any finite size")
+        raise ValueError(f"Invalid {name} {value!r}: must be at least 1 byte. Allowed range: 1 B ~ any finite size "
+                         f"(e.g. '8GiB')")
     return int(number)
 
 
@@ -53,3 +54,8 @@ def format_bytes(num_bytes: int | float) -> str:
             return f"{sign}{digits} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def counted(count: int, noun: str, plural: str | None = None) -> str:
+    """``1 step``, ``2 steps`` (``plural``: where adding an s is wrong, e.g. ``passes``)."""
+    return f"{count:,} {noun if count == 1 else plural or noun + 's'}"

@@ -73,7 +73,7 @@ def main() -> None:
     reference, _ = train(False, data)
     guard = lazy.guard
     first = guard.changes[0].old.describe() if guard.changes else guard.plan.describe()
-    print(f"plan from {lazy.plan_source}: {first}")
+    print(f"first plan ({lazy.plan_source}): {first}")
     print(f"{guard.steps} optimizer steps, {guard.ooms} OOM(s) replayed, plan now {guard.plan.describe()}")
     diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
     print(f"largest weight difference from Accelerate's full-batch loop: {diff:.1e} (fp64)")

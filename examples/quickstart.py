@@ -31,8 +31,7 @@ def main() -> None:
     with torch.no_grad():
         accuracy = (model(x).argmax(dim=1) == y).float().mean().item()
     plan = result.final_plan
-    print(f"plan: micro {plan.micro_batch} x accum {plan.accum_steps} = {plan.target_batch} "
-          f"(from {result.plan_source}, {result.probe_time_s:.2f} s of probing)")
+    print(f"plan: {plan.describe()} (from {result.plan_source}, {result.probe_time_s:.2f} s of probing)")
     print(f"{result.optimizer_steps} steps, {result.samples_seen:,} samples, lr {result.lr:.2g}, "
           f"final loss {result.final_loss:.3f}, train accuracy {accuracy:.1%}, "
           f"{result.samples_per_s:,.0f} samples/s, {result.oom_events} OOMs recovered")

@@ -74,8 +74,7 @@ def main() -> None:
                            epochs=3, budget="8MiB", eval_data=held_out, eval_every=16)
 
     plan = result.final_plan
-    print(f"plan: micro {plan.micro_batch} x accum {plan.accum_steps} = {plan.target_batch} sequences per step "
-          f"(from {result.plan_source})")
+    print(f"plan: {plan.describe()} sequences per step (from {result.plan_source})")
     print(f"{result.optimizer_steps} steps; loss per token {result.losses[0]:.3f} -> {result.final_loss:.3f}; "
           f"held-out loss {result.eval_loss:.3f} (perplexity {math.exp(result.eval_loss):.1f} of {VOCAB})")
 

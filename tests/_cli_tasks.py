@@ -1,6 +1,7 @@
 """Tasks for ``autoaccum probe --task _cli_tasks:NAME`` in the CLI tests (tests/ is on sys.path)."""
 
 import torch
+import torch.nn.functional as F
 
 import autoaccum
 from _probe_models import mlp, mlp_batch, mlp_loss
@@ -38,3 +39,13 @@ def variable_length() -> autoaccum.Task:
     return autoaccum.Task(model=TinyGPT(seq_len=48, dim=32), loss_fn=token_loss,
                           make_batch=lambda b, length: torch.randint(0, 256, (b, length + 1)), lengths=lengths,
                           name="variable-length LM")
+
+
+def half_model() -> autoaccum.Task:
+    """A float16 model fed float32 data: torch's raw dtype error, explained (the README promises one line)."""
+    return autoaccum.Task(model=mlp().half(), loss_fn=mlp_loss, make_batch=mlp_batch())
+
+
+def swapped_loss() -> autoaccum.Task:
+    """``loss_fn(batch, model)`` under other names than batch and model: caught when it calls the batch."""
+    return autoaccum.Task(model=mlp(), loss_fn=lambda b, m: F.cross_entropy(m(b[0]), b[1]), make_batch=mlp_batch())

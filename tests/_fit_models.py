@@ -118,7 +118,7 @@ def resumable_run(checkpoint_dir: str | Path, loss_fn: Callable[..., Any] | None
     kwargs: dict[str, Any] = dict(
         loss_fn=loss_fn or cross_entropy, plan=Plan.for_target(RESUME_TARGET, 16), epochs=RESUME_EPOCHS,
         lr=0.05, base_batch=32, lr_rule="sqrt", warmup_steps=2, max_grad_norm=1.0, seed=7,
-        checkpoint_dir=checkpoint_dir, checkpoint_every=1, resume=True, progress=False)
+        checkpoint_dir=checkpoint_dir, checkpoint_every=1, resume="auto", progress=False)
     kwargs.update(overrides)
     result = autoaccum.fit(model, mlp_data(RESUME_SAMPLES), RESUME_TARGET, **kwargs)
     return result, model

@@ -49,15 +49,24 @@ def test_human_output_is_a_table_and_one_plan_line(capsys):
     code, out, _ = run(capsys, *TINY, "--no-cache")
     assert code == EXIT_OK
     lines = out.splitlines()
-    assert lines[0] == "autoaccum probe · cpu (cpu) · fp32 · measured with the tracked meter"
-    assert lines[1].startswith("budget 391 KiB (given), headroom 10% -> usable 352 KiB")
-    assert any(line.split() == ["micro", "status", "peak", "fwd/bwd", "opt", "step", "pass", "s", "samples/s"]
-               for line in lines)
-    assert any(line.startswith("probe: ") and " forward/backward passes and 2 optimizer steps, 0 OOMs" in line
-               for line in lines)
+    assert lines[0] == "autoaccum probe · cpu (cpu) · fp32 · measured by counting tensor bytes"
+    assert lines[1].startswith("budget 391 KiB (given), 10% kept free: plans for 352 KiB")
+    assert any(line.split() == ["micro-batch", "status", "peak", "forward/backward", "optimizer", "step", "s", "per",
+                                "pass", "samples/s"] for line in lines)
+    assert any(line.startswith("memory: ") and " per sample (the optimizer step needs " in line for line in lines)
+    assert any(line.startswith("probe: ") and " forward/backward passes and 2 optimizer steps in " in line
+               and line.endswith(" s, none ran out of memory") for line in lines)
     last = lines[-1]
-    assert last.startswith("target 64 = micro ") and " x world 1 · " in last
+    assert last.startswith("batch 64 = ") and " micro-batch" in last and _adds_up(last.split(" = ")[1].split(" (")[0])
     assert " samples/s · peak " in last and last.endswith(" of 391 KiB")
+    # no jargon in the default output: the details are in --json and in -v's debug lines
+    for word in ("residual", "token-units", "accum ", "fwd/bwd", "meter", "usable", "1 steps", "OOMs"):
+        assert word not in out.replace("autoaccum probe", ""), word
+
+
+def _adds_up(expression: str) -> int:
+    """The value of a plan label's sum (``37 x 4 + 36 x 3``)."""
+    return sum(eval(term.replace(" x ", " * ")) for term in expression.split(" + "))  # digits only
 
 
 def test_estimate_says_so(capsys):
@@ -104,6 +113,8 @@ def test_does_not_fit_exits_3_with_needed_and_available_bytes(capsys):
     ("_cli_tasks:bad_loss", "loss_fn must return a scalar tensor"),
     ("_cli_tasks:wrong_batch", "make_batch(1) returned a batch of 2 samples"),
     ("_cli_tasks:frozen", "no trainable parameters"),
+    ("_cli_tasks:half_model", "the model's parameters are torch.float16 and the batch holds torch.float32 tensors"),
+    ("_cli_tasks:swapped_loss", "the loss function called the batch (tuple) as a model"),
 ])
 def test_a_bad_task_exits_2_with_a_message(capsys, task, message):
     code, out, err = run(capsys, "probe", "--task", task, "--no-cache", "--budget", "1MiB")
@@ -160,7 +171,8 @@ def test_cache_reused_unless_no_cache(capsys, tmp_path):
     second = json.loads(out)
     assert second["source"] == "cache" and second["candidates"] == first["candidates"]
     code, out, _ = run(capsys, *TINY, *cache)
-    assert "from cache" in out.splitlines()[1]
+    assert "from the cache: measured earlier for this model, device and budget (--refresh measures again)" \
+        in out.splitlines()[1]
     code, out, _ = run(capsys, *TINY, *cache, "--no-cache", "--json")
     assert json.loads(out)["source"] == "probe"
     # --no-cache neither reads nor writes; --refresh measures again and replaces the cached entry (issue 11:
@@ -181,6 +193,28 @@ def test_cache_reused_unless_no_cache(capsys, tmp_path):
     assert refreshed["source"] == "probe" and refreshed["wall_time_s"] < SENTINEL_WALL_S
     replaced = json.loads(path.read_text())  # the entry was replaced
     assert replaced["plan"] == refreshed["plan"] and replaced["wall_time_s"] == refreshed["wall_time_s"]
+
+
+def test_plot_to_a_missing_directory_is_refused_before_probing(capsys, tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from autoaccum import cli
+
+    monkeypatch.setattr(cli, "probe", lambda *a, **k: pytest.fail("probed before checking --plot"))
+    missing = tmp_path / "no" / "such" / "dir" / "probe.png"
+    code, out, err = run(capsys, *TINY, "--no-cache", "--plot", str(missing))
+    assert code == EXIT_USAGE and out == "" and "Traceback" not in err
+    assert f"Invalid --plot '{missing}': its directory '{missing.parent}' does not exist" in err
+    assert "Allowed: a file path in an existing directory" in err and f"mkdir -p {missing.parent}" in err
+
+
+@pytest.mark.parametrize("value", ["-1GiB", "-1e9", "-5"])
+def test_a_negative_budget_gets_the_budget_error_not_expected_one_argument(capsys, value):
+    with pytest.raises(SystemExit) as info:
+        main([*TINY[:-4], "--budget", value])
+    _, err = capsys.readouterr()
+    assert info.value.code == EXIT_USAGE and "expected one argument" not in err
+    assert f"argument --budget: Invalid budget '{value}': must be at least 1 byte. Allowed range: 1 B ~ " in err
+    assert "e.g. '8GiB'" in err
 
 
 def test_plot_writes_a_png(capsys, tmp_path):
@@ -229,10 +263,11 @@ def test_a_task_that_declares_lengths_is_probed_by_length_and_planned_by_tokens(
                        "--budget", "12MiB", "--no-cache")
     assert code == EXIT_OK
     lines = out.splitlines()
-    assert any(line.split()[:4] == ["length", "micro", "status", "peak"] for line in lines)
+    assert any(line.split()[:4] == ["length", "micro-batch", "status", "peak"] for line in lines)
     assert any(line.startswith("lengths: 8 to 48, median 8 (all 64 samples)") for line in lines)
-    assert any(line.startswith("memory model: peak(b, L) = max(") for line in lines)
-    assert lines[-1].startswith("target 64 = micro <= ") and "token-units" in lines[-1]
+    assert any(line.startswith("memory: ") and " for each sample of length L (the optimizer step needs" in line
+               for line in lines)
+    assert lines[-1].startswith("batch 64 cut by length: up to ") and " micro-batches, by the lengths" in lines[-1]
     code, out, _ = run(capsys, "probe", "--task", "_cli_tasks:variable_length", "--target-batch", "64",
                        "--budget", "12MiB", "--no-cache", "--json")
     doc = json.loads(out)

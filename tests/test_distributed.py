@@ -563,7 +563,7 @@ def test_example_under_torchrun() -> None:
                           timeout=TIMEOUT_S, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "2 ranks, identical weights on every rank: True" in proc.stdout
-    assert "x world 2 · 32 steps" in proc.stdout
+    assert " per rank x 2 ranks (" in proc.stdout and " micro-batches each) · 32 steps" in proc.stdout
     assert proc.stderr.count("autoaccum fit done") == 1  # fit's log lines come from rank 0 only
 
 

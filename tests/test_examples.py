@@ -41,14 +41,14 @@ def _ok(runs, name):
 
 def test_quickstart(runs):
     stdout, stderr = _ok(runs, "quickstart")
-    assert "plan: micro " in stdout and "= 256 (from probe" in stdout
+    assert re.search(r"^plan: batch 256 = [\d x+]+ \(\d+ micro-batch(es)?\) \(from probe", stdout, re.MULTILINE), stdout
     assert "80 steps, 20,480 samples" in stdout and "train accuracy" in stdout
     assert "autoaccum fit ·" in stderr and "autoaccum fit done" in stderr  # banner and summary via logging
 
 
 def test_existing_loop(runs):
     stdout, stderr = _ok(runs, "existing_loop")
-    assert "step 2: OOM in " in stdout and "micro 256 -> 128" in stdout  # once AdamW's state exists
+    assert "step 2: OOM in " in stdout and ": batch 256 = 256 -> 128 x 2 (2 micro-batches)" in stdout  # AdamW's state
     assert "16 optimizer steps, 1 OOM(s) recovered" in stdout
     diff = float(stdout.rsplit("without OOMs: ", 1)[1].split()[0])
     assert diff < 1e-12  # the run that recovered from an OOM equals the one that never ran out
@@ -63,16 +63,17 @@ def test_token_lm(runs):
 
 
 def _accumulating_plan(stdout: str) -> re.Match:
-    """The plan line: ``plan: target T = micro M x accum A ...``, with accumulation."""
-    plan = re.search(r"^plan: target (\d+) = micro (\d+) x accum (\d+)", stdout, re.MULTILINE)
+    """The plan line: ``plan: batch T = M x k + ... (A micro-batches...)``, adding up, with accumulation."""
+    plan = re.search(r"^plan: batch (\d+) = ([\d x+]+) \((\d+) micro-batches", stdout, re.MULTILINE)
     assert plan is not None, stdout
+    assert sum(eval(t.replace(" x ", " * ")) for t in plan[2].split(" + ")) == int(plan[1])
     assert int(plan[3]) > 1, f"the budget should force accumulation: {plan[0]}"
     return plan
 
 
 def test_variable_length(runs):
     stdout, _ = _ok(runs, "variable_length")
-    assert re.search(r"^plan: target 64 = micro <= \d+ by [\d,]+ token-units", stdout, re.MULTILINE), stdout
+    assert re.search(r"^plan: batch 64 cut by length: up to \d+ samples per micro-batch", stdout, re.MULTILINE), stdout
     assert "lengths from all 512 samples; measured at lengths [" in stdout and ", 0 probe OOMs" in stdout
     most = int(stdout.split("micro-steps per optimizer step: ")[1].split(" to ")[1].split(" ")[0])
     assert most > 1  # the budget forces accumulation
@@ -86,7 +87,7 @@ def test_hf_causal_lm(runs):
     stdout, stderr = _ok(runs, "hf_causal_lm")
     assert "256 rows of 8-48 tokens, GPT-2" in stdout
     # rows of 8-48 tokens: planned and cut by tokens, so a step's micro-steps follow its lengths
-    assert re.search(r"^plan: target 32 = micro <= \d+ by [\d,]+ token-units", stdout, re.MULTILINE), stdout
+    assert re.search(r"^plan: batch 32 cut by length: up to \d+ samples per micro-batch", stdout, re.MULTILINE), stdout
     assert "(from probe:" in stdout
     most = int(stdout.split("micro-steps per optimizer step: ")[1].split(" to ")[1].split(" ")[0])
     assert most > 1  # the budget forces accumulation
@@ -100,7 +101,7 @@ def test_hf_causal_lm(runs):
 def test_hf_vision(runs):
     stdout, stderr = _ok(runs, "hf_vision")
     plan = _accumulating_plan(stdout)
-    assert plan[1] == "64" and "(min micro 2)" in stdout  # BatchNorm: no micro-batch of one image
+    assert plan[1] == "64" and "none below 2 samples)" in stdout  # BatchNorm: no micro-batch of one image
     assert "probe: 2 (ok, " in stdout  # the probe starts at 2, not at 1 (which cannot train)
     assert "16 steps, 1,024 images" in stdout and "0 OOMs in training" in stdout
     assert "UserWarning: BatchNorm layers (" in stderr and "Remedies:" in stderr  # the guard's note, once

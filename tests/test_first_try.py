@@ -56,8 +56,13 @@ def test_a_batchnorm_mlp_probes_from_two_and_trains_under_a_budget():
 def test_the_guard_never_runs_a_batchnorm_model_below_two():
     model = bn_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match=r"Invalid micro_batch: 1\. Sequential has BatchNorm layers .*Allowed range: 2"):
-        OOMGuard(model, opt, target_batch=16, micro_batch=1)
+    state = [t.detach().clone() for t in (*model.parameters(), *model.buffers())]
+    one = OOMGuard(model, opt, target_batch=16, micro_batch=1)  # one sample is tried at the first step
+    with pytest.raises(ValueError, match=r"Invalid micro_batch: 1\. A BatchNorm layer of Sequential gets one value per "
+                                         r"channel from one sample .*no fewer than 2 samples .*Allowed range: 2 ~ any"):
+        one.step(data(16), ce)
+    assert all(torch.equal(a, b) for a, b in zip(state, (*model.parameters(), *model.buffers())))  # before any work
+    assert one.steps == 0 and all(p.grad is None for p in model.parameters())
     guard = OOMGuard(model, opt, target_batch=16, micro_batch=2)
     batch = data(16)
     live = autoaccum.TrackedMemory().track(model, opt, batch).current_bytes
@@ -69,6 +74,44 @@ def test_the_guard_never_runs_a_batchnorm_model_below_two():
     assert info.value.micro_batch == 2 and "a micro-batch of 2 does not fit" in str(info.value)
     with pytest.raises(ValueError, match=r"batch holds 1 sample\(s\), fewer than the smallest .*drop_last=True"):
         guard.step(data(1), ce, partial=True)  # an epoch's last batch of one sample
+
+
+class TokenBatchNorm(nn.Module):
+    """BatchNorm1d over tokens, (N, C, L): one sample gives L values per channel, so it trains at 1."""
+
+    def __init__(self, vocab: int = 32, dim: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.norm, self.out = nn.Embedding(vocab, dim), nn.BatchNorm1d(dim), nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(self.emb(tokens).transpose(1, 2)).transpose(1, 2))
+
+
+def token_ce(model: nn.Module, batch) -> torch.Tensor:
+    tokens = batch[0] if isinstance(batch, (tuple, list)) else batch
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def test_a_batchnorm_over_tokens_trains_at_one_sample_everywhere():
+    """The floor is found by trying one sample, not read off the presence of BatchNorm: BatchNorm1d on
+    (N, C, L) gets L values per channel from one sample, and the probe, the guard and fit run it at 1."""
+    tokens = torch.randint(0, 32, (65, 9), generator=torch.Generator().manual_seed(0))
+    model = TokenBatchNorm()
+    state = [t.detach().clone() for t in (*model.parameters(), *model.buffers())]
+    report = probe(model=model, loss_fn=token_ce, make_batch=lambda b: tokens[:b], target_batch=16, budget="40KiB")
+    assert report.plan.min_micro_batch == 1 and report.candidates[0].micro_batch == 1
+    assert all(torch.equal(a, b) for a, b in zip(state, (*model.parameters(), *model.buffers())))  # the trial too
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the BatchNorm note: micro-batches have their own statistics
+        guard = OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), target_batch=16, micro_batch=1)
+        result = guard.step(tokens[:16], token_ce)
+        assert result.plan.min_micro_batch == 1 and result.micro_steps == 16
+        # fit: an epoch of 65 at target 64 ends in a step of one sample, which trains here
+        fitted = autoaccum.fit(TokenBatchNorm(), (tokens,), 64, loss_fn=token_ce, plan=Plan.for_target(64, 16),
+                               progress=False, verbose=False)
+    assert fitted.optimizer_steps == 2 and fitted.samples_seen == 65
 
 
 def test_a_193_sample_epoch_at_target_64_is_refused_before_training_or_dropped():
@@ -245,7 +288,8 @@ def test_fit_speaks_off_a_terminal_without_any_logging_setup(tmp_path):
     """
     result = _run_script(job.replace("VERBOSE", "verbose=True"), tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "autoaccum: autoaccum fit · cpu · budget 120 KiB (emulated) · target 128 = micro" in result.stderr
+    assert "autoaccum: autoaccum fit · cpu · budget 120 KiB (emulated) · batch 128 = " in result.stderr
+    assert "micro-batches), measured by the probe · lr " in result.stderr
     assert "autoaccum: autoaccum fit done · 2 steps, 256 samples" in result.stderr
     quiet = _run_script(job.replace("VERBOSE", "verbose=False"), tmp_path)
     assert quiet.returncode == 0 and "autoaccum fit" not in quiet.stderr
@@ -253,3 +297,180 @@ def test_fit_speaks_off_a_terminal_without_any_logging_setup(tmp_path):
                                          "        logging.basicConfig(level=logging.WARNING)")
                              .replace("VERBOSE", "verbose=True"), tmp_path)
     assert configured.returncode == 0 and "autoaccum fit ·" not in configured.stderr  # the application's rules
+
+
+def test_verbose_false_prints_nothing_after_an_earlier_fit_in_the_process(tmp_path):
+    """The first fit installs the stderr handler; a later fit(verbose=False) printed the probe's byte lines
+    through it. Now it prints nothing, and a default fit prints the same lines the first time and later."""
+    job = """
+        import sys, torch, autoaccum
+        torch.manual_seed(0)
+        x, y = torch.randn(256, 6), torch.randint(0, 3, (256,))
+        def run(**kwargs):
+            model = torch.nn.Sequential(torch.nn.Linear(6, 64), torch.nn.ReLU(), torch.nn.Linear(64, 3))
+            autoaccum.fit(model, (x, y), 128, budget="120KiB", epochs=1, **kwargs)
+        run()
+        print("-- quiet", file=sys.stderr, flush=True)
+        run(verbose=False)
+        print("-- default again", file=sys.stderr, flush=True)
+        run()
+    """
+    result = _run_script(job, tmp_path)
+    assert result.returncode == 0, result.stderr
+    first, rest = result.stderr.split("-- quiet\n")
+    quiet, again = rest.split("-- default again\n")
+    assert quiet == ""
+    def kinds(text: str) -> list[str]:  # each line without its time, loss and speed
+        return [line.split(" ", 1)[1].split(" · final loss")[0] for line in text.splitlines()]
+
+    shown = kinds(first)
+    assert kinds(again) == shown
+    assert len(shown) == 2 and shown[0].startswith("autoaccum: autoaccum fit · ")
+    assert shown[1].startswith("autoaccum: autoaccum fit done · 2 steps, 256 samples")
+    assert "peak 7" not in first and "probe micro-batch" not in result.stderr  # no raw bytes, no measurements
+
+
+# -- first contact: mistakes named before any work (the probe's warm-up included) ------------------------
+
+def _untouched(model: nn.Module):
+    """A check that ``model``'s parameters and buffers are as they are now."""
+    state = [t.detach().clone() for t in (*model.parameters(), *model.buffers())]
+    return lambda: all(torch.equal(a, b) for a, b in zip(state, (*model.parameters(), *model.buffers())))
+
+
+def test_a_float16_model_fed_float32_data_is_explained_on_every_path(tmp_path):
+    """The guard's path explained it; the probe's warm-up (fit without plan=, probe, the CLI) raised torch's
+    'mat1 and mat2 must have the same dtype' 20 frames deep. One line now, naming both dtypes and the fixes."""
+    says = (r"the model's parameters are torch.float16 and the batch holds torch.float32 tensors \(.*\); convert "
+            r"the data to the model's dtype \(x.to\(torch.float16\)\), or keep the model in float32 and train in "
+            r"mixed precision \(fit\(..., precision='bf16' or 'fp16'\)")
+    model = mlp().half()
+    same = _untouched(model)
+    with pytest.raises(TaskError, match=says):
+        autoaccum.fit(model, data(64), 32, budget="1MiB", progress=False)  # the probe's warm-up
+    with pytest.raises(TaskError, match=says):
+        probe(model=model, loss_fn=ce, make_batch=data, target_batch=32, budget="1MiB")
+    with pytest.raises(TaskError, match=says):
+        autoaccum.fit(model, data(64), 32, plan=Plan.for_target(32, 8), progress=False)  # the guard's path
+    assert same()
+
+
+def test_a_loss_fn_with_swapped_arguments_is_named_before_any_work():
+    model = mlp()
+    same = _untouched(model)
+    with pytest.raises(TypeError, match=r"loss_fn takes \(batch, model\), but it is called as loss_fn\(model, batch\): "
+                                        r"the arguments are swapped\. Write it as lambda model, batch: \.\.\."):
+        autoaccum.fit(model, data(64), 32, loss_fn=lambda batch, model: ce(model, batch), progress=False)
+    with pytest.raises(TaskError, match=r"the loss function called the batch \(tuple\) as a model \('tuple' object is "
+                                        r"not callable\): its arguments look swapped\. loss_fn is called as "
+                                        r"loss_fn\(model, batch\); write it as lambda model, batch"):
+        autoaccum.fit(model, data(64), 32, loss_fn=lambda b, m: ce(m, b), budget="1MiB", progress=False)
+    with pytest.raises(TaskError, match=r"its arguments look swapped"):  # the guard's path
+        autoaccum.fit(model, data(64), 32, loss_fn=lambda b, m: ce(m, b), plan=Plan.for_target(32, 8), progress=False)
+    assert same()
+
+
+@pytest.mark.parametrize(("model", "targets", "says"), [
+    (lambda: nn.Linear(6, 1), torch.randn(64), r"the model gives 1 output per sample \(output shape \(\d+, 1\)\), and "
+     r"cross-entropy over a single class is 0 whatever it predicts.*For regression pass loss_fn=lambda model, batch: "
+     r"F.mse_loss"),
+    (lambda: nn.Linear(6, 3), torch.randn(64), r"the targets are torch.float32 of shape \(\d+,\) \(regression values\?\): "
+     r"expected class indices \(an integer tensor of shape \(\d+,\)\) or class probabilities .*F.mse_loss"),
+    (lambda: nn.Linear(6, 3), torch.arange(64) % 4, r"Invalid target 3: the default loss is cross-entropy over the "
+     r"model's 3 outputs, so targets are class indices in 0 ~ 2 \(or -100, skipped\)\. Give the model one output per "
+     r"class \(at least 4\), or map the labels to 0 ~ 2"),
+    (lambda: nn.Linear(6, 3), -(torch.arange(64) % 2), r"Invalid target -1: .* class indices in 0 ~ 2"),
+])
+def test_the_default_loss_refuses_targets_it_cannot_mean_before_any_work(model, targets, says):
+    """Float regression targets and labels out of range reached torch's cross_entropy (a shape error, a
+    silent zero loss, 'Target 3 is out of bounds', or on CUDA a device-side assert)."""
+    torch.manual_seed(0)
+    net = model()
+    same = _untouched(net)
+    x = torch.randn(64, 6)
+    with pytest.raises(TaskError, match=says):
+        autoaccum.fit(net, (x, targets), 32, budget="1MiB", progress=False)  # in the probe's warm-up
+    with pytest.raises(TaskError, match=says):
+        autoaccum.fit(net, (x, targets), 32, plan=Plan.for_target(32, 8), progress=False)  # the guard's first pass
+    assert same()
+
+
+def test_the_default_loss_runs_in_an_estimate_on_fake_tensors():
+    """Fake tensors hold no values: the labels' range is not read there (an estimate runs no real step)."""
+    from autoaccum.step.losses import default_loss
+
+    report = probe(model=nn.Linear(6, 3), loss_fn=default_loss, make_batch=data, target_batch=32, budget="1MiB",
+                   estimate=True)
+    assert report.is_estimate and report.plan.target_batch == 32
+
+
+def test_the_default_loss_takes_class_probabilities_and_skipped_labels():
+    model = nn.Linear(6, 3)
+    probabilities = torch.softmax(torch.randn(64, 3), dim=1)
+    assert autoaccum.fit(model, (torch.randn(64, 6), probabilities), 32, epochs=1, plan=Plan.for_target(32, 8),
+                         progress=False).optimizer_steps == 2
+    labels = torch.arange(64) % 3
+    labels[::5] = -100
+    assert autoaccum.fit(model, (torch.randn(64, 6), labels), 32, epochs=1, plan=Plan.for_target(32, 8),
+                         progress=False).optimizer_steps == 2
+
+
+def test_a_log_file_in_a_missing_directory_is_refused_before_the_probe(tmp_path, monkeypatch):
+    from autoaccum.training import plans
+
+    monkeypatch.setattr(plans, "probe", lambda *a, **k: pytest.fail("probed before checking log_file"))
+    missing = tmp_path / "no" / "such" / "metrics.jsonl"
+    with pytest.raises(ValueError, match=rf"Invalid log_file '{missing}': its directory '{missing.parent}' does not "
+                                         rf"exist\. Allowed: a file path in an existing directory; create it first "
+                                         rf"\(os.makedirs\('{missing.parent}', exist_ok=True\)\)"):
+        autoaccum.fit(mlp(), data(64), 32, log_file=missing, progress=False)
+    with pytest.raises(ValueError, match=r"Invalid log_file .*: it is a directory"):
+        autoaccum.fit(mlp(), data(64), 32, log_file=tmp_path, progress=False)
+
+
+def test_a_probe_report_of_another_model_is_refused_as_plan(tmp_path):
+    """plan= given a probe report (or its --json file) made for another model was used as it was: its cut and
+    its memory model (which growth after an OOM reads) belong to that model. Refused, naming both models and
+    the fixes; a bare Plan is the caller's explicit choice and passes."""
+    report = probe(model=mlp(), loss_fn=ce, make_batch=data, target_batch=32, budget="1MiB")
+    assert report.model_fingerprint and report.model_summary.startswith("Sequential: ")
+    path = tmp_path / "plan.json"
+    path.write_text(__import__("json").dumps(report.to_dict()))
+    other = nn.Sequential(nn.Linear(6, 128), nn.ReLU(), nn.Linear(128, 3))
+    same = _untouched(other)
+    says = (r"plan= is a probe report.* measured on another model \(Sequential: .* parameters .*\) than the one "
+            r"training \(Sequential: .*\); .* Probe this model \(drop plan=\), pass the report made for it, or, to "
+            r"keep that cut anyway, pass only its plan: plan=autoaccum.read_plan\(...\)")
+    for source in (report, path, str(path), report.to_dict()):
+        with pytest.raises(ValueError, match=says):
+            autoaccum.fit(other, data(64), 32, plan=source, progress=False)
+    with pytest.raises(ValueError, match=says):
+        OOMGuard(other, torch.optim.SGD(other.parameters(), lr=0.1), plan=report)
+    assert same()
+    assert autoaccum.fit(other, data(64), 32, plan=report.plan, progress=False).plan_source == "given"
+    assert autoaccum.fit(mlp(), data(64), 32, plan=path, progress=False).plan_source == "given"  # its own model
+
+
+def test_fit_refuses_budget_next_to_a_plan_on_cuda_where_it_means_nothing():
+    """On CUDA budget= sizes the probe's plan only (no emulated device there): next to plan= it is refused."""
+    from autoaccum.training.config import FitConfig
+    from autoaccum.training.fit import _check_model
+
+    cfg = FitConfig.from_options(None, budget="1GiB", plan=Plan.for_target(32, 8)).check()
+    with pytest.raises(TypeError, match=r"budget= is the memory the probe plans for, and plan= skips the probe.*"
+                                        r"budget= would mean nothing on cuda"):
+        _check_model(mlp(), None, cfg, torch.device("cuda"), ce)  # type: ignore[arg-type]
+
+
+def test_announce_shows_a_line_on_the_console_without_any_logging_setup(tmp_path):
+    """The integrations' plan line goes where fit's banner goes: stderr, with nothing configured."""
+    job = """
+        import logging
+        from autoaccum.log import announce
+        announce(logging.getLogger("autoaccum.integrations.lazy_guard"), "autoaccum · batch 8 = 3 x 2 + 2")
+        logging.getLogger("autoaccum").setLevel(logging.WARNING)
+        announce(logging.getLogger("autoaccum.integrations.lazy_guard"), "silenced")
+    """
+    result = _run_script(job, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.endswith("autoaccum: autoaccum · batch 8 = 3 x 2 + 2\n") and "silenced" not in result.stderr

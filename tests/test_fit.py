@@ -348,12 +348,35 @@ def test_lr_rule_is_not_applied_at_the_base_batch():
     assert result.lr == 0.01
 
 
-def test_lr_rule_applies_on_a_first_run_with_resume(tmp_path):
-    # resume=True on an empty checkpoint_dir (a restartable job's first start) is a fresh run
+def test_lr_rule_applies_on_a_first_run_with_resume_auto(tmp_path):
+    # resume="auto" on an empty checkpoint_dir (a restartable job's first start) is a fresh run
     model, data = _small()
     result = autoaccum.fit(model, data, 64, lr=0.01, base_batch=32, lr_rule="linear", plan=Plan.for_target(64, 16),
-                           checkpoint_dir=tmp_path / "ckpt", resume=True, progress=False)
+                           checkpoint_dir=tmp_path / "ckpt", resume="auto", progress=False)
     assert result.plan_source == "given" and result.lr == pytest.approx(0.02)
+    # and the second start resumes from the checkpoint the first one wrote
+    again = autoaccum.fit(model, data, 64, lr=0.01, base_batch=32, lr_rule="linear", plan=Plan.for_target(64, 16),
+                          checkpoint_dir=tmp_path / "ckpt", resume="auto", epochs=2, progress=False)
+    assert again.plan_source == "checkpoint" and again.optimizer_steps == 2 * result.optimizer_steps
+
+
+@pytest.mark.parametrize("where", ["missing", "empty"])
+def test_resume_true_without_a_checkpoint_is_refused_before_any_work(tmp_path, where):
+    """resume=True never starts afresh silently (as Hugging Face's Trainer refuses it): the error names the
+    directory and the ways out, before the probe or any step, and makes no directory."""
+    model, data = _small()
+    before = [p.detach().clone() for p in model.parameters()]
+    directory = tmp_path / "ckpt"
+    if where == "empty":
+        directory.mkdir()
+    with pytest.raises(ValueError, match=rf"resume=True, but checkpoint_dir '{directory}' "
+                                         rf"(does not exist|holds no checkpoint.pt).*resume=False to start afresh.*"
+                                         rf"resume='auto'"):
+        autoaccum.fit(model, data, 64, budget="1MiB", checkpoint_dir=directory, resume=True, progress=False)
+    assert directory.exists() == (where == "empty")
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    with pytest.raises(ValueError, match=r"Invalid resume: 'yes'\. Allowed values: True, False, 'auto'"):
+        autoaccum.fit(model, data, 64, checkpoint_dir=directory, resume="yes", progress=False)
 
 
 def test_adam_sde_rule_scales_betas_and_eps():
@@ -508,7 +531,7 @@ def test_quiet_apart_from_logging(progress, capsys, caplog):
         autoaccum.fit(model, data, 64, plan=Plan.for_target(64, 16), progress=progress)
     assert capsys.readouterr() == ("", "")
     messages = [r.getMessage() for r in caplog.records]
-    assert any("target 64 = micro 16 x accum 4" in m and "plan from given" in m for m in messages)
+    assert any("batch 64 = 16 x 4 (4 micro-batches), as given" in m for m in messages)
     assert any("autoaccum fit done" in m for m in messages)
 
 

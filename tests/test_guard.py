@@ -787,10 +787,10 @@ def test_each_plan_change_is_logged_once_in_order(caplog):
     r3 = guard.step(data(64, seed=3), mse)
     messages = [r.getMessage() for r in caplog.records if r.name == "autoaccum.step.guard"]
     assert messages == [
-        "OOM in forward/loss at micro 64 -> 32, accum 1 -> 2, global batch 64 unchanged",
-        "OOM in backward at micro 32 -> 16, accum 2 -> 4, global batch 64 unchanged",
-        "OOM in forward/loss at micro 16 -> 8, accum 4 -> 8, global batch 64 unchanged",
-        "OOM in forward/loss at micro 8 -> 4, accum 8 -> 16, global batch 64 unchanged",
+        "OOM in forward/loss: batch 64 = 64 -> 32 x 2 (2 micro-batches); the global batch is unchanged",
+        "OOM in backward: batch 64 = 32 x 2 -> 16 x 4 (4 micro-batches); the global batch is unchanged",
+        "OOM in forward/loss: batch 64 = 16 x 4 -> 8 x 8 (8 micro-batches); the global batch is unchanged",
+        "OOM in forward/loss: batch 64 = 8 x 8 -> 4 x 16 (16 micro-batches); the global batch is unchanged",
     ]
     assert [len(r.changes) for r in (r0, r1, r2, r3)] == [1, 0, 1, 2]
     assert [r.attempts for r in (r0, r1, r2, r3)] == [2, 1, 2, 3]

@@ -149,6 +149,20 @@ def test_gradient_accumulation_configured_in_accelerate_is_refused():
         guard_for(accelerator, model, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
+def test_guard_for_checks_its_options_when_it_is_called():
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = gpt2()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"budget= is the memory the probe plans for, and micro_batch= skips the probe"):
+        guard_for(accelerator, model, optimizer, budget="2MiB", micro_batch=3)
+    with pytest.raises(ValueError, match=r"Invalid headroom: 2"):
+        guard_for(accelerator, model, optimizer, headroom=2)
+    foreign = {"plan": {"micro_batch": 4, "accum_steps": 2, "world_size": 1, "target_batch": 8},
+               "model_fingerprint": "0" * 64, "model_summary": "MLP: 10 parameters (10 trainable), float32"}
+    with pytest.raises(ValueError, match=r"plan= is a probe report measured on another model \(MLP: 10 parameters"):
+        guard_for(accelerator, model, optimizer, plan=foreign)
+
+
 def test_accelerates_accumulation_switched_on_during_the_run_is_refused_at_the_next_step():
     """``accelerator.gradient_accumulation_steps = 2`` after step 2: Accelerate would step once per 2 batches,
     each from the gradients the guard cleared, the last batch's alone. Refused at step 3, before its forward.
@@ -187,11 +201,11 @@ def test_the_example_runs_and_recovers_in_place():
     proc = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=180, env=env,
                           cwd=example.parent.parent)
     assert proc.returncode == 0, proc.stderr
-    assert "plan from probe: target 256 = micro 128 x accum 2" in proc.stdout
+    assert "first plan (probe): batch 256 = 128 x 2 (2 micro-batches)" in proc.stdout
     # halved to 64 at the drop, then grown into the room left (memory-guided growth, the default)
-    assert "16 optimizer steps, 1 OOM(s) replayed, plan now target 256 = micro 86 x accum 3" in proc.stdout
+    assert "16 optimizer steps, 1 OOM(s) replayed, plan now batch 256 = 86 + 85 x 2 (3 micro-batches)" in proc.stdout
     assert float(proc.stdout.rsplit("full-batch loop: ", 1)[1].split()[0]) < 1e-12
-    assert "OOM in " in proc.stderr and "global batch 256 unchanged" in proc.stderr  # the guard's log line
+    assert "OOM in " in proc.stderr and "; the global batch is unchanged" in proc.stderr  # the guard's log line
 
 
 # -- two processes (gloo), the DDP wrapper Accelerate returns ---------------------------------------------

@@ -95,10 +95,17 @@ def reference(tmp_path_factory, one_thread):
     return {"params": params(model), "steps": audit.steps, "losses": losses, "norms": norms}
 
 
-def test_under_a_budget_that_forces_accumulation_it_equals_hfs_full_batch_run(reference, tmp_path):
+def test_under_a_budget_that_forces_accumulation_it_equals_hfs_full_batch_run(reference, tmp_path, caplog):
     model = gpt2()
-    trainer, audit, watch = train(AutoAccumTrainer, model, arguments(str(tmp_path), PER_DEVICE, ACCUM), budget=BUDGET)
+    with caplog.at_level(logging.INFO, logger="autoaccum"):
+        trainer, audit, watch = train(AutoAccumTrainer, model, arguments(str(tmp_path), PER_DEVICE, ACCUM),
+                                      budget=BUDGET)
     plan = trainer.autoaccum_guard.guard.plan
+    # the plan on the console once, as fit's banner (not only in the log dictionary), adding up
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and r.name.startswith("autoaccum")]
+    assert said == [f"autoaccum · {plan.describe()}, measured by the probe: micro-batches of up to "
+                    f"{trainer.autoaccum_guard.report.max_fitting_micro_batch} fit in " + said[0].split(" fit in ")[1]]
+    assert said[0].startswith("autoaccum · batch 8 = ") and "token-units" not in said[0]
     assert trainer.autoaccum_guard.plan_source == "probe"
     assert plan.target_batch == PER_DEVICE * ACCUM and plan.accum_steps > 1  # the budget forces accumulation
     assert rel_diff(params(model), reference["params"]) <= RTOL
@@ -126,7 +133,7 @@ def test_the_budget_dropped_mid_run_is_recovered_in_place(reference, tmp_path, c
     guard = trainer.autoaccum_guard.guard
     assert guard.ooms >= 1 and guard.plan.micro_batch < 3  # step 3 ran out of memory and was replayed smaller
     assert all(c.step == 3 and c.reason == "oom" for c in guard.changes)
-    assert "global batch 8 unchanged" in caplog.text  # the guard's warning names the change
+    assert "batch 8 = " in caplog.text and "; the global batch is unchanged" in caplog.text
     changes = [h for h in trainer.state.log_history if "autoaccum/micro_batch" in h]
     assert [h["autoaccum/micro_batch"] for h in changes] == [3, guard.plan.micro_batch]
     assert changes[1]["step"] == 2 and changes[1]["autoaccum/oom_replays"] == guard.ooms  # logged at the change
@@ -182,6 +189,30 @@ def test_per_sample_labels_are_weighted_by_samples_where_hfs_count_path_would_su
 def test_what_it_cannot_run_is_refused_at_construction(tmp_path):
     with pytest.raises(ValueError, match=r"auto_find_batch_size=True: it shrinks the batch.*Drop it"):
         AutoAccumTrainer(model=gpt2(), args=arguments(str(tmp_path), 2, 4, auto_find_batch_size=True))
+
+
+@pytest.mark.parametrize(("options", "error", "says"), [
+    ({"budget": "2MiB", "micro_batch": 3}, TypeError, r"budget= is the memory the probe plans for, and micro_batch= "
+     r"skips the probe, so budget= would be ignored\. Give budget= alone .* or micro_batch= alone"),
+    ({"budget": "2MiB", "plan": {"micro_batch": 4, "accum_steps": 2, "world_size": 1, "target_batch": 8}}, TypeError,
+     r"and plan= skips the probe"),
+    ({"plan": {"micro_batch": 4, "accum_steps": 2, "world_size": 1, "target_batch": 8}, "micro_batch": 3}, TypeError,
+     r"give plan= or micro_batch=, not both"),
+    ({"headroom": 1.5}, ValueError, r"Invalid headroom: 1.5\. Allowed range: 0 <= headroom < 1"),
+    ({"micro_batch": 0}, ValueError, r"Invalid micro_batch: 0"),
+    ({"grow_after": 0}, ValueError, r"Invalid grow_after: 0"),
+    ({"budget": "-1GiB"}, ValueError, r"Invalid budget '-1GiB': must be at least 1 byte\. Allowed range"),
+    ({"plan": "no/such/plan.json"}, ValueError, r"Invalid plan file 'no/such/plan.json'"),
+    ({"plan": {"plan": {"micro_batch": 4, "accum_steps": 2, "world_size": 1, "target_batch": 8},
+               "model_fingerprint": "0" * 64, "model_summary": "MLP: 10 parameters (10 trainable), float32"}},
+     ValueError, r"plan= is a probe report measured on another model \(MLP: 10 parameters .*\) than the one training "
+     r"\(GPT2LMHeadModel: "),
+])
+def test_options_are_checked_when_the_trainer_is_built(tmp_path, options, error, says):
+    """Not at train(): a mistake in autoaccum's options costs nothing but the construction."""
+    with pytest.raises(error, match=says):
+        AutoAccumTrainer(model=gpt2(), args=arguments(str(tmp_path), PER_DEVICE, ACCUM), train_dataset=Rows(),
+                         **options)
 
 
 class _AccumulateFrom(TrainerCallback):

@@ -151,7 +151,7 @@ def test_the_budget_dropped_mid_run_is_recovered_in_place(reference, caplog):
     guard = callback.guard.guard
     assert guard.ooms >= 1 and guard.plan.micro_batch < 4
     assert [c.step for c in guard.changes] == [3] * len(guard.changes)  # the third step was replayed smaller
-    assert "global batch 16 unchanged" in caplog.text
+    assert "batch 16 = " in caplog.text and "; the global batch is unchanged" in caplog.text
     assert run.callback_metrics["autoaccum/micro_batch"] == guard.plan.micro_batch
     assert module.audit.steps == reference["steps"]  # nothing repeated or lost
     assert module.audit.check()["inconsistent"] == 0
@@ -187,6 +187,20 @@ def test_a_token_level_loss_is_exact_through_loss_fn_and_a_mean_of_means_is_not(
 def test_what_it_cannot_run_is_refused_before_training():
     with pytest.raises(ValueError, match=r"accumulate_grad_batches=2: give the DataLoader batch_size"):
         fit(AutoAccum(), accumulate_grad_batches=2)
+
+
+@pytest.mark.parametrize(("options", "error", "says"), [
+    ({"budget": "380KiB", "micro_batch": 4}, TypeError, r"budget= is the memory the probe plans for, and "
+     r"micro_batch= skips the probe, so budget= would be ignored"),
+    ({"headroom": -0.1}, ValueError, r"Invalid headroom: -0.1\. Allowed range: 0 <= headroom < 1"),
+    ({"micro_batch": 2.5}, TypeError, r"micro_batch"),
+    ({"plan": "no/such/plan.json"}, ValueError, r"Invalid plan file"),
+    ({"loss_fn": lambda batch, module: batch}, TypeError, r"loss_fn takes \(batch, module\), but it is called as "
+     r"loss_fn\(model, batch\): the arguments are swapped"),
+])
+def test_the_callbacks_options_are_checked_when_it_is_built(options, error, says):
+    with pytest.raises(error, match=says):
+        AutoAccum(**options)
 
 
 # -- accumulate_grad_batches changed during training --------------------------------------------------------------

@@ -1,12 +1,14 @@
 """autoaccum.plan: the target global batch is covered exactly (invariant 1)."""
 
+import dataclasses
 import math
+import re
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autoaccum.plan.plan import Plan
+from autoaccum.plan.plan import Plan, TokenBudget
 
 
 def check_covers_target(plan: Plan, requested_micro: int) -> None:
@@ -91,10 +93,10 @@ def test_known_plans():
     plan = Plan.for_target(256, 48)  # 6 micro-steps for 256: spread as 43 x 4 + 42 x 2, not 48 x 5 + 16
     assert (plan.micro_batch, plan.accum_steps, plan.last_micro_batch) == (43, 6, 42)
     assert plan.micro_sizes() == (43, 43, 43, 43, 42, 42)
-    assert plan.describe() == "target 256 = micro 43 x accum 6 (last micro 42) x world 1"
+    assert plan.describe() == "batch 256 = 43 x 4 + 42 x 2 (6 micro-batches)"
     # the GPT-2 plan of issue 11: 64 in 10 micro-steps is 7 x 4 + 6 x 6, not 7 x 9 + 1
     assert Plan.for_target(64, 7).micro_sizes() == (7,) * 4 + (6,) * 6
-    assert Plan.for_target(256, 64).describe() == "target 256 = micro 64 x accum 4 x world 1"
+    assert Plan.for_target(256, 64).describe() == "batch 256 = 64 x 4 (4 micro-batches)"
     assert Plan.for_target(256, 1000) == Plan(256, 1, 1, 256)  # capped at the rank share
 
     # the docstring's example: same number of passes, a lower peak
@@ -110,6 +112,84 @@ def test_known_plans():
     # 9 over 2 ranks at micro 1: 5 micro-steps on both ranks, rank 1's last one empty
     plan = Plan.for_target(9, 1, 2)
     assert [plan.micro_sizes(r) for r in range(2)] == [(1,) * 5, (1,) * 4 + (0,)]
+
+
+def _sum(expression: str) -> int:
+    """The value of a label's arithmetic: ``37 x 4 + 36 x 3``, ``(10 + 9 x 6) per rank x 2 ranks``, ``(2 x 2) on
+    rank 0 + ...`` (read as written: parentheses first, then x, then +)."""
+    text = re.sub(r" on rank \d+", "", expression).replace(" per rank", "").replace(" ranks", "").replace(" rank", "")
+    assert re.fullmatch(r"[\d ()+x]+", text), expression
+    return eval(text.replace(" x ", " * "))  # digits, parentheses, + and * only
+
+
+@pytest.mark.parametrize(("args", "label"), [
+    ((256, 64), "batch 256 = 64 x 4 (4 micro-batches)"),  # even
+    ((256, 37), "batch 256 = 37 x 4 + 36 x 3 (7 micro-batches)"),  # uneven: the issue's 'micro 37 x accum 7'
+    ((256, 256), "batch 256 = 256 (1 micro-batch)"),
+    ((128, 10, 2), "batch 128 = (10 + 9 x 6) per rank x 2 ranks (7 micro-batches each)"),
+    ((128, 64, 2), "batch 128 = 64 per rank x 2 ranks (1 micro-batch each)"),
+    ((129, 10, 2), "batch 129 = (10 x 2 + 9 x 5) on rank 0 + (10 + 9 x 6) on rank 1 (7 micro-batches each)"),
+    ((1001, 42, 8), "batch 1001 = (42 x 3) on rank 0 + (42 x 2 + 41) per rank x 7 ranks (3 micro-batches each)"),
+    ((10, 3, 3), "batch 10 = (2 x 2) on rank 0 + (2 + 1) per rank x 2 ranks (2 micro-batches each)"),
+    ((3, 1, 2), "batch 3 = (1 x 2) on rank 0 + (1 + 0) on rank 1 (2 micro-batches each)"),  # an empty micro-step
+])
+def test_the_plan_label_adds_up(args, label):
+    plan = Plan.for_target(*args)
+    assert plan.describe() == label
+    assert _sum(plan.cut_sum()) == plan.target_batch
+
+
+def test_the_label_names_the_smallest_micro_batch_and_the_memory_saver_in_words():
+    plan = Plan.for_target(256, 37, min_micro_batch=2).with_saver("checkpointing")
+    assert plan.describe() == "batch 256 = 37 x 4 + 36 x 3 (7 micro-batches, none below 2 samples) with checkpointing"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 5000), st.integers(1, 9), st.integers(1, 600))
+def test_every_label_adds_up_to_its_target(target, world, micro):
+    if target < world:
+        return
+    plan = Plan.for_target(target, micro, world)
+    head, _, tail = plan.describe().partition(" = ")
+    assert head == f"batch {target}" and _sum(tail.rsplit(" (", 1)[0]) == target
+    assert f"({plan.accum_steps} micro-batch" in tail  # the micro-steps every rank runs
+
+
+def test_a_token_budget_in_plain_words():
+    tokens = TokenBudget(4096, 0.0, 512)
+    one = dataclasses.replace(Plan.for_target(64, 32), tokens=tokens)
+    assert one.describe() == ("batch 64 cut by length: up to 32 samples per micro-batch, 8 at the longest length "
+                              "(512); 2 or more micro-batches, by the lengths")
+    two = dataclasses.replace(Plan.for_target(65, 16, 2), tokens=dataclasses.replace(tokens, quadratic=0.002))
+    assert two.describe() == ("batch 65 = 33 on rank 0 + 32 on rank 1, cut by length: up to 11 samples per micro-batch, "
+                              "3 at the longest length (512); 3 or more micro-batches on each rank, by the lengths")
+    for label in (one.describe(), two.describe()):
+        assert "token-units" not in label and "L^2" not in label and "accum" not in label
+
+
+def test_plan_changes_say_both_cuts_so_that_each_adds_up():
+    from autoaccum.step.policy import PlanChange
+
+    old = Plan.for_target(256, 64)
+    change = PlanChange(3, "oom", "backward", old, old.halved())
+    assert change.describe() == ("OOM in backward: batch 256 = 64 x 4 -> 32 x 8 (8 micro-batches); the global batch "
+                                 "is unchanged")
+    grown = PlanChange(9, "grow", "predicted to fit in the free memory", Plan.for_target(129, 5, 2),
+                       Plan.for_target(129, 10, 2))
+    assert grown.describe() == (
+        "no OOM for a while (predicted to fit in the free memory): batch 129 = (5 x 13) on rank 0 + (5 x 12 + 4) on "
+        "rank 1 -> (10 x 2 + 9 x 5) on rank 0 + (10 + 9 x 6) on rank 1 (7 micro-batches each); the global batch is "
+        "unchanged")
+    one = Plan.for_target(16, 1)
+    rung = PlanChange(2, "oom", "forward", one, one.with_saver("checkpointing"))
+    assert rung.describe() == ("OOM in forward: batch 16 = 1 x 16 (16 micro-batches), memory saver none -> "
+                               "checkpointing; the global batch is unchanged")
+    tokens = dataclasses.replace(Plan.for_target(64, 32), tokens=TokenBudget(4096, 0.0, 512))
+    halved = PlanChange(1, "oom", "backward", tokens, tokens.halved())
+    assert halved.describe() == (
+        "OOM in backward: batch 64 cut by length: up to 32 samples per micro-batch, 8 at the longest length (512) -> "
+        "up to 16 samples per micro-batch, 4 at the longest length (512); 4 or more micro-batches, by the lengths; "
+        "the global batch is unchanged")
 
 
 def test_plan_that_does_not_cover_the_target_is_rejected_with_the_right_accum():

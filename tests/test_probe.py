@@ -48,7 +48,7 @@ def test_planned_micro_batch_is_within_90_percent_of_brute_force_and_runs(name):
     found = report.max_fitting_micro_batch
     assert 0.9 * best <= found <= best, (found, best, [(c.micro_batch, c.status) for c in report.candidates])
     # the plan: the fitting size whose plan steps fastest (ties to fewer passes), cut evenly over the target
-    smallest = 2 if name == "convnet" else 1  # BatchNorm trains at no fewer than 2 samples
+    smallest = 1  # the convnet's BatchNorm2d normalises over an 8 x 8 map: one image trains (found by trying it)
     assert report.plan.min_micro_batch == smallest and report.candidates[0].micro_batch == smallest
     assert report.plan == Plan.for_target(TARGET, choose_micro_batch(report.candidates, TARGET, smallest), 1, smallest)
     assert report.plan.micro_batch <= found

@@ -1,7 +1,7 @@
 """The fault-injection soak (tests/stress/soak.py), briefly: one episode on 2 gloo ranks of a
 few dozen fp64 steps, launched as torchrun would, with OOMs in forward, loss, backward and evaluation
 (several ranks at once too), budget drops and rises, a SIGKILL of one rank and an exception on one
-rank, each followed by a restart with ``resume=True``.
+rank, each followed by a restart with ``resume="auto"``.
 
 What must hold: no hang, no abort, every rank of a failed incarnation ends on its own, every step's
 samples exactly the documented ones (nothing lost, repeated or misattributed) and the final parameters

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from autoaccum.units import format_bytes, parse_bytes
+from autoaccum.units import counted, format_bytes, parse_bytes
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -27,13 +27,13 @@ def test_accepted_sizes(text, expected):
     assert parse_bytes(text) == expected
 
 
-@pytest.mark.parametrize("value", [0, -1, "0", "0 GiB", 0.5, "0.5B", math.inf, math.nan, "1e400"])
+@pytest.mark.parametrize("value", [0, -1, "0", "0 GiB", 0.5, "0.5B", math.inf, math.nan, "1e400", "-8GiB", "-1e9"])
 def test_non_positive_or_infinite_budget_is_a_value_error_naming_value_and_range(value):
     with pytest.raises(ValueError, match=r"Invalid budget .*at least 1 byte.*Allowed range"):
         parse_bytes(value)
 
 
-@pytest.mark.parametrize("text", ["eight", "8 XB", "GiB", "", "8.5.1 GB", "-8GiB", "8 G iB", "8GiBs"])
+@pytest.mark.parametrize("text", ["eight", "8 XB", "GiB", "", "8.5.1 GB", "--8GiB", "8 G iB", "8GiBs"])
 def test_unparsable_budget_names_the_value_and_the_accepted_units(text):
     with pytest.raises(ValueError) as info:
         parse_bytes(text)
@@ -63,3 +63,9 @@ def test_format_bytes(num_bytes, text):
 @pytest.mark.parametrize("num_bytes", [1, 1536, 8 * 2**30, 3 * 2**40])
 def test_format_then_parse_round_trips_exact_binary_sizes(num_bytes):
     assert parse_bytes(format_bytes(num_bytes)) == num_bytes
+
+
+def test_counted_says_one_and_many():
+    assert [counted(1, "step"), counted(2, "step"), counted(0, "OOM"), counted(1_000, "sample")] == \
+        ["1 step", "2 steps", "0 OOMs", "1,000 samples"]
+    assert counted(1, "pass", "passes") == "1 pass" and counted(3, "pass", "passes") == "3 passes"

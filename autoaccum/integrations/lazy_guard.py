@@ -29,19 +29,20 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
 
 from autoaccum import distributed
-from autoaccum.log import rank_level
+from autoaccum.log import announce
 from autoaccum.memory import TrackedMemory, active_budget
 from autoaccum.plan.batch import Batch, batch_size, split_batch
-from autoaccum.plan.plan import Plan, resolve_plan
+from autoaccum.plan.plan import Plan, read_plan, resolve_plan, source_words
 from autoaccum.plan.task import LossFn
 from autoaccum.precision import Precision
-from autoaccum.probe.report import ProbeReport
+from autoaccum.probe.report import ProbeReport, check_made_for
 from autoaccum.probe.run import probe
 from autoaccum.step.guard import AccumulateResult, OOMGuard, StepResult
 from autoaccum.step.sync import GradSync, LocalSync
-from autoaccum.units import format_bytes
+from autoaccum.units import counted, format_bytes, parse_bytes
+from autoaccum.validate import check_headroom, check_positive_int
 
-__all__ = ["LazyGuard", "sync_for"]
+__all__ = ["LazyGuard", "check_options", "sync_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,43 @@ def sync_for(model: torch.nn.Module) -> GradSync:
     return LocalSync()
 
 
+def check_options(*, budget: Any = None, headroom: Any = 0.1, plan: Any = None, micro_batch: Any = None,
+                  grow_after: Any = None, target_batch: Any = None, model: torch.nn.Module | None = None) -> None:
+    """An integration's options, checked where it is built (``AutoAccumTrainer(...)``, ``AutoAccum(...)``,
+    ``guard_for(...)``), before any work: each value in its range, a plan that can be read and was measured
+    on ``model`` (``autoaccum.probe.report.check_made_for``), and no option that would mean nothing.
+
+    ``budget=`` is the memory the probe plans for. ``plan=`` and ``micro_batch=`` skip the probe, so next to
+    either of them ``budget=`` would be ignored: that is refused. (``fit``'s ``budget=`` off CUDA also makes
+    training run on an emulated device of that size; in a framework's loop that is
+    ``autoaccum.emulated_budget(...)`` around its training.)
+
+    Raises:
+        TypeError: ``plan=`` and ``micro_batch=`` together, ``budget=`` with either, or a value of a wrong type.
+        ValueError: a value out of its range, an unreadable plan, or a probe report of another model.
+    """
+    if plan is not None and micro_batch is not None:
+        raise TypeError("give plan= or micro_batch=, not both")
+    if budget is not None and (plan is not None or micro_batch is not None):
+        given = "plan=" if plan is not None else "micro_batch="
+        raise TypeError(f"budget= is the memory the probe plans for, and {given} skips the probe, so budget= would be "
+                        f"ignored. Give budget= alone (the probe plans for it) or {given} alone; to train under an "
+                        f"emulated device on CPU, wrap the training in autoaccum.emulated_budget(...)")
+    if budget is not None:
+        parse_bytes(budget)
+    check_headroom(headroom)
+    if micro_batch is not None:
+        check_positive_int(micro_batch, "micro_batch")
+    if target_batch is not None:
+        check_positive_int(target_batch, "target_batch")
+    if grow_after is not None:
+        check_positive_int(grow_after, "grow_after")
+    if plan is not None:
+        read_plan(plan)
+        if model is not None:
+            check_made_for(plan, model)
+
+
 class LazyGuard:
     """An ``OOMGuard`` built at the first global batch (see the module docstring).
 
@@ -102,12 +140,12 @@ class LazyGuard:
                  plan: Any = None, micro_batch: int | None = None, sync: GradSync | None = None,
                  probe_model: torch.nn.Module | None = None, budget: int | str | None = None, headroom: float = 0.1,
                  precision: Precision = "fp32", check: Callable[[], None] | None = None, **guard_options: Any) -> None:
-        if plan is not None and micro_batch is not None:
-            raise TypeError("give plan= or micro_batch=, not both")
+        self.probe_model = probe_model if probe_model is not None else distributed.unwrap_model(model)
+        check_options(budget=budget, headroom=headroom, plan=plan, micro_batch=micro_batch, target_batch=target_batch,
+                      grow_after=guard_options.get("grow_after"), model=self.probe_model)
         self.model, self.optimizer = model, optimizer
         self.sync = sync if sync is not None else sync_for(model)
         self.target_batch, self.plan, self.micro_batch = target_batch, plan, micro_batch
-        self.probe_model = probe_model if probe_model is not None else distributed.unwrap_model(model)
         self.budget, self.headroom, self.precision = budget, headroom, precision
         self.guard_options = guard_options
         self.check = check
@@ -171,8 +209,21 @@ class LazyGuard:
         if self._saved is not None:
             self.guard.load_state_dict(self._saved)
             self._saved = None
-        logger.log(rank_level(logging.INFO, self.sync.rank), "autoaccum: %s (plan from %s)", self.guard.plan.describe(), self.plan_source)
+        announce(logger, self.describe(), self.sync.rank)  # once, on the console as fit's banner is
         return self.guard
+
+    def describe(self) -> str:
+        """The line the guard's first plan is announced with: the plan (``Plan.describe``) and where it came
+        from; from a probe, what fits and what probing took."""
+        if self.guard is None:
+            return "no plan yet: it is made at the first global batch"
+        line = f"autoaccum · {self.guard.plan.describe()}, {source_words(self.plan_source)}"
+        report = self.report
+        if self.plan_source == "probe" and report is not None:
+            line += (f": micro-batches of up to {report.max_fitting_micro_batch} fit in "
+                     f"{format_bytes(report.usable_bytes)} ({counted(report.probe_steps, 'pass', 'passes')}, "
+                     f"{report.wall_time_s:.1f} s)")
+        return line
 
     def _first_plan(self, batch: Batch, loss_fn: LossFn) -> Plan:
         world = self.sync.world_size
@@ -212,8 +263,4 @@ class LazyGuard:
                            target_batch=target, world_size=self.sync.world_size, budget=budget,
                            headroom=self.headroom, precision=self.precision, max_micro_batch=size)
         self.report = report
-        logger.log(rank_level(logging.INFO, self.sync.rank), "autoaccum probe: micro-batches up to %d fit in %s "
-                   "usable; %d passes, %.2f s",
-                    report.max_fitting_micro_batch, format_bytes(report.usable_bytes), report.probe_steps,
-                    report.wall_time_s)
         return report.plan

@@ -45,9 +45,9 @@ from typing import Any
 import torch
 
 from autoaccum.errors import TaskError
-from autoaccum.integrations.lazy_guard import LazyGuard
+from autoaccum.integrations.lazy_guard import LazyGuard, check_options
 from autoaccum.plan.batch import Batch
-from autoaccum.plan.task import LossFn
+from autoaccum.plan.task import LossFn, check_loss_fn
 from autoaccum.step.guard import AccumulateResult
 
 try:
@@ -76,7 +76,8 @@ class AutoAccum(pl.Callback):
 
     Args:
         budget: memory the probe plans for ("8GiB", bytes); default what the device has free (on CPU
-            under ``autoaccum.emulated_budget``, that budget).
+            under ``autoaccum.emulated_budget``, that budget). Not with ``plan`` or ``micro_batch``, which
+            skip the probe.
         headroom: fraction of the budget kept free, in [0, 1).
         plan: a ``Plan``, probe report or plan file, instead of probing.
         micro_batch: the largest micro-batch to start with, instead of probing.
@@ -90,6 +91,9 @@ class AutoAccum(pl.Callback):
     def __init__(self, *, budget: int | str | None = None, headroom: float = 0.1, plan: Any = None,
                  micro_batch: int | None = None, grow_after: int | None = None, loss_fn: LossFn | None = None) -> None:
         super().__init__()
+        check_options(budget=budget, headroom=headroom, plan=plan, micro_batch=micro_batch, grow_after=grow_after)
+        if loss_fn is not None:
+            check_loss_fn(loss_fn)
         self.options: dict[str, Any] = {"budget": budget, "headroom": headroom, "plan": plan,
                                         "micro_batch": micro_batch, "grow_after": grow_after}
         self.loss_fn = loss_fn

@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from autoaccum.integrations.lazy_guard import LazyGuard
+from autoaccum.integrations.lazy_guard import LazyGuard, check_options
 from autoaccum.jsonio import write_json_atomic
 from autoaccum.plan.batch import Batch, split_batch
 from autoaccum.plan.task import LossOutput
@@ -234,7 +234,8 @@ class AutoAccumTrainer(Trainer):
 
     Args:
         budget: memory the probe plans for ("8GiB", bytes); default what the device has free (on
-            CPU under ``autoaccum.emulated_budget``, that budget).
+            CPU under ``autoaccum.emulated_budget``, that budget). Not with ``plan`` or ``micro_batch``,
+            which skip the probe.
         headroom: fraction of the budget kept free, in [0, 1).
         plan: a ``Plan``, probe report or plan file, instead of probing.
         micro_batch: the largest micro-batch to start with, instead of probing.
@@ -251,6 +252,9 @@ class AutoAccumTrainer(Trainer):
                  micro_batch: int | None = None, grow_after: int | None = None, **trainer_kwargs: Any) -> None:
         if args is None:
             args = TrainingArguments(output_dir="tmp_trainer")  # Trainer's own default
+        # autoaccum's own options first: a mistake there should not cost building the Trainer
+        check_options(budget=budget, headroom=headroom, plan=plan, micro_batch=micro_batch, grow_after=grow_after,
+                      model=model if isinstance(model, torch.nn.Module) else None)
         self.autoaccum_args = args
         super().__init__(model, _one_step_per_global_batch(args), *trainer_args, **trainer_kwargs)
         self._check_setup()

@@ -58,6 +58,26 @@ def micro_sizes(share: int, micro_batch: int, steps: int, min_micro_batch: int =
     return (base + 1,) * extra + (base,) * (count - extra) + (0,) * (steps - count)
 
 
+def _sizes_sum(sizes: tuple[int, ...]) -> str:
+    """``(37, 37, 37, 37, 36, 36, 36)`` as ``37 x 4 + 36 x 3``; an empty micro-step as ``0``."""
+    terms: list[list[int]] = []
+    for size in sizes:
+        if terms and terms[-1][0] == size:
+            terms[-1][1] += 1
+        else:
+            terms.append([size, 1])
+    return " + ".join(f"{size} x {count}" if count > 1 and size else
+                      " + ".join(["0"] * count) if not size else str(size) for size, count in terms)
+
+
+def _rank_groups(global_size: int, world_size: int) -> list[tuple[int, int, int]]:
+    """The ranks grouped by share: ``(first rank, share, ranks)``; the first ``global % world`` ranks
+    take one sample more (``rank_share``)."""
+    base, extra = divmod(global_size, world_size)
+    groups = [(0, base + 1, extra)] if extra else []
+    return groups + ([(extra, base, world_size - extra)] if world_size > extra else [])
+
+
 @dataclass(frozen=True)
 class TokenBudget:
     """How much of a variable-length batch one micro-batch may hold (``autoaccum.memory.model``).
@@ -257,20 +277,62 @@ class Plan:
             dataclasses.replace(plan, tokens=self.tokens, saver=self.saver)
 
     def describe(self) -> str:
-        """``target 256 = micro 43 x accum 6 (last micro 42) x world 1``; with a token budget,
-        ``target 64 = micro <= 32 by 4,096 token-units (passes vary with length, >= 2) x world 1``."""
-        if self.tokens is not None:
-            quad = f" + {self.tokens.quadratic:.3g} x L^2 each" if self.tokens.quadratic else ""
-            return (f"target {self.target_batch} = micro <= {self.micro_batch} by {self.tokens.max_cost:,.0f} "
-                    f"token-units{quad} (passes vary with length, >= {self.accum_steps}) x world {self.world_size}"
-                    f"{'' if self.saver == 'none' else f' with {self.saver}'}")
-        last = self.last_micro_batch
-        tail = f" (last micro {last})" if last != self.micro_batch else ""
-        if self.min_micro_batch > 1:
-            tail += f" (min micro {self.min_micro_batch})"
+        """How one optimizer step's samples are cut, written so that it adds up.
+
+        ``batch 256 = 37 x 4 + 36 x 3 (7 micro-batches)``: four micro-batches of 37 samples and three
+        of 36, one after another, their gradients accumulated. On several ranks each rank's share is
+        cut alike: ``batch 128 = (10 + 9 x 6) per rank x 2 ranks (7 micro-batches each)``, or
+        ``batch 129 = (10 x 2 + 9 x 5) on rank 0 + (10 + 9 x 6) on rank 1 (7 micro-batches each)``
+        where shares differ by one (``+ 0``: an empty micro-step). Cut by length: ``batch 64 cut by
+        length: up to 32 samples per micro-batch, 5 at the longest length (512); 2 or more
+        micro-batches``. A memory saver ends it (``with checkpointing``).
+        """
         saver = "" if self.saver == "none" else f" with {self.saver}"
-        return (f"target {self.target_batch} = micro {self.micro_batch} x accum {self.accum_steps}{tail} "
-                f"x world {self.world_size}{saver}")
+        if self.tokens is not None:
+            return f"batch {self.target_batch}{self._ranks_by_length()} cut by length: {self.length_words()}{saver}"
+        return f"batch {self.target_batch} = {self.cut_sum()} ({self.count_words()}){saver}"
+
+    def cut_sum(self) -> str:
+        """The cut as a sum of ``size x count`` terms that adds up to the target (see ``describe``)."""
+        groups = _rank_groups(self.target_batch, self.world_size)
+        if len(groups) == 1 and groups[0][2] == 1:
+            return _sizes_sum(self.micro_sizes(0))
+        terms = []
+        for first, share, ranks in groups:
+            text = _sizes_sum(self.micro_sizes(first))
+            text = f"({text})" if "+" in text or " x " in text else text
+            terms.append(f"{text} on rank {first}" if ranks == 1 and len(groups) > 1 else
+                         f"{text} per rank x {ranks} rank{'s' if ranks > 1 else ''}")
+        return " + ".join(terms)
+
+    def count_words(self) -> str:
+        """``7 micro-batches`` (``each`` on several ranks; the smallest micro-batch where it is above 1)."""
+        text = f"{self.accum_steps} micro-batch{'es' if self.accum_steps > 1 else ''}"
+        if self.world_size > 1:
+            text += " each"
+        if self.min_micro_batch > 1:
+            text += f", none below {self.min_micro_batch} samples"
+        return text
+
+    def length_words(self) -> str:
+        """A token budget in words: the most samples a micro-batch holds, how many at the longest length."""
+        if self.tokens is None:
+            return self.count_words()
+        longest = self.tokens.longest
+        at_longest = min(self.micro_batch, max(self.tokens.max_batch(longest), self.min_micro_batch))
+        text = f"up to {self.micro_batch} sample{'s' if self.micro_batch > 1 else ''} per micro-batch"
+        if at_longest < self.micro_batch:
+            text += f", {at_longest} at the longest length ({longest:,})"
+        if self.min_micro_batch > 1:
+            text += f", none below {self.min_micro_batch}"
+        each = " on each rank" if self.world_size > 1 else ""
+        return text + f"; {self.accum_steps} or more micro-batches{each}, by the lengths"
+
+    def _ranks_by_length(self) -> str:
+        if self.world_size == 1:
+            return ""
+        return " = " + " + ".join(f"{share} on rank {first}" if ranks == 1 else f"{share} per rank x {ranks} ranks"
+                                  for first, share, ranks in _rank_groups(self.target_batch, self.world_size)) + ","
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"micro_batch": self.micro_batch, "accum_steps": self.accum_steps,
@@ -291,6 +353,16 @@ class Plan:
         tokens = data.get("tokens")
         return cls(**fields, min_micro_batch=data.get("min_micro_batch", 1),
                    tokens=None if tokens is None else TokenBudget.from_dict(tokens), saver=data.get("saver", "none"))
+
+
+#: where a run's plan came from, in a user's words (``FitResult.plan_source`` and the integrations' keys)
+SOURCE_WORDS = {"probe": "measured by the probe", "cache": "from the probe's cache (measured earlier for this model, "
+                "device and budget)", "given": "as given", "checkpoint": "from the checkpoint"}
+
+
+def source_words(source: str | None) -> str:
+    """``probe`` -> ``measured by the probe``, and so on (``SOURCE_WORDS``); another source as it is."""
+    return SOURCE_WORDS.get(source or "", source or "")
 
 
 def read_plan_document(source: Any) -> tuple[Plan, dict[str, Any] | None]:

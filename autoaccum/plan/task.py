@@ -162,6 +162,16 @@ def check_loss_fn(loss_fn: Any, name: str = "loss_fn") -> None:
         raise TypeError(f"{name} is called as {name}(model, batch), but yours takes ({params}); write it as "
                         f"lambda model, batch: ... (the model comes first, so a DDP-wrapped or compiled model "
                         f"is the one that runs)") from None
+    names = [p.name for p in signature.parameters.values()][:2]
+    if len(names) == 2 and names[0].lower() in _BATCH_NAMES and names[1].lower() in _MODEL_NAMES:
+        raise TypeError(f"{name} takes ({names[0]}, {names[1]}), but it is called as {name}(model, batch): the "
+                        f"arguments are swapped. Write it as lambda {names[1]}, {names[0]}: ... (the model comes first)")
+
+
+#: first-parameter names that say "the batch" and second-parameter names that say "the model": a loss_fn whose
+#: parameters read (batch, model) has them swapped
+_BATCH_NAMES = frozenset({"batch", "micro_batch", "inputs", "data", "sample", "samples", "x", "xy"})
+_MODEL_NAMES = frozenset({"model", "module", "net", "network"})
 
 
 def check_optimizer_covers(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -183,9 +193,14 @@ _DTYPE_MISMATCH = ("expected scalar type", "must have the same dtype", "should b
 def explain_error(exc: BaseException, model: torch.nn.Module, batch: Any) -> TaskError | None:
     """A one-line explanation of a training step's error where autoaccum can name the fix, else None.
 
-    One case is recognised: a batch whose floating tensors are of another dtype than the model's
-    parameters (an fp16 model fed fp32 inputs), which torch reports as a raw dtype mismatch deep in
-    a layer."""
+    Two mistakes that torch or Python report deep in the model are recognised: a batch whose floating
+    tensors are of another dtype than the model's parameters (an fp16 model fed fp32 inputs), and a
+    ``loss_fn`` whose arguments are swapped (``lambda batch, model: ...`` calls the batch: "'tuple'
+    object is not callable"). The probe and the guard both raise what this returns."""
+    if isinstance(exc, TypeError) and f"'{type(batch).__name__}' object is not callable" in str(exc):
+        return TaskError(f"the loss function called the batch ({type(batch).__name__}) as a model ({exc}): its "
+                         f"arguments look swapped. loss_fn is called as loss_fn(model, batch); write it as "
+                         f"lambda model, batch: ... (the model first)")
     if not isinstance(exc, RuntimeError) or not any(m in str(exc) for m in _DTYPE_MISMATCH):
         return None
     from autoaccum.plan.batch import tensors
@@ -195,9 +210,11 @@ def explain_error(exc: BaseException, model: torch.nn.Module, batch: Any) -> Tas
     if not model_dtypes or not batch_dtypes or batch_dtypes <= model_dtypes:
         return None
     model_dtype, batch_dtype = sorted(map(str, model_dtypes))[0], sorted(map(str, batch_dtypes - model_dtypes))[0]
-    return TaskError(f"the model's parameters are {model_dtype} and the batch holds {batch_dtype} tensors ({exc}); "
-                     f"convert the data to the model's dtype (x.to({model_dtype})), or keep the model in float32 and "
-                     f"train in mixed precision (fit(..., precision='bf16' or 'fp16'), OOMGuard(autocast_dtype=...))")
+    first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return TaskError(f"the model's parameters are {model_dtype} and the batch holds {batch_dtype} tensors "
+                     f"({first_line}); convert the data to the model's dtype (x.to({model_dtype})), or keep the model "
+                     f"in float32 and train in mixed precision (fit(..., precision='bf16' or 'fp16'), "
+                     f"OOMGuard(autocast_dtype=...))")
 
 
 def load_task(spec: str, **kwargs: Any) -> Task:

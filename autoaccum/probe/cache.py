@@ -111,5 +111,6 @@ def load(fp: str, cache_dir: str | os.PathLike | None = None) -> ProbeReport | N
     if report.fingerprint != fp:
         warnings.warn(f"ignoring probe cache {path}: it was written for another task or device", stacklevel=user_stacklevel())
         return None
-    logger.log(rank_level(logging.INFO), "probe: reusing cached result %s", path)
+    logger.log(rank_level(logging.INFO), "probe: reusing the result measured earlier for this model, device and "
+               "budget (%s)", path)
     return dataclasses.replace(report, source="cache")

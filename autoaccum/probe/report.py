@@ -5,7 +5,11 @@ Plain values, written as JSON (``autoaccum probe --json``, the probe cache) and 
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -15,7 +19,8 @@ from autoaccum.memory.model import MemoryModel, TokenMemoryModel
 from autoaccum.plan.lengths import LengthProfile
 from autoaccum.plan.plan import Plan
 
-__all__ = ["Candidate", "ProbeReport", "REPORT_VERSION", "Status"]
+__all__ = ["Candidate", "ProbeReport", "REPORT_VERSION", "Status", "check_made_for", "model_fingerprint",
+           "model_summary"]
 
 REPORT_VERSION = 2
 Status = Literal["ok", "over_budget", "oom"]
@@ -102,6 +107,9 @@ class ProbeReport:
         torch_version: the torch that ran the probe.
         savers_tried: each rung of the memory ladder on which the smallest micro-batch did not fit,
             with the bytes it needed, before the plan's rung (``plan.saver``).
+        model_fingerprint: a hash of the model measured (``model_fingerprint``): a run refuses the
+            report for another model (``check_made_for``); empty in reports written before it existed.
+        model_summary: that model in words (``model_summary``).
     """
 
     plan: Plan
@@ -126,6 +134,8 @@ class ProbeReport:
     source: str = "probe"
     torch_version: str = field(default_factory=lambda: torch.__version__)
     savers_tried: tuple[tuple[str, int | None], ...] = ()
+    model_fingerprint: str = ""
+    model_summary: str = ""
 
     @property
     def usable_bytes(self) -> int:
@@ -150,6 +160,7 @@ class ProbeReport:
             "token_model": None if self.token_model is None else self.token_model.to_dict(),
             "lengths": None if self.lengths is None else self.lengths.to_dict(),
             "savers_tried": [list(t) for t in self.savers_tried],
+            "model_fingerprint": self.model_fingerprint, "model_summary": self.model_summary,
         }
 
     @classmethod
@@ -177,6 +188,70 @@ class ProbeReport:
                 fingerprint=str(data["fingerprint"]), source=str(data["source"]),
                 torch_version=str(data["torch_version"]),
                 savers_tried=tuple((str(r), None if b is None else int(b)) for r, b in data.get("savers_tried", ())),
+                model_fingerprint=str(data.get("model_fingerprint", "")),
+                model_summary=str(data.get("model_summary", "")),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed probe report: {exc!r}") from None
+
+
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside DDP (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers."""
+    while True:
+        inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """A hash of what a plan for ``model`` depends on in the model itself: its class, and the name, shape,
+    dtype and ``requires_grad`` of each parameter and buffer (the device is left out, and so are DDP and
+    ``torch.compile`` wrappers: the same model probed on one device trains on another)."""
+    inner = _unwrapped(model)
+    key = {"model": type(inner).__qualname__,
+           "params": [[n, list(p.shape), str(p.dtype), p.requires_grad] for n, p in inner.named_parameters()],
+           "buffers": [[n, list(b.shape), str(b.dtype)] for n, b in inner.named_buffers()]}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def model_summary(model: torch.nn.Module) -> str:
+    """``Sequential: 1,234 parameters (1,234 trainable), float32``."""
+    inner = _unwrapped(model)
+    params = list(inner.parameters())
+    total, trainable = sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+    dtypes = sorted({str(p.dtype).replace("torch.", "") for p in params})
+    return f"{type(inner).__name__}: {total:,} parameters ({trainable:,} trainable), {'/'.join(dtypes)}"
+
+
+def check_made_for(source: Any, model: torch.nn.Module, name: str = "plan") -> None:
+    """Refuse a probe report (or its JSON file or dict) measured on another model than ``model``.
+
+    A plan is made for one model: another one's memory per sample differs, and the report's memory model,
+    which the guard grows back by after an OOM, would predict sizes that do not fit (or waste memory).
+    A ``Plan`` carries no fingerprint and passes: it is the caller's explicit choice of a cut.
+
+    Raises:
+        ValueError: the report's fingerprint differs from ``model``'s, naming both models and the fixes.
+    """
+    document: Any = source
+    if isinstance(source, (str, os.PathLike)):
+        try:
+            document = json.loads(Path(source).read_text())
+        except (OSError, ValueError):
+            return  # unreadable: the plan reader says so
+    if isinstance(document, ProbeReport):
+        measured, summary = document.model_fingerprint, document.model_summary
+    elif isinstance(document, dict):
+        measured, summary = document.get("model_fingerprint") or "", document.get("model_summary") or ""
+    else:
+        return
+    if not measured or measured == model_fingerprint(model):
+        return
+    where = f" ({source})" if isinstance(source, (str, os.PathLike)) else ""
+    raise ValueError(
+        f"{name}= is a probe report{where} measured on another model ({summary or 'its fingerprint differs'}) than "
+        f"the one training ({model_summary(model)}); their parameters' names, shapes, dtypes or requires_grad "
+        f"differ, and so does their memory: its plan and memory model do not hold here. Probe this model (drop "
+        f"{name}=), pass the report made for it, or, to keep that cut anyway, pass only its plan: "
+        f"{name}=autoaccum.read_plan(...)")

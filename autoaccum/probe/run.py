@@ -37,17 +37,17 @@ from autoaccum.memory import (
 from autoaccum.memory.model import MemoryModel, TokenMemoryModel
 from autoaccum.memory.recovery import catch_oom, release_memory
 from autoaccum.memory.savers import apply_rung, ladder, suggestions
-from autoaccum.plan.batch import Batch
+from autoaccum.plan.batch import Batch, move_to
 from autoaccum.plan.batchnorm import smallest_micro_batch
 from autoaccum.plan.lengths import LengthProfile
 from autoaccum.plan.plan import Plan, TokenBudget
-from autoaccum.plan.task import LossFn, Task, default_optimizer, resolve_task, trainable_parameters
+from autoaccum.plan.task import LossFn, Task, check_loss_fn, default_optimizer, resolve_task, trainable_parameters
 from autoaccum.precision import Precision, autocast_dtype, check_precision, make_scaler
 from autoaccum.probe import cache as probe_cache
 from autoaccum.probe.estimate import cuda_library_bytes, estimate_device, fake_setup, with_offset
 from autoaccum.probe.length_search import search_lengths
 from autoaccum.probe.choice import choose
-from autoaccum.probe.report import Candidate, ProbeReport
+from autoaccum.probe.report import Candidate, ProbeReport, model_fingerprint, model_summary
 from autoaccum.probe.size_search import search_sizes
 from autoaccum.probe.stepper import HostSnapshotNeeded, StandIn, Stepper
 from autoaccum.state import WeightsCopy
@@ -143,18 +143,20 @@ def probe(
     task = resolve_task(task, model=model, loss_fn=loss_fn, make_batch=make_batch, make_optimizer=factory,
                         lengths=lengths)
     _check_args(target_batch, world_size, steps_per_size, max_candidates)
+    check_loss_fn(task.loss_fn, "loss_fn")
     check_precision(precision)
-    smallest = smallest_micro_batch(task.model)
     share = Plan.for_target(target_batch, 1, world_size).rank_batch(0)
     upper = share if max_micro_batch is None else min(check_positive_int(max_micro_batch, "max_micro_batch"), share)
-    smallest = min(smallest, upper)
     device = trainable_parameters(task.model)[0].device
     if estimate or device.type != "cuda":
         refuse_compiled(task.model, "probe it")
     rungs = ladder(task.model, device, memory_savers)
     capacity = device_capacity(device)
     plan_budget = resolve_budget(budget, device, headroom)
-    task.batch(1)  # fail fast on a batch maker that returns the wrong size
+    one = task.batch(1)  # fail fast on a batch maker that returns the wrong size
+    # with BatchNorm: whether one sample trains, by trying it (an estimate runs nothing real: 2 there)
+    smallest = min(smallest_micro_batch(task.model, None if estimate else
+                                        lambda: task.loss_fn(task.model, move_to(one, device))), upper)
     fingerprint = probe_cache.fingerprint(task, optimizer, device=device, capacity_bytes=capacity.total_bytes,
                                           budget_bytes=plan_budget.budget_bytes, headroom=headroom,
                                           target_batch=target_batch, world_size=world_size, upper=upper,
@@ -181,8 +183,9 @@ def probe(
             if rung == rungs[-1]:
                 raise DoesNotFitError(exc.needed_bytes, exc.available_bytes, suggestions(rungs), at_least=exc.at_least,
                                       micro_batch=exc.micro_batch, rungs=tried) from None
-            logger.log(rank_level(logging.INFO), "probe: micro-batch %d does not fit with memory saver %s; "
-                       "measuring with the next one", exc.micro_batch, rung)
+            logger.log(rank_level(logging.INFO), "probe: even micro-batch %d does not fit %s; measuring again with "
+                       "%s", exc.micro_batch, "without a memory saver" if rung == "none" else f"with {rung}",
+                       rungs[rungs.index(rung) + 1])
     stepper, model_fit, token_model, note = measured.stepper, measured.model, measured.token_model, measured.note
     candidates = tuple(stepper.measured.values())
     if library:
@@ -205,6 +208,7 @@ def probe(
         probe_steps=stepper.steps, probe_ooms=stepper.ooms, wall_time_s=time.perf_counter() - started,
         fit_note=note, precision=precision, optimizer_steps=stepper.optimizer_steps, fingerprint=fingerprint,
         token_model=token_model, lengths=profile, savers_tried=tuple(tried),
+        model_fingerprint=model_fingerprint(task.model), model_summary=model_summary(task.model),
     )
     if cache:
         probe_cache.store(report, cache_dir)
@@ -288,7 +292,7 @@ def _measure(task: Task, optimizer: Any, precision: Precision, budget_bytes: int
     try:
         return _measure_once(task, optimizer, precision, budget_bytes, headroom, copy_weights=not estimate, **kwargs)
     except HostSnapshotNeeded as first:
-        logger.info("probe: %s; measuring again with the weights copied to host memory", first)
+        logger.debug("probe: %s; measuring again with the weights copied to host memory", first)
         measured = _measure_once(task, optimizer, precision, budget_bytes, headroom, copy_weights=False, **kwargs)
         measured.stepper.steps += first.steps
         measured.stepper.ooms += first.ooms

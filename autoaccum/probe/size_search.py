@@ -12,7 +12,6 @@ import logging
 from collections.abc import Iterable
 
 from autoaccum.errors import DoesNotFitError
-from autoaccum.log import rank_level
 from autoaccum.memory.model import MemoryModel, MemoryPoint
 from autoaccum.probe.report import Candidate
 from autoaccum.probe.stepper import Stepper
@@ -104,8 +103,8 @@ def _next_size(stepper: Stepper, upper: int, budget_bytes: int, headroom: float)
     else:  # the points do not follow the model, or it predicts past a failure: bisection
         guess = (lo + hi) // 2
         if model is not None and not model.is_good_fit:
-            logger.log(rank_level(logging.INFO), "probe: memory does not follow the model (residual %.1f%% > 5%%); "
-                       "bisecting", 100 * model.residual)
+            logger.debug("probe: memory does not follow the model (residual %.1f%% > 5%%); bisecting",
+                         100 * model.residual)
     if guess in stepper.current:
         guess = (lo + hi) // 2
     # Never extrapolate more than MAX_JUMP x past the largest size that fits: at small sizes the

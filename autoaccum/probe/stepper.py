@@ -36,14 +36,15 @@ from typing import Any
 import torch
 
 from autoaccum.errors import AutoAccumError
-from autoaccum.log import rank_level
 from autoaccum.memory import Meter
+from autoaccum.memory.oom import is_oom
 from autoaccum.memory.recovery import catch_oom, release_memory
 from autoaccum.plan.batch import Batch, batch_size, move_to, own_rows, tensors
-from autoaccum.plan.task import LossFn, check_loss
+from autoaccum.plan.task import LossFn, check_loss, explain_error
 from autoaccum.precision import autocast
 from autoaccum.probe.report import Candidate, Status
 from autoaccum.state import WeightsCopy
+from autoaccum.units import format_bytes
 
 __all__ = ["HostSnapshotNeeded", "StandIn", "Stepper"]
 
@@ -181,9 +182,15 @@ class Stepper:
         self.meter.reset_peak()
         reading = self.meter.read()
         self.start_bytes = 0 if reading is None else reading.current_bytes - self.copy_bytes
-        with autocast(self.device, self.autocast_dtype):
-            loss, _ = check_loss(self.loss_fn(self.model, batch))
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        try:
+            with autocast(self.device, self.autocast_dtype):
+                loss, _ = check_loss(self.loss_fn(self.model, batch))
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        except Exception as exc:  # an OOM goes on as it is; a known mistake is named
+            explained = None if is_oom(exc) else explain_error(exc, self.model, batch)
+            if explained is None:
+                raise
+            raise explained from exc  # the same explanation as the guard's (autoaccum.plan.task.explain_error)
         del loss
         peak = self._peak()
         self._sync()
@@ -343,6 +350,6 @@ class Stepper:
             candidate = ran  # type: ignore[assignment]
         self.measured[(size, self.length)] = candidate
         at = "" if self.length is None else f" at length {self.length}"
-        logger.log(rank_level(logging.INFO), "probe micro-batch %d%s: %s, peak %s", size, at, candidate.status,
-                   candidate.peak_bytes)
+        logger.debug("probe micro-batch %d%s: %s, peak %s", size, at, candidate.status,
+                     "?" if candidate.peak_bytes is None else format_bytes(candidate.peak_bytes))
         return candidate

@@ -12,17 +12,18 @@ import torch
 
 from autoaccum.memory.model import MemoryModel
 from autoaccum.memory.savers import ladder
-from autoaccum.plan.batch import Batch, SplitFn, batch_size
+from autoaccum.plan.batch import Batch, SplitFn, batch_size, move_to, split_batch
 from autoaccum.plan.batchnorm import smallest_micro_batch
 from autoaccum.plan.cut import Cutter
 from autoaccum.plan.plan import Plan, resolve_plan
 from autoaccum.plan.task import LossFn, check_loss_fn, check_optimizer_covers, trainable_parameters
+from autoaccum.probe.report import check_made_for
 from autoaccum.step.growth import GrowMode, check_growth_options, prior_of
 from autoaccum.step.optim import NONFINITE_POLICIES, NonFinite
 from autoaccum.step.sync import GradSync, OverlapMode
 from autoaccum.validate import check_choice, check_positive_float, check_positive_int
 
-__all__ = ["GuardOptions", "check_step_args", "guard_ladder", "checked_options", "count_items", "guard_plan", "local_size",
+__all__ = ["GuardOptions", "batchnorm_floor", "check_step_args", "guard_ladder", "checked_options", "count_items", "guard_plan", "local_size",
            "trained_params"]
 
 
@@ -46,17 +47,45 @@ def trained_params(model: torch.nn.Module,
 
 def guard_plan(model: torch.nn.Module, plan: Any, *, target_batch: int | None, micro_batch: int | None,
                 world_size: int) -> Plan:
-    """The plan the guard starts from, with the smallest micro-batch the model's BatchNorm allows."""
-    resolved = resolve_plan(plan, target_batch=target_batch, micro_batch=micro_batch, world_size=world_size)
-    smallest = smallest_micro_batch(model)
-    if smallest <= resolved.min_micro_batch:
-        return resolved
+    """The plan the guard starts from (a probe report only for the model it was measured on). The smallest
+    micro-batch a model with BatchNorm trains at is found at the first step (``batchnorm_floor``)."""
+    if plan is not None:
+        check_made_for(plan, model)
+    return resolve_plan(plan, target_batch=target_batch, micro_batch=micro_batch, world_size=world_size)
+
+
+def batchnorm_floor(model: torch.nn.Module, plan: Plan, batch: Batch, loss_fn: LossFn,
+                    size_fn: Callable[[Batch], int] | None, cut: Cutter, device: torch.device) -> Plan | None:
+    """At the guard's first step, before any work: ``plan`` with the smallest micro-batch ``model`` trains at,
+    found by trying one sample of ``batch`` (``autoaccum.plan.batchnorm.smallest_micro_batch``): a model whose
+    BatchNorm gets one value per channel from one sample trains at no fewer than 2. None where ``batch`` is
+    empty (a rank's share of a short last batch): the next step tries.
+
+    Raises:
+        ValueError: the plan's micro-batch is below that smallest one, naming both and the allowed range.
+    """
+    if plan.min_micro_batch >= 2 or smallest_micro_batch(model) == 1:
+        return plan
+    n = size_fn(batch) if size_fn is not None else batch_size(batch)
+    if n == 0:
+        return None
+    split_fn: SplitFn | None = getattr(cut, "split_fn", None)
+    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     try:
-        return resolved.with_min_micro_batch(smallest)
+        one = batch if n == 1 else split_batch(batch, [1, n - 1], split_fn)[0]
+    except (TypeError, ValueError):  # a batch type only the guard's own cut can split: no trial
+        smallest = 2
+    else:  # the module itself, not its DDP wrapper: a trial runs no collective
+        smallest = smallest_micro_batch(inner, lambda: loss_fn(inner, move_to(one, device)))
+    if smallest <= plan.min_micro_batch:
+        return plan
+    try:
+        return plan.with_min_micro_batch(smallest)
     except ValueError:
-        raise ValueError(f"Invalid micro_batch: {resolved.micro_batch}. {type(model).__name__} has BatchNorm "
-                         f"layers in training mode, which need more than one sample per micro-batch. Allowed "
-                         f"range: {smallest} ~ any") from None
+        raise ValueError(f"Invalid micro_batch: {plan.micro_batch}. A BatchNorm layer of {type(inner).__name__} "
+                         f"gets one value per channel from one sample (torch: 'Expected more than 1 value per channel "
+                         f"when training'), so the model trains at no fewer than {smallest} samples per micro-batch. "
+                         f"Allowed range: {smallest} ~ any") from None
 
 
 def checked_options(model: torch.nn.Module, optimizer: torch.optim.Optimizer, plan: Any, *,
@@ -109,7 +138,7 @@ def local_size(batch: Batch, plan: Plan, sync: GradSync, size_fn: Callable[[Batc
                          f"is {expected}{hint}. The global batch is never changed silently.")
     if 0 < n < plan.min_micro_batch:
         raise ValueError(f"batch holds {n} sample(s), fewer than the smallest micro-batch this model trains at "
-                         f"({plan.min_micro_batch}: BatchNorm needs more than one value per channel). Drop "
+                         f"({plan.min_micro_batch}: its BatchNorm gets one value per channel from one sample). Drop "
                          f"the epoch's smaller last batch (DataLoader(drop_last=True), or fit(..., "
                          f"last_batch='drop')) or make it hold at least {plan.min_micro_batch} per rank.")
     return n

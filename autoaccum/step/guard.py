@@ -34,8 +34,8 @@ from autoaccum.plan.plan import Plan
 from autoaccum.plan.task import LossFn, explain_error
 from autoaccum.state import capture_buffers, capture_rng, restore_buffers, restore_rng, state_buffers
 from autoaccum.step.accumulate import Accumulated, Failed, StepTotals, accumulate, reduce_gradients, step_values
-from autoaccum.step.checks import (GuardOptions, guard_ladder, check_step_args, checked_options, count_items, guard_plan,
-                                   local_size, trained_params)
+from autoaccum.step.checks import (GuardOptions, batchnorm_floor, check_step_args, checked_options, count_items,
+                                   guard_ladder, guard_plan, local_size, trained_params)
 from autoaccum.step.growth import GrowMode, Growth, Rise, check_growth_meter
 from autoaccum.step.optim import NonFinite, step_oom_error, step_optimizer
 from autoaccum.step.policy import PlanChange, PlanPolicy
@@ -141,6 +141,7 @@ class OOMGuard:
         self.steps = 0  # optimizer steps (or accumulations) completed
         self.overlapped_steps = 0  # steps whose gradient all-reduce ran during the last backward
         self._checked_loss_fn: Any = None
+        self._floor_checked = False  # the smallest micro-batch BatchNorm allows, found at the first step
 
     # -- settings, read-only ------------------------------------------------------------------------
     scheduler = property(lambda self: self._options.scheduler)
@@ -259,6 +260,9 @@ class OOMGuard:
         if loss_fn is not self._checked_loss_fn:
             check_step_args(batch, loss_fn)
             self._checked_loss_fn = loss_fn
+        if not self._floor_checked:  # with BatchNorm: the smallest micro-batch, by trying one sample
+            floored = batchnorm_floor(self.model, self.plan, batch, loss_fn, self._options.size_fn, self.cut, self.device)
+            self.plan, self._floor_checked = floored or self.plan, floored is not None
         n = local_size(batch, self.plan, self.sync, self._options.size_fn, partial)
         items = count_items(loss_fn, self.model, batch)
         growth = self._policy.growth

@@ -36,7 +36,7 @@ from autoaccum.errors import TaskError
 from autoaccum.plan.batch import Batch
 from autoaccum.plan.task import LossOutput
 
-__all__ = ["IGNORE_INDEX", "DefaultLoss", "default_loss", "loss_shifts_labels", "model_loss", "predicted_tokens"]
+__all__ = ["IGNORE_INDEX", "DefaultLoss", "check_targets", "default_loss", "loss_shifts_labels", "model_loss", "predicted_tokens"]
 
 #: the label value Hugging Face (and torch's cross_entropy) leave out of a loss
 IGNORE_INDEX = -100
@@ -44,7 +44,17 @@ IGNORE_INDEX = -100
 
 class DefaultLoss:
     """``fit``'s default loss (see the module docstring): ``loss(model, batch)``, and for per-token
-    dict batches ``loss(model, batch, num_items_in_batch=N)`` with ``count_items`` giving N."""
+    dict batches ``loss(model, batch, num_items_in_batch=N)`` with ``count_items`` giving N.
+
+    For ``(inputs, targets)`` it is cross-entropy, and targets it cannot mean are refused with what to
+    pass instead (``check_targets``): regression targets, a model with one output, labels out of the
+    model's range. The range is read where that costs no device synchronisation (targets on the CPU),
+    or everywhere with ``check_range=True`` (the probe's passes, before training: on CUDA a label out
+    of range is otherwise a device-side assert that ends the process).
+    """
+
+    def __init__(self, check_range: bool = False) -> None:
+        self.check_range = check_range
 
     def __call__(self, model: torch.nn.Module, batch: Batch, num_items_in_batch: int | None = None) -> LossOutput:
         if isinstance(batch, Mapping):
@@ -55,7 +65,10 @@ class DefaultLoss:
                             f"{' of ' + str(len(batch)) if isinstance(batch, (tuple, list)) else ''}; pass "
                             f"loss_fn=lambda model, batch: ... returning a mean loss or (loss_sum, num_items)")
         inputs, targets = batch
-        return F.cross_entropy(model(inputs), targets)
+        output = model(inputs)
+        check_targets(output, targets, check_range=self.check_range or
+                      (isinstance(targets, torch.Tensor) and targets.device.type == "cpu"))
+        return F.cross_entropy(output, targets)
 
     def count_items(self, model: torch.nn.Module, batch: Batch) -> int | None:
         """The predicted tokens of a per-token dict batch (None: the loss is a per-sample mean)."""
@@ -68,6 +81,54 @@ class DefaultLoss:
 
 
 default_loss = DefaultLoss()
+
+
+def check_targets(output: Any, targets: Any, *, check_range: bool = True) -> None:
+    """What cross-entropy of ``output`` against ``targets`` could not mean, as a ``TaskError`` that says
+    what to pass instead: class indices ``(N, ...)`` in ``0 ~ classes - 1`` (or -100, skipped), or class
+    probabilities shaped like the output; never a single class, whose cross-entropy is 0 whatever
+    the model predicts. ``check_range``: read the labels' range (one device synchronisation on CUDA)."""
+    if not isinstance(output, torch.Tensor) or not isinstance(targets, torch.Tensor):
+        return  # torch says what is wrong with those
+    mse = "loss_fn=lambda model, batch: F.mse_loss(model(batch[0]), batch[1])"
+    regression = f"for regression pass {mse}"
+    if output.dim() < 2:
+        raise TaskError(f"the default loss is cross-entropy over classes, and the model's output has shape "
+                        f"{tuple(output.shape)}: expected (N, classes, ...), one score per class; {regression}, "
+                        f"or give the model one output per class")
+    classes = output.shape[1]
+    if classes == 1:
+        raise TaskError(f"the model gives 1 output per sample (output shape {tuple(output.shape)}), and cross-entropy "
+                        f"over a single class is 0 whatever it predicts, so nothing would train. For regression pass "
+                        f"{mse}; for two classes give the model 2 outputs, or pass loss_fn= with "
+                        f"F.binary_cross_entropy_with_logits")
+    if targets.dtype.is_floating_point:
+        if targets.shape != output.shape:
+            raise TaskError(f"the default loss is cross-entropy over the model's {classes} outputs, and the targets "
+                            f"are {targets.dtype} of shape {tuple(targets.shape)} (regression values?): expected class "
+                            f"indices (an integer tensor of shape {(output.shape[0], *output.shape[2:])}) or class "
+                            f"probabilities of the output's shape {tuple(output.shape)}; {regression}")
+        return
+    if targets.dtype == torch.bool or targets.is_complex():
+        raise TaskError(f"the default loss needs class indices (an integer tensor), got {targets.dtype} targets; "
+                        f"convert them (targets.long()) or pass loss_fn=")
+    expected = (output.shape[0], *output.shape[2:])
+    if tuple(targets.shape) != expected:
+        raise TaskError(f"the default loss is cross-entropy over the model's {classes} outputs (output shape "
+                        f"{tuple(output.shape)}), and the targets have shape {tuple(targets.shape)}: expected class "
+                        f"indices of shape {expected}; reshape the targets or pass loss_fn=")
+    if not check_range or targets.numel() == 0:
+        return
+    try:  # skipped labels read as 0, which is in range; no boolean indexing (fake tensors cannot size it)
+        filled = targets.masked_fill(targets == IGNORE_INDEX, 0)
+        low, high = int(filled.min()), int(filled.max())
+    except (RuntimeError, NotImplementedError):  # fake or meta tensors (an estimate): no values to read
+        return
+    if low < 0 or high >= classes:
+        bad = low if low < 0 else high
+        raise TaskError(f"Invalid target {bad}: the default loss is cross-entropy over the model's {classes} outputs, "
+                        f"so targets are class indices in 0 ~ {classes - 1} (or {IGNORE_INDEX}, skipped). Give the "
+                        f"model one output per class (at least {high + 1}), or map the labels to 0 ~ {classes - 1}")
 
 
 def _per_token(batch: Mapping[str, Any]) -> bool:

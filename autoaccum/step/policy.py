@@ -62,16 +62,20 @@ class PlanChange:
     new: Plan
 
     def describe(self) -> str:
-        grow = f"no OOM for a while ({self.where}):" if self.where else "no OOM for a while:"
-        thrash = f"allocator thrashing ({self.where}) at" if self.where else "allocator thrashing at"
-        what = {"oom": f"OOM in {self.where} at", "thrash": thrash, "grow": grow}
-        if self.old.tokens is not None and self.new.tokens is not None:
-            return (f"{what[self.reason]} a budget of {self.old.tokens.max_cost:,.0f} -> {self.new.tokens.max_cost:,.0f} "
-                    f"token-units per micro-batch (micro <= {self.old.micro_batch} -> {self.new.micro_batch}), "
-                    f"global batch {self.new.target_batch} unchanged")
-        rung = f", memory saver {self.old.saver} -> {self.new.saver}" if self.old.saver != self.new.saver else ""
-        return (f"{what[self.reason]} micro {self.old.micro_batch} -> {self.new.micro_batch}, accum "
-                f"{self.old.accum_steps} -> {self.new.accum_steps}{rung}, global batch {self.new.target_batch} "
+        """The change in a user's words, each cut written so that it adds up (``Plan.describe``):
+        ``OOM in backward: batch 256 = 64 x 4 -> 32 x 8 (8 micro-batches); the global batch is unchanged``."""
+        where = f" ({self.where})" if self.where else ""
+        what = {"oom": f"OOM in {self.where}", "thrash": f"allocator retries rising{where}",
+                "grow": f"no OOM for a while{where}"}[self.reason]
+        old, new = self.old, self.new
+        rung = f", memory saver {old.saver} -> {new.saver}" if old.saver != new.saver else ""
+        if old.tokens is not None and new.tokens is not None:
+            cut = new.length_words() if old.length_words() == new.length_words() else \
+                f"{old.length_words().split(';')[0]} -> {new.length_words()}"
+            return f"{what}: batch {new.target_batch} cut by length: {cut}{rung}; the global batch is unchanged"
+        before, after = old.cut_sum(), new.cut_sum()
+        cut = after if before == after else f"{before} -> {after}"
+        return (f"{what}: batch {new.target_batch} = {cut} ({new.count_words()}){rung}; the global batch is "
                 f"unchanged")
 
 
@@ -227,7 +231,7 @@ class PlanPolicy:
             if attempts == 1 and self.plan.can_shrink:  # a replayed step shrank for its OOM already
                 self.growth.thrashed(self.plan.micro_batch)
                 ranks = ", ".join(str(r) for r in thrashing)
-                where = f"allocator retries on rank{'s' if len(thrashing) > 1 else ''} {ranks}"
+                where = f"on rank{'s' if len(thrashing) > 1 else ''} {ranks}"
                 return [self.shrink("thrash", where, step, does_not_fit)]
         self.growth.count_calm(attempts)
         if self.plan.saver != "none" and not self.plan.can_shrink and self.growth.calm >= self._down_after:

@@ -34,7 +34,7 @@ from autoaccum.log import rank_level, user_stacklevel
 from autoaccum.state import RngState
 
 __all__ = [
-    "CHECKPOINT_NAME", "CheckpointError", "check_plain", "check_writable", "load_checkpoint",
+    "CHECKPOINT_NAME", "CheckpointError", "check_plain", "check_resumable_dir", "check_writable", "load_checkpoint",
     "rng_from_plain", "rng_to_plain", "save_checkpoint",
 ]
 
@@ -198,6 +198,20 @@ def load_checkpoint(path_or_dir: str | os.PathLike[str]) -> dict | None:
         "no readable checkpoint: " + "; ".join(skipped)
         + ". Move the damaged files away to start afresh, or point to another checkpoint."
     )
+
+
+def check_resumable_dir(directory: str | os.PathLike[str]) -> None:
+    """Raise ValueError where ``directory`` holds no checkpoint to resume from (neither ``checkpoint.pt``
+    nor ``checkpoint.pt.prev``): ``resume=True`` never starts afresh silently."""
+    path = Path(directory).expanduser()
+    if any((path / name).exists() for name in (CHECKPOINT_NAME, CHECKPOINT_NAME + _PREV_SUFFIX)):
+        return
+    what = "does not exist" if not path.exists() else "is not a directory" if not path.is_dir() else \
+        f"holds no {CHECKPOINT_NAME}"
+    raise ValueError(f"resume=True, but checkpoint_dir {str(directory)!r} {what}: there is no checkpoint to resume "
+                     f"from. Pass checkpoint_dir= the folder of the run to resume, resume=False to start afresh, or "
+                     f"resume='auto' to resume where a checkpoint exists and start afresh where none does (a job "
+                     f"that may be restarted)")
 
 
 def check_writable(directory: str | os.PathLike[str]) -> Path:

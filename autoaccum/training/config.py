@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import difflib
 import os
+from pathlib import Path
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, get_args
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -189,19 +190,23 @@ class CheckpointConfig:
     Attributes:
         directory: where checkpoints are written atomically (None: no checkpoints).
         every: save every this many optimizer steps (and always at the end).
-        resume: continue from the checkpoint in ``directory``; bit-identical to a run that was
-            never interrupted (CPU, fp32).
+        resume: ``True``: continue from the checkpoint in ``directory`` (bit-identical to a run
+            that was never interrupted, CPU, fp32); a directory without one is an error. ``"auto"``:
+            continue where a checkpoint exists, start afresh where none does yet (the first start of
+            a job that may be restarted). ``False`` (default): start afresh.
     """
 
     directory: str | os.PathLike[str] | None = _option("checkpoint_dir", default=None)
     every: int | None = _option("checkpoint_every", default=None)
-    resume: bool = _option(default=False)
+    resume: bool | Literal["auto"] = _option(default=False)
 
     def problems(self) -> list[Exception]:
         return _collect(
             lambda: self.every is None or check_positive_int(self.every, "checkpoint_every"),
+            lambda: _require(isinstance(self.resume, bool) or self.resume == "auto",
+                             f"Invalid resume: {self.resume!r}. Allowed values: True, False, 'auto'"),
             lambda: _require(not self.resume or self.directory is not None,
-                             "resume=True needs checkpoint_dir= (where the checkpoint is)"),
+                             f"resume={self.resume!r} needs checkpoint_dir= (where the checkpoint is)"),
         )
 
 
@@ -224,7 +229,8 @@ class OutputConfig:
     verbose: bool = _option(default=True)
 
     def problems(self) -> list[Exception]:
-        return _collect(lambda: self.eval_every is None or check_positive_int(self.eval_every, "eval_every"))
+        return _collect(lambda: self.eval_every is None or check_positive_int(self.eval_every, "eval_every"),
+                        lambda: self.log_file is None or _check_log_file(self.log_file))
 
 
 @dataclass(frozen=True)
@@ -284,6 +290,21 @@ def _option_table() -> dict[str, tuple[str, str]]:
 def _require_int(value: object, name: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+
+
+def _check_log_file(log_file: Any) -> None:
+    """A file that can be appended to: in a directory that exists (checked before the probe runs)."""
+    if not isinstance(log_file, (str, os.PathLike)):
+        raise TypeError(f"log_file must be a str or os.PathLike, got {type(log_file).__name__}")
+    path = Path(log_file).expanduser()
+    folder = path.parent
+    if path.is_dir():
+        raise ValueError(f"Invalid log_file {str(log_file)!r}: it is a directory. Allowed: a file path in an existing "
+                         f"directory, e.g. {str(path / 'metrics.jsonl')!r}")
+    if not folder.is_dir():
+        raise ValueError(f"Invalid log_file {str(log_file)!r}: its directory {str(folder)!r} does not exist. Allowed: "
+                         f"a file path in an existing directory; create it first (os.makedirs({str(folder)!r}, "
+                         f"exist_ok=True)) or choose another path")
 
 
 def _require(condition: bool, message: str) -> None:

@@ -23,18 +23,19 @@ from typing import Any
 import torch
 
 from autoaccum import distributed
-from autoaccum.log import ensure_visible
+from autoaccum.log import ensure_visible, quiet
 from autoaccum.memory import TrackedMemory, refuse_compiled
 from autoaccum.memory.model import MemoryModel
+from autoaccum.plan.batch import move_to
 from autoaccum.plan.batchnorm import smallest_micro_batch
 from autoaccum.plan.cut import SampleCut, TokenCut
 from autoaccum.plan.data import GlobalBatches
-from autoaccum.plan.plan import Plan, rank_share
+from autoaccum.plan.plan import Plan, rank_share, source_words
 from autoaccum.plan.task import LossFn, Task, check_loss_fn, check_optimizer_covers, trainable_parameters
 from autoaccum.precision import autocast_dtype, make_scaler
 from autoaccum.probe.report import ProbeReport
 from autoaccum.step.guard import OOMGuard, PlanChange
-from autoaccum.step.losses import default_loss
+from autoaccum.step.losses import DefaultLoss, default_loss
 from autoaccum.step.sync import GradSync, LocalSync
 from autoaccum.training import checkpoint as ckpt
 from autoaccum.training.config import FitConfig
@@ -174,15 +175,26 @@ def fit(model: torch.nn.Module, data: Any, target_batch: int = 256, *, loss_fn: 
     started = time.perf_counter()
     _check_call(data, target_batch, loss_fn)
     cfg = FitConfig.from_options(config, **options).check()
+    if cfg.output.verbose:
+        ensure_visible()  # before the probe: its messages show alike in a process's first run and in later ones
+    with quiet(not cfg.output.verbose):  # verbose=False: no INFO line of this run, the probe's included
+        return _fit(model, data, target_batch, loss_fn, optimizer, eval_data, cfg, started)
+
+
+def _fit(model: torch.nn.Module, data: Any, target_batch: int, loss_fn: LossFn | None,
+         optimizer: torch.optim.Optimizer | None, eval_data: Any, cfg: FitConfig, started: float) -> FitResult:
+    """``fit`` after its arguments and options were checked (see ``fit``)."""
+    if cfg.checkpoint.resume is True:  # before the directory is made: resume=True never starts afresh silently
+        ckpt.check_resumable_dir(cfg.checkpoint.directory)  # type: ignore[arg-type]
     ckpt_dir = None if cfg.checkpoint.directory is None else ckpt.check_writable(cfg.checkpoint.directory)
     model, sync, dev = _placed(model, cfg.memory.device)
     inner = distributed.unwrap_model(model)
     seed = cfg.data.seed
     batches, eval_batches = _global_batches(data, eval_data, target_batch, cfg, sync)
-    _check_model(inner, batches, cfg, dev)
     loss_fn = loss_fn if loss_fn is not None else default_loss
+    _check_model(inner, batches, cfg, dev, loss_fn)
     optimizer = _optimizer(model, optimizer, cfg.lr.lr)
-    # resume=True with no checkpoint yet (a restartable job's first start) is a fresh run: the rule applies
+    # resume="auto" with no checkpoint yet (a restartable job's first start) is a fresh run: the rule applies
     state = ckpt.load_checkpoint(ckpt_dir) if cfg.checkpoint.resume and ckpt_dir is not None else None
     if state is not None:
         check_resumable(state, ckpt_dir, inner, target_batch, seed)  # type: ignore[arg-type]
@@ -192,7 +204,9 @@ def fit(model: torch.nn.Module, data: Any, target_batch: int = 256, *, loss_fn: 
         if cfg.lr.warmup_steps else None
     scaler = make_scaler(cfg.memory.precision, dev)
     # the module itself, not a DDP wrapper: each rank measures on its own, with no collective
-    task = Task(model=inner, loss_fn=loss_fn, make_batch=batches.sample_at if batches.by_length else batches.sample,
+    # the probe's passes also read the labels' range (one device synchronisation each: before training only)
+    task = Task(model=inner, loss_fn=DefaultLoss(check_range=True) if loss_fn is default_loss else loss_fn,
+                make_batch=batches.sample_at if batches.by_length else batches.sample,
                 name="fit")
     start_plan, plan_source, report = choose_plan(cfg, state, sync, task, optimizer, target_batch,
                                                   batches.lengths() if batches.by_length else None)
@@ -212,8 +226,6 @@ def fit(model: torch.nn.Module, data: Any, target_batch: int = 256, *, loss_fn: 
         world_size=sync.world_size)
     run = Run(model, optimizer, scheduler, scaler, guard, sync, loss_fn, dev, cfg, target_batch, run_lr, ckpt_dir,
                position)
-    if cfg.output.verbose:
-        ensure_visible()
     progress = Progress(cfg.output.progress, _total_steps(cfg, batches), cfg.output.log_file, sync.rank,
                         cfg.output.verbose, resumed_at=None if state is None else position.steps)
     progress.say(_banner(run, start_plan, plan_source, emulated=meter is not None, resumed=state is not None))
@@ -281,16 +293,24 @@ def _by_length(batches: GlobalBatches, cfg: FitConfig) -> bool:
         return False
 
 
-def _check_model(model: torch.nn.Module, batches: GlobalBatches, cfg: FitConfig, device: torch.device) -> None:
+def _check_model(model: torch.nn.Module, batches: GlobalBatches, cfg: FitConfig, device: torch.device,
+                 loss_fn: LossFn) -> None:
     """What the model cannot do with this data and budget, found before any work."""
+    if cfg.memory.budget is not None and cfg.memory.plan is not None and device.type == "cuda":
+        raise TypeError("budget= is the memory the probe plans for, and plan= skips the probe; on CUDA no emulated "
+                        "device runs either (that is off CUDA only), so budget= would mean nothing on cuda. Give "
+                        "budget= alone (the probe plans for it) or plan= alone")
     if cfg.memory.budget is not None and device.type != "cuda":
         refuse_compiled(model, "train it under an emulated budget")
     if cfg.memory.grow == "model" and cfg.memory.budget is None and device.type != "cuda":
         raise ValueError(f"grow='model' needs memory the guard can read: a CUDA device, or budget= (an emulated "
                          f"budget) on {device.type}. Pass budget=..., or grow='auto' (no growth here), 'double' or "
                          f"'off'.")
-    smallest, last = smallest_micro_batch(model), batches.last_global_size
-    if smallest == 1 or last is None:
+    last = batches.last_global_size
+    if last is None or last >= 2 * batches.world_size:
+        return  # every rank's share of the last batch holds two samples or more: any model trains on it
+    smallest = smallest_micro_batch(model, lambda: loss_fn(model, move_to(batches.sample(1), device)))
+    if smallest == 1:
         return
     shares = [rank_share(last, r, batches.world_size) for r in range(batches.world_size)]
     short = [(r, s.stop - s.start) for r, s in enumerate(shares) if 0 < s.stop - s.start < smallest]
@@ -299,7 +319,8 @@ def _check_model(model: torch.nn.Module, batches: GlobalBatches, cfg: FitConfig,
         raise ValueError(
             f"the epoch's last global batch holds {last} sample(s) ({batches.num_samples} samples at target_batch "
             f"{batches.target_batch}), {n} of them on rank {rank}: fewer than {smallest}, the smallest micro-batch "
-            f"{type(model).__name__} trains at (BatchNorm needs more than one value per channel). Pass "
+            f"{type(model).__name__} trains at (its BatchNorm gets one value per channel from one sample, and needs "
+            f"more). Pass "
             f"last_batch='drop' (those samples skip that epoch; the next epoch's order differs), or change "
             f"target_batch or the number of samples.")
 
@@ -316,5 +337,5 @@ def _banner(run: Run, plan: Plan, source: str, *, emulated: bool, resumed: bool)
     cfg, budget_bytes, base_batch = run.config, run.config.memory.budget_bytes, run.config.lr.base_batch
     budget = "" if budget_bytes is None else f" · budget {format_bytes(budget_bytes)}{' (emulated)' if emulated else ''}"
     rule = "" if base_batch in (None, run.target_batch) else f" ({cfg.lr.rule} rule from base batch {base_batch})"
-    return (f"autoaccum fit · {run.device}{budget} · {plan.describe()} (plan from {source}) · lr {run.lr:.4g}{rule}"
+    return (f"autoaccum fit · {run.device}{budget} · {plan.describe()}, {source_words(source)} · lr {run.lr:.4g}{rule}"
             + (f" · resuming at step {run.position.steps}" if resumed else ""))

@@ -22,7 +22,7 @@ from autoaccum.training.config import FitConfig
 from autoaccum.training.evaluate import evaluate
 from autoaccum.training.progress import Progress
 from autoaccum.training.resume import RunPosition, save_run
-from autoaccum.units import format_bytes
+from autoaccum.units import counted, format_bytes
 
 __all__ = ["MAX_SKIPPED_STEPS", "Run", "train"]
 
@@ -103,7 +103,7 @@ def train(run: Run, batches: GlobalBatches, eval_batches: GlobalBatches | None, 
             overlapped += result.overlapped
             if result.peak_bytes is not None:
                 peak = max(peak or 0, result.peak_bytes)
-            progress.step(_record(result, pos))
+            progress.step(_record(result, pos), result.plan)
             if eval_batches is not None and cfg.output.eval_every is not None and pos.steps % cfg.output.eval_every == 0:
                 run_eval()
             if cfg.checkpoint.every is not None and pos.steps % cfg.checkpoint.every == 0:
@@ -124,9 +124,9 @@ def train(run: Run, batches: GlobalBatches, eval_batches: GlobalBatches | None, 
     if pos.last_loss is None:
         raise AutoAccumError("no optimizer step ran: the data yielded no batch")
     rate = (pos.samples - first_samples) / train_time if train_time > 0 else 0.0
-    progress.say(f"autoaccum fit done · {pos.steps} steps, {pos.samples:,} samples · final loss {pos.last_loss:.4g}"
-                 + ("" if eval_loss is None else f" · eval loss {eval_loss:.4g}")
-                 + f" · {rate:,.0f} samples/s · {guard.ooms} OOMs · {guard.plan.describe()}"
+    progress.say(f"autoaccum fit done · {counted(pos.steps, 'step')}, {counted(pos.samples, 'sample')} · final loss "
+                 f"{pos.last_loss:.4g}" + ("" if eval_loss is None else f" · eval loss {eval_loss:.4g}")
+                 + f" · {rate:,.0f} samples/s · {counted(guard.ooms, 'OOM')} recovered · {guard.plan.describe()}"
                  + ("" if peak is None else f" · peak {format_bytes(peak)}"))
     return {"eval_loss": eval_loss, "eval_ooms": eval_ooms, "samples_per_s": rate, "peak_bytes": peak,
             "micro_steps": micro_steps, "overlapped_steps": overlapped}

@@ -11,7 +11,7 @@ from autoaccum import distributed
 from autoaccum.log import user_stacklevel
 from autoaccum.plan.plan import Plan, read_plan_document, resolve_plan
 from autoaccum.plan.task import Task
-from autoaccum.probe.report import ProbeReport
+from autoaccum.probe.report import ProbeReport, check_made_for
 from autoaccum.probe.run import probe
 from autoaccum.step.sync import GradSync
 from autoaccum.training.config import FitConfig
@@ -27,6 +27,7 @@ def choose_plan(cfg: FitConfig, state: dict[str, Any] | None, sync: GradSync, ta
     if state is not None:
         plan, source = Plan.from_dict(state["guard"]["plan"]).with_world_size(sync.world_size), "checkpoint"
     elif cfg.memory.plan is not None:
+        check_made_for(cfg.memory.plan, task.model)
         plan = resolve_plan(cfg.memory.plan, target_batch=target_batch, world_size=sync.world_size,
                             adapt_world_size=True)
         source = "given"

@@ -16,6 +16,7 @@ from typing import Any
 
 from autoaccum.jsonio import write_bytes_atomic
 from autoaccum.log import SHOWN
+from autoaccum.plan.plan import Plan
 from autoaccum.units import format_bytes
 
 __all__ = ["Progress", "truncate_metrics"]
@@ -53,16 +54,19 @@ class Progress:
         # on a terminal the bar showed it: autoaccum's own stderr handler skips it, the application's do not
         logger.info(message, extra={SHOWN: self.interactive})
 
-    def step(self, record: dict[str, Any]) -> None:
+    def step(self, record: dict[str, Any], plan: Plan | None = None) -> None:
+        """One optimizer step: its line in the metrics file; on the bar, its numbers and the plan's cut
+        (``plan``: the plan in force, ``Plan.describe``; cut by length, the micro-batches this step took)."""
         if self.log is not None:
             self.log.write(json.dumps(record) + "\n")
             self.log.flush()
         if self.bar is not None:
-            peak = record["peak_bytes"]
+            peak, steps = record["peak_bytes"], record["micro_steps"]
+            cut = plan.describe() if plan is not None and plan.tokens is None else \
+                f"{steps} micro-batch{'es' if steps != 1 else ''}" + ("" if plan is None else " cut by length")
             self.bar.set_postfix_str(
                 f"loss {record['loss']:.4g} · lr {record['lr']:.3g} · {record['samples_per_s']:,.0f} samples/s · "
-                f"micro {record['micro_batch']} x accum {record['accum_steps']}"
-                + ("" if peak is None else f" · peak {format_bytes(peak)}"), refresh=False)
+                f"{cut}" + ("" if peak is None else f" · peak {format_bytes(peak)}"), refresh=False)
             self.bar.update(1)
 
     def close(self) -> None:

@@ -3,7 +3,7 @@ all-reduce after the backward (``--overlap off``, the default) or overlapped wit
 
 Each *episode* is one training run of ``--steps`` optimizer steps on ``world`` ranks, launched the way
 torchrun launches workers (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), with checkpoints
-and ``resume=True`` in every process. Faults, drawn from ``--seed`` and logged as they fire:
+and ``resume="auto"`` in every process. Faults, drawn from ``--seed`` and logged as they fire:
 
 - **OOMs** (a real ``torch.OutOfMemoryError``) in the forward (mid-model), the loss, the backward
   (mid-model) or an evaluation forward, on random ranks: each micro-batch forward of each rank draws
@@ -329,7 +329,7 @@ def run_rank(spec_path: str) -> None:
         eval_data=(ex, ey, eids), eval_every=cfg.eval_every, epochs=None, max_steps=cfg.steps, seed=3,
         plan=autoaccum.Plan.for_target(cfg.target_batch, cfg.micro_batch or share, world),
         budget=spec["budget"] if spec["faults"] else None, grow_after=1, checkpoint_dir=ckpt_dir,
-        checkpoint_every=cfg.checkpoint_every if ckpt_dir else None, resume=bool(ckpt_dir),
+        checkpoint_every=cfg.checkpoint_every if ckpt_dir else None, resume="auto" if ckpt_dir else False,
         progress=False, verbose=False, overlap=cfg.overlap)
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / f"final{rank}.pt")
     log(type="done", steps=result.optimizer_steps, guard_ooms=result.oom_events, eval_ooms=result.eval_ooms,
