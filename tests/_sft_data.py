@@ -8,7 +8,9 @@ from __future__ import annotations
 import torch
 from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
+
+import _token_rows
 
 WORDS = ["<pad>", "<eos>", "<bos>", "<unk>", "user", "assistant", ":"] + [f"w{i}" for i in range(40)]
 CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}assistant : {% generation %}"
@@ -27,11 +29,7 @@ def tokenizer() -> PreTrainedTokenizerFast:
 
 
 def llama() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
-                         eos_token_id=1, bos_token_id=2)
-    return LlamaForCausalLM(config).double()
+    return _token_rows.llama(len(WORDS))
 
 
 def _words(g: torch.Generator, low: int, high: int) -> str:
