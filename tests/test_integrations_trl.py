@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 
 import pytest
-import torch
 
 pytest.importorskip("trl")
 transformers = pytest.importorskip("transformers")

@@ -42,7 +42,8 @@ class ProbeProgress:
 
     def measured(self, candidate: Candidate) -> None:
         """A size ended (fits, over budget, or out of memory)."""
-        self.done.append(f"{candidate.micro_batch}{_at(candidate.length)} {_SAYS.get(candidate.status, candidate.status)}")
+        says = _SAYS.get(candidate.status, candidate.status)
+        self.done.append(f"{candidate.micro_batch}{_at(candidate.length)} {says}")
         self._show(None)
 
     def rung(self, saver: str) -> None:
