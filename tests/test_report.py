@@ -131,13 +131,14 @@ def test_wandb_offline_run_reads_back(tokens, budget, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
     result = _fit(tokens, budget, report_to="wandb")
+    import wandb
+
+    assert wandb.run is None  # the run fit started is finished
+    wandb.teardown()  # W&B's service writes the run's file after finish() returns: wait for it to stop
     history = [h for h in _wandb_history(tmp_path) if "train/loss" in h]
     _check(result, [h["_step"] for h in history], [h["train/loss"] for h in history],
            [h["train/lr"] for h in history], [h["train/micro_batch"] for h in history],
            [h["train/ooms"] for h in history])
-    import wandb
-
-    assert wandb.run is None  # the run fit started is finished
 
 
 def test_mlflow_file_store_reads_back_and_a_users_run_is_left_open(tokens, budget, tmp_path, monkeypatch):
