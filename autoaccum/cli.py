@@ -197,7 +197,7 @@ def _cmd_probe(args: argparse.Namespace) -> int:
         report = probe(task, target_batch=args.target_batch, world_size=args.world_size, budget=args.budget,
                        headroom=args.headroom, precision=args.precision, max_micro_batch=args.max_micro_batch,
                        estimate=args.estimate, cache=not args.no_cache, refresh=args.refresh,
-                       cache_dir=args.cache_dir)
+                       cache_dir=args.cache_dir, progress=not args.verbose)
     except DoesNotFitError as exc:
         if args.json:
             print(json.dumps({"kind": "autoaccum.probe", "version": REPORT_VERSION, "error": "does_not_fit",
@@ -227,7 +227,8 @@ def _cmd_search(args: argparse.Namespace) -> int:
     try:
         report = probe(task, target_batch=args.target_batch, world_size=args.world_size, budget=args.budget,
                        headroom=args.headroom, precision=args.precision, max_micro_batch=args.max_micro_batch,
-                       cache=not args.no_cache, refresh=args.refresh, cache_dir=args.cache_dir)
+                       cache=not args.no_cache, refresh=args.refresh, cache_dir=args.cache_dir,
+                       progress=not args.verbose)
         result = search(task, args.target_batch, world_size=args.world_size, report=report, n_trials=args.n_trials,
                         timeout_s=args.timeout, storage=args.storage, study_name=args.study_name,
                         patience=args.patience, seed=args.seed)

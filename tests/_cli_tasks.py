@@ -49,3 +49,28 @@ def half_model() -> autoaccum.Task:
 def swapped_loss() -> autoaccum.Task:
     """``loss_fn(batch, model)`` under other names than batch and model: caught when it calls the batch."""
     return autoaccum.Task(model=mlp(), loss_fn=lambda b, m: F.cross_entropy(m(b[0]), b[1]), make_batch=mlp_batch())
+
+
+class Rows(torch.utils.data.Dataset):
+    """40 feature rows with labels, each row a dict (a dataset a DataLoader collates)."""
+
+    def __init__(self, n: int = 40) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(n, 32, generator=g), torch.randint(0, 8, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"features": self.x[i], "label": int(self.y[i])}
+
+
+def pairs(rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loader's collate_fn: dict rows -> (features, labels)."""
+    return torch.stack([r["features"] for r in rows]), torch.tensor([r["label"] for r in rows])
+
+
+def from_loader() -> autoaccum.Task:
+    """The user's own data: a DataLoader's dataset and collate_fn (40 rows: larger sizes repeat them)."""
+    loader = torch.utils.data.DataLoader(Rows(), batch_size=16, shuffle=True, collate_fn=pairs)
+    return autoaccum.Task.from_data(mlp(), mlp_loss, loader, name="mlp on its rows")

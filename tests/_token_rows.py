@@ -1,4 +1,4 @@
-"""A tiny GPT-2 (and BERT) from configs and padded token rows with sample ids, for the integration tests.
+"""A tiny GPT-2 (and BERT, Llama) from configs and padded token rows with sample ids, for the integration tests.
 
 Sample ``i`` starts with token ``2 + i``, so a forward hook can name the samples of any batch.
 fp64, dropout off.
@@ -12,6 +12,8 @@ from transformers import (
     BertForSequenceClassification,
     GPT2Config,
     GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
 )
 
 from autoaccum.cli import pad_rows
@@ -24,6 +26,15 @@ def gpt2() -> torch.nn.Module:
     config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
                         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=1)
     return GPT2LMHeadModel(config).double()
+
+
+def llama(vocab_size: int = VOCAB) -> torch.nn.Module:
+    """A tiny Llama (it attends within each sequence of a padding-free row, by its position ids)."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
+                         eos_token_id=1, bos_token_id=2)
+    return LlamaForCausalLM(config).double()
 
 
 def bert() -> torch.nn.Module:

@@ -273,3 +273,26 @@ def test_a_task_that_declares_lengths_is_probed_by_length_and_planned_by_tokens(
     doc = json.loads(out)
     assert doc["plan"]["tokens"]["longest"] == 48 and doc["lengths"]["longest"] == 48
     assert {c["length"] for c in doc["candidates"]} == {8, 48} and doc["token_model"]["per_token_bytes"] > 0
+
+
+def test_a_task_drawing_from_a_dataloaders_data_is_probed_on_it_and_its_json_is_a_plan_for_fit(capsys, tmp_path):
+    import _cli_tasks
+
+    drawn = []
+    real = _cli_tasks.pairs
+    _cli_tasks.pairs = lambda rows: drawn.append(len(rows)) or real(rows)  # the loader's collate_fn, seen by the probe
+    try:
+        code, out, _ = run(capsys, "probe", "--task", "_cli_tasks:from_loader", "--budget", "400000",
+                           "--target-batch", "64", "--no-cache", "--json")
+    finally:
+        _cli_tasks.pairs = real
+    assert code == EXIT_OK
+    doc = json.loads(out)
+    sizes = sorted(c["micro_batch"] for c in doc["candidates"])
+    assert drawn and set(sizes) <= set(drawn) and max(sizes) > len(_cli_tasks.Rows())  # repeated past 40 rows
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(out)
+    x, y = _cli_tasks.pairs([_cli_tasks.Rows()[i] for i in range(40)])
+    result = autoaccum.fit(_cli_tasks.mlp(), (x.repeat(4, 1), y.repeat(4)), 64, loss_fn=_cli_tasks.mlp_loss,
+                           plan=str(plan_file), max_steps=1, progress=False, verbose=False)
+    assert result.plan_source == "given" and result.plan.micro_batch == doc["plan"]["micro_batch"]

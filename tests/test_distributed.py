@@ -489,9 +489,13 @@ def _fit(model: torch.nn.Module, **kwargs: Any) -> Any:
 def fit_two_ranks(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, Any]:
     """fit unchanged under a process group: probed plan agreed, DDP, resume from rank 0's checkpoint."""
     model = make_net()
-    whole = _fit(model, epochs=1)
+    reported: list[dict[str, Any]] = []  # report_to and callbacks: rank 0 only
+    callback = type("Callback", (), {"on_step": lambda self, m: reported.append(m),
+                                     "on_end": lambda self, r: reported.append({"end": True})})()
+    whole = _fit(model, epochs=1, report_to=reported.append, callbacks=[callback])
     out = {"params": _params(model), "plan": whole.plan.to_dict(), "steps": whole.optimizer_steps,
-           "samples": whole.samples_seen, "losses": list(whole.losses), "overlapped": whole.overlapped_steps}
+           "samples": whole.samples_seen, "losses": list(whole.losses), "overlapped": whole.overlapped_steps,
+           "reported": len(reported)}
     with pytest.warns(UserWarning, match="experimental"):
         on_model = make_net()
         on = _fit(on_model, epochs=1, overlap="on")
@@ -537,6 +541,7 @@ def test_fit_on_two_ranks_equals_fit_in_one_process(tmp_path: Path) -> None:
     one = _fit(model, epochs=1)
     want = _params(model)
     assert out[0]["plan"] == out[1]["plan"] and out[0]["plan"]["world_size"] == 2
+    assert [r["reported"] for r in out] == [2 * 6 + 1, 0]  # each step to the callable and the callback, one end
     for r in out:
         assert r["steps"] == one.optimizer_steps == 6 and r["samples"] == one.samples_seen == N_SAMPLES
         assert r["losses"] == pytest.approx(list(one.losses), rel=1e-5)

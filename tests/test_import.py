@@ -14,7 +14,8 @@ import torch
 def state():
     return {"cuda_initialized": torch.cuda.is_initialized(), "optuna": "optuna" in sys.modules,
             "matplotlib": "matplotlib" in sys.modules, "transformers": "transformers" in sys.modules,
-            "lightning": "lightning" in sys.modules, "accelerate": "accelerate" in sys.modules}
+            "lightning": "lightning" in sys.modules, "accelerate": "accelerate" in sys.modules,
+            "reporting": sorted(n for n in ("tensorboard", "wandb", "mlflow", "trl") if n in sys.modules)}
 
 import autoaccum, autoaccum.cli, autoaccum.integrations
 print(json.dumps(state()))
@@ -28,7 +29,7 @@ def test_import_initialises_no_cuda_and_imports_no_optional_dependency():
     assert result.returncode == 0, result.stderr
     after_autoaccum, after_matplotlib = (json.loads(line) for line in result.stdout.splitlines())
     assert after_autoaccum == {"cuda_initialized": False, "optuna": False, "matplotlib": False, "transformers": False,
-                               "lightning": False, "accelerate": False}
+                               "lightning": False, "accelerate": False, "reporting": []}
     assert after_matplotlib["matplotlib"] is True
 
 

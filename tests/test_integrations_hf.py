@@ -20,7 +20,7 @@ from _audit import IdAudit
 from autoaccum import emulated_budget, parse_bytes
 
 transformers = pytest.importorskip("transformers")
-from _token_rows import N, Rows, bert, collate, gpt2, ids_of, params, rel_diff  # noqa: E402
+from _token_rows import N, Rows, bert, collate, gpt2, ids_of, llama, params, rel_diff  # noqa: E402
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402 - after the skip
 
 from autoaccum.integrations.transformers import GUARD_FILE, AutoAccumTrainer  # noqa: E402
@@ -213,6 +213,26 @@ def test_options_are_checked_when_the_trainer_is_built(tmp_path, options, error,
     with pytest.raises(error, match=says):
         AutoAccumTrainer(model=gpt2(), args=arguments(str(tmp_path), PER_DEVICE, ACCUM), train_dataset=Rows(),
                          **options)
+
+
+def test_a_padding_free_collator_is_cut_between_whole_examples(tmp_path):
+    """DataCollatorWithFlattening puts a whole batch in one row (the rows' tokens, position ids restarting at
+    each): the micro-batches are whole examples, each collated by it. Equal to HF's full-batch run in fp64."""
+    from transformers import DataCollatorWithFlattening
+
+    rows = [{"input_ids": r["input_ids"].tolist()} for r in Rows()]
+
+    def run(trainer_cls, per_device, accum, **kwargs):
+        model = llama()
+        trainer = trainer_cls(model=model, args=arguments(str(tmp_path / trainer_cls.__name__), per_device, accum),
+                              train_dataset=rows, data_collator=DataCollatorWithFlattening(), **kwargs)
+        trainer.train()
+        return model, trainer
+
+    reference, _ = run(Trainer, 8, 1)
+    model, trainer = run(AutoAccumTrainer, PER_DEVICE, ACCUM, micro_batch=3)
+    assert trainer.autoaccum_guard.guard.plan.accum_steps == 3
+    assert rel_diff(params(model), params(reference)) <= RTOL
 
 
 class _AccumulateFrom(TrainerCallback):

@@ -13,7 +13,7 @@ import torch
 import autoaccum
 import autoaccum.state
 from autoaccum.probe import stepper as stepper_module
-from autoaccum import AutoAccumError, DoesNotFitError, Plan, ProbeReport, TaskError, probe
+from autoaccum import AutoAccumError, DoesNotFitError, Plan, ProbeReport, Task, TaskError, probe
 from autoaccum.cli import TinyGPT, synthetic_tokens, token_loss
 from autoaccum.memory import TrackedMemory
 from autoaccum.probe.choice import RETIME_ROUNDS, THROUGHPUT_TIE, choose_micro_batch, plan_step_times, time_slope
@@ -929,3 +929,31 @@ def test_a_size_that_runs_out_of_memory_when_timed_again_is_dropped_from_the_cho
         chosen = probe_module.choose(stepper, 4096, 1)
     assert stepper.current[16].status == "oom" and stepper.ooms == 1
     assert chosen in (1, 8) and stepper.current[8].status == "ok"  # by speed among the sizes that still fit
+
+
+# -- a task that draws from the user's data ------------------------------------------------------------
+def test_a_task_from_data_draws_fits_order_and_repeats_past_the_end():
+    from autoaccum.plan.data import GlobalBatches
+
+    x, y = mlp_batch()(10)
+    task = Task.from_data(mlp(), mlp_loss, (x, y), seed=3)
+    first = task.batch(4)
+    torch.testing.assert_close(first[0], GlobalBatches((x, y), 4, seed=3).sample(4)[0])  # fit's epoch-0 order
+    many = task.batch(25)  # more than the data holds: its order again from the start
+    torch.testing.assert_close(many[0][10:20], many[0][:10])
+    assert task.lengths is None
+
+
+def test_a_task_from_variable_length_data_is_probed_by_length():
+    from autoaccum.cli import TinyGPT, pad_rows, padded_token_loss
+
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": torch.randint(1, 64, (int(n),), generator=g)} for n in [9] * 12 + [17] * 6 + [33] * 2]
+    loader = torch.utils.data.DataLoader(rows, batch_size=4, collate_fn=pad_rows)
+    torch.manual_seed(0)
+    task = Task.from_data(TinyGPT(vocab_size=64, seq_len=32, dim=16, layers=1, heads=2), padded_token_loss, loader)
+    assert sorted(set(task.lengths)) == [9, 17, 33]  # read from the rows (their unpadded input_ids)
+    report = probe(task, target_batch=16, budget="64MiB")
+    assert report.lengths is not None and report.plan.tokens is not None
+    assert {c.length for c in report.candidates} >= {9, 33}
+    assert task.batch(3, 17)["input_ids"].shape == (3, 17)

@@ -34,16 +34,32 @@ without gradients, RNG and buffers put back), with a warning and weighting by sa
 cannot be told.
 
 The plan goes to HF's log history (``autoaccum/micro_batch``, ``autoaccum/accum_steps``,
-``autoaccum/oom_replays``) at the first step and at every change; the guard's state is saved as
-``autoaccum_guard.json`` in each checkpoint folder and read on resume instead of probing. Refused at
-construction, with the reason: ``auto_find_batch_size`` (it would shrink the global batch),
-DataParallel (run one process per GPU with torchrun), DeepSpeed and FSDP, context or sequence
-parallelism, and an ``accelerator_config`` that sets ``num_steps``.
+``autoaccum/oom_replays``) at the first step and at every change, as an entry of its own (through
+``Trainer.log``: a subclass's ``log`` that adds its per-step metrics, as TRL's do, keeps them for its
+own step's entry); the guard's state is saved as ``autoaccum_guard.json`` in each checkpoint folder
+and read on resume instead of probing. Refused at construction, with the reason:
+``auto_find_batch_size`` (it would shrink the global batch), DataParallel (run one process per GPU
+with torchrun), DeepSpeed and FSDP, context or sequence parallelism, and an ``accelerator_config``
+that sets ``num_steps``.
+
+Other ``Trainer`` subclasses (TRL's ``SFTTrainer``): list the framework's trainer first,
+``class SFT(SFTTrainer, AutoAccumTrainer)``, so that its ``training_step`` (TRL's activation-offload
+context) runs around autoaccum's, which takes the place of HF's. autoaccum's options are taken as
+keywords all the same (they are taken off before the framework's ``__init__`` sees them); the other
+order is refused at construction where it would skip such a ``training_step``. The framework's
+``compute_loss`` runs on every micro-batch. Its per-step metric state (TRL's ``_metrics`` and
+``_total_train_tokens``: ``num_tokens``, entropy, token accuracy) is put back to the step's start
+before each attempt at the step, so the probe's passes and an attempt that ran out of memory leave
+nothing in it. A padding-free collator (``padding_free=True``, TRL's default "bfd" packing,
+``DataCollatorWithFlattening``) flattens a whole batch into one row, which cannot be cut by rows:
+the loader then also keeps each batch's examples, and each micro-batch is collated from whole
+examples (packed rows) by the same collator.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import os
@@ -56,7 +72,7 @@ import torch
 
 from autoaccum.integrations.lazy_guard import LazyGuard, check_options
 from autoaccum.jsonio import write_json_atomic
-from autoaccum.plan.batch import Batch, split_batch
+from autoaccum.plan.batch import Batch, Samples, split_batch
 from autoaccum.plan.task import LossOutput
 from autoaccum.precision import Precision
 from autoaccum.state import capture_buffers, capture_rng, restore_buffers, restore_rng, state_buffers
@@ -74,6 +90,12 @@ __all__ = ["GUARD_FILE", "AutoAccumTrainer"]
 
 #: the guard's state in each checkpoint folder
 GUARD_FILE = "autoaccum_guard.json"
+#: AutoAccumTrainer's own keyword options
+OPTIONS = ("budget", "headroom", "plan", "micro_batch", "grow_after")
+#: per-step metric state of trainers built on HF's (TRL's), put back before each attempt at a step
+STEP_METRICS = ("_metrics", "_total_train_tokens")
+#: where a padding-free batch keeps its examples (each micro-batch is collated from them)
+EXAMPLES = "autoaccum_examples"
 
 
 def _one_step_per_global_batch(args: TrainingArguments) -> TrainingArguments:
@@ -96,6 +118,41 @@ def _one_step_per_global_batch(args: TrainingArguments) -> TrainingArguments:
 
 def _precision(args: TrainingArguments) -> Precision:
     return "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "fp32"
+
+
+def _flattens(collator: Any) -> bool:
+    """Whether ``collator`` puts a whole batch in one row (padding-free): TRL's ``padding_free=True``
+    (and its "bfd" packing), HF's ``DataCollatorWithFlattening``."""
+    from transformers import DataCollatorWithFlattening
+
+    return bool(getattr(collator, "padding_free", False)) or isinstance(collator, DataCollatorWithFlattening)
+
+
+def _lengths(examples: list[Any]) -> tuple[int, ...]:
+    return tuple(len(e["input_ids"]) if isinstance(e, Mapping) and "input_ids" in e else 1 for e in examples)
+
+
+class _KeepExamples:
+    """A padding-free collator's batch, and the examples it was made of under ``EXAMPLES``: uncollated
+    ``Samples`` whose parts (micro-batches of whole examples) stay uncollated until the loss collates them."""
+
+    def __init__(self, collator: Any) -> None:
+        self.collator = collator
+
+    def __call__(self, examples: list[Any]) -> dict[str, Any]:
+        batch = dict(self.collator(examples))
+        batch[EXAMPLES] = Samples(tuple(examples), _lengths(examples), self._part)
+        return batch
+
+    def _part(self, examples: list[Any]) -> Samples:
+        return Samples(tuple(examples), _lengths(examples), self.collator)
+
+
+def _collated(batch: Batch) -> Batch:
+    """A batch of kept examples, collated (a global batch's: via its parts); any other batch as it is."""
+    while isinstance(batch, Samples):
+        batch = batch.collate_fn(list(batch.items))
+    return batch
 
 
 class _TrainerLoss:
@@ -182,8 +239,12 @@ class _TrainerLoss:
         return False if math.isfinite(value) and value > 0 else None
 
     def count_items(self, model: torch.nn.Module, batch: Batch) -> int | None:
-        labels = self._labels(model, batch)
+        labels = self._labels(model, _collated(batch))
         return None if labels is None else int(labels.ne(IGNORE_INDEX).sum())
+
+    def begin_attempt(self) -> None:
+        """The guard starts an attempt at the step: the trainer's per-step metrics as at the step's start."""
+        self.trainer._restore_step_metrics()
 
     def _hf_factor(self) -> int:
         """What HF's ``compute_loss`` multiplies a count-normalised loss by (DDP averages gradients;
@@ -203,6 +264,7 @@ class _TrainerLoss:
 
     def __call__(self, model: torch.nn.Module, batch: Batch, num_items_in_batch: int | None = None) -> LossOutput:
         device = self.trainer.args.device
+        batch = _collated(batch)  # a micro-batch of whole examples (padding-free): collated as the loader does
         if not self._hf_counts():
             return self._own_mean(model, batch, num_items_in_batch)
         if num_items_in_batch is not None:  # the step's count, all micro-batches and ranks: HF's own path
@@ -227,6 +289,19 @@ class _TrainerLoss:
         return loss * (counted / num_items_in_batch) if num_items_in_batch else loss * 0.0
 
 
+def _check_order(cls: type) -> None:
+    """Refuse ``class T(AutoAccumTrainer, SFTTrainer)``: autoaccum's ``training_step`` takes the place of
+    HF's, so a subclass's listed after it would never run."""
+    mro = cls.__mro__
+    skipped = [c for c in mro[mro.index(AutoAccumTrainer) + 1:mro.index(Trainer)] if "training_step" in vars(c)]
+    if skipped:
+        name, other = cls.__name__, skipped[0].__name__
+        raise TypeError(f"{name} lists AutoAccumTrainer before {other}, so AutoAccumTrainer.training_step would "
+                        f"replace {other}.training_step (which runs around HF's step, e.g. TRL's activation "
+                        f"offloading). List the other trainer first: class {name}({other}, AutoAccumTrainer); "
+                        f"autoaccum's options (budget=, micro_batch=, ...) are taken either way.")
+
+
 class AutoAccumTrainer(Trainer):
     """``transformers.Trainer`` whose global batches are exact and survive out-of-memory errors.
 
@@ -245,25 +320,53 @@ class AutoAccumTrainer(Trainer):
 
     ``trainer.args`` is the arguments as the Trainer runs them (one global batch per device batch,
     see the module docstring); ``trainer.autoaccum_args`` is the caller's object, unchanged.
+
+    With another ``Trainer`` subclass, list it first: ``class SFT(SFTTrainer, AutoAccumTrainer)``
+    (its ``training_step`` then wraps autoaccum's), and pass the options above to ``SFT(...)``.
     """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A subclass whose ``__init__`` is another trainer's (``class SFT(SFTTrainer, AutoAccumTrainer)``)
+        takes autoaccum's options too: they are taken off before that ``__init__``, which has no place
+        for them, and read when the Trainer's construction reaches ``AutoAccumTrainer.__init__``."""
+        super().__init_subclass__(**kwargs)
+        init = cls.__init__
+        if getattr(init, "_takes_autoaccum_options", False):
+            return
+
+        @functools.wraps(init)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            given = {name: kwargs.pop(name) for name in OPTIONS if name in kwargs}
+            if given:  # (an outer subclass's wrapper took them first: an inner one finds none)
+                vars(self).setdefault("_autoaccum_given", {}).update(given)
+            init(self, *args, **kwargs)
+
+        __init__._takes_autoaccum_options = True  # type: ignore[attr-defined]
+        cls.__init__ = __init__  # type: ignore[method-assign]
 
     def __init__(self, model: Any = None, args: TrainingArguments | None = None, *trainer_args: Any,
                  budget: int | str | None = None, headroom: float = 0.1, plan: Any = None,
                  micro_batch: int | None = None, grow_after: int | None = None, **trainer_kwargs: Any) -> None:
+        _check_order(type(self))
         if args is None:
             args = TrainingArguments(output_dir="tmp_trainer")  # Trainer's own default
         # autoaccum's own options first: a mistake there should not cost building the Trainer
         check_options(budget=budget, headroom=headroom, plan=plan, micro_batch=micro_batch, grow_after=grow_after,
                       model=model if isinstance(model, torch.nn.Module) else None)
         self.autoaccum_args = args
+        options: dict[str, Any] = {"budget": budget, "headroom": headroom, "plan": plan, "micro_batch": micro_batch,
+                                   "grow_after": grow_after}
+        options.update(vars(self).pop("_autoaccum_given", {}))  # given to a subclass listed after another trainer
         super().__init__(model, _one_step_per_global_batch(args), *trainer_args, **trainer_kwargs)
         self._check_setup()
-        self._autoaccum_options: dict[str, Any] = {"budget": budget, "headroom": headroom, "plan": plan,
-                                                   "micro_batch": micro_batch, "grow_after": grow_after}
+        self._autoaccum_options = options
         self._autoaccum_loss = _TrainerLoss(self)
         self._autoaccum: LazyGuard | None = None
         self._autoaccum_state: dict[str, Any] | None = None
         self._autoaccum_logged: tuple[int, int] | None = None
+        self._autoaccum_metrics: dict[str, Any] = {}  # the per-step metric state at the current step's start
+
+    __init__._takes_autoaccum_options = True  # type: ignore[attr-defined]
 
     @property
     def autoaccum_guard(self) -> LazyGuard | None:
@@ -285,13 +388,16 @@ class AutoAccumTrainer(Trainer):
     # -- training ------------------------------------------------------------------------------------
     def get_train_dataloader(self) -> Any:
         """HF's training loader, its batches left in host memory: a global batch would otherwise be put on
-        the device whole; the guard moves one micro-batch at a time (pinned: asynchronously)."""
-        placement = self.accelerator.device_placement
+        the device whole; the guard moves one micro-batch at a time (pinned: asynchronously). A padding-free
+        collator's batches also keep their examples (see the module docstring)."""
+        placement, collator = self.accelerator.device_placement, self.data_collator
         self.accelerator.device_placement = False
+        if _flattens(collator):
+            self.data_collator = _KeepExamples(collator)
         try:
             return super().get_train_dataloader()
         finally:
-            self.accelerator.device_placement = placement
+            self.accelerator.device_placement, self.data_collator = placement, collator
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """HF's ``train``; a resumed run takes the guard's plan from the checkpoint instead of probing."""
@@ -319,10 +425,19 @@ class AutoAccumTrainer(Trainer):
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
+        # the probe (first step) and each attempt go through compute_loss: its per-step metrics are put back
+        self._autoaccum_metrics = {name: copy.deepcopy(getattr(self, name)) for name in STEP_METRICS
+                                   if hasattr(self, name)}
         guard = self._guard(model)
-        result = guard.accumulate(inputs, self._autoaccum_loss)
+        # a padding-free batch is cut by its examples (HF counted its items on the collated batch)
+        result = guard.accumulate(inputs.get(EXAMPLES, inputs) if isinstance(inputs, Mapping) else inputs,
+                                  self._autoaccum_loss)
         self._log_plan(result)
         return torch.tensor(result.loss, device=self.args.device)
+
+    def _restore_step_metrics(self) -> None:
+        for name, value in self._autoaccum_metrics.items():
+            setattr(self, name, copy.deepcopy(value))
 
     def _guard(self, model: torch.nn.Module) -> LazyGuard:
         if self._autoaccum is None or self._autoaccum.model is not model:
@@ -352,8 +467,10 @@ class AutoAccumTrainer(Trainer):
             return
         guard = self._autoaccum.guard if self._autoaccum is not None else None
         self._autoaccum_logged = plan
-        self.log({"autoaccum/micro_batch": float(plan[0]), "autoaccum/accum_steps": float(plan[1]),
-                  "autoaccum/oom_replays": float(guard.ooms if guard is not None else 0)})
+        # HF's own log, past a subclass's: TRL's log adds its per-step metrics (and clears them), which belong
+        # to the step's own entry
+        Trainer.log(self, {"autoaccum/micro_batch": float(plan[0]), "autoaccum/accum_steps": float(plan[1]),
+                           "autoaccum/oom_replays": float(guard.ooms if guard is not None else 0)})
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def _save_checkpoint(self, model: Any, trial: Any, *args: Any, **kwargs: Any) -> None:

@@ -253,17 +253,20 @@ class GlobalBatches:
         if n > self.share or (n < self.share and more):
             raise ValueError(self._size_message(n, "a first batch"))
 
-    def sample(self, size: int) -> Batch:
-        """``size`` samples for the probe: the first of epoch 0's order (or of the first batch)."""
+    def sample(self, size: int, repeat: bool = False) -> Batch:
+        """``size`` samples for the probe: the first of epoch 0's order (or of the first batch); with
+        ``repeat``, data holding fewer is drawn again from its start (indexed data)."""
         if self.iterable is not None:
             first = self._first_batch()
             have = batch_size(first)
             if size > have:
                 raise ValueError(f"the probe needs {size} samples but the data's batches hold {have}")
             return split_batch(first, [size, have - size])[0]
-        if size > self.num_samples:  # type: ignore[operator]
-            raise ValueError(f"the probe asked for {size} samples but data holds only {self.num_samples}")
-        return self._gather(self._order(0)[:size])
+        n = self.num_samples
+        if size > n and not repeat:  # type: ignore[operator]
+            raise ValueError(f"the probe asked for {size} samples but data holds only {n}")
+        order = self._order(0)
+        return self._gather(order[:size] if size <= n else order[torch.arange(size) % n])  # type: ignore[operator]
 
     def _first_batch(self) -> Batch:
         """The iterable's first batch, fetched once for all of the probe's samples.

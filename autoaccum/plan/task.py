@@ -44,7 +44,7 @@ def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 @dataclass(frozen=True)
 class Task:
-    """Everything one training step needs.
+    """Everything one training step needs (``Task.from_data`` builds one whose batches are your data's).
 
     Attributes:
         model: the module to train (on the device the step runs on).
@@ -74,6 +74,56 @@ class Task:
             if not self.lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.lengths):
                 raise ValueError("Task.lengths must be a non-empty sequence of ints >= 1 (the samples' lengths)")
             object.__setattr__(self, "lengths", tuple(self.lengths))
+
+    @classmethod
+    def from_data(cls, model: torch.nn.Module, loss_fn: LossFn, data: Any, *, collate_fn: Any = None,
+                  length_fn: Any = None, by_length: bool | None = None,
+                  make_optimizer: OptimizerFactory = default_optimizer, name: str = "task", seed: int = 0) -> Task:
+        """A task whose batches are drawn from your data, so that the probe measures real samples.
+
+        ``make_batch(b)`` takes ``b`` samples in the order ``fit`` would draw them (epoch 0 of ``seed``),
+        collated as ``fit`` collates them; a dataset with fewer samples than a size asks for repeats them.
+        Variable-length data (``length_fn``, an attention mask or unpadded ``input_ids`` whose lengths
+        vary) also gives the lengths, and the probe measures by length as ``fit`` does.
+
+        Args:
+            model: the module to train.
+            loss_fn: ``loss_fn(model, batch)`` -> mean loss, or ``(loss_sum, num_items)``.
+            data: what ``fit`` takes: a tuple or dict of tensors, a map-style ``Dataset``, or a ``DataLoader``
+                (its dataset and ``collate_fn`` are used; a loader over an iterable dataset gives its first batch).
+            collate_fn: batches a list of dataset items (default: the loader's, else ``default_collate``).
+            length_fn: a sample's length, for variable-length data.
+            by_length: measure by length (True), not (False), or decide as ``fit`` does (None).
+            make_optimizer: ``make_optimizer(params)`` -> an optimizer (default AdamW).
+            name: shown in reports.
+            seed: the order samples are drawn in (``fit``'s ``seed``).
+
+        Raises:
+            TypeError: data of a kind ``fit`` does not take, or no lengths where ``by_length=True``.
+            ValueError: empty data.
+        """
+        from torch.utils.data import DataLoader, IterableDataset
+
+        from autoaccum.plan.data import GlobalBatches
+
+        if isinstance(data, DataLoader) and not isinstance(data.dataset, IterableDataset):
+            collate_fn = collate_fn if collate_fn is not None else data.collate_fn
+            data = data.dataset  # the loader batches for training; the probe draws any number of samples
+        batches = GlobalBatches(data, 1, seed=seed, collate_fn=collate_fn, length_fn=length_fn)
+        lengths = None
+        if by_length or (by_length is None and length_fn is not None):
+            lengths = batches.lengths()[0]
+        elif by_length is None:
+            try:
+                profile = batches.length_profile()
+            except TypeError:  # no attention mask, no unpadded input_ids: data of one shape
+                profile = None
+            lengths = batches.lengths()[0] if profile is not None and profile.varies else None
+        if lengths is None:
+            return cls(model=model, loss_fn=loss_fn, make_batch=lambda b: batches.sample(b, repeat=True),
+                       make_optimizer=make_optimizer, name=name)
+        return cls(model=model, loss_fn=loss_fn, make_batch=batches.sample_at, make_optimizer=make_optimizer,
+                   name=name, lengths=tuple(lengths))
 
     def batch(self, size: int, length: int | None = None) -> Batch:
         """``make_batch(size)`` (or ``make_batch(size, length)``), checked to hold exactly ``size`` samples.

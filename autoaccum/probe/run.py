@@ -47,6 +47,7 @@ from autoaccum.probe import cache as probe_cache
 from autoaccum.probe.estimate import cuda_library_bytes, estimate_device, fake_setup, with_offset
 from autoaccum.probe.length_search import search_lengths
 from autoaccum.probe.choice import choose
+from autoaccum.probe.progress import ProbeProgress
 from autoaccum.probe.report import Candidate, ProbeReport, model_fingerprint, model_summary
 from autoaccum.probe.size_search import search_sizes
 from autoaccum.probe.stepper import HostSnapshotNeeded, StandIn, Stepper
@@ -96,6 +97,7 @@ def probe(
     lengths: Any = None,
     lengths_source: str = "",
     memory_savers: Any = "auto",
+    progress: bool = False,
 ) -> ProbeReport:
     """Measure the memory and speed of real training steps and plan micro-batch x accumulation.
 
@@ -129,6 +131,8 @@ def probe(
         memory_savers: where even the smallest micro-batch does not fit, measure again on the next rung of the
             memory ladder (``autoaccum.memory.savers``) and plan on the lowest rung where it fits: ``"auto"``
             (default), ``"off"``, or a tuple of rungs.
+        progress: on a terminal, show the sizes measured so far on one line of stderr (cleared at the end;
+            off a terminal nothing is written).
 
     Returns:
         A ``ProbeReport`` with the plan, the candidates and the fitted model.
@@ -172,20 +176,26 @@ def probe(
     library = cuda_library_bytes(device) if estimate and device.type == "cuda" else 0
     passes = steps_per_size if steps_per_size is not None else 2 if is_compiled(task.model) else 1
     tried: list[tuple[str, int | None]] = []
-    for rung in rungs:  # the memory ladder: the lowest rung on which the smallest micro-batch fits
-        try:
-            measured = _measure(task, optimizer, precision, plan_budget.budget_bytes - library, plan_budget.headroom,
-                                estimate=estimate, share=share, smallest=smallest, upper=upper, passes=passes,
-                                max_candidates=max_candidates, profile=profile, rung=rung)
-            break
-        except DoesNotFitError as exc:
-            tried.append((rung, exc.needed_bytes))
-            if rung == rungs[-1]:
-                raise DoesNotFitError(exc.needed_bytes, exc.available_bytes, suggestions(rungs), at_least=exc.at_least,
-                                      micro_batch=exc.micro_batch, rungs=tried) from None
-            logger.log(rank_level(logging.INFO), "probe: even micro-batch %d does not fit %s; measuring again with "
-                       "%s", exc.micro_batch, "without a memory saver" if rung == "none" else f"with {rung}",
-                       rungs[rungs.index(rung) + 1])
+    line = ProbeProgress(progress)
+    try:
+        for rung in rungs:  # the memory ladder: the lowest rung on which the smallest micro-batch fits
+            line.rung(rung)
+            try:
+                measured = _measure(task, optimizer, precision, plan_budget.budget_bytes - library,
+                                    plan_budget.headroom, estimate=estimate, share=share, smallest=smallest,
+                                    upper=upper, passes=passes, max_candidates=max_candidates, profile=profile,
+                                    rung=rung, progress=line)
+                break
+            except DoesNotFitError as exc:
+                tried.append((rung, exc.needed_bytes))
+                if rung == rungs[-1]:
+                    raise DoesNotFitError(exc.needed_bytes, exc.available_bytes, suggestions(rungs),
+                                          at_least=exc.at_least, micro_batch=exc.micro_batch, rungs=tried) from None
+                logger.log(rank_level(logging.INFO), "probe: even micro-batch %d does not fit %s; measuring again "
+                           "with %s", exc.micro_batch, "without a memory saver" if rung == "none" else f"with {rung}",
+                           rungs[rungs.index(rung) + 1])
+    finally:
+        line.close()
     stepper, model_fit, token_model, note = measured.stepper, measured.model, measured.token_model, measured.note
     candidates = tuple(stepper.measured.values())
     if library:
@@ -283,16 +293,19 @@ def _room_for_weights_copy(model: torch.nn.Module, optimizer: torch.optim.Optimi
 
 def _measure(task: Task, optimizer: Any, precision: Precision, budget_bytes: int, headroom: float, *,
              estimate: bool, share: int, smallest: int, upper: int, passes: int, max_candidates: int,
-             profile: LengthProfile | None, rung: str = "none") -> _Measured:
+             profile: LengthProfile | None, rung: str = "none", progress: ProbeProgress | None = None) -> _Measured:
     """Run the measurements (on fake tensors for an estimate) and choose the size; the task's state is restored
     after both. Where the weights' copy on the device did not do (``HostSnapshotNeeded``), everything is measured
     again with them copied to host memory; the first try's passes and OOMs count in the report."""
     kwargs: dict[str, Any] = {"estimate": estimate, "share": share, "smallest": smallest, "upper": upper,
-                              "passes": passes, "max_candidates": max_candidates, "profile": profile, "rung": rung}
+                              "passes": passes, "max_candidates": max_candidates, "profile": profile, "rung": rung,
+                              "progress": progress}
     try:
         return _measure_once(task, optimizer, precision, budget_bytes, headroom, copy_weights=not estimate, **kwargs)
     except HostSnapshotNeeded as first:
         logger.debug("probe: %s; measuring again with the weights copied to host memory", first)
+        if progress is not None:
+            progress.rung(rung)  # the sizes are measured again
         measured = _measure_once(task, optimizer, precision, budget_bytes, headroom, copy_weights=False, **kwargs)
         measured.stepper.steps += first.steps
         measured.stepper.ooms += first.ooms
@@ -302,7 +315,8 @@ def _measure(task: Task, optimizer: Any, precision: Precision, budget_bytes: int
 
 def _measure_once(task: Task, optimizer: Any, precision: Precision, budget_bytes: int, headroom: float, *,
                   copy_weights: bool, estimate: bool, share: int, smallest: int, upper: int, passes: int,
-                  max_candidates: int, profile: LengthProfile | None, rung: str) -> _Measured:
+                  max_candidates: int, profile: LengthProfile | None, rung: str,
+                  progress: ProbeProgress | None = None) -> _Measured:
     device = trainable_parameters(task.model)[0].device
     run_model, make_optimizer = task.model, task.make_optimizer
     user_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
@@ -340,7 +354,7 @@ def _measure_once(task: Task, optimizer: Any, precision: Precision, budget_bytes
                 stepper = Stepper(run_model, run_optimizer, task.loss_fn, task.batch, device, meter, usable,
                                   share=share, passes=passes, autocast_dtype=autocast_dtype(precision),
                                   scaler=None if estimate else make_scaler(precision, device), own_inputs=estimate,
-                                  weights_copy=weights_copy, copy_bytes=copy_bytes)
+                                  weights_copy=weights_copy, copy_bytes=copy_bytes, progress=progress)
                 token_model = None
                 if profile is None:
                     model_fit, note = search_sizes(stepper, smallest, upper, budget_bytes, headroom, max_candidates)

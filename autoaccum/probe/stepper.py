@@ -42,6 +42,7 @@ from autoaccum.memory.recovery import catch_oom, release_memory
 from autoaccum.plan.batch import Batch, batch_size, move_to, own_rows, tensors
 from autoaccum.plan.task import LossFn, check_loss, explain_error
 from autoaccum.precision import autocast
+from autoaccum.probe.progress import ProbeProgress
 from autoaccum.probe.report import Candidate, Status
 from autoaccum.state import WeightsCopy
 from autoaccum.units import format_bytes
@@ -146,8 +147,10 @@ class Stepper:
                  make_batch: Callable[[int], Batch], device: torch.device, meter: Meter, usable_bytes: int, *,
                  share: int, passes: int = 1, autocast_dtype: torch.dtype | None = None,
                  scaler: torch.amp.GradScaler | None = None, own_inputs: bool = False,
-                 weights_copy: WeightsCopy | None = None, copy_bytes: int = 0) -> None:
+                 weights_copy: WeightsCopy | None = None, copy_bytes: int = 0,
+                 progress: ProbeProgress | None = None) -> None:
         self.model, self.optimizer, self.loss_fn, self.make_batch = model, optimizer, loss_fn, make_batch
+        self.progress = progress  # the terminal line: each size as it starts and ends
         self.device, self.meter, self.usable_bytes, self.passes = device, meter, usable_bytes, passes
         self.share = share  # a micro-batch smaller than this rank's share accumulates
         self.autocast_dtype, self.scaler = autocast_dtype, scaler
@@ -339,6 +342,8 @@ class Stepper:
         return micro
 
     def _record(self, size: int, run: Callable[[int], Candidate]) -> Candidate:
+        if self.progress is not None:
+            self.progress.measuring(size, self.length)
         ran, failed = catch_oom(run, size)
         if failed:  # outside any except block: the failed pass's activations are gone
             self.steps += 1
@@ -352,4 +357,6 @@ class Stepper:
         at = "" if self.length is None else f" at length {self.length}"
         logger.debug("probe micro-batch %d%s: %s, peak %s", size, at, candidate.status,
                      "?" if candidate.peak_bytes is None else format_bytes(candidate.peak_bytes))
+        if self.progress is not None:
+            self.progress.measured(candidate)
         return candidate

@@ -187,7 +187,9 @@ class OOMGuard:
             batch: ``plan.rank_batch(rank)`` samples; fewer only with ``partial=True`` (the last
                 batch of an epoch), which is then one exact step on the samples it holds.
             loss_fn: ``loss_fn(model, micro_batch)`` -> mean loss over the micro-batch, or
-                ``(loss_sum, num_items)`` for token-level losses.
+                ``(loss_sum, num_items)`` for token-level losses. Where it has a ``begin_attempt()``
+                method, that is called before each attempt at the step (the first and every replay),
+                for a loss with side effects to put back (a trainer's running metrics).
             partial: the batch is the epoch's smaller last one.
 
         Returns:
@@ -273,8 +275,11 @@ class OOMGuard:
         rng, buffers = capture_rng(), capture_buffers(self._buffer_slots)
         self._zero_grad()  # every step, even with nothing set: wrappers of optimizer.zero_grad see it start
         attempts = 0
+        begin = getattr(loss_fn, "begin_attempt", None)  # a loss with side effects puts them back (integrations)
         while True:
             attempts += 1
+            if callable(begin):
+                begin()
             agreed = self._agree_cut(batch, n, items, attempts)
             if agreed.error is not None:
                 self._zero_grad()

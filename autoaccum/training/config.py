@@ -25,6 +25,7 @@ from autoaccum.step.growth import GrowMode
 from autoaccum.step.sync import OverlapMode
 from autoaccum.step.optim import NONFINITE_POLICIES, NonFinite
 from autoaccum.training.lr import LR_RULES, LrRule
+from autoaccum.training.report import check_callbacks, check_report_to
 from autoaccum.units import parse_bytes
 from autoaccum.validate import (
     check_choice,
@@ -221,16 +222,30 @@ class OutputConfig:
         verbose: log the banner, evaluations and the summary (logger ``autoaccum.fit``, INFO; shown
             on stderr where logging is not configured, see ``autoaccum.log``). Plan changes are
             warnings and show either way.
+        report_to: where each step's metrics also go (rank 0): ``"tensorboard"``, ``"wandb"``,
+            ``"mlflow"`` (each an extra of its own), a callable receiving each step's metrics dict,
+            or a list of these (``autoaccum.training.report``).
+        report_dir: TensorBoard's log folder (default ``runs/<time>_<host>``, as ``SummaryWriter``'s).
+        callbacks: objects with ``on_step(metrics)`` (each step's metrics dict) and/or
+            ``on_end(result)`` (the ``FitResult``), called on rank 0.
     """
 
     progress: bool = _option(default=True)
     log_file: str | os.PathLike[str] | None = _option(default=None)
     eval_every: int | None = _option(default=None)
     verbose: bool = _option(default=True)
+    report_to: Any = _option(default=None)
+    report_dir: str | os.PathLike[str] | None = _option(default=None)
+    callbacks: Any = _option(default=())
 
     def problems(self) -> list[Exception]:
-        return _collect(lambda: self.eval_every is None or check_positive_int(self.eval_every, "eval_every"),
-                        lambda: self.log_file is None or _check_log_file(self.log_file))
+        return _collect(
+            lambda: self.eval_every is None or check_positive_int(self.eval_every, "eval_every"),
+            lambda: self.log_file is None or _check_log_file(self.log_file),
+            lambda: check_report_to(self.report_to),
+            lambda: check_callbacks(self.callbacks),
+            lambda: self.report_dir is None or _require_path(self.report_dir, "report_dir"),
+        )
 
 
 @dataclass(frozen=True)
@@ -305,6 +320,11 @@ def _check_log_file(log_file: Any) -> None:
         raise ValueError(f"Invalid log_file {str(log_file)!r}: its directory {str(folder)!r} does not exist. Allowed: "
                          f"a file path in an existing directory; create it first (os.makedirs({str(folder)!r}, "
                          f"exist_ok=True)) or choose another path")
+
+
+def _require_path(value: object, name: str) -> None:
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a path (str or os.PathLike), got {value!r} ({type(value).__name__})")
 
 
 def _require(condition: bool, message: str) -> None:

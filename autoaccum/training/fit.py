@@ -43,6 +43,7 @@ from autoaccum.training.loop import Run, train
 from autoaccum.training.lr import apply_lr_rule, warmup_lambda
 from autoaccum.training.plans import choose_plan
 from autoaccum.training.progress import Progress
+from autoaccum.training.report import Reporter, check_backends
 from autoaccum.training.resume import RunPosition, check_resumable, restore_run
 from autoaccum.units import format_bytes
 from autoaccum.validate import check_positive_int, resolve_device
@@ -157,8 +158,9 @@ def fit(model: torch.nn.Module, data: Any, target_batch: int = 256, *, loss_fn: 
             ``by_length`` (``DataConfig``); ``device``, ``budget``, ``headroom``, ``plan``,
             ``precision``, ``max_grad_norm``, ``nonfinite``, ``grow``, ``grow_after``, ``overlap``,
             ``memory_savers``, ``probe_cache`` (``MemoryConfig``); ``checkpoint_dir``, ``checkpoint_every``, ``resume``
-            (``CheckpointConfig``); ``progress``, ``log_file``, ``eval_every``, ``verbose``
-            (``OutputConfig``). Each is documented on its config class.
+            (``CheckpointConfig``); ``progress``, ``log_file``, ``eval_every``, ``verbose``,
+            ``report_to``, ``report_dir``, ``callbacks`` (``OutputConfig``). Each is documented on
+            its config class.
 
     Returns:
         A ``FitResult``.
@@ -166,6 +168,7 @@ def fit(model: torch.nn.Module, data: Any, target_batch: int = 256, *, loss_fn: 
     Raises:
         ValueError: an argument or option out of its range (before any work).
         TypeError: an argument or option of the wrong type, or an unknown option (before any work).
+        ImportError: a ``report_to`` backend whose package is not installed (before any work).
         DoesNotFitError: even the smallest micro-batch the model trains at does not fit.
         NonFiniteError: inf/NaN gradients or loss under ``nonfinite="stop"``, found before the
             optimizer step (the weights, optimizer state and scheduler are those of the step before).
@@ -175,6 +178,7 @@ def fit(model: torch.nn.Module, data: Any, target_batch: int = 256, *, loss_fn: 
     started = time.perf_counter()
     _check_call(data, target_batch, loss_fn)
     cfg = FitConfig.from_options(config, **options).check()
+    check_backends(cfg.output.report_to)  # a missing extra fails here, not after the probe
     if cfg.output.verbose:
         ensure_visible()  # before the probe: its messages show alike in a process's first run and in later ones
     with quiet(not cfg.output.verbose):  # verbose=False: no INFO line of this run, the probe's included
@@ -226,27 +230,36 @@ def _fit(model: torch.nn.Module, data: Any, target_batch: int, loss_fn: LossFn |
         world_size=sync.world_size)
     run = Run(model, optimizer, scheduler, scaler, guard, sync, loss_fn, dev, cfg, target_batch, run_lr, ckpt_dir,
                position)
+    reporter = Reporter(cfg.output.report_to, cfg.output.callbacks, cfg.output.report_dir,
+                        _run_settings(run, start_plan, plan_source), sync.rank)
     progress = Progress(cfg.output.progress, _total_steps(cfg, batches), cfg.output.log_file, sync.rank,
-                        cfg.output.verbose, resumed_at=None if state is None else position.steps)
+                        cfg.output.verbose, resumed_at=None if state is None else position.steps, reporter=reporter)
     progress.say(_banner(run, start_plan, plan_source, emulated=meter is not None, resumed=state is not None))
+    failed = True
     try:
         if meter is not None:  # the emulated device: weights and state count; steps run inside it (train)
             meter.track(model, optimizer)
         summary = train(run, batches, eval_batches, progress, meter)
+        if meter is not None:
+            meter.close()
+            meter = None
+        result = FitResult(
+            plan=start_plan, final_plan=guard.plan, plan_source=plan_source, plan_changes=tuple(guard.changes),
+            optimizer_steps=position.steps, samples_seen=position.samples, oom_events=guard.ooms,
+            eval_ooms=summary["eval_ooms"], final_loss=position.last_loss, losses=tuple(position.losses),
+            eval_loss=summary["eval_loss"], lr=run_lr, samples_per_s=summary["samples_per_s"],
+            peak_bytes=summary["peak_bytes"], wall_time_s=time.perf_counter() - started,
+            probe_time_s=0.0 if report is None else report.wall_time_s, probe=report,
+            micro_steps=tuple(summary["micro_steps"]), skipped_steps=position.skipped,
+            overlapped_steps=summary["overlapped_steps"],
+        )
+        reporter.end(result)  # the callbacks' on_end, while a W&B or MLflow run of this fit is still open
+        failed = False
     finally:
         if meter is not None:
             meter.close()
-        progress.close()
-    return FitResult(
-        plan=start_plan, final_plan=guard.plan, plan_source=plan_source, plan_changes=tuple(guard.changes),
-        optimizer_steps=position.steps, samples_seen=position.samples, oom_events=guard.ooms,
-        eval_ooms=summary["eval_ooms"], final_loss=position.last_loss, losses=tuple(position.losses),
-        eval_loss=summary["eval_loss"], lr=run_lr, samples_per_s=summary["samples_per_s"],
-        peak_bytes=summary["peak_bytes"], wall_time_s=time.perf_counter() - started,
-        probe_time_s=0.0 if report is None else report.wall_time_s, probe=report,
-        micro_steps=tuple(summary["micro_steps"]), skipped_steps=position.skipped,
-        overlapped_steps=summary["overlapped_steps"],
-    )
+        progress.close(failed)
+    return result
 
 
 def _check_call(data: Any, target_batch: Any, loss_fn: Any) -> None:
@@ -330,6 +343,14 @@ def _total_steps(cfg: FitConfig, batches: GlobalBatches) -> int | None:
     if epochs is None or per_epoch is None:
         return max_steps
     return min(max_steps or epochs * per_epoch, epochs * per_epoch)
+
+
+def _run_settings(run: Run, plan: Plan, source: str) -> dict[str, Any]:
+    """What a W&B or MLflow run that fit starts records as its configuration."""
+    cfg = run.config
+    return {"target_batch": run.target_batch, "micro_batch": plan.micro_batch, "accum_steps": plan.accum_steps,
+            "world_size": plan.world_size, "plan_source": source, "lr": run.lr, "lr_rule": cfg.lr.rule,
+            "precision": cfg.memory.precision, "device": str(run.device), "model": type(run.model).__name__}
 
 
 def _banner(run: Run, plan: Plan, source: str, *, emulated: bool, resumed: bool) -> str:

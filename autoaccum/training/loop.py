@@ -66,7 +66,7 @@ def train(run: Run, batches: GlobalBatches, eval_batches: GlobalBatches | None, 
     # device holds the micro-batches it is sent (the guard copies them in), not the host's batches.
     device_region = meter if meter is not None else contextlib.nullcontext()
 
-    def run_eval() -> None:
+    def run_eval() -> float:
         nonlocal eval_loss, eval_micro, eval_ooms, evaluated_at
         # the emulated device counts each attempt's forwards, not the host's drawing of the eval batches
         result = evaluate(run.model, eval_batches, run.loss_fn, eval_micro, sync=run.sync,  # type: ignore[arg-type]
@@ -75,6 +75,7 @@ def train(run: Run, batches: GlobalBatches, eval_batches: GlobalBatches | None, 
         eval_loss, eval_micro, eval_ooms, evaluated_at = result.loss, result.micro_batch, eval_ooms + result.ooms, \
             pos.steps
         progress.say(f"step {pos.steps}: eval loss {eval_loss:.4g}")
+        return eval_loss
 
     def save() -> None:
         save_run(run.ckpt_dir, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler, scaler=run.scaler,
@@ -103,9 +104,10 @@ def train(run: Run, batches: GlobalBatches, eval_batches: GlobalBatches | None, 
             overlapped += result.overlapped
             if result.peak_bytes is not None:
                 peak = max(peak or 0, result.peak_bytes)
-            progress.step(_record(result, pos), result.plan)
+            record = _record(result, pos)
             if eval_batches is not None and cfg.output.eval_every is not None and pos.steps % cfg.output.eval_every == 0:
-                run_eval()
+                record["eval_loss"] = run_eval()  # in the step's metrics: each step reported once
+            progress.step(record, result.plan)
             if cfg.checkpoint.every is not None and pos.steps % cfg.checkpoint.every == 0:
                 save()
             if max_steps is not None and pos.steps >= max_steps:
@@ -119,7 +121,7 @@ def train(run: Run, batches: GlobalBatches, eval_batches: GlobalBatches | None, 
                 break
             pos.epoch, pos.index = pos.epoch + 1, 0
     if eval_batches is not None and evaluated_at != pos.steps:  # the end, unless just evaluated
-        run_eval()
+        progress.evaluated(pos.steps, run_eval())
     save()
     if pos.last_loss is None:
         raise AutoAccumError("no optimizer step ran: the data yielded no batch")

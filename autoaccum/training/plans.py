@@ -40,7 +40,8 @@ def choose_plan(cfg: FitConfig, state: dict[str, Any] | None, sync: GradSync, ta
         report = probe(task, optimizer=optimizer, target_batch=target_batch, world_size=sync.world_size,
                        budget=cfg.memory.budget, headroom=cfg.memory.headroom, precision=cfg.memory.precision,
                        cache=cfg.memory.probe_cache, lengths=None if lengths is None else lengths[0],
-                       lengths_source="" if lengths is None else lengths[2], memory_savers=cfg.memory.memory_savers)
+                       lengths_source="" if lengths is None else lengths[2], memory_savers=cfg.memory.memory_savers,
+                       progress=cfg.output.progress and cfg.output.verbose and sync.rank == 0)
         plan, source = report.plan, report.source
     if sync.world_size > 1:  # one plan for every rank: the smallest micro-batch any rank can run
         plan = sync.agree_plan(plan)

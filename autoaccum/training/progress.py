@@ -1,4 +1,5 @@
-"""What ``fit`` reports while it runs: banner, progress bar, one JSON line per step, summary.
+"""What ``fit`` reports while it runs: banner, progress bar, one JSON line per step (also to the
+``report_to`` targets and callbacks, ``autoaccum.training.report``), summary.
 
 The metrics file gets one line per optimizer step. A resumed run first cuts the file back to the
 checkpoint's step (``truncate_metrics``: the lines of the steps after the checkpoint, which the
@@ -17,6 +18,7 @@ from typing import Any
 from autoaccum.jsonio import write_bytes_atomic
 from autoaccum.log import SHOWN
 from autoaccum.plan.plan import Plan
+from autoaccum.training.report import Reporter
 from autoaccum.units import format_bytes
 
 __all__ = ["Progress", "truncate_metrics"]
@@ -34,8 +36,9 @@ class Progress:
     """
 
     def __init__(self, progress: bool, total: int | None, log_file: str | os.PathLike[str] | None, rank: int,
-                 verbose: bool = True, resumed_at: int | None = None) -> None:
+                 verbose: bool = True, resumed_at: int | None = None, reporter: Reporter | None = None) -> None:
         self.rank, self.verbose = rank, verbose
+        self.reporter = reporter if reporter is not None else Reporter(None, rank=rank)
         self.interactive = progress and rank == 0 and sys.stderr.isatty()
         self.bar: Any = None
         if self.interactive:
@@ -60,6 +63,7 @@ class Progress:
         if self.log is not None:
             self.log.write(json.dumps(record) + "\n")
             self.log.flush()
+        self.reporter.step(record)
         if self.bar is not None:
             peak, steps = record["peak_bytes"], record["micro_steps"]
             cut = plan.describe() if plan is not None and plan.tokens is None else \
@@ -69,11 +73,16 @@ class Progress:
                 f"{cut}" + ("" if peak is None else f" · peak {format_bytes(peak)}"), refresh=False)
             self.bar.update(1)
 
-    def close(self) -> None:
+    def evaluated(self, step: int, loss: float) -> None:
+        """An evaluation after the step's metrics were written (the one at the end of the run)."""
+        self.reporter.evaluated(step, loss)
+
+    def close(self, failed: bool = False) -> None:
         if self.bar is not None:
             self.bar.close()
         if self.log is not None:
             self.log.close()
+        self.reporter.close(failed)
 
 
 def truncate_metrics(path: str | os.PathLike[str], step: int) -> int:
