@@ -308,7 +308,7 @@ def test_a_models_own_token_mean_is_reweighted_by_its_token_share(shift, tmp_pat
     """Trainer at per-device 4 (one forward of the 4 rows) against AutoAccumTrainer 2 x 2 cut at micro 1:
     equal in fp64. Negative controls: weighting each micro-batch's token mean by samples (no count), and
     the wrong verdict on the shift, both differ by more than 1e-3."""
-    import autoaccum.integrations.transformers as integration
+    from autoaccum.integrations import hf_loss
 
     reference = OwnMeanLM(shift)
     _own_mean_step(Trainer, reference, str(tmp_path / "ref"), 4, 1)
@@ -319,12 +319,12 @@ def test_a_models_own_token_mean_is_reweighted_by_its_token_share(shift, tmp_pat
     assert trainer._autoaccum_loss.own_mean_shifts is shift  # asked of the model, not assumed
     by_samples = OwnMeanLM(shift)
     with monkeypatch.context() as patch:
-        patch.setattr(integration._TrainerLoss, "count_items", lambda self, model, batch: None)
+        patch.setattr(hf_loss.TrainerLoss, "count_items", lambda self, model, batch: None)
         _own_mean_step(AutoAccumTrainer, by_samples, str(tmp_path / "samples"), 2, 2, micro_batch=1)
     assert rel_diff(params(by_samples), params(reference)) > 1e-3
     wrong = OwnMeanLM(shift)
     with monkeypatch.context() as patch:
-        patch.setattr(integration._TrainerLoss, "_ask_model", lambda self, model, batch, row: not shift)
+        patch.setattr(hf_loss.TrainerLoss, "_ask_model", lambda self, model, batch, row: not shift)
         _own_mean_step(AutoAccumTrainer, wrong, str(tmp_path / "wrong"), 2, 2, micro_batch=1)
     assert rel_diff(params(wrong), params(reference)) > 1e-3
 

@@ -120,10 +120,10 @@ def test_equals_sfts_own_accumulation_through_a_probe_and_an_oom_replay(referenc
 
 
 def test_negative_control_micro_batch_means_weighted_by_samples_differ(tmp_path, monkeypatch):
-    import autoaccum.integrations.transformers as integration
+    from autoaccum.integrations import hf_loss
 
     ref, _ = _train(SFTTrainer, "text", tmp_path / "ref")
-    monkeypatch.setattr(integration._TrainerLoss, "count_items", lambda self, model, batch: None)
+    monkeypatch.setattr(hf_loss.TrainerLoss, "count_items", lambda self, model, batch: None)
     model, trainer = _train(SFT, "text", tmp_path / "wrong", micro_batch=3)
     assert trainer.autoaccum_guard.guard.plan.accum_steps == 3
     assert rel_diff(params(model), params(ref)) > 1e-3

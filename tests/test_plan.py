@@ -225,7 +225,7 @@ def test_dict_round_trip_and_missing_keys():
 
 
 def test_read_plan_accepts_what_the_tools_write(tmp_path):
-    from autoaccum.plan.plan import read_plan
+    from autoaccum.plan.sources import read_plan
 
     plan = Plan.for_target(256, 48)
     doc = {"kind": "autoaccum.probe", "plan": plan.to_dict()}

@@ -32,7 +32,8 @@ from autoaccum import distributed
 from autoaccum.log import announce
 from autoaccum.memory import TrackedMemory, active_budget
 from autoaccum.plan.batch import Batch, batch_size, split_batch
-from autoaccum.plan.plan import Plan, read_plan, resolve_plan, source_words
+from autoaccum.plan.plan import Plan
+from autoaccum.plan.sources import read_plan, resolve_plan, source_words
 from autoaccum.plan.task import LossFn
 from autoaccum.precision import Precision
 from autoaccum.probe.report import ProbeReport, check_made_for

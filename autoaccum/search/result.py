@@ -3,7 +3,7 @@
 A plan file (``SearchResult.save``, ``autoaccum search --out``) is JSON of kind ``autoaccum.plan``:
 the winner's plan and knobs and what they measured. ``read_plan_file`` reads it back -- and a
 search result or a probe report (``autoaccum probe --json``) -- through
-``autoaccum.plan.plan.read_plan_document``, the one reader of plan files, after checking the kind.
+``autoaccum.plan.sources.read_plan_document``, the one reader of plan files, after checking the kind.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from typing import Any, Literal
 import torch
 
 from autoaccum.jsonio import write_json_atomic
-from autoaccum.plan.plan import Plan, read_plan_document
+from autoaccum.plan.plan import Plan
+from autoaccum.plan.sources import read_plan_document
 from autoaccum.search.knobs import Knobs
 from autoaccum.search.throughput import Status
 from autoaccum.units import format_bytes

@@ -15,7 +15,8 @@ from autoaccum.memory.savers import ladder
 from autoaccum.plan.batch import Batch, SplitFn, batch_size, move_to, split_batch
 from autoaccum.plan.batchnorm import smallest_micro_batch
 from autoaccum.plan.cut import Cutter
-from autoaccum.plan.plan import Plan, resolve_plan
+from autoaccum.plan.plan import Plan
+from autoaccum.plan.sources import resolve_plan
 from autoaccum.plan.task import LossFn, check_loss_fn, check_optimizer_covers, trainable_parameters
 from autoaccum.probe.report import check_made_for
 from autoaccum.step.growth import GrowMode, check_growth_options, prior_of

@@ -6,9 +6,8 @@ reduced once. On an OOM anywhere, every rank replays the step on the same sample
 micro-batch (invariant 3): outside the ``except`` block, with the gradients cleared, memory released
 and the RNG state and the buffers a forward updates put back.
 
-``OOMGuard.step`` adds the optimizer step (``autoaccum.step.optim``); ``OOMGuard.accumulate`` stops
-at the gradient, for trainers that step themselves. How the plan shrinks, grows back and reacts to
-allocator thrashing is ``autoaccum.step.policy``'s and ``autoaccum.step.growth``'s.
+``OOMGuard.step`` adds the optimizer step; ``OOMGuard.accumulate`` stops at the gradient. How the
+plan changes is ``autoaccum.step.policy``'s.
 """
 
 from __future__ import annotations
@@ -187,9 +186,8 @@ class OOMGuard:
             batch: ``plan.rank_batch(rank)`` samples; fewer only with ``partial=True`` (the last
                 batch of an epoch), which is then one exact step on the samples it holds.
             loss_fn: ``loss_fn(model, micro_batch)`` -> mean loss over the micro-batch, or
-                ``(loss_sum, num_items)`` for token-level losses. Where it has a ``begin_attempt()``
-                method, that is called before each attempt at the step (the first and every replay),
-                for a loss with side effects to put back (a trainer's running metrics).
+                ``(loss_sum, num_items)`` for token-level losses; its ``begin_attempt()``, where it has
+                one, is called before each attempt (to put back side effects: a trainer's metrics).
             partial: the batch is the epoch's smaller last one.
 
         Returns:
@@ -232,15 +230,8 @@ class OOMGuard:
         return AccumulateResult(**self._finish(self._accumulate(batch, loss_fn, partial), started))
 
     def wrap(self, fn: Callable[[Batch], Any]) -> Callable[..., StepResult]:
-        """Turn ``fn(batch) -> loss`` (your forward and loss code) into a guarded step over global batches::
-
-            @guard.wrap
-            def train_step(batch):
-                x, y = batch
-                return F.cross_entropy(model(x), y)
-
-            stats = train_step(global_batch)   # exact accumulation, OOM replay, same global batch
-        """
+        """Turn ``fn(batch) -> loss`` (your forward and loss code) into a guarded step over global batches:
+        ``train_step = guard.wrap(fn)``, then ``train_step(global_batch)`` (see ``docs/guard.md``)."""
         def train_step(batch: Batch, *, partial: bool = False) -> StepResult:
             return self.step(batch, lambda _model, micro: fn(micro), partial=partial)
 
@@ -374,8 +365,7 @@ class OOMGuard:
         for p in self._outside_optimizer:
             p.grad = None
 
-    def _budget_meter(self) -> Meter:
-        """The meter that knows the budget: this guard's, or an emulated budget it runs under."""
+    def _budget_meter(self) -> Meter:  # the meter that knows the budget: this guard's, or an emulated budget's
         return self.meter if self.meter.budget_bytes is not None else (active_budget() or self.meter)
 
     def _does_not_fit(self) -> DoesNotFitError:

@@ -30,7 +30,8 @@ from autoaccum.plan.batch import move_to
 from autoaccum.plan.batchnorm import smallest_micro_batch
 from autoaccum.plan.cut import SampleCut, TokenCut
 from autoaccum.plan.data import GlobalBatches
-from autoaccum.plan.plan import Plan, rank_share, source_words
+from autoaccum.plan.plan import Plan, rank_share
+from autoaccum.plan.sources import source_words
 from autoaccum.plan.task import LossFn, Task, check_loss_fn, check_optimizer_covers, trainable_parameters
 from autoaccum.precision import autocast_dtype, make_scaler
 from autoaccum.probe.report import ProbeReport

@@ -9,7 +9,8 @@ import torch
 
 from autoaccum import distributed
 from autoaccum.log import user_stacklevel
-from autoaccum.plan.plan import Plan, read_plan_document, resolve_plan
+from autoaccum.plan.plan import Plan
+from autoaccum.plan.sources import read_plan_document, resolve_plan
 from autoaccum.plan.task import Task
 from autoaccum.probe.report import ProbeReport, check_made_for
 from autoaccum.probe.run import probe
