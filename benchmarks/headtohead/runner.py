@@ -1,5 +1,5 @@
 """The whole comparison: calibrate each model's budget, run every system (each in its own process), and
-gather the JSON document. Method: benchmarks/RESULTS.md, head-to-head."""
+gather the JSON document."""
 
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
-"""One model's parts in order, each saved to its results file as soon as it is done (resumable).
+"""One model's parts in order, each saved to ``<out>/<model>.json`` as soon as it is done (resumable).
 
-A model's file, ``<out>/<model>.json``, holds its parts: ``estimate``, ``squeeze:process``,
-``squeeze:fraction``, ``squeeze:budget``, ``sweep``, ``search``; issue 40's rows hold the squeezes of their
-settings, then ``estimate``, ``sweep`` and ``estimate_cpu`` (in that order: what matters most first, for
-a run cut short). A rerun keeps the parts already
-measured (a part that raised keeps its error: ``--redo`` measures everything again) and runs the rest;
-a part that cannot run here (a CUDA-only squeeze on a CPU, the search without optuna) is recorded as
-skipped with its reason and looked at again on the next run. A model whose every part is measured or
-skipped is done and is not loaded onto the device again. A file written under other settings (size,
-device type, step counts) is not reused.
+A rerun keeps the parts already measured (a part that raised keeps its error; ``--redo`` measures
+everything again) and runs the rest; a part that cannot run here is recorded as skipped with its reason
+and looked at again next time. A file written under other settings is not reused.
 """
 
 from __future__ import annotations

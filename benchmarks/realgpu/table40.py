@@ -1,23 +1,19 @@
-"""Issue 40's table: one row per model, from the saved parts (nothing is measured here).
-
-Per row: the probe's limit against brute force, its OOMs and cost, the pick against the sweep, fit's
-OOMs and its samples/s against the hand-written loop, and the estimate's error against the measured
-peaks (allocated and reserved) of every try that ran to its end, for the estimate on the model's
-device (fake cuda tensors on a GPU) and, where measured, on fake cpu tensors (the estimate before).
-"""
+"""The issue40 rows' table: one row per model, from the saved parts (nothing is measured here): the
+probe against brute force, the pick against the sweep, fit's OOMs and samples/s against the hand loop,
+and the estimate's error against the measured peaks (on the model's device, and on fake cpu tensors)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from autoaccum.units import format_bytes
-from results_md import markdown_table
+from common import markdown_table
 
 from .report import _errors, _estimate_errors, _found, _pct, _pick_vs_sweep
 
 __all__ = ["TARGETS", "row", "rows", "table", "targets"]
 
-#: issue 40's targets (issue 16's, and fit against the hand-written loop)
+#: the default rows' targets, and fit against the hand-written loop
 TARGETS = {"found_vs_brute": 0.95, "pick_vs_sweep": 0.97, "fit_vs_hand": 0.99, "estimate_median": 0.05,
            "estimate_worst": 0.10}
 
@@ -30,7 +26,7 @@ def _squeeze_part(doc: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
 
 
 def row(doc: dict[str, Any]) -> dict[str, Any]:
-    """One model's row: the numbers the issue asks for (``skipped`` where nothing was measured)."""
+    """One model's row: the table's numbers (``skipped`` where nothing was measured)."""
     kind, part = _squeeze_part(doc)
     out: dict[str, Any] = {"model": doc["model"], "squeeze": kind, "describe": doc.get("describe"),
                            "params": doc.get("params"), "target_batch": doc.get("target_batch")}
