@@ -178,47 +178,33 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.repeats):
         for name, run in runs_in_lockstep(args, report, batches, device, room).items():
             runs[name].append(run)
-    summary: dict[str, dict] = {}
-    for variant in VARIANTS:
-        rs = runs[variant]
-        summary[variant] = {
-            **{f"ratio_{k}_median": statistics.median(r[f"ratio_{k}"] for r in rs)
-               for k in ("cpu", "wall", "cpu_vs_control", "wall_vs_control")},
-            "ratios_cpu": [r["ratio_cpu"] for r in rs], "ratios_wall": [r["ratio_wall"] for r in rs],
-            "ratios_cpu_vs_control": [r["ratio_cpu_vs_control"] for r in rs],
-            "ratios_wall_vs_control": [r["ratio_wall_vs_control"] for r in rs],
-            "before_samples_per_s_cpu_median": statistics.median(r["before_samples_per_s_cpu"] for r in rs),
-            "after_samples_per_s_cpu_median": statistics.median(r["after_samples_per_s_cpu"] for r in rs),
-            "ooms": [r["ooms"] for r in rs], "ooms_in_squeeze": [r["ooms_in_squeeze"] for r in rs],
-            "ooms_after_squeeze": [r["ooms_after_squeeze"] for r in rs],
-            "failed_growths": [r["failed_growths"] for r in rs], "micro_batches": rs[0]["micro_batches"],
-        }
-    control = {f"ratios_{k}": [r[f"ratio_{k}"] for r in runs["control"]] for k in ("cpu", "wall")}
+    med = statistics.median
+    summary = {variant: {
+        **{f"ratio_{k}_median": med(r[f"ratio_{k}"] for r in runs[variant])
+           for k in ("cpu", "wall", "cpu_vs_control", "wall_vs_control")},
+        **{k: max(r[k] for r in runs[variant]) for k in ("ooms", "ooms_in_squeeze", "ooms_after_squeeze",
+                                                          "failed_growths")},
+        "micro_batches": runs[variant][0]["micro_batches"]} for variant in VARIANTS}
     result = {
         "benchmark": "squeeze", "autoaccum": autoaccum.__version__, "torch": torch.__version__,
         "python": platform.python_version(), "device": str(device), "threads": torch.get_num_threads(),
         "model": "MLP 128-256-256-10 (fp32), AdamW", "target_batch": args.target, "budget": args.budget,
         "plan": autoaccum.Plan.for_target(args.target, args.micro).describe(), "probe_plan": report.plan.describe(),
-        "probe_model": None if report.model is None else report.model.to_dict(),
         "squeeze": args.squeeze, "squeeze_budget_bytes": runs["model"][0]["squeeze_budget_bytes"],
         "steps": {"warmup": args.warmup, "before": args.before, "squeeze": args.squeeze_steps, "after": args.after},
-        "repeats": args.repeats, "summary": summary, "control": control, "runs": runs,
-        "total_wall_time_s": time.perf_counter() - started,
+        "repeats": args.repeats, "summary": summary, "runs": runs, "total_wall_time_s": time.perf_counter() - started,
     }
     if not args.json_only:
         print(f"transient squeeze on {device} ({result['threads']} thread(s)), torch {torch.__version__}; "
               f"{result['model']}; budget {args.budget}, plan {result['plan']}; the budget drops to "
               f"{result['squeeze_budget_bytes'] / 2**20:.2f} MiB for {args.squeeze_steps} steps (room for "
-              f"{args.squeeze:g} x the micro-batch); {args.repeats} repeats")
-        print(f"{'':40}{'before/s':>9}{'after/s':>9}{'after/before: CPU':>18}{'wall':>7}{'CPU vs control':>16}"
-              f"{'OOMs':>6}{'in squeeze':>11}{'after':>7}{'failed grows':>14}")
+              f"{args.squeeze:g} x the micro-batch); {args.repeats} repeats, medians (OOMs: the most in a repeat)")
+        print(f"{'':30}{'after/before: CPU':>18}{'wall':>7}{'CPU vs control':>16}{'OOMs':>6}{'in squeeze':>11}"
+              f"{'after':>7}{'failed grows':>14}")
         for variant, v in summary.items():
-            print(f"{LABELS[variant]:40}{v['before_samples_per_s_cpu_median']:9.0f}"
-                  f"{v['after_samples_per_s_cpu_median']:9.0f}{v['ratio_cpu_median']:18.3f}{v['ratio_wall_median']:7.3f}"
-                  f"{v['ratio_cpu_vs_control_median']:16.3f}{max(v['ooms']):6d}{max(v['ooms_in_squeeze']):11d}"
-                  f"{max(v['ooms_after_squeeze']):7d}{max(v['failed_growths']):14d}")
-        print(f"{'control (never squeezed)':40}{statistics.median(control['ratios_cpu']):18.3f}"
-              f"{statistics.median(control['ratios_wall']):7.3f}")
+            print(f"{LABELS[variant]:30}{v['ratio_cpu_median']:18.3f}{v['ratio_wall_median']:7.3f}"
+                  f"{v['ratio_cpu_vs_control_median']:16.3f}{v['ooms']:6d}{v['ooms_in_squeeze']:11d}"
+                  f"{v['ooms_after_squeeze']:7d}{v['failed_growths']:14d}")
         for variant, v in summary.items():
             print(f"  micro-batch per step, {variant}: {v['micro_batches']}")
     print(json.dumps(result, indent=None if args.json_only else 1))

@@ -1,6 +1,6 @@
 """The measured parts of one model's row, each a plain dict saved as soon as it is done.
 
-:func:`estimate` (``probe(estimate=True)``, on fake tensors of the model's device, or of the cpu),
+:func:`estimate` (``probe(estimate=True)``, on fake tensors of the model's device),
 :func:`squeezed` (under one squeeze: the probe, brute force, and fit, or fit against the hand loop),
 :func:`sweep` (balanced plans at the exact target, timed as search trials are) and :func:`search`
 (the optional Optuna search against fp32 at the largest micro-batch).
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import json
 import logging
 import logging.handlers
@@ -18,7 +17,6 @@ import math
 import statistics
 import tempfile
 import time
-import unittest.mock
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,7 +64,6 @@ class Settings:
             tries at half and a quarter of it for the estimate's error).
         compare_rounds: rounds of fit against the hand-written loop (``loops``; 0: none, a plain fit of
             ``fit_steps`` steps instead).
-        estimate_cpu: also estimate on fake cpu tensors, where the model is on CUDA.
     """
 
     headroom: float = 0.1
@@ -82,7 +79,6 @@ class Settings:
     squeezes: tuple[str, ...] = SQUEEZES
     brute: str = "search"
     compare_rounds: int = 0
-    estimate_cpu: bool = False
 
     @classmethod
     def for_size(cls, size: str, fit_steps: int | None = None, search_trials: int | None = None,
@@ -94,7 +90,7 @@ class Settings:
         if rows == "issue40":
             base = cls(rows=rows, squeezes=("process",) if size == "gpu" else ("budget",), brute="around",
                        max_tries=12, sweep_plans=3, sweep_floor=2, measure_steps=1, confirm_rounds=1,
-                       compare_rounds=3 if size == "gpu" else 1, estimate_cpu=size == "gpu", search_trials=0)
+                       compare_rounds=3 if size == "gpu" else 1, search_trials=0)
         elif rows != "issue16":
             raise ValueError(f"Invalid rows: {rows!r}. Allowed values: issue16, issue40")
         else:
@@ -124,19 +120,16 @@ def _quiet() -> contextlib.ExitStack:
     return stack
 
 
-def estimate(built: Built, device: torch.device, settings: Settings, on: str = "default") -> dict[str, Any]:
-    """``probe(estimate=True)`` for the squeezes' budget: no memory used, no step run. ``on="cpu"``: on fake
-    cpu tensors whatever the model's device."""
+def estimate(built: Built, device: torch.device, settings: Settings) -> dict[str, Any]:
+    """``probe(estimate=True)`` for the squeezes' budget: no memory used, no step run."""
     w = built.workload
-    forced = unittest.mock.patch.object(importlib.import_module("autoaccum.probe.run"), "estimate_device", lambda d: torch.device("cpu")) if on == "cpu" \
-        else contextlib.nullcontext()
     started = time.perf_counter()
-    with _quiet(), forced:
+    with _quiet():
         report = autoaccum.probe(_task(built, device), target_batch=w.target_batch, budget=w.budget_bytes,
                                  headroom=settings.headroom, estimate=True, precision=w.precision)
     seconds = time.perf_counter() - started
     release(device)
-    return {"report": report.to_dict(), "on": on, "seconds": seconds}
+    return {"report": report.to_dict(), "seconds": seconds}
 
 
 def _probe(built: Built, device: torch.device, sq: Squeezed, settings: Settings) -> dict[str, Any]:

@@ -35,7 +35,7 @@ PARTS = ("estimate", *(f"squeeze:{k}" for k in SQUEEZES), "sweep", "search")
 def parts_of(settings: parts.Settings) -> tuple[str, ...]:
     """The parts a model's row measures, in order."""
     if settings.rows == "issue40":
-        return (*(f"squeeze:{k}" for k in settings.squeezes), "estimate", "sweep", "estimate_cpu")
+        return (*(f"squeeze:{k}" for k in settings.squeezes), "estimate", "sweep")
     return PARTS
 
 
@@ -61,9 +61,6 @@ def _load(path: Path, header: dict[str, Any], redo: bool) -> dict[str, Any]:
 def _why_not(part: str, doc: dict[str, Any], device: torch.device, search: bool,
              settings: parts.Settings | None = None) -> str | None:
     """Why ``part`` cannot run now, or None."""
-    if part == "estimate_cpu" and (device.type != "cuda" or settings is None or not settings.estimate_cpu):
-        return "skipped: the model is not on CUDA (its estimate is on fake cpu tensors already)" \
-            if device.type != "cuda" else "skipped: not asked for"
     if part.startswith("squeeze:"):
         return skip_reason(part.split(":", 1)[1], device)  # type: ignore[arg-type]
     if part == "sweep":
@@ -86,8 +83,6 @@ def _run_part(part: str, built: Built, device: torch.device, settings: parts.Set
               doc: dict[str, Any]) -> dict[str, Any]:
     if part == "estimate":
         return parts.estimate(built, device, settings)
-    if part == "estimate_cpu":
-        return parts.estimate(built, device, settings, on="cpu")
     if part.startswith("squeeze:"):
         return parts.squeezed(built, part.split(":", 1)[1], device, settings)  # type: ignore[arg-type]
     squeezes = {k.split(":", 1)[1]: p for k, p in doc["parts"].items() if k.startswith("squeeze:")
