@@ -84,7 +84,7 @@ class Settings:
     def for_size(cls, size: str, fit_steps: int | None = None, search_trials: int | None = None,
                  rows: str = "issue16") -> Settings:
         """The GPU defaults; at ``cpu`` size a smoke test of the code paths (one timed step, no confirmation).
-        Issue 40's rows: one brute-force search around the probe's answer, three plans in the sweep (timed once
+        The issue40 rows: one brute-force search around the probe's answer, three plans in the sweep (timed once
         after the two warm-up steps, the fastest and the pick once more), three rounds of fit against the hand
         loop; at ``cpu`` size the emulated budget and one round."""
         if rows == "issue40":
