@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from common import bench_main, markdown_table
 from torch import nn
 
 import autoaccum
@@ -26,7 +27,6 @@ from autoaccum import emulated_budget
 from autoaccum.cli import TinyGPT, synthetic_tokens, token_loss
 from autoaccum.plan.task import Task
 from autoaccum.search.throughput import measure
-from common import bench_main, markdown_table
 
 HEADROOM = 0.1
 UPPER = 4096  # brute force stops doubling here

@@ -23,7 +23,7 @@ BENCHMARKS = str(Path(__file__).resolve().parent)
 if BENCHMARKS not in sys.path:
     sys.path.insert(0, BENCHMARKS)
 
-from realgpu.cli import main  # noqa: E402 - needs benchmarks/ on the path
+from realgpu.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(__doc__))

@@ -20,14 +20,14 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import probe_bench
 import torch
+from common import bench_main, markdown_table
 from torch import nn
 
 import autoaccum
-import probe_bench
 from autoaccum import parse_bytes
 from autoaccum.step.losses import default_loss
-from common import bench_main, markdown_table
 
 try:
     import transformers

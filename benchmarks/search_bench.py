@@ -27,17 +27,17 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from common import markdown_table
 from torch import nn
 
 import autoaccum
 from autoaccum.cli import TinyGPT, synthetic_tokens, token_loss
-from autoaccum.search.knobs import Knobs
 from autoaccum.plan.plan import Plan
+from autoaccum.plan.task import Task
 from autoaccum.search import SearchSpace, search
 from autoaccum.search.compare import paired_ratios
-from autoaccum.plan.task import Task
+from autoaccum.search.knobs import Knobs
 from autoaccum.search.throughput import make_bench
-from common import markdown_table
 
 HEADROOM = 0.1
 MEASURE: dict = {"warmup_steps": 2, "measure_steps": 5}

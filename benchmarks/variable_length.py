@@ -25,12 +25,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import autoaccum  # noqa: E402
-from autoaccum import OOMGuard, Plan, TrackedMemory  # noqa: E402
-from autoaccum.plan.batch import Samples  # noqa: E402
-from autoaccum.plan.cut import SampleCut, TokenCut  # noqa: E402
-from autoaccum.cli import TinyGPT, pad_rows as collate, padded_token_loss as token_loss  # noqa: E402
-from common import bench_main, markdown_table  # noqa: E402
+from common import bench_main, markdown_table
+
+import autoaccum
+from autoaccum import OOMGuard, Plan, TrackedMemory
+from autoaccum.cli import TinyGPT
+from autoaccum.cli import pad_rows as collate
+from autoaccum.cli import padded_token_loss as token_loss
+from autoaccum.plan.batch import Samples
+from autoaccum.plan.cut import SampleCut, TokenCut
 
 VOCAB, LONGEST, MEDIAN = 128, 256, 32
 TARGET, STEPS, BUDGET, HEADROOM = 64, 24, "40MiB", 0.1

@@ -19,6 +19,7 @@ from autoaccum import TrackedMemory
 from .context import Context
 from .workloads import loss_sum, make_optimizer, on_device, slice_batch
 
+
 class EmulatedBudget(TrackedMemory):
     """autoaccum's emulated budget, recording when each OOM struck (for the time lost to recovery).
 

@@ -150,7 +150,7 @@ def versions() -> dict[str, str]:
     for name in ("accelerate", "lightning", "transformers"):
         try:
             out[name] = importlib.import_module(name).__version__
-        except Exception:  # noqa: BLE001
+        except Exception:
             out[name] = "not installed"
     return out
 
@@ -162,7 +162,7 @@ def machine(device: torch.device) -> str:
 
         cores = f"{psutil.cpu_count(logical=False)} cores / {psutil.cpu_count()} threads"
         mem = f", {psutil.virtual_memory().total / 2**30:.0f} GiB RAM"
-    except Exception:  # noqa: BLE001
+    except Exception:
         cores, mem = "", ""
     gpu = f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ", no GPU"
     load = f"; load average {os.getloadavg()[0]:.1f} at the start" if hasattr(os, "getloadavg") else ""

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 from autoaccum import emulated_budget
-from autoaccum.plan.batch import move_to
-from autoaccum.precision import autocast, autocast_dtype
 from autoaccum.memory.recovery import catch_oom
+from autoaccum.plan.batch import move_to
 from autoaccum.plan.task import LossFn, check_loss, default_optimizer
+from autoaccum.precision import autocast, autocast_dtype
 
 from .models import Built, fresh_model
 from .squeeze import release

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 
 import autoaccum
 from autoaccum.plan.batch import batch_size, map_tensors, move_to
-from autoaccum.step.losses import default_loss
 from autoaccum.precision import autocast, autocast_dtype
+from autoaccum.step.losses import default_loss
 
 from .models import Built, fresh_model
 from .squeeze import release

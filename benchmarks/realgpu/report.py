@@ -6,9 +6,10 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from common import markdown_table
+
 from autoaccum.memory.model import MemoryModel
 from autoaccum.units import format_bytes
-from common import markdown_table
 
 from .squeeze import SQUEEZES
 

@@ -70,7 +70,7 @@ def _why_not(part: str, doc: dict[str, Any], device: torch.device, search: bool,
         if not search:
             return "skipped: --no-search"
         try:
-            import optuna  # noqa: F401 - only whether it is there
+            import optuna
         except ImportError:
             return "skipped: optuna is not installed (pip install 'autoaccum[search]')"
         budget = doc["parts"].get("squeeze:budget", {})
@@ -98,7 +98,7 @@ def _measured(part: str, built: Built, device: torch.device, settings: parts.Set
     started = time.perf_counter()
     try:
         result = _run_part(part, built, device, settings, doc)
-    except Exception as exc:  # noqa: BLE001 - see the docstring
+    except Exception as exc:
         logger.error("%s %s failed:\n%s", built.workload.name, part, traceback.format_exc())
         result = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]}
     if "error" in result:  # outside the except block: what the failed part held is unreachable now

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from autoaccum.units import format_bytes
 from common import markdown_table
+
+from autoaccum.units import format_bytes
 
 from .report import _errors, _estimate_errors, _found, _pct, _pick_vs_sweep
 
