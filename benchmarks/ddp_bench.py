@@ -1,30 +1,13 @@
 """Many ranks: what autoaccum's guard costs against a hand-written DDP accumulation loop.
 
-Three ways to train the same DDP model, ``accum`` micro-batches per optimizer step:
+Three ways to train the same DDP model, ``accum`` micro-batches a step: ``hand`` (``no_sync`` on all but
+the last micro-batch, DDP's reducer during the last backward), ``autoaccum off`` (the default: every
+micro-batch under ``no_sync``, the OOM flag agreed, then the gradients all-reduced) and ``autoaccum on``
+(experimental: the all-reduce during the last backward). One step of each a turn, shuffled, each after a
+barrier; reported: the median over turns of hand's step time over the mode's, with a 95% bootstrap
+interval. With k micro-batches a step, overlapping saves at most T_allreduce / (k * T_fwd_bwd + T_allreduce).
 
-- ``hand``: the usual hand-written loop, ``no_sync`` on all but the last micro-batch, DDP's reducer
-  all-reducing during the last backward (what most scripts do; it cannot survive an OOM there);
-- ``autoaccum off``: ``OOMGuard`` + ``DistributedSync``, the default protocol: every micro-batch under
-  ``no_sync``, the cut's exchange before them, the OOM flag after them, then the gradients all-reduced
-  once in flat buckets and the step's scalars summed;
-- ``autoaccum on``: the same with ``overlap="on"`` (experimental): the buckets all-reduced during the
-  last backward, then the flag.
-
-One step of each in turn, in a shuffled order per turn (the same on every rank), each started by a
-barrier and timed alone (on CUDA, to the device's end): a slow moment of a shared machine lands on
-neighbouring steps of every mode. Reported: each mode's median step time and the median over the
-turns of the hand loop's step time over the mode's (above 1: faster than the hand loop), with a 95%
-bootstrap interval. Prints a table, then one JSON document. Not part of the test run.
-
-What to expect. The default pays for its safety in small exchanges (the cut's, the flag, which
-gradients exist, the scalars) and in an all-reduce that does not overlap the last backward. With k
-micro-batches a step, overlapping can save at most T_allreduce / (k * T_fwd_bwd + T_allreduce) of a
-step: it matters for one or few micro-batches a step and a large model, where the all-reduce is a
-large part of the step. On two gloo ranks sharing two CPU cores a small exchange costs about a
-millisecond; on NCCL, tens of microseconds.
-
-    python benchmarks/ddp_bench.py [--world-size 2] [--backend gloo] [--device cpu] [--accum 8] [--micro 8]
-                                   [--hidden 1024] [--interleaved 150] [--warmup 3] [--json-only]
+    python benchmarks/ddp_bench.py [--world-size 2] [--accum 8] [--micro 8] [--hidden 1024] [--interleaved 150]
     python benchmarks/ddp_bench.py --backend nccl --device cuda --world-size 1   # one GPU (a world of one)
 """
 

@@ -1,33 +1,14 @@
 #!/usr/bin/env bash
-# One call on a lent GPU: the GPU tests, the guard across ranks on NCCL, then the real-model table
-# (benchmarks/real_gpu.py --rows issue40), row by row, from the repository root.
+# One call on a lent GPU, from the repository root: the GPU tests, ddp_bench on NCCL in a world of one,
+# then the real-model table (benchmarks/real_gpu.py --rows issue40) row by row.
 #
 #   bash benchmarks/gpu_session.sh [--prev DIR_OR_TGZ] [--steps LIST] [--seconds N] [--dry-run] [--cpu]
 #
-# Steps, in order of priority, each bounded by `timeout` (its own limit, and never past the deadline: --seconds,
-# default 320; a step that would start with less than 20 s left is skipped and says so):
-#   env                  nvidia-smi, python, torch, transformers, peft versions              (limit 30 s)
-#   pytest_gpu           python -m pytest -q -m gpu -rs                                     (150 s)
-#   ddp_gpu              benchmarks/ddp_bench.py on NCCL in a world of one: the hand no_sync loop, autoaccum
-#                        off and on, for the default MLP and for 68M parameters in one micro-batch (110 s)
-#   row_<name>           benchmarks/real_gpu.py --rows issue40 --models <name>, one process a row, for
-#                        gpt2_355m_bf16 (75 s), llama_1b_lora_bf16 (90 s), vit_b16_bf16, resnet50_bf16,
-#                        vit_b16_fp32, resnet50_fp32 (55 s each)
-#   report               benchmarks/real_gpu.py --rows issue40 --report-only: the table, targets and JSON (30 s)
-# A row's parts are saved as they finish (the squeeze: probe, brute force, fit against the hand loop; then the
-# estimate on fake cuda, the sweep, the estimate on fake cpu), so a row cut off by its limit keeps what it
-# measured, and a later call given this call's output with --prev measures only what is missing:
-#
-#   bash benchmarks/gpu_session.sh --seconds 320                       # first call
-#   bash benchmarks/gpu_session.sh --prev PREV --steps row,report      # the next: go on (PREV: rows.tgz, or a
-#                                                                     # folder of row files, in the checkout)
-#
-# Output, under $OUT (default ./gpu_out), at most 8 files as a lent GPU machine brings back: env.txt,
-# pytest_gpu.txt, ddp_gpu.txt, steps.tsv (step, exit code, seconds: 124 = timed out), log.txt (every step's stderr),
-# rows.tgz (the rows' files, packed again after every step) and report.txt. Exit code 0 when every step ran
-# and passed. --cpu runs the same steps at CPU sizes (the GPU tests skip; emulated budgets): a check of this
-# script and the harness on a machine without a GPU, in about a minute. The package need not be installed:
-# PYTHONPATH is set to the checkout.
+# Steps, in priority order, each under `timeout` (its limit, never past the --seconds deadline, default 320):
+# env, pytest_gpu, ddp_gpu (the default MLP, and 68M parameters in one micro-batch), row_<name> (one process
+# a row), report (the table and targets). A row's parts are saved as they finish, so a later call given this
+# call's rows.tgz with --prev measures only what is missing. Output under $OUT (default ./gpu_out): env.txt,
+# pytest_gpu.txt, ddp_gpu.txt, steps.tsv, log.txt, rows.tgz, report.txt. --cpu: the same steps at CPU sizes.
 set -u
 
 OUT=${OUT:-./gpu_out}

@@ -1,28 +1,13 @@
-"""Real models (issue 11): the probe, the guard and exactness on Hugging Face GPT-2, BERT and ResNet.
+"""Real models: the probe, the guard and exactness on Hugging Face GPT-2, BERT and ResNet, on a CPU.
 
-Each model is built from a small Transformers config (a few MiB of activations per micro-batch) and
-trained on synthetic data held as a Hugging Face user holds it (a dict of padded tensors with
-``labels``; fit's default loss is the model's own). For each model, in fp32 and in bf16 (autocast
-on the CPU), under an emulated budget chosen per model so that the target batch needs accumulation:
+Small Transformers configs, dict batches with ``labels`` and the model's own loss, fp32 and bf16
+autocast, each under an emulated budget where the target needs accumulation: the probe's plan, limit,
+OOMs and time; 20 steps of ``fit(plan=report)`` under the same budget and their OOMs; brute force (the
+largest micro-batch whose two accumulated passes and AdamW step run under ``budget * (1 - headroom)``);
+and in float64, 3 accumulated steps against 3 full-batch steps (``max |p - ref| / max |ref|``). Needs
+transformers (``pip install 'autoaccum[bench]'``).
 
-- **probe**: ``autoaccum.probe`` (what ``fit(..., budget=...)`` runs first): the plan, the largest
-  size it found to fit (``report.max_fitting_micro_batch``), its OOMs, passes and wall time;
-- **training**: 20 steps of ``autoaccum.fit(..., plan=report)`` under the same budget: the OOMs
-  they raised (goal 0), and the error that ended them, if one did; and, as a control, the same
-  steps on global batches made before fit starts (so that no global batch counts);
-- **brute force**: the largest micro-batch whose two accumulated forward/backward passes and the
-  AdamW step run on a fresh model under ``budget * (1 - headroom)`` (two such steps: the
-  optimizer's state exists from the first), under the same autocast, found by real runs (doubling
-  from the smallest size the model trains at, then bisection; checked at ``b`` and ``b + 1``);
-- **exactness** in float64 (the fp32 path): 3 accumulated steps at the plan's micro-batch against 3
-  full-batch steps on the same samples (SGD, dropout off), ``max |p - ref| / max |ref|`` over all
-  parameters together.
-
-Prints a table, then one JSON document, and writes the section "## Real models (issue 11)" of
-benchmarks/RESULTS.md (``--no-write`` to skip; other sections stay as they are). Needs
-transformers (``pip install 'autoaccum[bench]'``). Not part of the test run. A few minutes on a CPU:
-
-    python benchmarks/real_models.py [--json-only] [--no-write] [--threads N]
+    python benchmarks/real_models.py [--json-only] [--threads N]
 """
 
 from __future__ import annotations
@@ -34,23 +19,21 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
+import probe_bench
 import torch
+from common import bench_main, markdown_table
 from torch import nn
 
 import autoaccum
-import probe_bench
 from autoaccum import parse_bytes
 from autoaccum.step.losses import default_loss
-from results_md import RESULTS, bench_main, markdown_table, replace_section
 
 try:
     import transformers
 except ImportError:  # the benchmark's only dependency beyond autoaccum
     sys.exit("benchmarks/real_models.py needs transformers: pip install 'autoaccum[bench]'")
 
-SECTION = "## Real models (issue 11)"
 HEADROOM = 0.1
 FIT_STEPS = 20
 EXACT_STEPS = 3
@@ -218,11 +201,6 @@ def run_row(w: Workload, precision: str) -> dict:
     report = autoaccum.probe(model=model, loss_fn=default_loss, make_batch=first, target_batch=w.target,
                              budget=budget_bytes, headroom=HEADROOM, precision=precision)
     trained = train(w, precision, data, report)
-    # The control: the same steps on global batches made before fit starts, so that, as on a device whose
-    # data stays on the host, no global batch counts against the budget (nor, here, do the micro-batch
-    # inputs, which are views of them: a lower bound on memory).
-    made = [{k: v[i * w.target:(i + 1) * w.target].clone() for k, v in data.items()} for i in range(4)]
-    control = train(w, precision, iter(made * (FIT_STEPS // len(made))), report)
     brute, brute_runs = brute_force(w, precision, usable)
     diff, update = exactness(w, report.plan)
     return {
@@ -233,7 +211,7 @@ def run_row(w: Workload, precision: str) -> dict:
                   "max_fitting": report.max_fitting_micro_batch, "plan": report.plan.to_dict(),
                   "fit_note": report.fit_note},
         "brute_force": {"largest": brute, "runs": brute_runs},
-        "fit": trained, "fit_batches_made_outside": control,
+        "fit": trained,
         "fp64_rel_diff": diff, "fp64_update_rel": update,
     }
 
@@ -271,104 +249,8 @@ def table(result: dict) -> str:
     return markdown_table([HEAD, *(_cells(r) for r in result["rows"])])
 
 
-def _label(r: dict) -> str:
-    return f"{r['model']} {r['precision']}"
-
-
-def _overshot(r: dict) -> bool:
-    """The probe's first two sizes fitted and the third, more than twice the second, did not."""
-    (first, s1), (second, s2), (third, s3) = (r["probe"]["candidates"] + [[0, "none"]] * 3)[:3]
-    return s1 == s2 == "ok" and s3 in ("oom", "over_budget") and third > 2 * second
-
-
-def _probe_findings(rows: list[dict]) -> list[str]:
-    short = [f"{_label(r)} ({r['probe']['max_fitting']} of {r['brute_force']['largest']})"
-             for r in rows if r["probe"]["max_fitting"] != r["brute_force"]["largest"]]
-    ooms = [f"{_label(r)}: {r['probe']['ooms']}" for r in rows if r["probe"]["ooms"]]
-    lines = ["- Found limit vs brute force: "
-             + ("equal on every row." if not short else f"equal except {', '.join(short)}."),
-             "- Probe OOMs: " + ("none." if not ooms else f"{', '.join(ooms)}.")]
-    if any(_overshot(r) for r in rows):
-        lines.append(
-            "  Where the probe's third size was more than twice its second and did not fit (the sizes below): its "
-            "first two sizes lay on one line whose limit was the larger of them, and `autoaccum/probe.py` "
-            "`_next_size` then bisects between that size and the target (its 'fit verified' exit needs three "
-            "points), so it overshot and bisected back through OOMs where measuring one size more would have "
-            "bracketed the limit.")
-    return lines
-
-
-def _training_findings(rows: list[dict], steps: int) -> list[str]:
-    ooms = [f"{_label(r)}: {'; '.join(r['fit']['plan_changes'])}" for r in rows if r["fit"]["ooms"]]
-    crashed = [r for r in rows if r["fit"]["error"]]
-    lines = [f"- Training OOMs (goal 0 in {steps} steps on the probe's plan): "
-             + ("none." if not ooms else f"**{len(ooms)} row(s) raised some**: {' · '.join(ooms)}."),
-             "- Training runs that ended in an error: " + ("none." if not crashed else "**" + " · ".join(
-                 f"{_label(r)}: `{r['fit']['error']}`" for r in crashed) + "**.")]
-    if any("aten.index" in r["fit"]["error"] for r in crashed):
-        lines.append(
-            "  `aten.index` is fit gathering the next global batch, outside the guard. Under an emulated budget fit "
-            "draws each global batch inside the counted region, so all of its inputs count against the budget during "
-            "every micro-step (and the previous one is still referenced while the next is gathered); the probe counts "
-            "one micro-batch's inputs, as a device whose data stays on the host holds them.")
-    control = ", ".join(f"{_label(r)}: {r['fit_batches_made_outside']['ooms']} OOMs in "
-                        f"{r['fit_batches_made_outside']['steps']} steps" for r in crashed or rows)
-    lines.append(f"- Control, the same plan on global batches made before fit starts (no global batch counted): "
-                 f"{control}.")
-    return lines
-
-
-def _findings(result: dict) -> list[str]:
-    """The goals, met or not, read off the rows (so that the section says what this run found)."""
-    rows = result["rows"]
-    worst = max(r["fp64_rel_diff"] for r in rows if "batchnorm" not in r["model"])
-    return [
-        *_training_findings(rows, result["fit_steps"]), *_probe_findings(rows),
-        f"- fp64 exactness without BatchNorm (GPT-2, BERT): worst {worst:.1e} (the promise: ~1e-12; GPT-2's loss "
-        f"computes its cross-entropy in float32 even for a float64 model, on both sides). ResNet: "
-        + ", ".join(f"{r['fp64_rel_diff']:.1e}" for r in rows if "batchnorm" in r["model"])
-        + " -- not exact by design: each micro-batch is normalised with its own BatchNorm statistics (the guard "
-          "warns; the remedies are GroupNorm/LayerNorm, SyncBatchNorm or ghost batch norm).",
-    ]
-
-
-def write_section(result: dict, command: str, path: Path = RESULTS) -> None:
-    """Replace (or add) this benchmark's section of RESULTS.md; other sections stay as they are."""
-    sizes = "; ".join(f"{r['model']} {r['precision']}: "
-                      + " -> ".join(f"{b}" + ("" if s == "ok" else f" ({s})") for b, s in r["probe"]["candidates"])
-                      for r in result["rows"])
-    section = "\n".join([
-        SECTION, "",
-        f"Command: `{command}` · {result['date']} · {result['machine']} · torch {result['torch']}, transformers "
-        f"{result['transformers']}, python {result['python']}, {result['threads']} intra-op thread(s) · total wall "
-        f"time {result['total_wall_time_s']:.0f} s", "",
-        "Hugging Face models from small configs (GPT-2 `GPT2LMHeadModel` 2 x 64, 64 tokens; BERT "
-        "`BertForSequenceClassification` 2 x 64, 64 tokens; `ResNetForImageClassification` 16-128 channels on 32 x 32 "
-        "images), dict batches of padded tensors with `labels`, the model's own loss (fit's default), AdamW, dropout "
-        f"0.1 where the model has it. CPU, tracked meter, emulated budget per model, headroom "
-        f"{result['headroom']:.0%}; bf16 = `torch.autocast('cpu', dtype=torch.bfloat16)` (weights and AdamW state "
-        "in fp32).", "",
-        table(result), "",
-        "Columns: *plan* = the probe's micro-batch x accumulation steps; *probe s / passes / probe OOMs* = its wall "
-        "time, forward/backward passes (an OOM counts as one) and the OOMs it triggered; *found* = "
-        "`report.max_fitting_micro_batch`; *brute force* = the largest micro-batch whose two accumulated "
-        "forward/backward passes and AdamW step run on a fresh model under `budget x (1 - headroom)`, two such steps, "
-        "under the same autocast (doubling from the smallest size the model trains at, then bisection; checked at b "
-        f"and b + 1); *fit OOMs* = OOMs raised in {result['fit_steps']} steps of `fit(model, data, plan=report, "
-        "budget=...)` (data: one dict of tensors, from which fit gathers each global batch) on the probe's plan (the "
-        "guard replays such a step smaller); *fit peak / usable* = the largest step peak over the usable "
-        f"budget; *fp64 rel. diff* = in float64 (fp32 path, dropout 0, SGD lr 0.1), {result['exact_steps']} steps of "
-        "`fit` at the row's plan against as many full-batch steps on the same samples, max |p - ref| / max |ref| over "
-        "all parameters (the reference's own change from its initial weights, on the same scale: "
-        + ", ".join(f"{r['fp64_update_rel']:.1e}" for r in result["rows"][::len(PRECISIONS)]) + ").", "",
-        "What this run found:", *_findings(result), "",
-        f"Sizes the probe measured, in order: {sizes}.", "",
-    ])
-    replace_section(SECTION, section, path)
-
-
 def main() -> int:
-    return bench_main(__doc__, "real_models.py", run, table, write_section)
+    return bench_main(__doc__, run, table)
 
 
 if __name__ == "__main__":

@@ -1,34 +1,14 @@
-"""Search benchmark (issues 6 and 15): the probe's pick vs the search's winner vs an exhaustive sweep.
+"""Search benchmark: the probe's pick and the search's winner against an exhaustive sweep.
 
-For each workload (CPU, emulated budget: the tracked counter raises torch.OutOfMemoryError past
-``budget * (1 - headroom)``, so the CPU behaves like a small device) in one run:
+CPU, emulated budget. Per workload: the probe's pick; ``autoaccum.search`` over the micro-batch alone
+(fp32) and over its default space (micro-batch x checkpointing x autocast); a sweep of every distinct
+plan up to the first that does not fit, measured as a trial is. Then the named configurations and the
+sweep's ``--sweep-top`` best are measured again in ``--rounds`` interleaved rounds: *samples/s* is the
+median reading, *vs sweep* its ratio to the sweep's best (the goal: the micro-batch winner >= 0.97),
+*paired* the median per-round ratio with its standard error. ``--clock cpu`` (the default, one thread)
+times steps by this process's CPU time, which other processes on a shared machine do not inflate.
 
-- probe: its pick (``ProbeReport.plan``);
-- search, micro-batch only: ``autoaccum.search`` with the knobs fixed at fp32 (the space the
-  sweep covers), and search, default space: micro-batch x checkpointing x autocast;
-- sweep: every distinct plan (micro-batch 1, 2, 3, ..., cut evenly over the target: sizes that
-  give the same cut are one plan) measured as a search trial measures it (same guarded,
-  accumulated steps), up to the first that does not fit.
-
-A single reading is noisy on a shared machine, and the best of many readings flatters whoever
-got a quiet moment. So at the end the probe's pick, both winners and the sweep's ``--sweep-top``
-best plans are measured again, interleaved (every configuration once per round, the order
-rotating), ``--rounds`` times; "samples/s" is the median reading. The sweep's best is the plan
-with the best median there; "vs sweep" is a configuration's median over the sweep best's, and the
-goal -- the micro-batch-only winner at >= 0.97 of the sweep's best -- uses it. "paired" is the
-median over rounds of the ratio to the sweep's best in the same round, and "± noise" its standard
-error (from the median absolute deviation of the per-round ratios: 1.2533 x 1.4826 x MAD /
-sqrt(rounds)); "spread" is a configuration's own slowest/fastest reading.
-``--runs N`` repeats the whole benchmark N times in one process (the goal: 6 of 6 workload-runs
-over 3 runs). Wall times: the search's (probe and final rounds included) against the sweep's (no
-probe). Prints a table, then one JSON document. Not part of the test run.
-
-On a CPU shared with other busy processes (as where these numbers were taken) wall-clock
-readings of millisecond steps vary by 2-3x; ``--clock cpu`` (the default, with ``--threads 1``)
-times steps by this process's CPU time, which the other processes do not inflate.
-
-    python benchmarks/search_bench.py [--threads 1] [--clock cpu] [--n-trials 20] [--rounds 7] [--runs 1] [--json-only]
-                                      [--write]
+    python benchmarks/search_bench.py [--clock cpu] [--n-trials 20] [--rounds 7] [--runs 1] [--json-only]
 """
 
 from __future__ import annotations
@@ -47,19 +27,17 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from common import markdown_table
 from torch import nn
 
 import autoaccum
 from autoaccum.cli import TinyGPT, synthetic_tokens, token_loss
-from autoaccum.search.knobs import Knobs
 from autoaccum.plan.plan import Plan
+from autoaccum.plan.task import Task
 from autoaccum.search import SearchSpace, search
 from autoaccum.search.compare import paired_ratios
-from autoaccum.plan.task import Task
+from autoaccum.search.knobs import Knobs
 from autoaccum.search.throughput import make_bench
-from results_md import markdown_table, write_subsection
-
-SECTION = "### Search robustness"  # of "## Speed (issue 15)"
 
 HEADROOM = 0.1
 MEASURE: dict = {"warmup_steps": 2, "measure_steps": 5}
@@ -214,8 +192,6 @@ def main() -> None:
     parser.add_argument("--sweep-top", type=int, default=5, help="sweep plans measured again (5)")
     parser.add_argument("--runs", type=int, default=1, help="repeat the whole benchmark this many times (1)")
     parser.add_argument("--json-only", action="store_true")
-    parser.add_argument("--write", action="store_true",
-                        help="write the sub-section \"### Search robustness\" of \"## Speed (issue 15)\" in RESULTS.md")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.clock == "cpu" and args.threads != 1:
@@ -246,43 +222,6 @@ def main() -> None:
         print()
     json.dump(doc, sys.stdout, indent=1)
     print()
-    if args.write:
-        write_section(doc, "python benchmarks/search_bench.py" + "".join(f" {a}" for a in sys.argv[1:]))
-
-
-def write_section(doc: dict, command: str) -> None:
-    """This benchmark's sub-section of "## Speed (issue 15)" in RESULTS.md (the rest stays as it is)."""
-    runs = doc["runs"]
-    wall = [(r["search_micro_only"]["wall_time_s"], r["search_micro_only"]["trials"],
-             sum(len(f["runs"]) for f in r["search_micro_only"]["finalists"]),
-             r["sweep"]["wall_time_s"], r["sweep"]["plans_measured"]) for results in runs for r in results]
-    vs = [r["configs"]["search (micro only)"]["vs_sweep_best"] for results in runs for r in results]
-    spreads = [c["spread"] for results in runs for r in results for c in r["configs"].values()]
-    noise = [c["paired_noise"] for results in runs for r in results for n, c in r["configs"].items() if n != "sweep best"]
-    lines = [
-        SECTION, "",
-        f"Command: `{command}` · {doc['date']} · {doc['machine']}, load average {doc['load_average_before'][0]:.1f} "
-        f"before and {doc['load_average_after'][0]:.1f} after (a machine shared with other work) · torch {doc['torch']}, "
-        f"optuna {doc['optuna']}, python {doc['python']} · total wall time {doc['total_wall_time_s'] / 60:.0f} min", "",
-        f"CPU, tracked meter and emulated budget, {doc['threads']} intra-op thread, steps timed by "
-        f"{'CPU' if doc['clock'] == 'cpu' else 'wall'} time. Each reading: 2 warm-up + 5 timed optimizer steps at the "
-        "exact target, samples/s from the fastest. The search's final comparison (issue 15): its finalists (the 3 "
-        "fastest trials, the probe's pick, the simplest feasible configuration) measured in 5 interleaved rounds, "
-        "compared paired with the leader, ties (within two standard errors, 1-10%) to the simplest. The benchmark's "
-        f"own verification: the named configurations and the sweep's {doc['sweep_top']} best plans, "
-        f"{doc['rounds']} interleaved rounds; *samples/s* the median, *spread* slowest/fastest reading, *vs sweep* "
-        "median / the sweep best's median (the goal: >= 0.97), *paired ± noise* the median per-round ratio to the "
-        "sweep's best and its standard error.", "",
-        _table(runs), "",
-        f"Goal (the micro-batch-only winner at >= 0.97 of the sweep's best): met in {doc['goal_met']} of "
-        f"{doc['workload_runs']} workload-runs (vs sweep: {', '.join(f'{v:.3f}' for v in vs)}). Noise: one "
-        f"configuration's readings spread {min(spreads):.2f}-{max(spreads):.2f} (slowest/fastest); the paired "
-        f"ratios' standard error {min(noise):.3f}-{max(noise):.3f}.", "",
-        "Search time (micro-batch only, probe and final rounds included) against the sweep: " + "; ".join(
-            f"{w:.1f} s ({t} trials, {f} final-round runs) vs {sw:.1f} s ({p} plans)" for w, t, f, sw, p in wall) + ".",
-        "",
-    ]
-    write_subsection(SECTION, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -1,28 +1,12 @@
-"""Transient squeeze benchmark (issue 15): throughput after the memory comes back, by how the guard grows.
+"""Transient squeeze benchmark: throughput after the memory comes back, by how the guard grows.
 
-On an emulated device: ``autoaccum.probe`` measures the model under a budget (its memory model);
-then each variant trains a fresh copy of the same model with ``OOMGuard(target_batch, micro_batch,
-memory_model=report.model)`` under a ``TrackedMemory`` of that budget (the micro-batch is fixed,
-``--micro``, so that every run and every variant starts from the same plan; the probe's own pick
-varies with its timings). After warm-up and ``--before`` timed steps the budget drops for ``--squeeze-steps`` steps
-(to the bytes live plus the rise the probe's model predicts for ``--squeeze`` x the plan's
-micro-batch: as when another process takes memory), then returns for ``--after`` steps. Variants:
-
-- ``model``: the default (``grow="auto"``: memory-guided; the meter knows the budget);
-- ``double``: blind growth as before issue 15 (``grow="double", grow_after=2``: at most double,
-  never to a size that once failed);
-- ``off``: no growth (``grow="off"``; the default before issue 15).
-
-Reported per variant: samples/s over the ``--before`` steps and over the ``--after`` steps that
-follow the squeeze (wall time and process CPU time; one thread), their ratio, the micro-batch of
-every step, OOMs (in all and after the squeeze) and failed growths. The variants run in lockstep
-(step i of each, order rotated per step) next to a control that is never squeezed; the ratio
-divided by the control's is the same ratio with the machine's drift over those steps taken out.
-Medians over ``--repeats`` runs. The emulated device's per-op bookkeeping is paid by every
-variant (a fixed cost per operation, as a GPU's kernel launches), so fewer, larger micro-batches
-run faster, as on a device.
-
-Prints a table, then one JSON document. Not part of the test run.
+An emulated device: the probe measures an MLP under a budget; each variant trains a fresh copy from the
+same plan (``--micro``) under that budget, which drops for ``--squeeze-steps`` steps (room for
+``--squeeze`` x the micro-batch, as when another process takes memory) and then returns. Variants:
+``grow="auto"`` (the default, memory-guided), ``grow="double", grow_after=2`` (blind doubling) and
+``grow="off"``. Reported: samples/s after the squeeze over before it (CPU time, one thread), also divided
+by a never-squeezed control's (the machine's drift), the micro-batch of every step, OOMs, failed growths;
+medians over ``--repeats`` runs, the variants in lockstep.
 
     python benchmarks/squeeze_bench.py [--device cpu|cuda] [--repeats 5] [--warmup 5] [--json-only]
 """
@@ -50,9 +34,9 @@ VARIANTS = {
     "off": {"grow": "off"},
 }
 LABELS = {
-    "model": "memory-guided growth (default)",
-    "double": "blind doubling, grow_after=2 (before)",
-    "off": "no growth (the default before)",
+    "model": "grow='auto' (default)",
+    "double": "grow='double', grow_after=2",
+    "off": "grow='off'",
 }
 
 
@@ -156,7 +140,7 @@ def squeeze_room(args: argparse.Namespace, report: autoaccum.ProbeReport,
             guard.step(batch, classify)
     mem.close()
     micro = guard.plan.micro_batch
-    measured = guard._rises[micro]  # the guard's record of its clean steps at this size
+    measured = guard.rises[micro]  # the guard's record of its clean steps at this size
     slope = report.model.per_sample_bytes if report.model is not None else measured.fwd_bwd_bytes / micro
     opt_rise = measured.step_bytes if measured.step_bytes > measured.fwd_bwd_bytes else 0
     return int(max(measured.fwd_bwd_bytes - slope * micro * (1 - args.squeeze), opt_rise))
@@ -169,8 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", type=int, default=2048, help="global batch")
     parser.add_argument("--micro", type=int, default=512, help="the plan's micro-batch (it must fit the budget)")
     parser.add_argument("--warmup", type=int, default=5,
-                        help="untimed steps first (the first three ran about 1.7x slower than the rest in every "
-                             "variant on CPU: timed, they would flatter every after/before ratio)")
+                        help="untimed steps first (the first ones run slower in every variant)")
     parser.add_argument("--before", type=int, default=10, help="timed steps before the squeeze")
     parser.add_argument("--squeeze-steps", type=int, default=5)
     parser.add_argument("--squeeze", type=float, default=0.6,
@@ -195,47 +178,33 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.repeats):
         for name, run in runs_in_lockstep(args, report, batches, device, room).items():
             runs[name].append(run)
-    summary: dict[str, dict] = {}
-    for variant in VARIANTS:
-        rs = runs[variant]
-        summary[variant] = {
-            **{f"ratio_{k}_median": statistics.median(r[f"ratio_{k}"] for r in rs)
-               for k in ("cpu", "wall", "cpu_vs_control", "wall_vs_control")},
-            "ratios_cpu": [r["ratio_cpu"] for r in rs], "ratios_wall": [r["ratio_wall"] for r in rs],
-            "ratios_cpu_vs_control": [r["ratio_cpu_vs_control"] for r in rs],
-            "ratios_wall_vs_control": [r["ratio_wall_vs_control"] for r in rs],
-            "before_samples_per_s_cpu_median": statistics.median(r["before_samples_per_s_cpu"] for r in rs),
-            "after_samples_per_s_cpu_median": statistics.median(r["after_samples_per_s_cpu"] for r in rs),
-            "ooms": [r["ooms"] for r in rs], "ooms_in_squeeze": [r["ooms_in_squeeze"] for r in rs],
-            "ooms_after_squeeze": [r["ooms_after_squeeze"] for r in rs],
-            "failed_growths": [r["failed_growths"] for r in rs], "micro_batches": rs[0]["micro_batches"],
-        }
-    control = {f"ratios_{k}": [r[f"ratio_{k}"] for r in runs["control"]] for k in ("cpu", "wall")}
+    med = statistics.median
+    summary = {variant: {
+        **{f"ratio_{k}_median": med(r[f"ratio_{k}"] for r in runs[variant])
+           for k in ("cpu", "wall", "cpu_vs_control", "wall_vs_control")},
+        **{k: max(r[k] for r in runs[variant]) for k in ("ooms", "ooms_in_squeeze", "ooms_after_squeeze",
+                                                          "failed_growths")},
+        "micro_batches": runs[variant][0]["micro_batches"]} for variant in VARIANTS}
     result = {
         "benchmark": "squeeze", "autoaccum": autoaccum.__version__, "torch": torch.__version__,
         "python": platform.python_version(), "device": str(device), "threads": torch.get_num_threads(),
         "model": "MLP 128-256-256-10 (fp32), AdamW", "target_batch": args.target, "budget": args.budget,
         "plan": autoaccum.Plan.for_target(args.target, args.micro).describe(), "probe_plan": report.plan.describe(),
-        "probe_model": None if report.model is None else report.model.to_dict(),
         "squeeze": args.squeeze, "squeeze_budget_bytes": runs["model"][0]["squeeze_budget_bytes"],
         "steps": {"warmup": args.warmup, "before": args.before, "squeeze": args.squeeze_steps, "after": args.after},
-        "repeats": args.repeats, "summary": summary, "control": control, "runs": runs,
-        "total_wall_time_s": time.perf_counter() - started,
+        "repeats": args.repeats, "summary": summary, "runs": runs, "total_wall_time_s": time.perf_counter() - started,
     }
     if not args.json_only:
         print(f"transient squeeze on {device} ({result['threads']} thread(s)), torch {torch.__version__}; "
               f"{result['model']}; budget {args.budget}, plan {result['plan']}; the budget drops to "
               f"{result['squeeze_budget_bytes'] / 2**20:.2f} MiB for {args.squeeze_steps} steps (room for "
-              f"{args.squeeze:g} x the micro-batch); {args.repeats} repeats")
-        print(f"{'':40}{'before/s':>9}{'after/s':>9}{'after/before: CPU':>18}{'wall':>7}{'CPU vs control':>16}"
-              f"{'OOMs':>6}{'in squeeze':>11}{'after':>7}{'failed grows':>14}")
+              f"{args.squeeze:g} x the micro-batch); {args.repeats} repeats, medians (OOMs: the most in a repeat)")
+        print(f"{'':30}{'after/before: CPU':>18}{'wall':>7}{'CPU vs control':>16}{'OOMs':>6}{'in squeeze':>11}"
+              f"{'after':>7}{'failed grows':>14}")
         for variant, v in summary.items():
-            print(f"{LABELS[variant]:40}{v['before_samples_per_s_cpu_median']:9.0f}"
-                  f"{v['after_samples_per_s_cpu_median']:9.0f}{v['ratio_cpu_median']:18.3f}{v['ratio_wall_median']:7.3f}"
-                  f"{v['ratio_cpu_vs_control_median']:16.3f}{max(v['ooms']):6d}{max(v['ooms_in_squeeze']):11d}"
-                  f"{max(v['ooms_after_squeeze']):7d}{max(v['failed_growths']):14d}")
-        print(f"{'control (never squeezed)':40}{statistics.median(control['ratios_cpu']):18.3f}"
-              f"{statistics.median(control['ratios_wall']):7.3f}")
+            print(f"{LABELS[variant]:30}{v['ratio_cpu_median']:18.3f}{v['ratio_wall_median']:7.3f}"
+                  f"{v['ratio_cpu_vs_control_median']:16.3f}{v['ooms']:6d}{v['ooms_in_squeeze']:11d}"
+                  f"{v['ooms_after_squeeze']:7d}{v['failed_growths']:14d}")
         for variant, v in summary.items():
             print(f"  micro-batch per step, {variant}: {v['micro_batches']}")
     print(json.dumps(result, indent=None if args.json_only else 1))

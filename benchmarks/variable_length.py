@@ -1,30 +1,14 @@
-"""Variable-length benchmark (issue 12): four ways to cut long-tailed sequences, on the same data, in one run.
+"""Variable-length benchmark: four ways to cut long-tailed sequences, on the same data, in one run.
 
-A GPT-style causal LM (TinyGPT: 2 blocks, dim 64, up to 256 tokens) trains on sequences whose
-lengths are long-tailed -- most short (median 32 tokens), a few up to 8x the median -- at an exact
-global batch of 64 sequences per optimizer step, under one emulated memory budget (the tracked
-counter raises torch.OutOfMemoryError at the crossing; the guard recovers). The token-level loss
-is summed over real tokens and divided once by the step's tokens. The four variants see the same
-global batches in the same order:
+TinyGPT (2 blocks, dim 64, up to 256 tokens) on sequences of median 32 tokens with 1% of 6-8x that,
+an exact global batch of 64 sequences, a token-level loss, one emulated budget. The variants see the
+same global batches, steps interleaved: (a) ``fixed-longest``: padded to the batch's longest and cut
+at a fixed size that fits the longest length; (b) ``first-batch``: the plan the probe makes from the
+first global batch; (c) ``grouped``: (a)'s size, sorted by length, each micro-batch padded to its own
+longest; (d) ``token-budget``: autoaccum's plan from the data's lengths, micro-batches cut by tokens.
+Reported: real tokens/s, OOMs in training, padding, micro-steps per step.
 
-- (a) ``fixed-longest``: each global batch padded to its longest sequence and cut into micro-batches
-  of a fixed size that fits the data's longest length (sized by the probe at that length);
-- (b) ``first-batch``: the plan the probe makes from the first global batch (what autoaccum did
-  before issue 12), cut the same way; later, longer batches run out of memory and the guard halves;
-- (c) ``grouped``: each global batch's sequences ordered by length and cut into micro-batches of the
-  fixed size of (a), each padded to its own longest (``group_by_length``, inside the step);
-- (d) ``token-budget``: autoaccum's plan from the data's lengths: micro-batches cut by the token
-  budget of the fitted ``peak(b, L)``, longest first, each padded to its own longest.
-
-Steps are interleaved across the variants (step i of a, b, c, d, then step i + 1), so the machine's
-load hits all four alike. Reported per variant: real (non-padding) tokens per second over the
-steps after the first, OOMs in training, padding (share of the token positions computed that are
-padding, in the micro-batches as finally run), micro-steps per optimizer step, and the probe's cost.
-
-    python benchmarks/variable_length.py [--json-only] [--no-write] [--threads N]
-
-Prints a table and one JSON document and writes the section "## Variable-length data (issue 12)"
-of benchmarks/RESULTS.md. Not part of the test run.
+    python benchmarks/variable_length.py [--json-only] [--threads N]
 """
 
 from __future__ import annotations
@@ -41,14 +25,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import autoaccum  # noqa: E402
-from autoaccum import OOMGuard, Plan, TrackedMemory  # noqa: E402
-from autoaccum.plan.batch import Samples  # noqa: E402
-from autoaccum.plan.cut import SampleCut, TokenCut  # noqa: E402
-from autoaccum.cli import TinyGPT, pad_rows as collate, padded_token_loss as token_loss  # noqa: E402
-from results_md import bench_main, markdown_table, replace_section  # noqa: E402
+from common import bench_main, markdown_table
 
-SECTION = "## Variable-length data (issue 12)"
+import autoaccum
+from autoaccum import OOMGuard, Plan, TrackedMemory
+from autoaccum.cli import TinyGPT
+from autoaccum.cli import pad_rows as collate
+from autoaccum.cli import padded_token_loss as token_loss
+from autoaccum.plan.batch import Samples
+from autoaccum.plan.cut import SampleCut, TokenCut
+
 VOCAB, LONGEST, MEDIAN = 128, 256, 32
 TARGET, STEPS, BUDGET, HEADROOM = 64, 24, "40MiB", 0.1
 VARIANTS = ("fixed-longest", "first-batch", "grouped", "token-budget")
@@ -72,8 +58,8 @@ def length_of(row: dict[str, torch.Tensor]) -> int:
 
 def global_batches(rows: list[dict]) -> tuple[list[list[dict]], int]:
     """The steps' samples, and the order's seed: the first permutation (seeds 0, 1, ...) whose first
-    global batch holds no sequence longer than 3x the median -- the case of the issue's report, where
-    the first batch was short; a first batch with a long sequence makes (b) plan as (a)."""
+    global batch holds no sequence longer than 3x the median (a first batch with a long sequence makes (b)
+    plan as (a))."""
     for seed in range(1000):
         order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
         if max(length_of(rows[i]) for i in order[:TARGET]) <= 3 * MEDIAN:
@@ -186,33 +172,12 @@ def table(result: dict) -> str:
         rows.append((f"({label}) {name}", r["plan"], f"{r['tokens_per_s']:,.0f}", f"{r['speed_vs_fixed']:.2f}",
                      str(r["ooms"]), f"{r['padding']:.1%}", f"{r['passes_mean']:.1f} (max {r['passes_max']})",
                      r["final_plan"] if r["final_plan"] != r["plan"] else "unchanged"))
-    return markdown_table(rows)
-
-
-def write_section(result: dict, command: str) -> None:
-    d, p, v = result["data"], result["probes"], result["variants"]
+    v = result["variants"]
     tb = v["token-budget"]
-    goals = (f"(d) {tb['ooms']} OOMs (goal 0); {tb['speed_vs_fixed']:.2f}x the tokens/s of (a) (goal >= 1.5); "
-             f"padding {tb['padding']:.1%} against (c)'s {v['grouped']['padding']:.1%} (goal: less)")
-    section = "\n".join([
-        SECTION, "",
-        f"Command: `{command}` · {result['date']} · {result['machine']} · torch {result['torch']}, "
-        f"{result['threads']} thread(s) · total {result['total_wall_time_s']:.0f} s", "",
-        f"TinyGPT (2 blocks, dim 64) on {d['sequences']:,} synthetic sequences of {d['shortest']}-{d['longest']} "
-        f"tokens (median {d['median']}; 1% of 6-8x the median), target {d['target']} sequences per step, "
-        f"{d['steps']} steps, emulated budget {result['budget']} (headroom {result['headroom']:.0%}), AdamW, "
-        f"token-level loss. The data order is the first permutation (seed {d['order_seed']}) whose first global "
-        f"batch holds no sequence longer than 3x the median, as in the issue's report. Steps interleaved across "
-        f"the variants; tokens/s counts real tokens over steps 2-{d['steps']}. Method and variants: the "
-        f"docstring of `benchmarks/variable_length.py`.", "",
-        table(result), "",
-        f"Probes: (d)'s at lengths {d['shortest']}, median and {d['longest']}: {p['token_probe_s']:.2f} s, "
-        f"{p['token_probe_ooms']} OOMs (the limit at the longest length, {p['limit_at_longest']}, sizes (a) and "
-        f"(c)); (b)'s on the first batch (longest {p['first_batch_longest']} tokens): {p['first_probe_s']:.2f} s, "
-        f"{p['first_probe_ooms']} OOMs.", "",
-        f"Goals: {goals}.", ""])
-    replace_section(SECTION, section)
+    return markdown_table(rows) + (
+        f"\n\nGoals: (d) {tb['ooms']} OOMs (0); {tb['speed_vs_fixed']:.2f}x the tokens/s of (a) (>= 1.5); padding "
+        f"{tb['padding']:.1%} against (c)'s {v['grouped']['padding']:.1%} (less).")
 
 
 if __name__ == "__main__":
-    sys.exit(bench_main(__doc__, "variable_length.py", run, table, write_section))
+    sys.exit(bench_main(__doc__, run, table))

@@ -1,4 +1,4 @@
-"""Smoke test of the head-to-head benchmark (issue 7; benchmarks/compare.py, the package
+"""Smoke test of the head-to-head benchmark (benchmarks/compare.py, the package
 benchmarks/headtohead/): the autoaccum and hand-written parts, tiny, in-process.
 
 Skipped where the peers (the ``bench`` extra: accelerate, lightning, transformers) are not installed:
@@ -135,42 +135,6 @@ def test_the_peers_recognise_the_emulated_oom_and_the_budget_records_it(compare)
     assert not should_reduce_batch_size(plain) and not is_oom_error(plain)
 
 
-def test_results_section_replaces_only_its_own(compare, doc, tmp_path):
-    path = tmp_path / "RESULTS.md"
-    path.write_text("# Benchmark results\n\n## Probe (issue 2)\n\nkeep me\n\n"
-                    f"{compare.report.SECTION}\n\nold table\n\n## Later section\n\nkeep me too\n")
-    compare.report.write_section(doc, "python benchmarks/compare.py --size tiny", path)
-    text = path.read_text()
-    assert "keep me\n" in text and "keep me too" in text and "old table" not in text
-    assert text.count(compare.report.SECTION) == 1
-    assert "| mlp | autoaccum |" in text and "torch " + torch.__version__ in text
-
-    # a GPU run's table goes beside the CPU one; rewriting the CPU one keeps it
-    gpu = {**doc, "config": {**doc["config"], "device": "cuda"}, "machine": "Linux, 16 cores, NVIDIA H100"}
-    compare.report.write_section(gpu, "python benchmarks/compare.py --device cuda --size gpu", path)
-    compare.report.write_section(doc, "python benchmarks/compare.py --size tiny", path)
-    text = path.read_text()
-    assert "### CPU, emulated budget" in text and "### NVIDIA H100 (cuda)" in text
-    assert text.index("### CPU") < text.index("### NVIDIA") < text.index("## Later section")
-    assert text.count(compare.report.SECTION) == 1 and text.count("### CPU, emulated budget") == 1
-
-
-def test_results_section_keeps_the_method_prose(compare, doc, tmp_path):
-    """The method is written up in RESULTS.md only: rewriting the section must keep it, first, as it is."""
-    path = tmp_path / "RESULTS.md"
-    path.write_text(compare.report.RESULTS.read_text())
-    method = compare.report.METHOD
-    before = path.read_text()
-    kept = before[before.index(method):before.index("\n### ", before.index(method) + 1)]
-    assert "EmulatedBudget" in kept  # the real prose, not an empty heading
-
-    compare.report.write_section(doc, "python benchmarks/compare.py --size tiny", path)
-    compare.report.write_section(doc, "python benchmarks/compare.py --size tiny", path)
-    text = path.read_text()
-    assert text.count(method) == 1 and kept in text
-    section = text[text.index(compare.report.SECTION):]
-    assert section.index(compare.report.COLUMNS) < section.index(method) < section.index("### CPU, emulated budget")
-    # everything outside the section is as it was
-    start, end = before.index(compare.report.SECTION), text.index(compare.report.SECTION)
-    assert text[:end] == before[:start]
-    assert text[text.index("\n## ", end + 1):] == before[before.index("\n## ", start + 1):]
+def test_the_table_has_a_row_per_system(compare, doc):
+    text = compare.report.table(doc["results"])
+    assert "| mlp | autoaccum |" in text and "| mlp | hand |" in text

@@ -1,11 +1,10 @@
-"""Smoke test of the real-GPU benchmark (issue 16; benchmarks/real_gpu.py, the package benchmarks/realgpu/),
-its issue-40 rows (``--rows issue40``: the models people bring, fit against a hand-written loop), and of
-what the GPU sessions need besides it: ``compare.py --out`` (resumable by workload),
-benchmarks/gpu_session.sh.
+"""Smoke test of the real-GPU benchmark (benchmarks/real_gpu.py, the package benchmarks/realgpu/), its
+issue40 rows (``--rows issue40``: the models people bring, fit against a hand-written loop), and of what
+the GPU sessions need besides it: ``compare.py --out`` (resumable by workload), benchmarks/gpu_session.sh.
 
 On a CPU the benchmark runs its small models under an emulated budget, squeeze (iii) only: (i) and (ii)
-need CUDA and must be skipped with their reason, never imitated, and RESULTS.md is never written. The
-tests marked ``gpu`` check the two CUDA squeezes themselves (they run in ``pytest -m gpu``).
+need CUDA and must be skipped with their reason, never imitated. The tests marked ``gpu`` check the two
+CUDA squeezes themselves (they run in ``pytest -m gpu``).
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ def rg():
         modules = {name: importlib.import_module(f"realgpu.{name}") for name in names}
         modules["compare"] = SimpleNamespace(runner=importlib.import_module("headtohead.runner"))
         yield SimpleNamespace(**modules)
-    for name in [n for n in sys.modules if n.split(".")[0] in ("realgpu", "headtohead", "results_md")]:
+    for name in [n for n in sys.modules if n.split(".")[0] in ("realgpu", "headtohead", "common")]:
         del sys.modules[name]
 
 
@@ -57,14 +56,14 @@ def _row(doc: dict, model: str, squeeze: str) -> dict:
     return next(r for r in doc["rows"] if r["model"] == model and r["squeeze"] == squeeze)
 
 
-def test_cuda_squeezes_are_skipped_with_their_reason_on_a_cpu(smoke):
+def test_cuda_squeezes_are_skipped_with_their_reason_on_a_cpu(rg, smoke):
     for model in MODELS:
         for squeeze in ("process", "fraction"):
             reason = _row(smoke.doc, model, squeeze)["skipped"]
             assert reason.startswith("skipped: needs CUDA") and "squeeze (iii)" in reason
             part = json.loads((smoke.out / f"{model}.json").read_text())["parts"][f"squeeze:{squeeze}"]
             assert part == {"skipped": reason}  # nothing imitated: no probe, no brute force
-    assert smoke.doc["cpu_smoke"] and "RESULTS.md is not written" in smoke.doc["note"]
+    assert smoke.doc["cpu_smoke"] and smoke.doc["note"] == rg.cli.CPU_NOTE
 
 
 def test_the_budget_squeeze_measures_every_column(smoke):
@@ -140,28 +139,13 @@ def test_files_made_under_other_settings_are_not_reused(rg, smoke, monkeypatch, 
     assert rg.runner._load(tmp_path / "mlp.json", other, redo=False)["parts"] == {}
 
 
-def test_main_on_a_cpu_prints_the_table_and_never_writes_results(rg, smoke, tmp_path, capsys):
-    results = tmp_path / "RESULTS.md"
+def test_main_on_a_cpu_prints_the_table_and_json(rg, smoke, tmp_path, capsys):
     assert rg.cli.main(rg.cli.__doc__, ["--size", "cpu", "--device", "cpu", "--models", *MODELS, "--fit-steps",
-                                        str(FIT_STEPS), "--no-search", "--out", str(smoke.out), "--results",
-                                        str(results)]) == 0
+                                        str(FIT_STEPS), "--no-search", "--out", str(smoke.out)]) == 0
     out = capsys.readouterr().out
-    assert not results.exists()  # not even without --no-write: a CPU smoke run is no GPU result
     assert "| gpt2  | (i) other process    | skipped: needs CUDA" in out and rg.cli.CPU_NOTE in out
     doc = json.loads(out[out.index("\n{") + 1:])
     assert doc["kind"] == "autoaccum.bench.real_gpu" and len(doc["rows"]) == 3 * len(MODELS)
-
-
-def test_the_section_is_written_for_a_gpu_run_only_in_its_place(rg, smoke, tmp_path):
-    path = tmp_path / "RESULTS.md"
-    path.write_text("# Benchmark results\n\n## Probe (issue 2)\n\nkeep me\n\n## Real GPU (issue 16)\n\nold\n\n"
-                    "## Later\n\nkeep me too\n")
-    gpu = {**smoke.doc, "device_name": "NVIDIA H100 80GB HBM3", "cpu_smoke": False, "total_wall_time_s": 1.0}
-    rg.report.write_section(gpu, "python benchmarks/real_gpu.py", path)
-    text = path.read_text()
-    assert "keep me\n" in text and "keep me too" in text and "\nold\n" not in text
-    assert text.count(rg.report.SECTION) == 1 and "NVIDIA H100 80GB HBM3" in text
-    assert "Targets (issue 16):" in text and "| mlp   | (iii) --budget" in text
 
 
 def test_brute_force_doubles_bisects_and_checks_b_and_b_plus_one(rg):
@@ -273,7 +257,7 @@ def test_issue40_rows_measure_every_column_on_a_cpu(rg, smoke40):
     assert smoke40.doc["settings"]["squeezes"] == ["budget"] and smoke40.doc["cpu_smoke"]
     for r in smoke40.doc["rows"]:
         doc = json.loads((smoke40.out / f"{r['model']}.json").read_text())
-        assert list(doc["parts"]) == ["squeeze:budget", "estimate", "sweep", "estimate_cpu"]  # in that order
+        assert list(doc["parts"]) == ["squeeze:budget", "estimate", "sweep"]  # in that order
         assert r["squeeze"] == "budget" and r["found_vs_brute"] == 1.0 and r["probe_ooms"] == 0
         assert r["brute_confirmed"] and not r["brute_capped"]
         assert r["plan"]["accum_steps"] > 1  # squeezed: the target needs accumulation
@@ -282,7 +266,6 @@ def test_issue40_rows_measure_every_column_on_a_cpu(rg, smoke40):
             "squeeze:budget"]["compare"]["steps"]
         assert r["fit_vs_hand"]["ratio"] > 0 and r["fit_vs_hand"]["hand_samples_per_s"] > 0
         assert r["estimate"]["allocated"]["median_abs"] < 0.05 and r["estimate"]["points"] >= 2
-        assert r["estimate_cpu"]["skipped"].startswith("skipped: the model is not on CUDA")
         assert doc["parts"]["squeeze:budget"]["probe"]["precision"] == "bf16"
     assert "| gpt2_355m_bf16" in rg.table40.table(smoke40.doc["rows"])
     assert any("fit's samples/s >= 0.99" in t for t in smoke40.doc["targets"])

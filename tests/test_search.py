@@ -235,7 +235,7 @@ def test_winner_at_least_as_fast_as_the_probe_pick(searched):
         return
     # Measured again, in turn, 7 rounds: a winner that won by timing noise alone is not faster when
     # both get their best moment. The fastest reading of each, with 15% slack: on a shared CPU one
-    # reading of a few-ms step varies by 10-30% even in CPU time (benchmarks/RESULTS.md, issue 6),
+    # reading of a few-ms step varies by 10-30% even in CPU time (f48a001:benchmarks/RESULTS.md),
     # and contention only ever slows a step, so the fastest of seven is each one's steadiest figure.
     kwargs = {"budget": BUDGET, **FAST}
     picks, wins = [], []

@@ -1,7 +1,7 @@
 """The memory budget every system runs under, and its calibration by brute force.
 
 On CPU the budget is autoaccum's emulated device (whose OOM reads like a CUDA one, so the peers'
-detectors react to it), recording when each OOM struck; on CUDA the real device made smaller. Why and how: benchmarks/RESULTS.md, head-to-head, Method.
+detectors react to it), recording when each OOM struck; on CUDA the real device made smaller.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from autoaccum import TrackedMemory
 
 from .context import Context
 from .workloads import loss_sum, make_optimizer, on_device, slice_batch
+
 
 class EmulatedBudget(TrackedMemory):
     """autoaccum's emulated budget, recording when each OOM struck (for the time lost to recovery).

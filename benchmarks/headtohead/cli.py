@@ -1,9 +1,5 @@
-"""Head-to-head (issue 7): autoaccum against the tools users would pick instead, measured in one run.
-
-The command line of ``python benchmarks/compare.py``; also the child process that runs one system
-(``--child``, internal). Prints the table and the JSON document, and writes the head-to-head section
-of benchmarks/RESULTS.md, where the method is written up.
-"""
+"""The command line of ``python benchmarks/compare.py``; also the child process that runs one system
+(``--child``, internal). Prints the table and the JSON document."""
 
 from __future__ import annotations
 
@@ -13,7 +9,7 @@ import sys
 
 import torch
 
-from .report import table, write_section
+from .report import table
 from .runner import Config, Setup, run, run_pair
 from .systems import SYSTEMS
 
@@ -33,7 +29,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch intra-op threads on CPU (default 1: stable timings on a shared machine)")
     parser.add_argument("--no-runtime-oom", action="store_true", help="skip run B (the budget drop)")
     parser.add_argument("--json-only", action="store_true")
-    parser.add_argument("--no-write", action="store_true", help="do not write benchmarks/RESULTS.md")
     parser.add_argument("--budget-gib", type=float, default=None,
                         help="fixed memory budget in GiB for every model (e.g. 16, 24, 40 to emulate those cards on "
                              "a GPU); default: calibrated per model so a plain loop fits about a fifth of the target")
@@ -66,10 +61,6 @@ def main(argv: list[str] | None = None) -> int:
         print(table(doc["results"]))
         print()
     print(json.dumps(doc, indent=2, default=str))
-    if not args.no_write:
-        write_section(doc, "python benchmarks/compare.py" + ("" if argv is None and len(sys.argv) == 1
-                                                              else " " + " ".join(sys.argv[1:] if argv is None
-                                                                                  else argv)))
     return 0
 
 

@@ -1,5 +1,5 @@
 """The whole comparison: calibrate each model's budget, run every system (each in its own process), and
-gather the JSON document. Method: benchmarks/RESULTS.md, head-to-head."""
+gather the JSON document."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def available(system: str) -> str | None:
         return None
     try:
         importlib.import_module(module)
-    except Exception as exc:  # noqa: BLE001 - an import failing for any reason means: not available
+    except Exception as exc:
         return f"not installed or not importable ({type(exc).__name__}: {str(exc)[:80]})"
     return None
 
@@ -107,7 +107,7 @@ def run_system(system: str, ctx: Context) -> RunResult:
         torch.manual_seed(0)
         try:
             result = REGISTRY[system].run(ctx, recorder, budget)
-        except Exception as exc:  # noqa: BLE001 - a peer failing to run is a result, reported as such
+        except Exception as exc:
             result = RunResult(error=f"failed: {type(exc).__name__}: {str(exc)[:100]}")
         finally:
             quiet.setLevel(level)

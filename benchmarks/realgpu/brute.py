@@ -1,20 +1,10 @@
 """Brute force: the largest micro-batch whose real accumulated training steps fit, found by trying.
 
-A try runs, on a fresh copy of the model with a fresh AdamW (the probe's default optimizer), two
-optimizer steps, each of two forward/backward passes of ``b`` samples summed into the gradients (the
-second runs with the first's gradients held, as every later micro-batch of an accumulation step does),
-then the optimizer step. It fits when it ran without an OOM and its peak stayed under the usable budget
-(``budget x (1 - headroom)``, the bytes the probe plans for): on CUDA the allocator's peak of allocated
-bytes (the probe's meter), on the CPU the tracked counter, which raises the OOM itself. Before each try
-the previous one's memory is released (a collection, ``empty_cache``) and the peak statistics reset.
-
-The search doubles from the smallest size the model trains at, bisects, then checks the answer again
-at ``b`` and ``b + 1``; it stops after ``max_tries`` tries (and says so). Issue 40's rows search around a
-start instead (:func:`brute_around`, the probe's answer): up or down from it in growing steps, then
-bisection, so that a right start costs two tries (``b`` fits, ``b + 1`` does not). Both assume what
-bisection assumes: that fitting is monotone in ``b``.
-An on-device workload's tries reuse the model itself (see ``models.fresh_model``), with a fresh optimizer
-each and its gradients dropped afterwards; a try runs under the row's precision (autocast).
+A try runs, on a fresh copy of the model (an on-device row: the model itself) with a fresh AdamW, two
+optimizer steps of two forward/backward passes each, under the row's precision. It fits when it ran
+without an OOM and its peak (the allocator's on CUDA, the tracked counter on a CPU) stayed under
+``budget x (1 - headroom)``. :func:`brute_force` doubles, bisects and checks ``b`` and ``b + 1``;
+:func:`brute_around` searches outward from a start (the probe's answer), so a right start costs two tries.
 """
 
 from __future__ import annotations
@@ -27,10 +17,10 @@ from typing import Any
 import torch
 
 from autoaccum import emulated_budget
-from autoaccum.plan.batch import move_to
-from autoaccum.precision import autocast, autocast_dtype
 from autoaccum.memory.recovery import catch_oom
+from autoaccum.plan.batch import move_to
 from autoaccum.plan.task import LossFn, check_loss, default_optimizer
+from autoaccum.precision import autocast, autocast_dtype
 
 from .models import Built, fresh_model
 from .squeeze import release

@@ -1,5 +1,4 @@
-"""The command line of ``python benchmarks/real_gpu.py``: run what is missing, print the table and JSON,
-and on CUDA write the section of RESULTS.md."""
+"""The command line of ``python benchmarks/real_gpu.py``: run what is missing, print the table and JSON."""
 
 from __future__ import annotations
 
@@ -15,8 +14,6 @@ from typing import Any
 
 import torch
 
-from results_md import RESULTS
-
 from . import report, table40
 from .models import rows40, workloads
 from .parts import Settings
@@ -25,9 +22,9 @@ from .runner import run_model
 __all__ = ["main", "parse", "run"]
 
 CPU_NOTE = ("CPU smoke run: small models under an emulated --budget (squeeze iii); squeezes (i) and (ii) need "
-            "CUDA and were skipped. RESULTS.md is not written (its section holds GPU results only).")
-CPU_NOTE40 = ("CPU smoke run of issue 40's rows: small models under an emulated --budget (the other-process squeeze "
-              "needs CUDA); fit against the hand loop on a CPU says nothing of a GPU; nothing is written.")
+            "CUDA and were skipped.")
+CPU_NOTE40 = ("CPU smoke run of the issue40 rows: small models under an emulated --budget (the other-process "
+              "squeeze needs CUDA); fit against the hand loop on a CPU says nothing of a GPU.")
 
 
 def parse(argv: list[str] | None = None, doc: str = __doc__) -> argparse.Namespace:
@@ -39,7 +36,7 @@ def _parser(doc: str) -> argparse.ArgumentParser:
     cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--size", choices=("gpu", "cpu"), default="gpu" if cuda else "cpu",
-                        help="gpu: the issue's models (default with CUDA); cpu: small configs, the smoke test")
+                        help="gpu: the full-size models (default with CUDA); cpu: small configs, the smoke test")
     parser.add_argument("--device", default="cuda:0" if cuda else "cpu")
     parser.add_argument("--rows", choices=("issue16", "issue40"), default="issue16",
                         help="issue16: GPT-2 124M, ResNet-50, ViT-B/16, MLP under three squeezes (default); issue40: "
@@ -51,14 +48,12 @@ def _parser(doc: str) -> argparse.ArgumentParser:
                         help="folder of the per-model results files (default out/real_gpu/<size>)")
     parser.add_argument("--redo", action="store_true", help="measure again what the results files hold")
     parser.add_argument("--report-only", action="store_true",
-                        help="measure nothing: the table, JSON and section from the results files as they are "
+                        help="measure nothing: the table and JSON from the results files as they are "
                              "(also on a machine without CUDA: give the --size and --device they were made with)")
     parser.add_argument("--fit-steps", type=int, default=None, help="steps of fit on each plan (default 50)")
     parser.add_argument("--search-trials", type=int, default=None, help="search trials (default 10; 4 on cpu)")
     parser.add_argument("--no-search", action="store_true", help="skip the optional Optuna search")
     parser.add_argument("--json-only", action="store_true", help="print only the JSON document")
-    parser.add_argument("--no-write", action="store_true", help="do not write RESULTS.md")
-    parser.add_argument("--results", type=Path, default=RESULTS, help="the RESULTS.md to write (CUDA runs)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads on the CPU (default 1)")
     return parser
 
@@ -130,8 +125,4 @@ def main(doc: str, argv: list[str] | None = None) -> int:
               if not result["cpu_smoke"] else result["note"])
         print()
     print(json.dumps(result, indent=1, default=str))
-    if not result["cpu_smoke"] and not args.no_write and not issue40:  # issue 40's results: benchmarks/results/
-        command = "python benchmarks/real_gpu.py" + "".join(f" {a}" for a in (sys.argv[1:] if argv is None else argv))
-        report.write_section(result, command, args.results)
-        print(f"wrote the section {report.SECTION!r} of {args.results}", file=sys.stderr)
     return 0

@@ -1,22 +1,10 @@
-"""fit against a hand-written loop at the same plan: samples/s, side by side in one process (issue 40).
+"""fit against a hand-written loop at the same plan: samples/s, side by side in one process.
 
-The hand-written loop is the plain PyTorch accumulation loop a user writes: per optimizer step it
-draws the step's samples (a fresh random order every epoch, rows gathered on the host, as ``fit``
-gathers them), zeroes the gradients, runs ``accum_steps`` micro-batches of ``micro_batch`` samples
-(each moved to the device, forward and loss under autocast at the row's precision, ``backward``),
-then ``optimizer.step()`` and reads the step's loss once (``.item()``: one synchronisation a step, as a
-loop that logs its loss has, and as ``fit`` has). Each micro-batch loss is scaled as ``fit`` scales it:
-a per-sample mean by its share of the samples; a token-level loss through Hugging Face's
-``num_items_in_batch`` (the step's predicted tokens, counted on the host). Its optimizer is AdamW over
-the trainable parameters with the same learning rate as ``fit``'s (``LR``); no OOM handling, no checks.
-
-Both loops are timed by one instrument: the time each optimizer step's first forward starts (the
-loss function's first call of the step). A run's rate is its samples over the time from its third
-step's start to its last step's start (the first two steps create the optimizer state and warm up),
-so the rate counts everything either loop does between steps. ``rounds`` rounds each run the hand loop
-and ``fit`` (``plan=`` the probe's report, the same budget and headroom) for ``steps`` steps each, in
-alternating order; each round gives the ratio fit / hand, and the result is their median with the
-smallest and largest. ``fit``'s OOMs over all its runs are the row's "0 OOMs in fit" reading.
+The hand loop is the plain accumulation loop (host-gathered global batches in a fresh order each epoch,
+micro-batches moved to the device, autocast at the row's precision, losses scaled as ``fit`` scales them,
+``optimizer.step()``, one ``.item()`` a step) with AdamW at ``fit``'s learning rate. Both are timed by the
+start of each step's first forward; a run's rate leaves out its first two steps. ``rounds`` rounds run
+both, alternating which goes first; the result is the median ratio fit / hand with its range.
 """
 
 from __future__ import annotations
@@ -33,8 +21,8 @@ import torch.nn.functional as F
 
 import autoaccum
 from autoaccum.plan.batch import batch_size, map_tensors, move_to
-from autoaccum.step.losses import default_loss
 from autoaccum.precision import autocast, autocast_dtype
+from autoaccum.step.losses import default_loss
 
 from .models import Built, fresh_model
 from .squeeze import release

@@ -1,27 +1,11 @@
 """The models of the real-GPU benchmark, their synthetic data and the memory each row is squeezed to.
 
-Two sets of rows. Issue 16's (:func:`workloads`): every model is built from a config (no download) with
-the same seed, kept on the host, and copied to the device for each run (a fresh model for every
-brute-force try, probe and fit). Issue 40's (:func:`rows40`): the models people bring, up to a 1.1B
-decoder, each built once on the device (seeded) and kept there for the whole row (see
-:func:`fresh_model`). Issue 16's two sizes:
-
-- ``gpu``: what issue 16 asks for. GPT-2 124M (``GPT2LMHeadModel`` with its default config), 512
-  tokens right-padded (lengths 128..512), the model's own token-level loss; ResNet-50 at 224 px with
-  BatchNorm (``ResNetForImageClassification``, default config); ViT-B/16 at 224 px
-  (``ViTForImageClassification``, default config); the 134M MLP of ``compare.py --size gpu``
-  (4096 -> 4096 x 8 -> 10). Each is squeezed to a few GiB so that its target batch needs
-  accumulation and a step takes well under a second on an H100.
-- ``cpu``: the same architectures from small configs, for the smoke test, under emulated budgets.
-
-Issue 40's rows at size ``gpu``: ResNet-50 and ViT-B/16 at 224 px, each fp32 and bf16 autocast; GPT-2
-355M (``GPT2Config(n_embd=1024, n_layer=24, n_head=16)``), bf16 autocast, 1024 tokens right-padded,
-token-level loss; a Llama-style decoder of 1.1B parameters (TinyLlama's shape: hidden 2048, 22 layers,
-intermediate 5632, 32 heads, 4 key/value heads, vocabulary 32,000) with bf16 weights and a LoRA adapter
-(``peft``: rank 16, alpha 32, dropout 0.05, on every linear layer of the blocks, fp32) under bf16
-autocast, at 2048 tokens (full rows, token-level loss). Each squeezed to a budget where the target
-batch needs two to five micro-steps and a step takes a fraction of a second on an H100/H200. At size
-``cpu`` the same architectures from small configs (the smoke test).
+Built from configs (no download), seeded. The default rows (:func:`workloads`): GPT-2 124M at 512
+tokens (padded, token-level loss), ResNet-50 and ViT-B/16 at 224 px, a 134M MLP; kept on the host and
+copied to the device for each run. The issue40 rows (:func:`rows40`): ResNet-50 and ViT-B/16 in fp32 and
+bf16, GPT-2 355M in bf16 at 1024 tokens, a 1.1B Llama-style decoder (TinyLlama's shape) in bf16 with a
+LoRA adapter at 2048 tokens; each built once on the device and kept there (:func:`fresh_model`). Budgets
+make the target take 2 to 5 micro-steps. Size ``cpu``: the same architectures from small configs.
 """
 
 from __future__ import annotations
@@ -61,9 +45,9 @@ class Workload:
         needs: the module the model needs beyond torch (``transformers``), or None.
         precision: the run's precision (``fp32``, or ``bf16`` autocast), for the probe, brute force,
             fit, the hand-written loop and the sweep alike.
-        on_device: built once on the device and kept there for the whole row (issue 40's rows).
+        on_device: built once on the device and kept there for the whole row (the issue40 rows).
         loop_steps: optimizer steps of each run of fit and of the hand-written loop in their
-            comparison (issue 40's rows; the first two of each run are left out of its rate).
+            comparison (the first two of each run are left out of its rate).
     """
 
     name: str
@@ -147,7 +131,7 @@ def _lora(dtype: torch.dtype, **config: Any) -> Callable[[], nn.Module]:
 
 
 def rows40(size: str) -> dict[str, Workload]:
-    """Issue 40's rows at ``size`` (``gpu`` or ``cpu``): the models people bring (see the module docstring)."""
+    """The issue40 rows at ``size`` (``gpu`` or ``cpu``): the models people bring."""
     resnet = {"num_labels": 1000}
     vit = {"num_labels": 1000}
     gpt2 = {"n_embd": 1024, "n_layer": 24, "n_head": 16}

@@ -1,21 +1,15 @@
 """The measured parts of one model's row, each a plain dict saved as soon as it is done.
 
-- :func:`estimate`: ``probe(estimate=True)`` (fake tensors: on the model's CUDA device where torch can,
-  else cpu; ``on="cpu"`` forces fake cpu, the estimate before issue 40), whose memory model is compared
-  with the peaks of the brute-force tries afterwards (``report``).
-- :func:`squeezed`: under one squeeze, the probe (default budget or the explicit one), brute force
-  twice, and ``fit`` on the probe's plan; for issue 40's rows one search around the probe's answer,
-  tries at smaller sizes for the estimate's error, and fit against a hand-written loop (``loops``).
-- :func:`sweep`: every balanced plan at the exact target, timed as a search trial times it, to judge
-  each squeeze's pick.
-- :func:`search`: the optional Optuna search and the fp32 baseline at the largest micro-batch.
+:func:`estimate` (``probe(estimate=True)``, on fake tensors of the model's device),
+:func:`squeezed` (under one squeeze: the probe, brute force, and fit, or fit against the hand loop),
+:func:`sweep` (balanced plans at the exact target, timed as search trials are) and :func:`search`
+(the optional Optuna search against fp32 at the largest micro-batch).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import json
 import logging
 import logging.handlers
@@ -23,7 +17,6 @@ import math
 import statistics
 import tempfile
 import time
-import unittest.mock
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,15 +57,13 @@ class Settings:
         confirm_rounds: how often the sweep's fastest plans, the picks, the search's winner and its
             baseline are timed again, in turn.
         search_trials: Optuna trials.
-        rows: which set of rows (``issue16``, ``issue40``); issue 40's measure less a part (a GPU session
-            holds every row and the GPU tests in about five minutes):
-        squeezes: the squeezes run (issue 40's: the other process on CUDA, the emulated budget on a CPU).
+        rows: which set of rows (``issue16``, the default rows, or ``issue40``, which measure less a part so
+            that a GPU session holds every row and the GPU tests in about five minutes).
+        squeezes: the squeezes run (issue40: the other process on CUDA, the emulated budget on a CPU).
         brute: ``search`` (doubling and bisection, twice) or ``around`` (once, from the probe's answer, and
             tries at half and a quarter of it for the estimate's error).
         compare_rounds: rounds of fit against the hand-written loop (``loops``; 0: none, a plain fit of
             ``fit_steps`` steps instead).
-        estimate_cpu: also estimate on fake cpu tensors (the estimate before issue 40), where the model is
-            on CUDA.
     """
 
     headroom: float = 0.1
@@ -88,19 +79,18 @@ class Settings:
     squeezes: tuple[str, ...] = SQUEEZES
     brute: str = "search"
     compare_rounds: int = 0
-    estimate_cpu: bool = False
 
     @classmethod
     def for_size(cls, size: str, fit_steps: int | None = None, search_trials: int | None = None,
                  rows: str = "issue16") -> Settings:
         """The GPU defaults; at ``cpu`` size a smoke test of the code paths (one timed step, no confirmation).
-        Issue 40's rows: one brute-force search around the probe's answer, three plans in the sweep (timed once
+        The issue40 rows: one brute-force search around the probe's answer, three plans in the sweep (timed once
         after the two warm-up steps, the fastest and the pick once more), three rounds of fit against the hand
         loop; at ``cpu`` size the emulated budget and one round."""
         if rows == "issue40":
             base = cls(rows=rows, squeezes=("process",) if size == "gpu" else ("budget",), brute="around",
                        max_tries=12, sweep_plans=3, sweep_floor=2, measure_steps=1, confirm_rounds=1,
-                       compare_rounds=3 if size == "gpu" else 1, estimate_cpu=size == "gpu", search_trials=0)
+                       compare_rounds=3 if size == "gpu" else 1, search_trials=0)
         elif rows != "issue16":
             raise ValueError(f"Invalid rows: {rows!r}. Allowed values: issue16, issue40")
         else:
@@ -116,10 +106,7 @@ class Settings:
 
 def _task(built: Built, device: torch.device) -> Task:
     """The probe's task. Its batches are the first rows of the data ``fit`` trains on (made once), as
-    ``fit``'s own probe slices a dataset: were each size's batch generated afresh, the probe's cost
-    would be mostly the random-number generator's (the MLP's probe on an H200 spent 3.0 s against
-    1.15 s of timed passes; benchmarks/RESULTS.md, "Real GPU"), and ``fit``'s steps, whose cost it
-    is compared with, pay nothing of the kind."""
+    ``fit``'s own probe slices a dataset (generating each size's batch afresh would time the generator)."""
     data = built.data
     return Task(model=fresh_model(built, device), loss_fn=default_loss, name=built.workload.name,
                 make_batch=lambda b: map_tensors(data, lambda t: t[:b]))
@@ -133,20 +120,16 @@ def _quiet() -> contextlib.ExitStack:
     return stack
 
 
-def estimate(built: Built, device: torch.device, settings: Settings, on: str = "default") -> dict[str, Any]:
-    """``probe(estimate=True)`` for the squeezes' budget: no memory used, no step run. ``on="cpu"``: on fake
-    cpu tensors whatever the model's device (``autoaccum.probe.run.estimate.estimate_device`` answers cpu), the
-    estimate as it was before issue 40."""
+def estimate(built: Built, device: torch.device, settings: Settings) -> dict[str, Any]:
+    """``probe(estimate=True)`` for the squeezes' budget: no memory used, no step run."""
     w = built.workload
-    forced = unittest.mock.patch.object(importlib.import_module("autoaccum.probe.run"), "estimate_device", lambda d: torch.device("cpu")) if on == "cpu" \
-        else contextlib.nullcontext()
     started = time.perf_counter()
-    with _quiet(), forced:
+    with _quiet():
         report = autoaccum.probe(_task(built, device), target_batch=w.target_batch, budget=w.budget_bytes,
                                  headroom=settings.headroom, estimate=True, precision=w.precision)
     seconds = time.perf_counter() - started
     release(device)
-    return {"report": report.to_dict(), "on": on, "seconds": seconds}
+    return {"report": report.to_dict(), "seconds": seconds}
 
 
 def _probe(built: Built, device: torch.device, sq: Squeezed, settings: Settings) -> dict[str, Any]:
@@ -210,7 +193,7 @@ def _found(report: dict[str, Any]) -> int | None:
 
 
 def squeezed(built: Built, kind: SqueezeKind, device: torch.device, settings: Settings) -> dict[str, Any]:
-    """Probe, brute force, and fit, all under squeeze ``kind`` (issue 40's rows: fit against the hand loop)."""
+    """Probe, brute force, and fit, all under squeeze ``kind`` (the issue40 rows: fit against the hand loop)."""
     w = built.workload
     started = time.perf_counter()
     compared = None

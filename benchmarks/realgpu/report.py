@@ -1,26 +1,22 @@
-"""What the saved parts say: one row per model and squeeze, the issue's targets, the table, RESULTS.md.
-
-Every number is derived here from the saved documents (nothing is measured), so a table can be
-printed from the files of several sessions.
-"""
+"""The default rows' table: one row per model and squeeze, derived from the saved parts (nothing is
+measured here, so a table can be printed from the files of several sessions), and the targets."""
 
 from __future__ import annotations
 
 import statistics
-from pathlib import Path
 from typing import Any
+
+from common import markdown_table
 
 from autoaccum.memory.model import MemoryModel
 from autoaccum.units import format_bytes
-from results_md import markdown_table, replace_section
 
 from .squeeze import SQUEEZES
 
-__all__ = ["SECTION", "TARGETS", "model_lines", "rows", "table", "targets", "write_section"]
+__all__ = ["TARGETS", "model_lines", "rows", "table", "targets"]
 
-SECTION = "## Real GPU (issue 16)"
 LABEL = {"process": "(i) other process", "fraction": "(ii) memory fraction", "budget": "(iii) --budget"}
-#: the issue's done-when targets
+#: the targets
 TARGETS = {"found_vs_brute": 0.95, "pick_vs_sweep": 0.97, "estimate_median": 0.05, "estimate_worst": 0.10}
 
 
@@ -64,7 +60,7 @@ def _estimate_errors(estimate: dict[str, Any], searches: list[dict[str, Any]]) -
 
 
 def _row(doc: dict[str, Any], kind: str) -> dict[str, Any]:
-    """One model under one squeeze: what the issue asks to report."""
+    """One model under one squeeze: the table's numbers."""
     part = doc["parts"].get(f"squeeze:{kind}", {})
     row: dict[str, Any] = {"model": doc["model"], "squeeze": kind}
     if "error" in part:  # the part raised: a finding, and a miss of every target
@@ -206,39 +202,3 @@ def model_lines(docs: list[dict[str, Any]]) -> list[str]:
                      f"{sum(walls.values()) / 60:.1f} min ("
                      + ", ".join(f"{k} {v:.0f} s" for k, v in walls.items() if v) + f") · {found}")
     return lines
-
-
-def write_section(result: dict[str, Any], command: str, path: Path) -> None:
-    """Replace (or add) this benchmark's section of RESULTS.md (GPU runs only; other sections stay)."""
-    sizes = "; ".join(f"{r['model']} {LABEL[r['squeeze']]}: " + " -> ".join(
-        f"{b}" + ("" if s == "ok" else f" ({s})") for b, s in r["sizes"]) for r in result["rows"] if "sizes" in r)
-    s = result["settings"]
-    section = "\n".join([
-        SECTION, "",
-        f"Command: `{command}` · {result['date']} · {result['device_name']} · torch {result['torch']}, transformers "
-        f"{result['transformers']}, python {result['python']} · wall time of this session "
-        f"{result['total_wall_time_s']:.0f} s", "",
-        "Each model is squeezed three ways to the same memory (the *budget (true)* column): (i) a second process "
-        "holds the rest of the card and autoaccum reads its default budget; (ii) "
-        "`torch.cuda.set_per_process_memory_fraction` and the default budget; (iii) an explicit `budget=` "
-        "(not enforced on CUDA: runs are judged by their allocator peak). fp32, AdamW, headroom "
-        f"{s['headroom']:.0%}.", "",
-        table(result["rows"]), "",
-        "Columns: *autoaccum's budget* = what the probe planned for (and where it read it); *found* = the largest "
-        "size the probe measured to fit; *brute force x2* = two searches with real accumulated steps (fresh model, "
-        "two AdamW steps of two forward/backward passes each; doubling, bisection, checked at b and b + 1; at most "
-        f"{s['max_tries']} tries) for the largest micro-batch that runs without an OOM and with its allocated peak "
-        "under `budget (true) x (1 - headroom)`, under the same squeeze; *found/brute* against the smaller; "
-        "*probe cost* = the probe's wall time in steps of the chosen plan (the median step of fit, all its "
-        "micro-batches); *pick/sweep best* = the pick's samples/s over the best balanced plan under the "
-        f"brute-force limit (every balanced plan from that limit down to a quarter of it, at most "
-        f"{s['sweep_plans']}, timed unsqueezed as search trials are: fastest of {s['measure_steps']} steps after "
-        f"{s['warmup_steps']}, the fastest three and the picks {s['confirm_rounds']} times more); *fit OOMs* = OOMs "
-        f"in {s['fit_steps']} steps of `fit(plan=report)` under the squeeze; *est. err* = `probe(estimate=True)`'s "
-        "predicted peak against the measured peaks of every brute-force try that ran to its end, |predicted / "
-        "measured - 1|, median and worst.", "",
-        "Targets (issue 16):", *targets(result["rows"], s["fit_steps"]), "",
-        "Per model:", *model_lines(result["models"]), "",
-        f"Sizes the probe measured, in order: {sizes}.", "",
-    ])
-    replace_section(SECTION, section, path)

@@ -1,14 +1,8 @@
-"""One model's parts in order, each saved to its results file as soon as it is done (resumable).
+"""One model's parts in order, each saved to ``<out>/<model>.json`` as soon as it is done (resumable).
 
-A model's file, ``<out>/<model>.json``, holds its parts: ``estimate``, ``squeeze:process``,
-``squeeze:fraction``, ``squeeze:budget``, ``sweep``, ``search``; issue 40's rows hold the squeezes of their
-settings, then ``estimate``, ``sweep`` and ``estimate_cpu`` (in that order: what matters most first, for
-a run cut short). A rerun keeps the parts already
-measured (a part that raised keeps its error: ``--redo`` measures everything again) and runs the rest;
-a part that cannot run here (a CUDA-only squeeze on a CPU, the search without optuna) is recorded as
-skipped with its reason and looked at again on the next run. A model whose every part is measured or
-skipped is done and is not loaded onto the device again. A file written under other settings (size,
-device type, step counts) is not reused.
+A rerun keeps the parts already measured (a part that raised keeps its error; ``--redo`` measures
+everything again) and runs the rest; a part that cannot run here is recorded as skipped with its reason
+and looked at again next time. A file written under other settings is not reused.
 """
 
 from __future__ import annotations
@@ -41,7 +35,7 @@ PARTS = ("estimate", *(f"squeeze:{k}" for k in SQUEEZES), "sweep", "search")
 def parts_of(settings: parts.Settings) -> tuple[str, ...]:
     """The parts a model's row measures, in order."""
     if settings.rows == "issue40":
-        return (*(f"squeeze:{k}" for k in settings.squeezes), "estimate", "sweep", "estimate_cpu")
+        return (*(f"squeeze:{k}" for k in settings.squeezes), "estimate", "sweep")
     return PARTS
 
 
@@ -67,9 +61,6 @@ def _load(path: Path, header: dict[str, Any], redo: bool) -> dict[str, Any]:
 def _why_not(part: str, doc: dict[str, Any], device: torch.device, search: bool,
              settings: parts.Settings | None = None) -> str | None:
     """Why ``part`` cannot run now, or None."""
-    if part == "estimate_cpu" and (device.type != "cuda" or settings is None or not settings.estimate_cpu):
-        return "skipped: the model is not on CUDA (its estimate is on fake cpu tensors already)" \
-            if device.type != "cuda" else "skipped: not asked for"
     if part.startswith("squeeze:"):
         return skip_reason(part.split(":", 1)[1], device)  # type: ignore[arg-type]
     if part == "sweep":
@@ -79,7 +70,7 @@ def _why_not(part: str, doc: dict[str, Any], device: torch.device, search: bool,
         if not search:
             return "skipped: --no-search"
         try:
-            import optuna  # noqa: F401 - only whether it is there
+            import optuna
         except ImportError:
             return "skipped: optuna is not installed (pip install 'autoaccum[search]')"
         budget = doc["parts"].get("squeeze:budget", {})
@@ -92,8 +83,6 @@ def _run_part(part: str, built: Built, device: torch.device, settings: parts.Set
               doc: dict[str, Any]) -> dict[str, Any]:
     if part == "estimate":
         return parts.estimate(built, device, settings)
-    if part == "estimate_cpu":
-        return parts.estimate(built, device, settings, on="cpu")
     if part.startswith("squeeze:"):
         return parts.squeezed(built, part.split(":", 1)[1], device, settings)  # type: ignore[arg-type]
     squeezes = {k.split(":", 1)[1]: p for k, p in doc["parts"].items() if k.startswith("squeeze:")
@@ -109,7 +98,7 @@ def _measured(part: str, built: Built, device: torch.device, settings: parts.Set
     started = time.perf_counter()
     try:
         result = _run_part(part, built, device, settings, doc)
-    except Exception as exc:  # noqa: BLE001 - see the docstring
+    except Exception as exc:
         logger.error("%s %s failed:\n%s", built.workload.name, part, traceback.format_exc())
         result = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]}
     if "error" in result:  # outside the except block: what the failed part held is unreachable now

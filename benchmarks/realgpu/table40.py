@@ -1,23 +1,20 @@
-"""Issue 40's table: one row per model, from the saved parts (nothing is measured here).
-
-Per row: the probe's limit against brute force, its OOMs and cost, the pick against the sweep, fit's
-OOMs and its samples/s against the hand-written loop, and the estimate's error against the measured
-peaks (allocated and reserved) of every try that ran to its end, for the estimate on the model's
-device (fake cuda tensors on a GPU) and, where measured, on fake cpu tensors (the estimate before).
-"""
+"""The issue40 rows' table: one row per model, from the saved parts (nothing is measured here): the
+probe against brute force, the pick against the sweep, fit's OOMs and samples/s against the hand loop,
+and the estimate's error against the measured peaks."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from common import markdown_table
+
 from autoaccum.units import format_bytes
-from results_md import markdown_table
 
 from .report import _errors, _estimate_errors, _found, _pct, _pick_vs_sweep
 
 __all__ = ["TARGETS", "row", "rows", "table", "targets"]
 
-#: issue 40's targets (issue 16's, and fit against the hand-written loop)
+#: the default rows' targets, and fit against the hand-written loop
 TARGETS = {"found_vs_brute": 0.95, "pick_vs_sweep": 0.97, "fit_vs_hand": 0.99, "estimate_median": 0.05,
            "estimate_worst": 0.10}
 
@@ -30,7 +27,7 @@ def _squeeze_part(doc: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
 
 
 def row(doc: dict[str, Any]) -> dict[str, Any]:
-    """One model's row: the numbers the issue asks for (``skipped`` where nothing was measured)."""
+    """One model's row: the table's numbers (``skipped`` where nothing was measured)."""
     kind, part = _squeeze_part(doc)
     out: dict[str, Any] = {"model": doc["model"], "squeeze": kind, "describe": doc.get("describe"),
                            "params": doc.get("params"), "target_batch": doc.get("target_batch")}
@@ -45,12 +42,10 @@ def row(doc: dict[str, Any]) -> dict[str, Any]:
     step_s = fit.get("step_time_s")
     pick = probe.get("plan", {}).get("micro_batch")
     tries = [*searches, {"tries": part.get("extra_tries", [])}]
-    estimates = {}
-    for name in ("estimate", "estimate_cpu"):
-        est = doc["parts"].get(name, {})
-        estimates[name] = {"skipped": est.get("skipped") or est.get("error") or "not measured yet"} \
-            if "report" not in est else {**(_estimate_errors(est, tries) or {}), "seconds": est.get("seconds"),
-                                         "per_sample_bytes": (est["report"].get("model") or {}).get("per_sample_bytes")}
+    est = doc["parts"].get("estimate", {})
+    estimate = {"skipped": est.get("skipped") or est.get("error") or "not measured yet"} if "report" not in est \
+        else {**(_estimate_errors(est, tries) or {}), "seconds": est.get("seconds"),
+              "per_sample_bytes": (est["report"].get("model") or {}).get("per_sample_bytes")}
     return {
         **out, "true_budget_bytes": part["true_budget_bytes"], "usable_bytes": part["usable_bytes"],
         "probe_error": probe.get("error"), "plan": probe.get("plan"), "found": found,
@@ -63,7 +58,7 @@ def row(doc: dict[str, Any]) -> dict[str, Any]:
         "fit": fit, "fit_vs_hand": {k: compared.get(k) for k in ("ratio", "ratio_min", "ratio_max",
                                                                  "fit_samples_per_s", "hand_samples_per_s")}
         if compared else None,
-        "estimate": estimates["estimate"], "estimate_cpu": estimates["estimate_cpu"],
+        "estimate": estimate,
         "timings": part.get("timings"), "build_s": doc.get("build_s"),
         "wall_s": sum(p.get("wall_s", 0.0) for p in doc["parts"].values()),
     }
@@ -81,7 +76,7 @@ def _est_cells(e: dict[str, Any]) -> tuple[str, str]:
 
 def _cells(r: dict[str, Any]) -> tuple[str, ...]:
     if "skipped" in r:
-        return (r["model"], r["skipped"].split(" (")[0][:60], *["-"] * 13)
+        return (r["model"], r["skipped"].split(" (")[0][:60], *["-"] * 11)
     plan = r["plan"] or {}
     fit = r["fit"] or {}
     vs = r["fit_vs_hand"] or {}
@@ -98,12 +93,12 @@ def _cells(r: dict[str, Any]) -> tuple[str, ...]:
             _pct(r["found_vs_brute"]), str(r["probe_ooms"]),
             "-" if r["probe_step_equivalents"] is None else f"{r['probe_step_equivalents']:.1f}",
             "-" if sweep is None else f"{_pct(sweep['ratio'])} ({sweep['pick']} vs {sweep['best']})",
-            fit_cell, rates, ratio, *_est_cells(r["estimate"]), *_est_cells(r["estimate_cpu"]))
+            fit_cell, rates, ratio, *_est_cells(r["estimate"]))
 
 
 HEAD = ("row", "budget (true)", "plan", "found / brute", "found/brute", "probe OOMs", "probe cost (steps)",
         "pick/sweep best", "fit OOMs", "samples/s fit / hand", "fit/hand (min-max)", "est. err alloc (med / worst)",
-        "est. err reserved", "fake-cpu est. err alloc", "fake-cpu est. err reserved")
+        "est. err reserved")
 
 
 def table(all_rows: list[dict[str, Any]]) -> str:

@@ -1,8 +1,7 @@
 """The systems compared, one module each, and the registry that names them.
 
 Adding a system: a module with ``run(ctx, recorder, budget) -> RunResult`` and one line in ``REGISTRY``
-(with the package it needs, so that a machine without it reports the row as not installed). What each
-system does and why: benchmarks/RESULTS.md, head-to-head, Method.
+(with the package it needs, so that a machine without it reports the row as not installed).
 """
 
 from __future__ import annotations

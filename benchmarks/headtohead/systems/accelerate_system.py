@@ -55,7 +55,7 @@ def run(ctx: Context, recorder: Recorder, budget: Any) -> RunResult:
     try:
         with budget:
             train()
-    except Exception as exc:  # noqa: BLE001 - how the peer fails is the result
+    except Exception as exc:
         result.error = f"crashed: {type(exc).__name__}: {str(exc)[:60]}"
     result.model = accelerator.unwrap_model(holder["model"]) if "model" in holder else None
     result.micro_batch = holder.get("micro")

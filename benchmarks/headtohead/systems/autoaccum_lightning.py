@@ -15,14 +15,7 @@ from torch import nn
 from ..context import Context, RunResult
 from ..recorder import Recorder
 from ..workloads import Batch, make_optimizer, on_device
-from .common import (
-    GlobalRows,
-    batched,
-    guard_outcome,
-    mean_loss,
-    pair_loss,
-    record_probe,
-)
+from .common import GlobalRows, batched, guard_outcome, mean_loss, pair_loss, record_probe
 
 
 def run(ctx: Context, recorder: Recorder, budget: Any) -> RunResult:

@@ -69,7 +69,7 @@ def run(ctx: Context, recorder: Recorder, budget: Any) -> RunResult:
         recorder.watch_model(module.model)  # restored from the tuner's checkpoint: training starts here
         try:
             trainer(max_steps=ctx.steps, accumulate_grad_batches=accum).fit(module)
-        except Exception as exc:  # noqa: BLE001 - how the peer fails is the result
+        except Exception as exc:
             result.error = f"crashed: {type(exc).__name__}: {str(exc)[:60]}"
     result.micro_batch, result.model = micro, module.model
     result.notes.append(f"micro {micro} x accum {accum} (binsearch, 5% margin; accum = target // micro in a "

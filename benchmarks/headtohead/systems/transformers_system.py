@@ -68,7 +68,7 @@ def run(ctx: Context, recorder: Recorder, budget: Any) -> RunResult:
         with budget:
             BenchTrainer(model=model, args=args, train_dataset=Rows(ctx.data), data_collator=batched,
                          compute_loss_func=token_loss).train()
-    except Exception as exc:  # noqa: BLE001 - how the peer fails is the result
+    except Exception as exc:
         result.error = f"crashed: {type(exc).__name__}: {str(exc)[:60]}"
     result.micro_batch = holder.get("micro")
     finder_cost(result, recorder, budget)
