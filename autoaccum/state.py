@@ -10,7 +10,7 @@ from typing import Any
 import psutil
 import torch
 
-__all__ = ["BufferSnapshot", "RngState", "TrainingSnapshot", "WeightsCopy", "capture", "capture_buffers",
+__all__ = ["BufferCopies", "BufferSnapshot", "RngState", "TrainingSnapshot", "WeightsCopy", "capture", "capture_buffers",
            "capture_rng", "release_pinned_memory", "restore", "restore_buffers", "restore_rng", "state_buffers"]
 
 
@@ -301,6 +301,40 @@ def capture_buffers(slots: list[tuple[torch.nn.Module, str]]) -> BufferSnapshot:
     change: those of modules in training mode."""
     return [(module, name, buffer.clone()) for module, name in slots if module.training
             for buffer in (module._buffers.get(name),) if buffer is not None]
+
+
+class BufferCopies:
+    """``capture_buffers`` for a step loop: the copies are made again at every step into the same
+    tensors, in one fused copy per device and dtype (``torch._foreach_copy_``) instead of a clone
+    per buffer (on CUDA a clone is a launch each: 159 for a ResNet-50's BatchNorm statistics). The
+    copies stay allocated between steps."""
+
+    def __init__(self, slots: list[tuple[torch.nn.Module, str]]) -> None:
+        self.slots = slots
+        self._copies: dict[tuple[int, str], torch.Tensor] = {}
+
+    def capture(self) -> BufferSnapshot:
+        snapshot: BufferSnapshot = []
+        groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for module, name in self.slots:
+            buffer = module._buffers.get(name)
+            if not module.training or buffer is None:
+                continue
+            if not _plain(buffer) or buffer.layout != torch.strided:
+                snapshot.append((module, name, buffer.clone()))
+                continue
+            copy = self._copies.get((id(module), name))
+            if copy is None or copy is buffer or copy.shape != buffer.shape or copy.dtype != buffer.dtype \
+                    or copy.device != buffer.device:  # (a restore may have made the copy the buffer itself)
+                copy = self._copies[(id(module), name)] = torch.empty_like(buffer)
+            dst, src = groups.setdefault((buffer.device, buffer.dtype), ([], []))
+            dst.append(copy)
+            src.append(buffer)
+            snapshot.append((module, name, copy))
+        with torch.no_grad():
+            for dst, src in groups.values():
+                torch._foreach_copy_(dst, src)
+        return snapshot
 
 
 def restore_buffers(snapshot: BufferSnapshot) -> None:

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import autoaccum.step.accumulate as accumulate_module
 import autoaccum.step.guard as guard_module
@@ -513,6 +514,84 @@ def test_a_norm_that_overflows_is_not_taken_for_an_inf_gradient(clip):
         assert not _check_finite(params(bad, torch.float32), None, clip, None)[0]
         assert not _check_finite(params(1.0, torch.float32), torch.tensor(bad), clip, None)[0]
         assert not _check_finite(params(1.0, torch.float32), bad, clip, None)[0]
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts the reads of a tensor's value on the host (``item()``, ``float()``, ``bool()``) while ``on``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on, self.reads = False, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.on and func is torch.ops.aten._local_scalar_dense.default:
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_nothing_is_read_from_the_device_after_the_optimizer_step_is_launched(monkeypatch, clip):
+    """The check's one read carries the loss (and, clipping, the norm): after ``optimizer.step()`` nothing
+    waits for the device, so the next step's host work overlaps the optimizer (on CUDA; a hand-written
+    loop's one read is its loss). ``tolist`` is counted too: it reads without an aten op on the CPU. The
+    result still holds the full batch's loss and the norm."""
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = OOMGuard(model, opt, target_batch=32, micro_batch=8, max_grad_norm=clip)
+    reads = _HostReads()
+    stepped, tolist = opt.step, torch.Tensor.tolist
+
+    def step(*args, **kwargs):
+        out = stepped(*args, **kwargs)
+        reads.on = True  # from here to the end of guard.step()
+        return out
+
+    def counted_tolist(self):
+        reads.reads += reads.on
+        return tolist(self)
+
+    monkeypatch.setattr(opt, "step", step)
+    monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
+    batch = data(32)
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        expected = mse(ref, batch).item()
+    with reads:
+        result = guard.step(batch, mse)
+    assert reads.reads == 0
+    assert result.loss == pytest.approx(expected, rel=1e-12) and isinstance(result.loss, float)
+    assert (result.grad_norm is None) == (clip is None)
+    # the negative control: a loss read after the step is seen
+    with reads:
+        reads.on = True
+        float(torch.tensor(1.0) + 1)
+    assert reads.reads == 1
+
+
+def test_buffer_copies_are_made_again_into_the_same_tensors():
+    """The guard's buffer snapshot: the same tensors every step, holding the buffers' values at the
+    capture; a buffer replaced by a restore (a shape change) gets a copy of its own, not itself."""
+    from autoaccum.state import BufferCopies, restore_buffers, state_buffers
+
+    model = Net(batchnorm=True)
+    copies = BufferCopies(state_buffers(model))
+    first = copies.capture()
+    assert [n for _, n, _ in first] == ["running_mean", "running_var", "num_batches_tracked"]
+    model(data(16)[0])  # updates the running statistics
+    second = copies.capture()
+    assert all(a is b for (_, _, a), (_, _, b) in zip(first, second))
+    assert all(torch.equal(saved, getattr(m, n)) and saved is not getattr(m, n) for m, n, saved in second)
+    model(data(16)[0])
+    restore_buffers(second)
+    assert all(torch.equal(saved, getattr(m, n)) for m, n, saved in second)
+    saved_mean = copies.capture()[0][2]
+    model.norm.running_mean = torch.zeros(5, dtype=torch.float64)  # another shape: the restore puts the copy in
+    restore_buffers([(model.norm, "running_mean", saved_mean)])
+    assert model.norm.running_mean is saved_mean
+    again = copies.capture()[0][2]
+    assert again is not model.norm.running_mean and torch.equal(again, model.norm.running_mean)
+    model.eval()
+    assert copies.capture() == []  # only modules in training mode: a forward in eval changes nothing
 
 
 def test_nonfinite_policy_is_checked():

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any, NoReturn, cast
 
@@ -31,7 +31,7 @@ from autoaccum.plan.batch import Batch, SplitFn
 from autoaccum.plan.cut import Cutter, MicroBatch, SampleCut
 from autoaccum.plan.plan import Plan
 from autoaccum.plan.task import LossFn, explain_error
-from autoaccum.state import capture_buffers, capture_rng, restore_buffers, restore_rng, state_buffers
+from autoaccum.state import BufferCopies, capture_rng, restore_buffers, restore_rng, state_buffers
 from autoaccum.step.accumulate import Accumulated, Failed, StepTotals, accumulate, reduce_gradients, step_values
 from autoaccum.step.checks import (GuardOptions, batchnorm_floor, check_step_args, checked_options, count_items,
                                    guard_ladder, guard_plan, local_size, trained_params)
@@ -136,7 +136,7 @@ class OOMGuard:
         rungs = guard_ladder(model, self.device, plan_, memory_savers)
         self._policy = PlanPolicy(plan_, self.sync, Growth(grow, grow_after, memory_model, headroom), thrash_steps,
                                   log_changes=log_changes, model=model, ladder=rungs)
-        self._buffer_slots = state_buffers(model)
+        self._buffer_copies = BufferCopies(state_buffers(model))
         self.steps = 0  # optimizer steps (or accumulations) completed
         self.overlapped_steps = 0  # steps whose gradient all-reduce ran during the last backward
         self._checked_loss_fn: Any = None
@@ -207,6 +207,8 @@ class OOMGuard:
                               max_grad_norm=options.max_grad_norm, step_number=self.steps + 1,
                               micro_batch=self.plan.micro_batch, check_finite=options.nonfinite is not None,
                               loss=step.totals.loss_total, sync=self.sync)
+        if done.loss is not None:  # read with the check's flags: reading it again would wait for the optimizer
+            step = replace(step, totals=replace(step.totals, loss_total=done.loss))
         self._clear_grads()
         if done.nonfinite and options.nonfinite == "stop":
             raise NonFiniteError(
@@ -263,7 +265,7 @@ class OOMGuard:
         growth.begin(self.meter, full_step=n == self.plan.rank_batch(self.sync.rank),
                      read_limit=self.plan.tokens is None and growth.guided)
         changes = self._policy.grow_to_fit(self.steps + 1) if growth.guided and growth.limit is not None else []
-        rng, buffers = capture_rng(), capture_buffers(self._buffer_slots)
+        rng, buffers = capture_rng(), self._buffer_copies.capture()
         self._zero_grad()  # every step, even with nothing set: wrappers of optimizer.zero_grad see it start
         attempts = 0
         begin = getattr(loss_fn, "begin_attempt", None)  # a loss with side effects puts them back (integrations)

@@ -22,7 +22,7 @@ import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Literal, NamedTuple, get_args
 
 import torch
 
@@ -47,11 +47,14 @@ class OptimizerStep:
         skipped: the optimizer did not step, for inf/NaN gradients: found by the GradScaler (fp16) or
             by the check (the scheduler did not step either).
         nonfinite: the check found inf/NaN in the gradients or the loss (the step was not taken).
+        loss: the step's loss as the check read it with its flags, before ``optimizer.step()`` was
+            launched (None without the check): nothing waits for the optimizer to read it again.
     """
 
-    grad_norm: torch.Tensor | None
+    grad_norm: torch.Tensor | float | None
     skipped: bool
     nonfinite: bool = False
+    loss: float | None = None
 
 
 def step_oom_error(phase: str, step_number: int, micro_batch: int) -> OptimizerStepOOMError:
@@ -95,12 +98,12 @@ def step_optimizer(optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.P
     def run() -> OptimizerStep:
         if scaler is not None:
             scaler.unscale_(optimizer)
-        norm = None
+        norm, read = None, Read(None, None)
         if check_finite and scaler is None:
             phase[0] = "gradient clipping" if max_grad_norm is not None else "the inf/NaN check"
-            finite, norm = _check_finite(params, loss, max_grad_norm, sync)
+            finite, norm, read = _check_finite(params, loss, max_grad_norm, sync)
             if not finite:
-                return OptimizerStep(None, True, nonfinite=True)
+                return OptimizerStep(None, True, nonfinite=True, loss=read.loss)
         if max_grad_norm is not None:
             phase[0] = "gradient clipping"
             if norm is None:
@@ -110,7 +113,7 @@ def step_optimizer(optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.P
         phase[0] = "optimizer.step()"
         if scaler is None:
             optimizer.step()
-            return OptimizerStep(norm, False)
+            return OptimizerStep(norm if read.norm is None else read.norm, False, loss=read.loss)
         scale_before = scaler.get_scale()
         scaler.step(optimizer)
         scaler.update()
@@ -135,11 +138,21 @@ def step_optimizer(optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.P
     return done
 
 
+class Read(NamedTuple):
+    """What the check read on the host with its flags: the loss and the total norm (None: not read)."""
+
+    loss: float | None
+    norm: float | None
+
+
 def _check_finite(params: Sequence[torch.nn.Parameter], loss: torch.Tensor | float | None,
-                  max_grad_norm: float | None, sync: GradSync | None) -> tuple[bool, torch.Tensor | None]:
+                  max_grad_norm: float | None, sync: GradSync | None) -> tuple[bool, torch.Tensor | None, Read]:
     """Whether every gradient and the loss are finite: one fused reduction, one read on the host.
 
-    Returns (finite, the total 2-norm for clipping or None). The reduction is the 2-norm of each
+    Returns (finite, the total 2-norm for clipping or None, the loss and norm read with the flags).
+    The read is the step's one wait for the device: the loss and the norm travel with the flags, so
+    that nothing reads the device again after ``optimizer.step()`` is launched (the next step's host
+    work runs while the device steps the optimizer, as in a hand-written loop). The reduction is the 2-norm of each
     gradient (``torch._foreach_norm``: one pass over the gradients; a NaN or inf element makes it
     non-finite); with clipping, the total norm clipping needs anyway, so the check costs no second
     pass. A norm can also overflow where every element is finite (fp32 beyond ~1.8e19, fp16 beyond
@@ -164,9 +177,20 @@ def _check_finite(params: Sequence[torch.nn.Parameter], loss: torch.Tensor | flo
             groups.setdefault((g.device, g.dtype), []).append(g)
         norms = [n.to(device) for group in groups.values() for n in torch._foreach_norm(group, 2.0)]
         flags.append(torch.isfinite(torch.stack(norms)).all().reshape(1))
+    values: list[torch.Tensor] = []  # read with the flags
     if isinstance(loss, torch.Tensor):
-        flags.append(torch.isfinite(loss.detach()).reshape(1).to(flags[0].device if flags else loss.device))
-    finite = bool(torch.cat(flags).all()) if flags else True  # the one read on the host
+        loss = loss.detach().reshape(1).to(flags[0].device if flags else loss.device)
+        flags.append(torch.isfinite(loss))
+        values.append(loss)
+    if total is not None:
+        values.append(total.reshape(1))
+    finite, read = True, Read(None, None)
+    if flags:
+        dtype = torch.float32 if flags[0].device.type == "mps" else torch.float64  # MPS has no float64
+        row = torch.cat([torch.cat(flags).to(dtype), *(v.to(flags[0].device, dtype) for v in values)]).tolist()
+        finite = all(f == 1.0 for f in row[:len(flags)])  # the one read on the host
+        got = iter(row[len(flags):])
+        read = Read(next(got) if isinstance(loss, torch.Tensor) else None, next(got) if total is not None else None)
     if isinstance(loss, float):
         finite = finite and math.isfinite(loss)
     if not finite and grads:
@@ -174,7 +198,7 @@ def _check_finite(params: Sequence[torch.nn.Parameter], loss: torch.Tensor | flo
     if sharded and sync is not None and sync.world_size > 1:
         flag = torch.tensor([0.0 if finite else 1.0], dtype=torch.float64)
         finite = float(sync.sum_items(flag)[0]) == 0.0  # one rank's non-finite shard stops every rank
-    return finite, total if clip_norm else None
+    return finite, total if clip_norm else None, read
 
 
 def _elements_finite(grads: list[torch.Tensor], loss: torch.Tensor | float | None) -> bool:
