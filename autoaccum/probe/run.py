@@ -175,37 +175,16 @@ def probe(
     profile = None if task.lengths is None else LengthProfile.of(task.lengths, source=lengths_source)
     library = cuda_library_bytes(device) if estimate and device.type == "cuda" else 0
     passes = steps_per_size if steps_per_size is not None else 2 if is_compiled(task.model) else 1
-    tried: list[tuple[str, int | None]] = []
     line = ProbeProgress(progress)
     try:
-        for rung in rungs:  # the memory ladder: the lowest rung on which the smallest micro-batch fits
-            line.rung(rung)
-            try:
-                measured = _measure(task, optimizer, precision, plan_budget.budget_bytes - library,
-                                    plan_budget.headroom, estimate=estimate, share=share, smallest=smallest,
-                                    upper=upper, passes=passes, max_candidates=max_candidates, profile=profile,
-                                    rung=rung, progress=line)
-                break
-            except DoesNotFitError as exc:
-                tried.append((rung, exc.needed_bytes))
-                if rung == rungs[-1]:
-                    raise DoesNotFitError(exc.needed_bytes, exc.available_bytes, suggestions(rungs),
-                                          at_least=exc.at_least, micro_batch=exc.micro_batch, rungs=tried) from None
-                logger.log(rank_level(logging.INFO), "probe: even micro-batch %d does not fit %s; measuring again "
-                           "with %s", exc.micro_batch, "without a memory saver" if rung == "none" else f"with {rung}",
-                           rungs[rungs.index(rung) + 1])
+        measured, tried = _climb(rungs, lambda rung: _measure(
+            task, optimizer, precision, plan_budget.budget_bytes - library, plan_budget.headroom, estimate=estimate,
+            share=share, smallest=smallest, upper=upper, passes=passes, max_candidates=max_candidates,
+            profile=profile, rung=rung, progress=line), line)
     finally:
         line.close()
-    stepper, model_fit, token_model, note = measured.stepper, measured.model, measured.token_model, measured.note
-    candidates = tuple(stepper.measured.values())
-    if library:
-        candidates = with_offset(candidates, library)
-        model_fit = None if model_fit is None else dataclasses.replace(
-            model_fit, base_bytes=model_fit.base_bytes + library, opt_peak_bytes=model_fit.opt_peak_bytes + library)
-        token_model = None if token_model is None else dataclasses.replace(
-            token_model, base_bytes=token_model.base_bytes + library,
-            opt_peak_bytes=token_model.opt_peak_bytes + library)
-        note = f"{note}; peaks include {library} bytes the CUDA libraries keep (measured on {device})"
+    stepper = measured.stepper
+    candidates, model_fit, token_model, note = _with_library(measured, library, device)
     plan = Plan.for_target(target_batch, measured.best, world_size, smallest).with_saver(measured.rung)
     if token_model is not None and profile is not None:
         plan = _token_plan(token_model, profile, plan, plan_budget.budget_bytes, plan_budget.headroom, upper,
@@ -223,6 +202,42 @@ def probe(
     if cache:
         probe_cache.store(report, cache_dir)
     return report
+
+
+def _climb(rungs: tuple[str, ...], measure: Callable[[str], _Measured], line: ProbeProgress
+           ) -> tuple[_Measured, list[tuple[str, int | None]]]:
+    """The memory ladder: measure on each rung in turn, up to the lowest on which the smallest
+    micro-batch fits; that rung's measurement and the (rung, bytes needed) of those below it."""
+    tried: list[tuple[str, int | None]] = []
+    for rung in rungs:
+        line.rung(rung)
+        try:
+            return measure(rung), tried
+        except DoesNotFitError as exc:
+            tried.append((rung, exc.needed_bytes))
+            if rung == rungs[-1]:
+                raise DoesNotFitError(exc.needed_bytes, exc.available_bytes, suggestions(rungs),
+                                      at_least=exc.at_least, micro_batch=exc.micro_batch, rungs=tried) from None
+            logger.log(rank_level(logging.INFO), "probe: even micro-batch %d does not fit %s; measuring again "
+                       "with %s", exc.micro_batch, "without a memory saver" if rung == "none" else f"with {rung}",
+                       rungs[rungs.index(rung) + 1])
+    raise RuntimeError("internal: the memory ladder has no rung")  # ladder() always starts with "none"
+
+
+def _with_library(measured: _Measured, library: int, device: torch.device
+                  ) -> tuple[tuple[Candidate, ...], MemoryModel | None, TokenMemoryModel | None, str]:
+    """The candidates, memory models and note, with the bytes the CUDA libraries keep added to every
+    peak where an estimate ran on fake CUDA tensors (``library`` > 0)."""
+    candidates = tuple(measured.stepper.measured.values())
+    model_fit, token_model, note = measured.model, measured.token_model, measured.note
+    if not library:
+        return candidates, model_fit, token_model, note
+    model_fit = None if model_fit is None else dataclasses.replace(
+        model_fit, base_bytes=model_fit.base_bytes + library, opt_peak_bytes=model_fit.opt_peak_bytes + library)
+    token_model = None if token_model is None else dataclasses.replace(
+        token_model, base_bytes=token_model.base_bytes + library, opt_peak_bytes=token_model.opt_peak_bytes + library)
+    return (with_offset(candidates, library), model_fit, token_model,
+            f"{note}; peaks include {library} bytes the CUDA libraries keep (measured on {device})")
 
 
 @dataclass(frozen=True)
