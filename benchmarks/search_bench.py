@@ -121,7 +121,7 @@ def _paired(runs: list[float], reference: list[float]) -> tuple[float, float]:
 def run_workload(w: Workload, n_trials: int, rounds: int, sweep_top: int) -> dict:
     task = w.make_task()
     usable = int(w.budget * (1 - HEADROOM))
-    fixed = SearchSpace(checkpointing=(False,), autocast=("fp32",), compile=(False,))
+    fixed = SearchSpace(saver=("none",), autocast=("fp32",), compile=(False,))
     micro_only = search(task, w.target_batch, n_trials=n_trials, budget=w.budget, headroom=HEADROOM, space=fixed,
                         study_name=f"bench-micro-{w.name}", **MEASURE)
     full = search(task, w.target_batch, n_trials=n_trials, budget=w.budget, headroom=HEADROOM,

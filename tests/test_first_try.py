@@ -439,8 +439,9 @@ def test_a_probe_report_of_another_model_is_refused_as_plan(tmp_path):
     other = nn.Sequential(nn.Linear(6, 128), nn.ReLU(), nn.Linear(128, 3))
     same = _untouched(other)
     says = (r"plan= is a probe report.* measured on another model \(Sequential: .* parameters .*\) than the one "
-            r"training \(Sequential: .*\); .* Probe this model \(drop plan=\), pass the report made for it, or, to "
-            r"keep that cut anyway, pass only its plan: plan=autoaccum.read_plan\(...\)")
+            r"training \(Sequential: .*\); .* Probe this model \(drop plan=\), pass the probe report made for it, or, "
+            r"to keep that cut anyway, pass only its plan \(plan=its .plan, or autoaccum.load_plan_file\(path\) for "
+            r"a file\)")
     for source in (report, path, str(path), report.to_dict()):
         with pytest.raises(ValueError, match=says):
             autoaccum.fit(other, data(64), 32, plan=source, progress=False)

@@ -758,11 +758,29 @@ def test_a_plan_file_with_knobs_fit_does_not_apply_is_named(tmp_path):
 
     x, y = torch.randn(128, 4), torch.randint(0, 2, (128,))
     path = tmp_path / "plan.json"
-    path.write_text(json.dumps({"kind": "autoaccum.plan", "knobs": {"checkpointing": True, "autocast": "bf16",
-                                                                   "compile": False},
+    path.write_text(json.dumps({"kind": "autoaccum.plan", "knobs": {"saver": "none", "autocast": "bf16",
+                                                                   "compile": True},
                                 "plan": {"micro_batch": 32, "accum_steps": 2, "world_size": 1, "target_batch": 64}}))
-    with pytest.warns(UserWarning, match=r"precision='bf16' and apply checkpointing"):
+    with pytest.warns(UserWarning, match=r"precision='bf16' and model=torch.compile\(model\) to train as measured"):
         fit(torch.nn.Linear(4, 2), (x, y), 64, plan=path, progress=False, max_steps=1)
+    # the rung is no knob to apply by hand: fit trains on it (the plan's saver), and says nothing
+    ladder = tmp_path / "ladder.json"
+    ladder.write_text(json.dumps({"kind": "autoaccum.plan", "knobs": {"saver": "checkpointing", "autocast": "fp32",
+                                                                     "compile": False},
+                                  "plan": {"micro_batch": 32, "accum_steps": 2, "world_size": 1, "target_batch": 64,
+                                           "saver": "checkpointing"}}))
+    class Blocks(torch.nn.Module):  # blocks in an nn.ModuleList: what the checkpointing rung wraps
+        def __init__(self):
+            super().__init__()
+            self.blocks, self.head = torch.nn.ModuleList([torch.nn.Linear(4, 4)]), torch.nn.Linear(4, 2)
+
+        def forward(self, inputs):
+            return self.head(self.blocks[0](inputs))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = fit(Blocks(), (x, y), 64, plan=ladder, progress=False, max_steps=1)
+    assert result.plan.saver == "checkpointing"
     plain = tmp_path / "plain.json"  # a probe report or a plan without knobs: nothing to say
     plain.write_text(json.dumps({"plan": {"micro_batch": 32, "accum_steps": 2, "world_size": 1, "target_batch": 64}}))
     with warnings.catch_warnings():

@@ -32,7 +32,7 @@ from autoaccum.search.throughput import Bench, Measurement, measure  # noqa: E40
 
 TARGET = 32
 # Usable 1.53 MB: a guarded fp32 step fits up to about micro 10 of this model, micro 32 does not
-# (32 needs ~3 MB); with checkpointing or bf16 larger micro-batches fit.
+# (32 needs ~3 MB); on the checkpointing rung or with bf16 larger micro-batches fit (16 on checkpointing).
 BUDGET = 1_700_000
 # CPU time, with one intra-op thread (fixture below): other processes on a shared CI machine do
 # not count, so readings of millisecond steps do not swing by 2-3x with their load.
@@ -95,35 +95,19 @@ def test_space_rejects_bad_values():
         SearchSpace(micro_batches=(0, 4))
 
 
-def test_checkpointing_knob_changes_nothing_but_memory_and_is_removed():
-    task = small_task()
-    batch = task.batch(4)
-
-    def grads(model):
-        model.zero_grad(set_to_none=True)
-        token_loss(model, batch).backward()
-        return [p.grad.clone() for p in model.parameters()]
-
-    plain = grads(task.model)
-    with apply_knobs(task.model, Knobs(checkpointing=True)) as run:
-        assert all("forward" in block.__dict__ for block in task.model.blocks)
-        checkpointed = grads(run)
-    assert all("forward" not in block.__dict__ for block in task.model.blocks)
-    assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
-
-
 def test_knobs_offered_where_they_apply():
     mlp = torch.nn.Sequential(torch.nn.Linear(4, 4))
     cpu = torch.device("cpu")
-    assert available_knobs(small_task().model, cpu)["checkpointing"] == (False, True)  # blocks: a ModuleList
-    assert available_knobs(mlp, cpu)["checkpointing"] == (False,)  # nothing to checkpoint
+    # the saver knob is the memory ladder's rungs (offload only on CUDA)
+    assert available_knobs(small_task().model, cpu)["saver"] == ("none", "checkpointing")  # blocks: a ModuleList
+    assert available_knobs(mlp, cpu)["saver"] == ("none",)  # nothing to checkpoint
     assert available_knobs(mlp, cpu)["compile"] == (False,)  # compiling on CPU: only when asked
     assert "fp16" not in available_knobs(mlp, cpu)["autocast"]
     with apply_knobs(mlp, Knobs(compile=True)) as run:  # compiled lazily: nothing runs here
         assert run is not mlp and list(run.parameters()) == list(mlp.parameters())
-    with pytest.raises(ValueError, match="checkpointing cannot be applied"):
+    with pytest.raises(ValueError, match=r"saver \['checkpointing'\] cannot be applied to Sequential on cpu"):
         search(model=mlp, loss_fn=lambda m, b: m(b).mean(), make_batch=lambda b: torch.randn(b, 4), target_batch=4,
-               space=SearchSpace(checkpointing=(True,)), n_trials=1, budget="1MiB")
+               space=SearchSpace(saver=("checkpointing",)), n_trials=1, budget="1MiB")
 
 
 def test_compile_knob_keeps_the_process_compiled_code_and_confines_its_recompile_limit():
@@ -225,7 +209,7 @@ def test_winner_at_least_as_fast_as_the_probe_pick(searched):
     assert simplest in measured and simplest[1] == Knobs()
     # the winner: the paired comparison of those readings, ties to the simplest
     verdict = compare_finalists(dict(result.confirmed), lambda n: (
-        int(trials[n].knobs.checkpointing) + int(trials[n].knobs.autocast != "fp32"), trials[n].plan.accum_steps))
+        trials[n].knobs.switched_on, trials[n].plan.accum_steps))
     assert (result.plan, result.knobs) == (trials[verdict.winner].plan, trials[verdict.winner].knobs)
     assert result.samples_per_s == medians[verdict.winner]
     assert [(c.trial, c.leader, c.within_noise) for c in result.comparison] == \
@@ -261,7 +245,7 @@ def _stubbed_search(monkeypatch, again: dict[int, list[float]], rounds: int = 3)
         return Measurement("ok", speed, None, TARGET / speed, 1000)
 
     monkeypatch.setattr(Bench, "run", run)
-    space = SearchSpace(micro_batches=(2, 4, 8), checkpointing=(False,), autocast=("fp32",))
+    space = SearchSpace(micro_batches=(2, 4, 8), saver=("none",), autocast=("fp32",))
     result = search(task, TARGET, report=report, space=space, n_trials=3, patience=None, confirm_top=1,
                     confirm_rounds=rounds, **FAST)
     assert [(t.plan.micro_batch, t.seeded, t.samples_per_s) for t in result.trials] == \
@@ -313,7 +297,7 @@ def test_a_finalist_far_behind_in_three_rounds_is_measured_no_more(monkeypatch):
 def test_oom_trials_are_recorded_and_not_fatal(tmp_path):
     task = small_task()
     storage = f"sqlite:///{tmp_path / 'oom.db'}"
-    space = SearchSpace(micro_batches=(8, 32), checkpointing=(False,), autocast=("fp32",))
+    space = SearchSpace(micro_batches=(8, 32), saver=("none",), autocast=("fp32",))
     result = search(task, TARGET, n_trials=6, budget=BUDGET, space=space, storage=storage, study_name="oom",
                     patience=None, **QUICK)
     statuses = {t.plan.micro_batch: t.status for t in result.trials}
@@ -329,7 +313,7 @@ def test_oom_trials_are_recorded_and_not_fatal(tmp_path):
 
 def test_repeated_configurations_are_not_rerun_and_patience_stops():
     task = small_task()
-    space = SearchSpace(micro_batches=(8,), checkpointing=(False,), autocast=("fp32",))
+    space = SearchSpace(micro_batches=(8,), saver=("none",), autocast=("fp32",))
     result = search(task, TARGET, n_trials=20, budget=BUDGET, space=space, patience=3, **QUICK)
     # 1 configuration: every trial after the first reuses it; patience counts after the seeds (2)
     # and the sampler's random start (6): 8 + 3 trials

@@ -22,7 +22,9 @@ def source_words(source: str | None) -> str:
 
 
 def read_plan_document(source: Any) -> tuple[Plan, dict[str, Any] | None]:
-    """The plan in ``source``, and the knobs it was measured with (None where it names none).
+    """The plan in ``source``, and the knobs it was measured with (None where it names none; their
+    ``saver`` is the plan's rung of the memory ladder, also for files that named it only as
+    ``"checkpointing": true`` among their knobs).
 
     ``source`` is what the tools write: a Plan; an object with a ``.plan`` (ProbeReport,
     SearchResult, and its ``.knobs``); a dict (a plan, or a document with a ``"plan"`` entry and
@@ -50,9 +52,22 @@ def read_plan_document(source: Any) -> tuple[Plan, dict[str, Any] | None]:
         except TypeError as exc:
             raise ValueError(f"malformed plan: {exc}") from None
         knobs = document.get("knobs")
-        return plan, (dict(knobs) if isinstance(knobs, dict) else None)
+        return _with_rung(plan, dict(knobs) if isinstance(knobs, dict) else None)
     raise TypeError(f"plan must be a Plan, a probe report, a search result, a dict or a JSON path, "
                     f"got {type(source).__name__}")
+
+
+def _with_rung(plan: Plan, knobs: dict[str, Any] | None) -> tuple[Plan, dict[str, Any] | None]:
+    """The plan on the rung its knobs name, and the knobs naming the plan's rung. Search plan files
+    written before the plan carried its rung said ``"checkpointing": true`` among the knobs: that was
+    measured with checkpointing, so the plan runs on the ``checkpointing`` rung."""
+    if knobs is None:
+        return plan, None
+    legacy = knobs.pop("checkpointing", None)
+    saver = knobs.get("saver", "checkpointing" if legacy is True else "none")
+    if plan.saver == "none" and saver != "none":
+        plan = plan.with_saver(saver)  # Plan checks the name
+    return plan, {**knobs, "saver": plan.saver}
 
 
 def read_plan(source: Any) -> Plan:

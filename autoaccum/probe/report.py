@@ -225,14 +225,15 @@ def model_summary(model: torch.nn.Module) -> str:
 
 
 def check_made_for(source: Any, model: torch.nn.Module, name: str = "plan") -> None:
-    """Refuse a probe report (or its JSON file or dict) measured on another model than ``model``.
+    """Refuse a probe report or a search result (or its JSON file or dict) made for another model.
 
     A plan is made for one model: another one's memory per sample differs, and the report's memory model,
-    which the guard grows back by after an OOM, would predict sizes that do not fit (or waste memory).
-    A ``Plan`` carries no fingerprint and passes: it is the caller's explicit choice of a cut.
+    which the guard grows back by after an OOM, would predict sizes that do not fit (or waste memory); a
+    search's speeds were measured on it. A ``Plan`` carries no fingerprint and passes: it is the caller's
+    explicit choice of a cut.
 
     Raises:
-        ValueError: the report's fingerprint differs from ``model``'s, naming both models and the fixes.
+        ValueError: the fingerprint differs from ``model``'s, naming both models and the fixes.
     """
     document: Any = source
     if isinstance(source, (str, os.PathLike)):
@@ -240,18 +241,22 @@ def check_made_for(source: Any, model: torch.nn.Module, name: str = "plan") -> N
             document = json.loads(Path(source).read_text())
         except (OSError, ValueError):
             return  # unreadable: the plan reader says so
-    if isinstance(document, ProbeReport):
-        measured, summary = document.model_fingerprint, document.model_summary
-    elif isinstance(document, dict):
+    if isinstance(document, dict):
         measured, summary = document.get("model_fingerprint") or "", document.get("model_summary") or ""
+        noun = "probe report" if document.get("kind", "autoaccum.probe") == "autoaccum.probe" else "search result"
+    elif isinstance(getattr(document, "model_fingerprint", None), str):  # a ProbeReport, a SearchResult
+        measured, summary = document.model_fingerprint, getattr(document, "model_summary", "")
+        noun = "probe report" if isinstance(document, ProbeReport) else "search result"
     else:
         return
     if not measured or measured == model_fingerprint(model):
         return
     where = f" ({source})" if isinstance(source, (str, os.PathLike)) else ""
+    redo = f"Probe this model (drop {name}=)" if noun == "probe report" else \
+        f"Search this model again (or drop {name}= to probe it)"
     raise ValueError(
-        f"{name}= is a probe report{where} measured on another model ({summary or 'its fingerprint differs'}) than "
+        f"{name}= is a {noun}{where} measured on another model ({summary or 'its fingerprint differs'}) than "
         f"the one training ({model_summary(model)}); their parameters' names, shapes, dtypes or requires_grad "
-        f"differ, and so does their memory: its plan and memory model do not hold here. Probe this model (drop "
-        f"{name}=), pass the report made for it, or, to keep that cut anyway, pass only its plan: "
-        f"{name}=autoaccum.read_plan(...)")
+        f"differ, and so does their memory: its plan and memory model do not hold here. {redo}, pass the "
+        f"{noun} made for it, or, to keep that cut anyway, pass only its plan ({name}=its .plan, or "
+        f"autoaccum.load_plan_file(path) for a file)")

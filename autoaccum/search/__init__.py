@@ -1,9 +1,12 @@
 """Throughput search: the fastest configuration that fits, measured, not just the largest batch.
 
-The probe says which micro-batches fit; this package asks which one -- with which knobs
-(activation checkpointing, autocast dtype, ``torch.compile``; see ``autoaccum.search.knobs``) -- trains
-fastest at the exact global batch. Each Optuna trial picks a micro-batch and knobs, runs real
-guarded optimizer steps (``autoaccum.search.throughput``) and returns measured samples/s.
+The probe says which micro-batches fit; this package asks which one -- with which knobs (the memory
+ladder's rung, as the probe and the guard take it: activation checkpointing, or offload on CUDA;
+autocast dtype; ``torch.compile``; see ``autoaccum.search.knobs``) -- trains fastest at the exact
+global batch: a larger micro-batch on a rung may beat a smaller one without. Each Optuna trial picks a
+micro-batch and knobs, runs real guarded optimizer steps (``autoaccum.search.throughput``) and returns
+measured samples/s. The winner's plan carries its rung (``Plan.saver``), which ``fit`` and
+``OOMGuard`` apply.
 
 - ``space``: what may be tried (``SearchSpace``, the candidate sizes).
 - ``knobs``: the knobs and how a trial applies them to the model and undoes them.
@@ -31,7 +34,7 @@ import torch
 
 from autoaccum import state as training_state
 from autoaccum.plan.task import LossFn, Task, resolve_task, trainable_parameters
-from autoaccum.probe.report import ProbeReport
+from autoaccum.probe.report import ProbeReport, check_made_for
 from autoaccum.probe.run import probe
 from autoaccum.search.result import (
     PLAN_FILE_KIND,
@@ -122,7 +125,7 @@ def search(
             single trial wins).
         clock: ``wall`` time, or ``cpu`` time of this process for a CPU shared with busy
             processes (with one intra-op thread; see ``autoaccum.search.throughput.Clock``).
-        report: a probe report to start from (default: run ``probe``).
+        report: a probe report of this model to start from (default: run ``probe``).
 
     Returns:
         A ``SearchResult``; ``result.save(path)`` writes a plan file.
@@ -131,7 +134,8 @@ def search(
         ImportError: Optuna is missing.
         DoesNotFitError: the smallest micro-batch does not fit (from the probe).
         SearchError: no trial fitted.
-        ValueError: an argument out of its range, or a stored study made for another target or space.
+        ValueError: an argument out of its range, a probe report of another model, or a stored study made
+            for another target or space.
         TypeError: an argument of the wrong type.
     """
     optuna = require_optuna()
@@ -175,6 +179,7 @@ def _probe_report(task: Task, optimizer: torch.optim.Optimizer | None, report: P
     if report is None:
         return probe(task, optimizer=optimizer, target_batch=options.target_batch, world_size=options.world_size,
                      budget=budget, headroom=headroom)
+    check_made_for(report, task.model, name="report")
     if report.plan.target_batch != options.target_batch or report.plan.world_size != options.world_size:
         raise ValueError(f"the probe report is for {report.plan.describe()}; this search is for target_batch "
                          f"{options.target_batch} x world {options.world_size}. Probe again, or pass matching values.")

@@ -1,16 +1,16 @@
 """Knobs that trade memory for speed, and how a trial applies them to a model without keeping them.
 
-- **activation checkpointing**: recompute each layer's activations in backward instead of keeping
-  them. Applied through the model's own switch where it has one (Hugging Face style
-  ``gradient_checkpointing_enable()`` / ``gradient_checkpointing_disable()``), otherwise generically:
-  every child of the model's first non-empty ``nn.ModuleList`` (the transformer blocks of most
-  models) runs under ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``. The patch is
-  an instance attribute on each layer's ``forward``, removed when the trial ends. A model without
-  either has no checkpointing knob.
+- **saver**: the memory ladder's rung (``autoaccum.memory.savers``): ``none``, ``checkpointing``
+  (the model's blocks recompute their activations in backward), ``offload`` (CUDA: checkpointing,
+  and what the forward saves kept in host memory). The rungs the probe and the guard climb, the same
+  exact implementation: a trial's plan carries its rung (``Plan.saver``) and the trial's guard applies
+  it for each attempt, as training does. Which rungs apply comes from ``memory.savers.ladder``.
 - **autocast dtype**: ``fp32`` (no autocast), ``bf16``, ``fp16``: forward and loss under
   ``torch.autocast``; ``fp16`` steps with a ``GradScaler``, as training in fp16 must.
 - **torch.compile**: the trial steps ``torch.compile(model)`` (the same parameters); compile time
-  is spent in the warm-up steps, never in the timed ones.
+  is spent in the warm-up steps, never in the timed ones. Dynamo cannot trace the rungs' exact
+  checkpointing (a ``torch.utils.checkpoint`` with a ``context_fn``), so a trial that asks for both
+  is recorded as failed without running (``COMPILE_WITH_SAVER``).
 
 Which knobs apply depends on the device (``available_knobs``): on CUDA bf16 where the device
 supports it and fp16; on CPU bf16 only where oneDNN has native bf16; compile only on CUDA by
@@ -22,7 +22,7 @@ Dynamo's cache of compiled code is the process's, and a trial does not clear it
 combination of knobs or shape class adds an entry; past ``recompile_limit`` (8 by default) a frame
 runs eagerly. Inside a trial the limit is raised to ``TRIAL_RECOMPILE_LIMIT``
 (``torch._dynamo.config.patch``, for the whole process while it lasts), and restored on exit.
-Checkpointing touches only the model's layers, and is removed on exit.
+A rung touches only the model, for each attempt of the trial's guard.
 """
 
 from __future__ import annotations
@@ -35,38 +35,44 @@ from typing import Any, get_args
 import torch
 from torch import nn
 
+from autoaccum.memory.savers import RUNGS, ladder, rung_index
 from autoaccum.precision import AUTOCAST_DTYPES, Precision, autocast_dtype
 
-__all__ = ["Autocast", "Knobs", "apply_knobs", "available_knobs", "checkpoint_layers", "AUTOCAST_DTYPES",
+__all__ = ["Autocast", "COMPILE_WITH_SAVER", "Knobs", "apply_knobs", "available_knobs", "AUTOCAST_DTYPES",
            "TRIAL_RECOMPILE_LIMIT"]
 
 #: the autocast knob's values: the precisions of ``autoaccum.precision``
 Autocast = Precision
 #: dynamo's ``recompile_limit`` inside a compiled trial (torch's default is 8). Each combination of
-#: autocast dtype x checkpointing x grad mode keeps an entry or two per shape class (micro-batch 1
-#: is specialised; other sizes share a dynamic one), and entries of earlier trials stay: 64 holds a
-#: whole search's with room.
+#: autocast dtype x grad mode keeps an entry or two per shape class (micro-batch 1 is specialised;
+#: other sizes share a dynamic one), and entries of earlier trials stay: 64 holds a whole search's
+#: with room.
 TRIAL_RECOMPILE_LIMIT = 64
+#: why a trial with ``compile`` and a rung above ``none`` is not run
+COMPILE_WITH_SAVER = ("torch.compile cannot trace the memory ladder's exact checkpointing (torch.utils.checkpoint "
+                      "with a context_fn); compile and a saver are not combined")
 
 
 @dataclass(frozen=True)
 class Knobs:
-    """How a training step runs, apart from its plan.
+    """How a training step runs, apart from its micro-batch.
 
     Attributes:
-        checkpointing: recompute activations in backward (activation checkpointing).
+        saver: the memory ladder's rung (``none``, ``checkpointing``, ``offload``); the plan a trial
+            measures carries it as ``Plan.saver``, and so does the search's result.
         autocast: ``fp32`` (no autocast), ``bf16`` or ``fp16`` (with a GradScaler).
         compile: step a ``torch.compile``-d model.
     """
 
-    checkpointing: bool = False
+    saver: str = "none"
     autocast: Autocast = "fp32"
     compile: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("checkpointing", "compile"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"Knobs.{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.compile, bool):
+            raise TypeError(f"Knobs.compile must be a bool, got {self.compile!r}")
+        if self.saver not in RUNGS:
+            raise ValueError(f"Invalid saver: {self.saver!r}. Allowed: {', '.join(RUNGS)} (the memory ladder's rungs)")
         if self.autocast not in get_args(Autocast):
             raise ValueError(f"Invalid autocast: {self.autocast!r}. Allowed: {', '.join(get_args(Autocast))}")
 
@@ -77,29 +83,32 @@ class Knobs:
 
     @property
     def saves_memory(self) -> bool:
-        return self.checkpointing or self.autocast != "fp32"
+        return self.saver != "none" or self.autocast != "fp32"
+
+    @property
+    def switched_on(self) -> int:
+        """How far from the step as written: the rung's height (offload is checkpointing and more),
+        plus one for autocast and one for compile. A tie between finalists goes to the fewest."""
+        return rung_index(self.saver) + int(self.autocast != "fp32") + int(self.compile)
 
     def describe(self) -> str:
-        parts = [self.autocast] + (["checkpointing"] if self.checkpointing else []) + \
+        parts = [self.autocast] + ([self.saver] if self.saver != "none" else []) + \
             (["compile"] if self.compile else [])
         return " + ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"checkpointing": self.checkpointing, "autocast": self.autocast, "compile": self.compile}
+        return {"saver": self.saver, "autocast": self.autocast, "compile": self.compile}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Knobs:
-        return cls(**{k: data[k] for k in ("checkpointing", "autocast", "compile") if k in data})
-
-
-def checkpoint_layers(model: nn.Module) -> nn.ModuleList | None:
-    """The layers generic checkpointing wraps: the model's first non-empty ``nn.ModuleList``."""
-    return next((m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0), None)
-
-
-def _has_hf_switch(model: nn.Module) -> bool:
-    return callable(getattr(model, "gradient_checkpointing_enable", None)) and \
-        callable(getattr(model, "gradient_checkpointing_disable", None))
+        """From ``to_dict``'s output, or from the knobs of files written before the saver was a rung:
+        ``"checkpointing": true`` is the ``checkpointing`` rung, ``false`` the ``none`` rung."""
+        values = {k: data[k] for k in ("saver", "autocast", "compile") if k in data}
+        if "saver" not in values and "checkpointing" in data:
+            if not isinstance(data["checkpointing"], bool):
+                raise TypeError(f"knobs' checkpointing must be a bool, got {data['checkpointing']!r}")
+            values["saver"] = "checkpointing" if data["checkpointing"] else "none"
+        return cls(**values)
 
 
 def _cpu_bf16() -> bool:
@@ -110,64 +119,25 @@ def _cpu_bf16() -> bool:
 
 
 def available_knobs(model: nn.Module, device: torch.device) -> dict[str, tuple[Any, ...]]:
-    """The values of each knob worth trying for ``model`` on ``device``; the first is the default."""
+    """The values of each knob worth trying for ``model`` on ``device``; the first is the default.
+    The rungs are the memory ladder's for them (``ladder``)."""
     if device.type == "cuda":
         autocast: tuple[str, ...] = ("fp32", "bf16", "fp16") if torch.cuda.is_bf16_supported() else ("fp32", "fp16")
     else:
         autocast = ("fp32", "bf16") if device.type == "cpu" and _cpu_bf16() else ("fp32",)
-    checkpointing = (False, True) if _has_hf_switch(model) or checkpoint_layers(model) is not None else (False,)
-    return {"checkpointing": checkpointing, "autocast": autocast,
+    return {"saver": ladder(model, device), "autocast": autocast,
             "compile": (False, True) if device.type == "cuda" else (False,)}
 
 
 @contextlib.contextmanager
-def _checkpointing(model: nn.Module) -> Iterator[None]:
-    if _has_hf_switch(model):
-        was_on = bool(getattr(model, "is_gradient_checkpointing", False))
-        model.gradient_checkpointing_enable()
-        try:
-            yield
-        finally:
-            if not was_on:
-                model.gradient_checkpointing_disable()
-        return
-    layers = checkpoint_layers(model)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__} has no nn.ModuleList of layers to checkpoint and no "
-                         f"gradient_checkpointing_enable(); leave checkpointing out of the search space")
-    from torch.utils.checkpoint import checkpoint
-
-    patched: list[tuple[nn.Module, Any]] = []
-    try:
-        for layer in layers:
-            original = layer.forward  # the bound method (or an instance attribute someone set)
-
-            def forward(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
-                if not torch.is_grad_enabled():
-                    return _original(*args, **kwargs)
-                # non-reentrant: works with keyword arguments and inputs that need no grad
-                return checkpoint(_original, *args, use_reentrant=False, **kwargs)
-
-            patched.append((layer, layer.__dict__.get("forward")))
-            layer.forward = forward
-        yield
-    finally:
-        for layer, before in reversed(patched):
-            if before is None:
-                del layer.forward  # the class's forward shows through again
-            else:
-                layer.forward = before
-
-
-@contextlib.contextmanager
 def apply_knobs(model: nn.Module, knobs: Knobs) -> Iterator[nn.Module]:
-    """Yield the module to step with ``knobs`` applied; on exit ``model`` is as it was.
+    """Yield the module to step with ``knobs``' compile applied; on exit ``model`` is as it was.
 
-    Autocast is not applied here: pass ``knobs.autocast_dtype`` to ``OOMGuard(autocast_dtype=...)``.
+    Neither autocast nor the rung is applied here: pass ``knobs.autocast_dtype`` to
+    ``OOMGuard(autocast_dtype=...)`` and a plan on ``knobs.saver`` (``plan.with_saver``), whose guard
+    applies the rung for each attempt.
     """
     with contextlib.ExitStack() as stack:
-        if knobs.checkpointing:
-            stack.enter_context(_checkpointing(model))
         run = model
         if knobs.compile:
             # No torch._dynamo.reset(): it would clear every compiled function of the process.

@@ -1,8 +1,10 @@
 """What a search returns: every trial, the winner, and the plan file that carries the winner to training.
 
 A plan file (``SearchResult.save``, ``autoaccum search --out``) is JSON of kind ``autoaccum.plan``:
-the winner's plan and knobs and what they measured. ``read_plan_file`` reads it back -- and a
-search result or a probe report (``autoaccum probe --json``) -- through
+the winner's plan (on its rung of the memory ladder, ``plan.saver``) and knobs, what they measured,
+and the fingerprint of the model searched, so that a run of another model refuses the file
+(``autoaccum.probe.report.check_made_for``), as it refuses a probe report. ``read_plan_file`` reads
+it back -- and a search result or a probe report (``autoaccum probe --json``) -- through
 ``autoaccum.plan.sources.read_plan_document``, the one reader of plan files, after checking the kind.
 """
 
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,8 +40,8 @@ class TrialRecord:
 
     Attributes:
         number: Optuna's trial number.
-        plan: the plan for the whole target (micro x accum x world).
-        knobs: checkpointing, autocast, compile.
+        plan: the plan for the whole target (micro x accum x world), on the knobs' rung (``plan.saver``).
+        knobs: the memory ladder's rung, autocast, compile.
         status: ``ok``, ``oom``, ``over_budget``, ``failed`` (see ``Measurement``).
         samples_per_s: samples of one rank's share per second (None unless ok).
         items_per_s: items (e.g. tokens) per second for token-level losses, else None.
@@ -105,8 +107,10 @@ class SearchResult:
     """The fastest configuration found, and every trial.
 
     Attributes:
-        plan: the winner's plan for ``target_batch`` (give it to ``OOMGuard(plan=...)`` / ``fit``).
-        knobs: the winner's knobs (``knobs.autocast_dtype`` for ``OOMGuard(autocast_dtype=...)``).
+        plan: the winner's plan for ``target_batch`` (give it to ``OOMGuard(plan=...)`` / ``fit``), on
+            the winner's rung of the memory ladder (``plan.saver``), which the guard applies.
+        knobs: the winner's knobs (``knobs.autocast_dtype`` for ``OOMGuard(autocast_dtype=...)``;
+            ``knobs.saver`` is ``plan.saver``).
         samples_per_s: the winner's samples/s on one rank: the median of its readings in the
             final rounds (its trial's reading without them).
         items_per_s: the winner's items/s, likewise (None for losses that count no items).
@@ -130,6 +134,9 @@ class SearchResult:
         wall_time_s: the whole search, probe included.
         probe_wall_time_s: the probe alone.
         torch_version: the torch that ran the search.
+        model_fingerprint: a hash of the model searched (``autoaccum.probe.report.model_fingerprint``):
+            ``fit``, ``OOMGuard`` and the integrations refuse the result, or its plan file, for another model.
+        model_summary: that model in words.
     """
 
     plan: Plan
@@ -153,6 +160,8 @@ class SearchResult:
     probe_wall_time_s: float
     comparison: tuple[FinalComparison, ...] = ()
     torch_version: str = field(default_factory=lambda: torch.__version__)
+    model_fingerprint: str = ""
+    model_summary: str = ""
 
     @property
     def speedup_over_probe(self) -> float | None:
@@ -172,6 +181,7 @@ class SearchResult:
             "confirmed": [{"trial": n, "samples_per_s": list(runs), "median": statistics.median(runs)}
                           for n, runs in self.confirmed],
             "comparison": [c.to_dict() for c in self.comparison],
+            "model_fingerprint": self.model_fingerprint, "model_summary": self.model_summary,
         }
 
     def plan_file(self) -> dict[str, Any]:
@@ -179,7 +189,8 @@ class SearchResult:
         return {"kind": PLAN_FILE_KIND, "version": FILE_VERSION, "source": "search", "plan": self.plan.to_dict(),
                 "knobs": self.knobs.to_dict(), "samples_per_s": self.samples_per_s, "items_per_s": self.items_per_s,
                 "peak_bytes": self.peak_bytes, "budget_bytes": self.budget_bytes, "usable_bytes": self.usable_bytes,
-                "device": self.device, "study_name": self.study_name, "torch_version": self.torch_version}
+                "device": self.device, "study_name": self.study_name, "torch_version": self.torch_version,
+                "model_fingerprint": self.model_fingerprint, "model_summary": self.model_summary}
 
     def save(self, path: str | Path) -> Path:
         """Write the plan file (JSON, atomically) to ``path``; read it back with ``load_plan_file``."""
@@ -187,7 +198,9 @@ class SearchResult:
 
 
 def read_plan_file(path: str | Path) -> tuple[Plan, Knobs]:
-    """The plan and knobs in a search plan file, a search result or a probe report (knobs: none).
+    """The plan and knobs in a search plan file, a search result or a probe report (knobs: none but
+    the plan's rung). Files written before the saver was a rung (knobs ``"checkpointing": true``) read
+    as the ``checkpointing`` rung (``read_plan_document``).
 
     Stricter than ``read_plan_document``, which reads the rest: the file must
     name its kind, so a stray JSON dict is not taken for a plan.
@@ -206,7 +219,7 @@ def read_plan_file(path: str | Path) -> tuple[Plan, Knobs]:
                          f"and a 'plan' (write one with `autoaccum search --out` or `autoaccum probe --json`)")
     try:
         plan, knobs = read_plan_document(data)
-        return plan, Knobs.from_dict(knobs or {})
+        return plan, Knobs.from_dict(knobs or {"saver": plan.saver})
     except (TypeError, ValueError) as exc:
         # read_plan_document words a plan's TypeError as "malformed plan: ..." already
         raise ValueError(f"{path}: malformed plan: {str(exc).removeprefix('malformed plan: ')}") from None
@@ -249,13 +262,15 @@ def format_search(result: SearchResult) -> str:
             f"#{n} median {statistics.median(runs):,.1f} of {len(runs)}" for n, runs in result.confirmed))
     speed = f"{result.samples_per_s:,.1f} samples/s" + \
         (f", {result.items_per_s:,.0f} items/s" if result.items_per_s else "")
-    lines.append(f"winner: {result.plan.describe()} · {result.knobs.describe()} · {speed}"
+    knobs = replace(result.knobs, saver="none").describe()  # the plan names the rung
+    lines.append(f"winner: {result.plan.describe()} · {knobs} · {speed}"
                  + ("" if result.peak_bytes is None else f" · peak {format_bytes(result.peak_bytes)}"))
+    rung = "" if result.probe_plan.saver == "none" else f" with {result.probe_plan.saver}"
     if result.probe_samples_per_s:
-        lines.append(f"probe pick: micro {result.probe_plan.micro_batch} · {result.probe_samples_per_s:,.1f} "
+        lines.append(f"probe pick: micro {result.probe_plan.micro_batch}{rung} · {result.probe_samples_per_s:,.1f} "
                      f"samples/s -> winner x{result.speedup_over_probe:.2f}")
     else:
-        lines.append(f"probe pick: micro {result.probe_plan.micro_batch} did not fit as a guarded step")
+        lines.append(f"probe pick: micro {result.probe_plan.micro_batch}{rung} did not fit as a guarded step")
     lines.append(f"{result.n_trials_run} trials this run (stopped: {result.stopped}), {result.wall_time_s:.1f} s "
                  f"(probe {result.probe_wall_time_s:.1f} s)")
     return "\n".join(lines)

@@ -3,9 +3,9 @@
 Micro-batches come from the probe's memory model: for every accumulation count ``k`` the balanced
 size ``ceil(share / k)`` (fewest passes, lowest peak for that ``k``; 86 for a share of 256 in 3
 passes, not only powers of two), the powers of two and the multiples of 8, up to the largest size
-predicted to fit -- and up to ``beyond_fit`` times that when a memory-saving knob (checkpointing,
-bf16/fp16) is searched, since those sizes may fit with it. The study samples the sizes as an
-ordered index (``micro_batch_index``), so TPE can learn which region is fast.
+predicted to fit -- and up to ``beyond_fit`` times that when a memory-saving knob (a rung of the
+memory ladder above ``none``, bf16/fp16) is searched, since those sizes may fit with it. The study
+samples the sizes as an ordered index (``micro_batch_index``), so TPE can learn which region is fast.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from autoaccum.validate import check_positive_float, check_positive_int
 __all__ = ["KNOBS", "SearchSpace", "accumulated_fit", "candidate_micro_batches", "resolve_space"]
 
 #: the knobs a trial sets, in the order of ``Knobs``
-KNOBS = ("checkpointing", "autocast", "compile")
+KNOBS = ("saver", "autocast", "compile")
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,8 @@ class SearchSpace:
 
     Attributes:
         micro_batches: sizes to try (default: from the probe's memory model, see the module docstring).
-        checkpointing: e.g. ``(False, True)`` (default where the model has layers to checkpoint).
+        saver: rungs of the memory ladder, e.g. ``("none", "checkpointing")`` (default: the ladder's
+            rungs for the model and device, ``autoaccum.memory.savers.ladder``; ``offload`` on CUDA).
         autocast: among ``fp32``, ``bf16``, ``fp16`` (default: what the device supports).
         compile: e.g. ``(False, True)`` (default: on CUDA only; compiling on CPU is slow).
         beyond_fit: with a memory-saving knob in the space, sizes up to this multiple of the
@@ -40,7 +41,7 @@ class SearchSpace:
     """
 
     micro_batches: tuple[int, ...] | None = None
-    checkpointing: tuple[bool, ...] | None = None
+    saver: tuple[str, ...] | None = None
     autocast: tuple[str, ...] | None = None
     compile: tuple[bool, ...] | None = None
     beyond_fit: float = 4.0
@@ -78,10 +79,11 @@ def resolve_space(space: SearchSpace, report: ProbeReport, model: torch.nn.Modul
     keeps it in its user attributes, so that a resumed study samples the same sizes)."""
     defaults = available_knobs(model, device)
     knobs = {name: tuple(getattr(space, name) or defaults[name]) for name in KNOBS}
-    if any(knobs["checkpointing"]) and defaults["checkpointing"] == (False,):
-        raise ValueError(f"{type(model).__name__} has no nn.ModuleList of layers and no "
-                         f"gradient_checkpointing_enable(): activation checkpointing cannot be applied. "
-                         f"Leave it out of the space.")
+    unavailable = [r for r in knobs["saver"] if r not in defaults["saver"]]
+    if unavailable:
+        raise ValueError(f"saver {unavailable} cannot be applied to {type(model).__name__} on {device.type}: its "
+                         f"memory ladder is {defaults['saver']} (checkpointing needs an nn.ModuleList of blocks or a "
+                         f"gradient_checkpointing_enable(); offload needs CUDA). Leave it out of the space.")
     if space.micro_batches is not None:
         sizes = tuple(sorted({min(b, share) for b in space.micro_batches}))
     else:
@@ -89,7 +91,7 @@ def resolve_space(space: SearchSpace, report: ProbeReport, model: torch.nn.Modul
         failed = min((c.micro_batch for c in report.candidates if c.status != "ok"), default=share + 1)
         predicted = report.model.max_batch(report.budget_bytes, report.headroom) if report.model is not None else 0
         fit = max(ok, min(predicted, failed - 1))
-        saving = any(knobs["checkpointing"]) or any(a != "fp32" for a in knobs["autocast"])
+        saving = any(r != "none" for r in knobs["saver"]) or any(a != "fp32" for a in knobs["autocast"])
         sizes = candidate_micro_batches(share, fit, int(fit * space.beyond_fit) if saving else None)
     return {"micro_batches": list(sizes), **{k: list(v) for k, v in knobs.items()}}
 

@@ -1,17 +1,19 @@
 """The Optuna study of a search: sampler, trials, seeds, patience, the confirmation round-robin,
 and the checks that let a stored study be resumed.
 
-- **Trials**: each trial picks a micro-batch (an index into the space's sizes) and knobs, runs
-  real guarded optimizer steps (``autoaccum.search.throughput``) and returns measured samples/s. A
-  configuration already measured in the study is not run again (its result is reused).
+- **Trials**: each trial picks a micro-batch (an index into the space's sizes) and knobs (the memory
+  ladder's rung, autocast, compile; compile only on the ``none`` rung, see ``autoaccum.search.knobs``),
+  runs real guarded optimizer steps (``autoaccum.search.throughput``) and returns measured samples/s.
+  Its plan carries its rung (``Plan.saver``). A configuration already measured in the study is not run
+  again (its result is reused).
 - **Infeasible trials**: a trial that runs out of memory, or whose guard had to shrink the plan,
   or that peaks above the usable budget, completes with value 0 and a positive ``memory``
   constraint (``Trial.set_constraint`` on Optuna >= 5, ``constraints_func`` before). TPE treats
   it as infeasible and learns from it; the study goes on.
-- **Seeding and stopping**: the probe's pick is enqueued first (``enqueue_trial``), so it is
-  measured and confirmed alongside the best; then the two largest sizes predicted to fit as an
-  accumulated step. The search stops after ``n_trials`` trials, ``timeout_s`` seconds, or
-  ``patience`` trials in a row without a ``min_improvement`` gain.
+- **Seeding and stopping**: the probe's pick (on the probe's rung) is enqueued first
+  (``enqueue_trial``), so it is measured and confirmed alongside the best; then the two largest sizes
+  predicted to fit as an accumulated step, on the same rung. The search stops after ``n_trials``
+  trials, ``timeout_s`` seconds, or ``patience`` trials in a row without a ``min_improvement`` gain.
 - **Final comparison**: a trial is one reading on a possibly busy machine, and the best of many
   readings flatters whoever got a quiet moment. So the finalists (the ``confirm_top`` fastest, the
   probe's pick and the simplest feasible configuration) are measured ``confirm_rounds`` more times,
@@ -36,7 +38,7 @@ from typing import Any
 
 from autoaccum.errors import AutoAccumError
 from autoaccum.plan.plan import Plan
-from autoaccum.probe.report import ProbeReport
+from autoaccum.probe.report import ProbeReport, model_fingerprint, model_summary
 from autoaccum.search.compare import DEFAULT_TIE_CEILING, compare_finalists, paired_ratios
 from autoaccum.search.knobs import Knobs
 from autoaccum.search.result import FinalComparison, SearchResult, Stopped, TrialRecord
@@ -82,9 +84,12 @@ class StudyOptions:
 
 def trial_plan(trial: Any, options: StudyOptions) -> Plan:
     """The plan a trial measures: its micro-batch with the fewest accumulation steps that cover
-    the target exactly. The one way from a trial's micro-batch to a plan: the trial's stored
-    ``accum_steps``, its record, the winner and the confirmation rounds all come from here."""
-    return Plan.for_target(options.target_batch, int(trial.user_attrs["micro_batch"]), options.world_size)
+    the target exactly, on its knobs' rung of the memory ladder. The one way from a trial's
+    micro-batch to a plan: the trial's stored ``accum_steps``, its record, the winner and the
+    confirmation rounds all come from here."""
+    saver = Knobs.from_dict(trial.user_attrs.get("knobs", {})).saver
+    return Plan.for_target(options.target_batch, int(trial.user_attrs["micro_batch"]), options.world_size) \
+        .with_saver(saver)
 
 
 def _has_set_constraint(optuna: Any) -> bool:
@@ -116,14 +121,24 @@ def _open_study(optuna: Any, report: ProbeReport, space: dict[str, Any], request
     if stored is None:
         study.set_user_attr("autoaccum", {"key": key, "space": space})
         return study, space, sampler_kwargs["n_startup_trials"]
+    stored_space = _current_space(stored["space"])
     if stored["key"] != key:
         raise ValueError(f"study {name!r} was made for {stored['key']}, not {key}; its trials measure another "
                          f"problem. Use another study name (--study-name) or storage.")
-    if requested != SearchSpace() and stored["space"] != space:
-        raise ValueError(f"study {name!r} searches {stored['space']}, not {space}; resume it with the default "
+    if requested != SearchSpace() and stored_space != space:
+        raise ValueError(f"study {name!r} searches {stored_space}, not {space}; resume it with the default "
                          f"space, or use another study name")
     # the sizes measured before: the index means the same size again
-    return study, stored["space"], sampler_kwargs["n_startup_trials"]
+    return study, stored_space, sampler_kwargs["n_startup_trials"]
+
+
+def _current_space(space: dict[str, Any]) -> dict[str, Any]:
+    """A stored study's space, its ``checkpointing`` choices (studies stored before the saver was the
+    memory ladder's rung) read as rungs: ``True`` the ``checkpointing`` rung, ``False`` ``none``."""
+    if "saver" in space or "checkpointing" not in space:
+        return space
+    rungs = dict.fromkeys("checkpointing" if on else "none" for on in space["checkpointing"])
+    return {**{k: v for k, v in space.items() if k != "checkpointing"}, "saver": list(rungs)}
 
 
 def _trial_params(space: dict[str, Any], micro_batch: int, knobs: Knobs) -> dict[str, Any]:
@@ -135,19 +150,32 @@ def _trial_params(space: dict[str, Any], micro_batch: int, knobs: Knobs) -> dict
     return params
 
 
+def _sample_knobs(trial: Any, space: dict[str, Any]) -> Knobs:
+    """The trial's knobs; compile is sampled on the ``none`` rung only (dynamo cannot trace the
+    rungs' exact checkpointing, ``autoaccum.search.knobs``)."""
+    def pick(name: str) -> Any:
+        return trial.suggest_categorical(name, space[name]) if len(space[name]) > 1 else space[name][0]
+
+    saver, autocast = pick("saver"), pick("autocast")
+    # on a rung, compile=False; only a space that allows nothing but compile gets both (recorded as failed)
+    compile_ = pick("compile") if saver == "none" or False not in space["compile"] else False
+    return Knobs(saver=saver, autocast=autocast, compile=compile_)
+
+
 def _enqueue_seeds(study: Any, space: dict[str, Any], report: ProbeReport, largest: int) -> int:
     """Seeds, before the sampler's trials: the probe's pick (so it is measured in this study and
     confirmed with the best), then the two largest sizes predicted to fit as an accumulated step
     (speed usually grows with the micro-batch, the sampler's random start may miss the top sizes,
     and the prediction is a few percent off either way). Only where the space has the default
-    knobs. Returns how many were enqueued."""
-    if not all(v in space[k] for k, v in Knobs().to_dict().items()):
+    knobs on the probe's rung. Returns how many were enqueued."""
+    knobs = Knobs(saver=report.plan.saver)
+    if not all(v in space[k] for k, v in knobs.to_dict().items()):
         return 0
     sizes: list[int] = space["micro_batches"]
     fitting = [b for b in sizes if b <= largest] or sizes[:1]
     seeds = ((min(report.plan.micro_batch, sizes[-1]), "probe"), *((b, "fit") for b in fitting[-2:]))
     for micro, why in seeds:
-        study.enqueue_trial(_trial_params(space, micro, Knobs()), user_attrs={"seeded": why}, skip_if_exists=True)
+        study.enqueue_trial(_trial_params(space, micro, knobs), user_attrs={"seeded": why}, skip_if_exists=True)
     return len(seeds)
 
 
@@ -162,15 +190,14 @@ def _objective(optuna: Any, study: Any, bench: Bench, space: dict[str, Any],
 
     def objective(trial: Any) -> float:
         index = trial.suggest_int("micro_batch_index", 0, len(sizes) - 1) if len(sizes) > 1 else 0
-        values = {k: trial.suggest_categorical(k, space[k]) if len(space[k]) > 1 else space[k][0] for k in KNOBS}
-        knobs = Knobs(**values)
+        knobs = _sample_knobs(trial, space)
         trial.set_user_attr("micro_batch", sizes[index])
+        trial.set_user_attr("knobs", knobs.to_dict())
         plan = trial_plan(trial, options)
         trial.set_user_attr("accum_steps", plan.accum_steps)
-        trial.set_user_attr("knobs", knobs.to_dict())
         same = next((t for t in study.get_trials(deepcopy=False, states=(complete,))
                      if t.user_attrs.get("micro_batch") == plan.micro_batch
-                     and t.user_attrs.get("knobs") == knobs.to_dict()
+                     and Knobs.from_dict(t.user_attrs.get("knobs", {})) == knobs
                      and t.number != trial.number and "status" in t.user_attrs), None)
         if same is not None:  # measured already: reuse, do not spend the time again
             a = same.user_attrs
@@ -260,14 +287,9 @@ def run_study(optuna: Any, bench: Bench, report: ProbeReport, space: dict[str, A
                    stopped=stopped[0], started=started)
 
 
-def _knob_count(knobs: Knobs) -> int:
-    """Knobs switched on: each changes how the model runs (numerics, recompute, compilation)."""
-    return int(knobs.checkpointing) + int(knobs.autocast != "fp32") + int(knobs.compile)
-
-
 def _simplicity(record: TrialRecord) -> tuple[int, int]:
-    """Sort key among finalists within noise of each other: fewer knobs, then fewer passes."""
-    return _knob_count(record.knobs), record.plan.accum_steps
+    """Sort key among finalists within noise of each other: fewer knobs (a lower rung), then fewer passes."""
+    return record.knobs.switched_on, record.plan.accum_steps
 
 
 def _result(bench: Bench, report: ProbeReport, records: tuple[TrialRecord, ...], options: StudyOptions, *,
@@ -301,7 +323,8 @@ def _result(bench: Bench, report: ProbeReport, records: tuple[TrialRecord, ...],
         budget_bytes=report.budget_bytes, usable_bytes=bench.usable_bytes, headroom=report.headroom,
         device=str(bench.device), emulated=bench.emulate, study_name=study_name, n_trials_run=run_now,
         stopped=stopped, wall_time_s=time.perf_counter() - started, probe_wall_time_s=report.wall_time_s,
-        comparison=comparison,
+        comparison=comparison, model_fingerprint=model_fingerprint(bench.model),
+        model_summary=model_summary(bench.model),
     )
 
 

@@ -18,7 +18,9 @@ Process-wide effects: after a failed measurement (and after every one on CUDA) m
 (``autoaccum.memory.recovery.release_memory``: a full garbage collection and, on CUDA,
 ``torch.cuda.empty_cache()`` for the whole process); warnings are silenced while the trial's guard
 is built (``warnings.catch_warnings``, whose filters the process's threads share). The trial's
-guard logs no plan changes (``OOMGuard(log_changes=False)``). Knobs: ``autoaccum.search.knobs``.
+guard logs no plan changes (``OOMGuard(log_changes=False)``). Knobs: ``autoaccum.search.knobs``; the
+trial's plan is on its knobs' rung of the memory ladder, which the trial's guard applies for each
+attempt (``autoaccum.memory.savers.apply_rung``, exact) and never climbs past.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from autoaccum.memory.recovery import release_memory
 from autoaccum.plan.batch import Batch
 from autoaccum.plan.plan import Plan
 from autoaccum.plan.task import LossFn, Task, trainable_parameters
-from autoaccum.search.knobs import Knobs, apply_knobs
+from autoaccum.search.knobs import COMPILE_WITH_SAVER, Knobs, apply_knobs
 from autoaccum.step.guard import OOMGuard
 from autoaccum.validate import check_choice, check_positive_int
 
@@ -148,7 +150,11 @@ class Bench:
 
     def run(self, micro_batch: int, knobs: Knobs) -> Measurement:
         """Measure ``micro_batch`` with ``knobs``; afterwards the state is ``snapshot`` again."""
-        plan = Plan.for_target(self.share, micro_batch)  # one rank's share: the same micro x accum
+        if knobs.compile and knobs.saver != "none":
+            logger.info("micro %d %s: not run: %s", micro_batch, knobs.describe(), COMPILE_WITH_SAVER)
+            return Measurement("failed", note=COMPILE_WITH_SAVER)
+        # one rank's share: the same micro x accum; on the knobs' rung, which the guard applies
+        plan = Plan.for_target(self.share, micro_batch).with_saver(knobs.saver)
         guard: OOMGuard | None = None
         outcome: Measurement | None = None
         failure: BaseException | None = None
@@ -159,10 +165,14 @@ class Bench:
                 scaler = torch.amp.GradScaler(self.device.type) if knobs.autocast == "fp16" else None
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # BatchNorm advice: once from the guard the user builds
-                    # log_changes=False: the guard's "OOM ... micro 64 -> 32" would read as a rescue;
-                    # here a change ends the trial
+                    # log_changes=False: the guard's "OOM ... micro 64 -> 32" would read as a rescue; here a
+                    # change ends the trial. The ladder ends at the trial's rung (an OOM on it ends the trial,
+                    # never a climb), and grow_after outlasts the trial's steps: no step down a rung either
+                    # (that waits 4 x grow_after calm steps).
                     guard = OOMGuard(run_model, self.optimizer, plan=plan, autocast_dtype=knobs.autocast_dtype,
-                                     scaler=scaler, meter=meter, log_changes=False)
+                                     scaler=scaler, meter=meter, log_changes=False,
+                                     memory_savers="off" if knobs.saver == "none" else (knobs.saver,),
+                                     grow_after=self.warmup_steps + self.measure_steps)
 
                 def loss_fn(model: torch.nn.Module, micro: Batch, _guard: OOMGuard = guard) -> Any:
                     if _guard.changes:  # the guard caught an OOM and is replaying smaller: stop here
@@ -252,7 +262,7 @@ def measure(task: Task, target_batch: int, micro_batch: int, knobs: Knobs | None
         task: the training step.
         target_batch: the global batch over all ranks.
         micro_batch: samples per forward/backward; accumulation covers the share exactly.
-        knobs: checkpointing, autocast, compile (default: none).
+        knobs: the memory ladder's rung, autocast, compile (default: none).
         optimizer: step this optimizer (restored afterwards) instead of a fresh one from the task.
         world_size: the ranks sharing ``target_batch``; one rank's share is measured.
         budget: infeasible above ``budget * (1 - headroom)`` (default: what the device has free);

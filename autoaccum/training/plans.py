@@ -50,8 +50,9 @@ def choose_plan(cfg: FitConfig, state: dict[str, Any] | None, sync: GradSync, ta
 
 
 def warn_unapplied_knobs(plan: Any, precision: str) -> None:
-    """A search plan file also names knobs (autocast, checkpointing, compile); fit applies only the
-    plan and its own ``precision``, so say so rather than train differently from what was measured."""
+    """A search plan file also names knobs (the memory ladder's rung, autocast, compile); fit applies the
+    plan, its rung (``plan.saver``) and its own ``precision``, not compile: say so rather than train
+    differently from what was measured."""
     try:
         knobs = read_plan_document(plan)[1]
     except (OSError, ValueError, TypeError):
@@ -59,9 +60,9 @@ def warn_unapplied_knobs(plan: Any, precision: str) -> None:
     if not knobs:
         return
     autocast = knobs.get("autocast", "fp32")
-    extra = [k for k in ("checkpointing", "compile") if knobs.get(k)]
-    if extra or autocast != precision:
-        warnings.warn(f"the plan was measured with knobs {knobs}; fit applies the plan's micro-batch and "
-                      f"precision={precision!r} only. Pass precision={autocast!r}"
-                      + (f" and apply {', '.join(extra)} with autoaccum.search.knobs.apply_knobs(model, ...)" if extra else "")
+    compiled = bool(knobs.get("compile"))
+    if compiled or autocast != precision:
+        warnings.warn(f"the plan was measured with knobs {knobs}; fit applies the plan's micro-batch, its memory "
+                      f"saver and precision={precision!r} only. Pass precision={autocast!r}"
+                      + (" and model=torch.compile(model)" if compiled else "")
                       + " to train as measured.", stacklevel=user_stacklevel())
