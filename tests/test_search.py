@@ -322,6 +322,15 @@ def test_repeated_configurations_are_not_rerun_and_patience_stops():
     assert len({t.samples_per_s for t in result.trials}) == 1
 
 
+def test_trials_run_counts_only_trials_that_ran():
+    """With n_trials=1 the probe's pick runs and the other seeds stay queued: one trial ran, not the
+    seeds enqueued (the count read 2 before)."""
+    task = small_task()
+    report = probe(task, target_batch=TARGET, budget=BUDGET)
+    result = search(task, TARGET, n_trials=1, report=report, patience=None, **QUICK)
+    assert len(result.trials) == 1 and result.n_trials_run == 1 and result.stopped == "n_trials"
+
+
 def test_sqlite_study_resumes_with_its_trials(tmp_path):
     task = small_task()
     storage = f"sqlite:///{tmp_path / 'study.db'}"

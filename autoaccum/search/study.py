@@ -280,7 +280,8 @@ def run_study(optuna: Any, bench: Bench, report: ProbeReport, space: dict[str, A
                        timeout=options.timeout_s, callbacks=[callback])
     trials = [t for t in study.get_trials(deepcopy=False, states=(complete,)) if "status" in t.user_attrs]
     records = tuple(_record(t, options, t.number in earlier) for t in trials)
-    run_now = sum(1 for t in study.get_trials(deepcopy=False) if t.number not in earlier)
+    waiting = optuna.trial.TrialState.WAITING  # seeds enqueued but never run (n_trials or the timeout came first)
+    run_now = sum(1 for t in study.get_trials(deepcopy=False) if t.number not in earlier and t.state != waiting)
     if not stopped:
         stopped.append("n_trials" if run_now >= options.n_trials else "timeout")
     return _result(bench, report, records, options, study_name=study.study_name, run_now=run_now,
