@@ -52,15 +52,16 @@ def _fresh_accelerate_state():
 
 def run(guarded: bool, *, budget: str | None = None, drop: tuple[int, str] | None = None, accum: int = 1,
         micro_batch: int | None = None, stop_after: int | None = None, save_to: str | None = None,
-        resume_from: str | None = None, batch_size: int = GLOBAL) -> dict:
-    """One training run; returns the model's parameters, the audit and the guard."""
+        resume_from: str | None = None, batch_size: int = GLOBAL, guard_budget: str | None = None) -> dict:
+    """One training run (``budget``: an ``emulated_budget`` around the loop; ``guard_budget``: ``guard_for``'s
+    ``budget=``); returns the model's parameters, the audit and the guard."""
     accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=accum)
     model = gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1.0 + step))
     loader = torch.utils.data.DataLoader(Rows(), batch_size=batch_size, collate_fn=collate)
     model, optimizer, loader, schedule = accelerator.prepare(model, optimizer, loader, schedule)
-    guard = guard_for(accelerator, model, optimizer, micro_batch=micro_batch) if guarded else None
+    guard = guard_for(accelerator, model, optimizer, micro_batch=micro_batch, budget=guard_budget) if guarded else None
     if guard is not None:
         accelerator.register_for_checkpointing(guard)  # its plan goes with Accelerate's checkpoints
     audit = IdAudit(model)
@@ -86,7 +87,7 @@ def run(guarded: bool, *, budget: str | None = None, drop: tuple[int, str] | Non
             optimizer.zero_grad()
             steps += accelerator.sync_gradients
             if drop is not None and steps == drop[0]:
-                meter.budget_bytes = parse_bytes(drop[1])
+                (guard.emulated if guard_budget is not None else meter).budget_bytes = parse_bytes(drop[1])
             if save_to is not None and steps == stop_after:
                 accelerator.save_state(save_to)
                 break
@@ -153,8 +154,6 @@ def test_guard_for_checks_its_options_when_it_is_called():
     accelerator = accelerate.Accelerator(cpu=True)
     model = gpt2()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(TypeError, match=r"budget= is the memory the probe plans for, and micro_batch= skips the probe"):
-        guard_for(accelerator, model, optimizer, budget="2MiB", micro_batch=3)
     with pytest.raises(ValueError, match=r"Invalid headroom: 2"):
         guard_for(accelerator, model, optimizer, headroom=2)
     foreign = {"plan": {"micro_batch": 4, "accum_steps": 2, "world_size": 1, "target_batch": 8},

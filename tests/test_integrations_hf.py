@@ -192,10 +192,6 @@ def test_what_it_cannot_run_is_refused_at_construction(tmp_path):
 
 
 @pytest.mark.parametrize(("options", "error", "says"), [
-    ({"budget": "2MiB", "micro_batch": 3}, TypeError, r"budget= is the memory the probe plans for, and micro_batch= "
-     r"skips the probe, so budget= would be ignored\. Give budget= alone .* or micro_batch= alone"),
-    ({"budget": "2MiB", "plan": {"micro_batch": 4, "accum_steps": 2, "world_size": 1, "target_batch": 8}}, TypeError,
-     r"and plan= skips the probe"),
     ({"plan": {"micro_batch": 4, "accum_steps": 2, "world_size": 1, "target_batch": 8}, "micro_batch": 3}, TypeError,
      r"give plan= or micro_batch=, not both"),
     ({"headroom": 1.5}, ValueError, r"Invalid headroom: 1.5\. Allowed range: 0 <= headroom < 1"),

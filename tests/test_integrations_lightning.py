@@ -190,8 +190,6 @@ def test_what_it_cannot_run_is_refused_before_training():
 
 
 @pytest.mark.parametrize(("options", "error", "says"), [
-    ({"budget": "380KiB", "micro_batch": 4}, TypeError, r"budget= is the memory the probe plans for, and "
-     r"micro_batch= skips the probe, so budget= would be ignored"),
     ({"headroom": -0.1}, ValueError, r"Invalid headroom: -0.1\. Allowed range: 0 <= headroom < 1"),
     ({"micro_batch": 2.5}, TypeError, r"micro_batch"),
     ({"plan": "no/such/plan.json"}, ValueError, r"Invalid plan file"),

@@ -71,8 +71,11 @@ def guard_for(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch
             times the number of processes.
         plan: a ``Plan``, probe report or plan file, instead of probing at the first batch.
         micro_batch: the largest micro-batch to start with, instead of probing at the first batch.
-        budget: what the probe plans for (default: the device's free memory; on CPU under
-            ``autoaccum.emulated_budget``, that budget).
+        budget: the memory the run plans for and, as in ``fit``, on devices other than CUDA is held to: each
+            ``accumulate``/``step`` runs on an emulated device of that size, where a step that does not fit
+            raises a real OOM that is replayed (``autoaccum.integrations.lazy_guard``). Default the device's
+            free memory (on CPU under ``autoaccum.emulated_budget``, that budget; not both). On CUDA not with
+            ``plan`` or ``micro_batch``, which skip the probe.
         headroom: the fraction of the budget the probe keeps free.
         **guard_options: for ``OOMGuard``: ``grow_after``, and for ``guard.step`` (which also steps
             the optimizer) ``scheduler`` and ``max_grad_norm``.

@@ -11,11 +11,21 @@ Why the first batch: it is the first moment the integration holds real data of t
 padding, dtypes) and the model, optimizer and wrappers as the framework prepared them; probing on a
 batch drawn from the loader beforehand would consume the loader's random state.
 
-Under an emulated budget (``autoaccum.emulated_budget``) and no ``budget=`` of its own, the probe
-plans for what that device has left besides the model and optimizer (the global batch the loader put
+``budget=`` means what it means in ``fit``: the memory the probe plans for and, on every device but
+CUDA, the memory the run is held to. There each step runs on an emulated device of that size (a
+``TrackedMemory`` entered around the guard's step only, as ``fit`` enters its own: weights, gradients,
+optimizer state and the micro-batches the guard copies in count; the global batch the framework hands
+over, made before the step, does not), whose allocation past the budget raises a real
+``torch.OutOfMemoryError`` that the guard replays; the guard reads its step peaks and its growth from it.
+The framework's own evaluation runs outside it. On CUDA ``budget=`` is the memory the probe plans for and
+nothing more.
+
+Without ``budget=``, under an emulated budget the caller entered (``autoaccum.emulated_budget``), the
+probe plans for what that device has left besides the model and optimizer (the global batch the loader put
 there counts, as it does in a CUDA probe's free memory), measuring with its own counter while the
 emulated device is suspended (its snapshots of the training state stay in host memory, as on a real
-device); the guard reports step peaks from the emulated device.
+device); the guard reports step peaks from the emulated device. ``budget=`` inside such a block is
+refused: two budgets for one run.
 """
 
 from __future__ import annotations
@@ -30,7 +40,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_t
 
 from autoaccum import distributed
 from autoaccum.log import announce
-from autoaccum.memory import TrackedMemory, active_budget
+from autoaccum.memory import TrackedMemory, active_budget, refuse_compiled
 from autoaccum.plan.batch import Batch, batch_size, split_batch
 from autoaccum.plan.plan import Plan
 from autoaccum.plan.sources import read_plan, resolve_plan, source_words
@@ -79,29 +89,33 @@ def sync_for(model: torch.nn.Module) -> GradSync:
 
 
 def check_options(*, budget: Any = None, headroom: Any = 0.1, plan: Any = None, micro_batch: Any = None,
-                  grow_after: Any = None, target_batch: Any = None, model: torch.nn.Module | None = None) -> None:
+                  grow_after: Any = None, target_batch: Any = None, model: torch.nn.Module | None = None,
+                  device: torch.device | str | None = None) -> None:
     """An integration's options, checked where it is built (``AutoAccumTrainer(...)``, ``AutoAccum(...)``,
     ``guard_for(...)``), before any work: each value in its range, a plan that can be read and was measured
     on ``model`` (``autoaccum.probe.report.check_made_for``), and no option that would mean nothing.
 
-    ``budget=`` is the memory the probe plans for. ``plan=`` and ``micro_batch=`` skip the probe, so next to
-    either of them ``budget=`` would be ignored: that is refused. (``fit``'s ``budget=`` off CUDA also makes
-    training run on an emulated device of that size; in a framework's loop that is
-    ``autoaccum.emulated_budget(...)`` around its training.)
+    ``budget=`` is, as in ``fit``, the memory the probe plans for and, off CUDA, the emulated device the run is
+    held to. On ``device`` CUDA, next to ``plan=`` or ``micro_batch=`` (which skip the probe) it would mean
+    nothing: refused there (checked where the device is known). Inside an ``autoaccum.emulated_budget(...)``
+    block it is refused (``_refuse_two_budgets``).
 
     Raises:
-        TypeError: ``plan=`` and ``micro_batch=`` together, ``budget=`` with either, or a value of a wrong type.
+        TypeError: ``plan=`` and ``micro_batch=`` together, ``budget=`` with either on CUDA, ``budget=`` inside
+            an emulated budget, or a value of a wrong type.
         ValueError: a value out of its range, an unreadable plan, or a probe report of another model.
     """
     if plan is not None and micro_batch is not None:
         raise TypeError("give plan= or micro_batch=, not both")
-    if budget is not None and (plan is not None or micro_batch is not None):
-        given = "plan=" if plan is not None else "micro_batch="
-        raise TypeError(f"budget= is the memory the probe plans for, and {given} skips the probe, so budget= would be "
-                        f"ignored. Give budget= alone (the probe plans for it) or {given} alone; to train under an "
-                        f"emulated device on CPU, wrap the training in autoaccum.emulated_budget(...)")
     if budget is not None:
         parse_bytes(budget)
+        _refuse_two_budgets(budget)
+    if budget is not None and (plan is not None or micro_batch is not None) and device is not None \
+            and torch.device(device).type == "cuda":
+        given = "plan=" if plan is not None else "micro_batch="
+        raise TypeError(f"budget= is the memory the probe plans for, and {given} skips the probe; on CUDA no emulated "
+                        f"device runs either (that is off CUDA only), so budget= would mean nothing on cuda. Give "
+                        f"budget= alone (the probe plans for it) or {given} alone")
     check_headroom(headroom)
     if micro_batch is not None:
         check_positive_int(micro_batch, "micro_batch")
@@ -113,6 +127,28 @@ def check_options(*, budget: Any = None, headroom: Any = 0.1, plan: Any = None, 
         read_plan(plan)
         if model is not None:
             check_made_for(plan, model)
+
+
+def _refuse_two_budgets(budget: int | str) -> None:
+    """Refuse ``budget=`` while an ``autoaccum.emulated_budget(...)`` block is active: each is a budget for the
+    run (off CUDA each an emulated device), and neither could be ignored without surprise.
+
+    Raises:
+        TypeError: an emulated budget is active, naming both values and what to give instead.
+    """
+    active = active_budget()
+    if active is None:
+        return
+    raise TypeError(f"budget={budget!r} and autoaccum.emulated_budget({format_bytes(active.budget_bytes or 0)}) around "
+                    f"the training are two budgets for one run: budget= is the memory the probe plans for and, off "
+                    f"CUDA, the emulated device each step runs on (as in fit). Give one: budget={budget!r} alone, "
+                    f"outside any emulated_budget(...) block, or the emulated_budget(...) block alone, without budget= "
+                    f"(the probe then plans for what that device has free)")
+
+
+def _device_of(model: torch.nn.Module) -> torch.device | None:
+    first = next(model.parameters(), None)
+    return None if first is None else first.device
 
 
 class LazyGuard:
@@ -128,7 +164,8 @@ class LazyGuard:
         sync: how ranks agree (default ``sync_for(model)``).
         probe_model: the module the probe runs (default: ``model`` unwrapped from DDP: a probe runs
             no collective).
-        budget: the memory the probe plans for (default: what the device has free).
+        budget: the memory the probe plans for (default: what the device has free) and, off CUDA, the emulated
+            device each step runs on (see the module docstring); not inside an ``emulated_budget(...)`` block.
         headroom: the fraction of the budget the probe keeps free.
         precision: the precision the probe measures under (``fp32``, ``bf16``, ``fp16``).
         check: called before every step (e.g. a framework's accumulation setting still 1); raises to refuse it.
@@ -142,8 +179,17 @@ class LazyGuard:
                  probe_model: torch.nn.Module | None = None, budget: int | str | None = None, headroom: float = 0.1,
                  precision: Precision = "fp32", check: Callable[[], None] | None = None, **guard_options: Any) -> None:
         self.probe_model = probe_model if probe_model is not None else distributed.unwrap_model(model)
+        device = _device_of(self.probe_model)
         check_options(budget=budget, headroom=headroom, plan=plan, micro_batch=micro_batch, target_batch=target_batch,
-                      grow_after=guard_options.get("grow_after"), model=self.probe_model)
+                      grow_after=guard_options.get("grow_after"), model=self.probe_model, device=device)
+        #: off CUDA, ``budget=``'s emulated device: entered around each step (``_on_device``)
+        self.emulated: TrackedMemory | None = None
+        if budget is not None and device is not None and device.type != "cuda":
+            if guard_options.get("meter") is not None:
+                raise TypeError("budget= off CUDA is the emulated device each step runs on and is read with; meter= "
+                                "would be another: give one")
+            refuse_compiled(model, "train it under an emulated budget (budget= off CUDA)")
+            self.emulated = TrackedMemory(budget_bytes=budget)
         self.model, self.optimizer = model, optimizer
         self.sync = sync if sync is not None else sync_for(model)
         self.target_batch, self.plan, self.micro_batch = target_batch, plan, micro_batch
@@ -154,6 +200,7 @@ class LazyGuard:
         self.plan_source: str | None = None  # checkpoint, given or probe
         self.report: ProbeReport | None = None  # the probe's, when it probed
         self._saved: dict[str, Any] | None = None
+        self._closed = False
 
     def accumulate(self, batch: Batch, loss_fn: LossFn, *, partial: bool | None = None) -> AccumulateResult:
         """``autoaccum.step.guard.OOMGuard.accumulate``, planning first at the first batch. ``partial``
@@ -162,14 +209,23 @@ class LazyGuard:
         if self.check is not None:
             self.check()
         guard = self.build(batch, loss_fn)
-        return guard.accumulate(batch, loss_fn, partial=self._partial(guard, batch) if partial is None else partial)
+        with self._on_device():
+            return guard.accumulate(batch, loss_fn, partial=self._partial(guard, batch) if partial is None else partial)
 
     def step(self, batch: Batch, loss_fn: LossFn, *, partial: bool | None = None) -> StepResult:
         """``autoaccum.step.guard.OOMGuard.step``, planning first at the first batch."""
         if self.check is not None:
             self.check()
         guard = self.build(batch, loss_fn)
-        return guard.step(batch, loss_fn, partial=self._partial(guard, batch) if partial is None else partial)
+        with self._on_device():
+            return guard.step(batch, loss_fn, partial=self._partial(guard, batch) if partial is None else partial)
+
+    def close(self) -> None:
+        """At the end of training: ``budget=``'s emulated device stops counting (the hooks it keeps on the weights
+        and optimizer state are dropped; its readings stay). The guard takes no step after it."""
+        if self.emulated is not None:
+            self.emulated.close()
+        self._closed = True
 
     def state_dict(self) -> dict[str, Any]:
         """The guard's state (plan and counters) for a checkpoint; empty before the first batch."""
@@ -186,6 +242,19 @@ class LazyGuard:
         else:
             self._saved = dict(state)
 
+    def _on_device(self) -> contextlib.AbstractContextManager[Any]:
+        """Where a step runs: ``budget=``'s emulated device (what lives on it at the step's start counted: the
+        weights, gradients and optimizer state, which the framework's optimizer step made outside it), else as
+        the caller runs it."""
+        if self.budget is not None:
+            _refuse_two_budgets(self.budget)  # an emulated_budget(...) entered since the guard was built
+        if self.emulated is None:
+            return contextlib.nullcontext()
+        if self._closed:  # its counts stopped: a step now would run on no device of that size
+            raise RuntimeError("this guard's emulated device was closed at the end of its training; a new run builds "
+                               "a new guard")
+        return self.emulated.track(self.model, self.optimizer)
+
     # -- planning ------------------------------------------------------------------------------------
     def _size(self, batch: Batch) -> int:
         size_fn: Callable[[Batch], int] | None = self.guard_options.get("size_fn")
@@ -198,9 +267,11 @@ class LazyGuard:
         """The guard, planned on ``batch`` (this rank's share of the first global batch) the first time."""
         if self.guard is not None:
             return self.guard
+        if self.budget is not None:
+            _refuse_two_budgets(self.budget)  # before the probe
         plan = self._first_plan(batch, loss_fn)
         options = dict(self.guard_options)
-        emulated = active_budget()
+        emulated = self.emulated if self.emulated is not None else active_budget()
         if options.get("meter") is None and emulated is not None:
             options["meter"] = emulated  # an emulated device: its counter reports each step's peak
         if self.report is not None and self.report.model is not None:  # growth after an OOM reads it

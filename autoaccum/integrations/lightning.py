@@ -75,9 +75,11 @@ class AutoAccum(pl.Callback):
     """Exact global batches with OOM replay for an unchanged LightningModule (see the module docstring).
 
     Args:
-        budget: memory the probe plans for ("8GiB", bytes); default what the device has free (on CPU
-            under ``autoaccum.emulated_budget``, that budget). Not with ``plan`` or ``micro_batch``, which
-            skip the probe.
+        budget: memory the run plans for and, as in ``fit``, on devices other than CUDA is held to ("8GiB",
+            bytes): each training step runs on an emulated device of that size, where a step that does not fit
+            raises a real OOM that is replayed (``autoaccum.integrations.lazy_guard``). Default what the device
+            has free (on CPU under ``autoaccum.emulated_budget``, that budget; not both). On CUDA not with
+            ``plan`` or ``micro_batch``, which skip the probe.
         headroom: fraction of the budget kept free, in [0, 1).
         plan: a ``Plan``, probe report or plan file, instead of probing.
         micro_batch: the largest micro-batch to start with, instead of probing.
@@ -112,6 +114,9 @@ class AutoAccum(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        # what budget= means depends on the device (an emulated device off CUDA), known now
+        check_options(budget=self.options["budget"], plan=self.options["plan"], micro_batch=self.options["micro_batch"],
+                      device=trainer.strategy.root_device)
         problems = []
         if trainer.accumulate_grad_batches != 1:
             problems.append(f"accumulate_grad_batches={trainer.accumulate_grad_batches}: give the DataLoader "
@@ -186,6 +191,9 @@ class AutoAccum(pl.Callback):
         pl_module.optimizer_zero_grad = lambda *args, **kwargs: None  # type: ignore[method-assign]
 
     def _restore(self) -> None:
+        """The end of training: the module's attributes and DDP's sync put back, the guard closed."""
+        if self.guard is not None:
+            self.guard.close()
         if self._module is not None:
             for name in _PATCHED:
                 self._module.__dict__.pop(name, None)

@@ -130,9 +130,11 @@ class AutoAccumTrainer(Trainer):
     A drop-in replacement: same arguments as ``Trainer``, plus these (keyword only):
 
     Args:
-        budget: memory the probe plans for ("8GiB", bytes); default what the device has free (on
-            CPU under ``autoaccum.emulated_budget``, that budget). Not with ``plan`` or ``micro_batch``,
-            which skip the probe.
+        budget: memory the run plans for and, as in ``fit``, on devices other than CUDA is held to ("8GiB",
+            bytes): each training step runs on an emulated device of that size, where a step that does not fit
+            raises a real OOM that is replayed (``autoaccum.integrations.lazy_guard``). Default what the device
+            has free (on CPU under ``autoaccum.emulated_budget``, that budget; not both). On CUDA not with
+            ``plan`` or ``micro_batch``, which skip the probe.
         headroom: fraction of the budget kept free, in [0, 1).
         plan: a ``Plan``, probe report or plan file, instead of probing.
         micro_batch: the largest micro-batch to start with, instead of probing.
@@ -172,15 +174,17 @@ class AutoAccumTrainer(Trainer):
         _check_order(type(self))
         if args is None:
             args = TrainingArguments(output_dir="tmp_trainer")  # Trainer's own default
-        # autoaccum's own options first: a mistake there should not cost building the Trainer
-        check_options(budget=budget, headroom=headroom, plan=plan, micro_batch=micro_batch, grow_after=grow_after,
-                      model=model if isinstance(model, torch.nn.Module) else None)
-        self.autoaccum_args = args
         options: dict[str, Any] = {"budget": budget, "headroom": headroom, "plan": plan, "micro_batch": micro_batch,
                                    "grow_after": grow_after}
         options.update(vars(self).pop("_autoaccum_given", {}))  # given to a subclass listed after another trainer
+        # autoaccum's own options first: a mistake there should not cost building the Trainer
+        check_options(**options, model=model if isinstance(model, torch.nn.Module) else None)
+        self.autoaccum_args = args
         super().__init__(model, _one_step_per_global_batch(args), *trainer_args, **trainer_kwargs)
         self._check_setup()
+        # what budget= means depends on the device (an emulated device off CUDA), known now
+        check_options(budget=options["budget"], plan=options["plan"], micro_batch=options["micro_batch"],
+                      device=self.args.device)
         self._autoaccum_options = options
         self._autoaccum_loss = TrainerLoss(self)
         self._autoaccum: LazyGuard | None = None
@@ -232,7 +236,11 @@ class AutoAccumTrainer(Trainer):
         elif self._autoaccum is not None:  # train() again on this trainer: keep the plan it found
             self._autoaccum_state = self._autoaccum.state_dict() or None
         self._autoaccum = None  # the model and optimizer are prepared anew by this call
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            if self._autoaccum is not None:
+                self._autoaccum.close()  # the emulated device of budget= (off CUDA) stops counting
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
                       num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
@@ -263,6 +271,8 @@ class AutoAccumTrainer(Trainer):
 
     def _guard(self, model: torch.nn.Module) -> LazyGuard:
         if self._autoaccum is None or self._autoaccum.model is not model:
+            if self._autoaccum is not None:
+                self._autoaccum.close()
             options = self._autoaccum_options
             optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # AcceleratedOptimizer -> torch's
             self._autoaccum = LazyGuard(
