@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autoaccum.memory.savers import RUNGS, apply_rung, checkpoint_layers, ladder, next_rung
+from autoaccum.memory.savers import RUNGS, apply_rung, checkpoint_layers, ladder, next_rung, suggestions
 
 TIGHT = {"rtol": 1e-12, "atol": 1e-14}
 
@@ -163,3 +163,15 @@ def test_the_ladder_follows_the_model_the_device_and_the_option() -> None:
             ladder(_net(), cpu, bad)
     with pytest.raises(TypeError, match="memory_savers"):
         ladder(_net(), cpu, 3)
+
+
+def test_a_compiled_model_takes_no_rung_and_the_error_says_why() -> None:
+    """torch.compile cannot trace the exact checkpointing (dynamo: "checkpoint not implemented for ...
+    context_fn"), so a compiled model's ladder is the bottom rung alone, and what DoesNotFitError suggests
+    says so; the same model uncompiled keeps its rungs (the negative control)."""
+    net = _net()
+    assert ladder(net, torch.device("cpu")) == ("none", "checkpointing")
+    assert ladder(torch.compile(net), torch.device("cpu")) == ("none",)
+    net.compile()  # compiled in place
+    assert ladder(net, torch.device("cuda")) == ("none",)
+    assert any("torch.compile'd model takes no rung" in s for s in suggestions(("none",)))

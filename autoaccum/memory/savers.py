@@ -25,6 +25,7 @@ from typing import Any, Literal, get_args
 import torch
 from torch import nn
 
+from autoaccum.memory.tracked import is_compiled
 from autoaccum.state import capture_buffers, restore_buffers, state_buffers
 
 __all__ = ["MemorySavers", "RUNGS", "Rung", "apply_rung", "check_memory_savers", "checkpoint_layers",
@@ -95,7 +96,8 @@ def ladder(model: nn.Module, device: torch.device, savers: Any = "auto") -> tupl
     """The rungs a step may climb for ``model`` on ``device``, starting with ``"none"`` (``savers``
     as ``check_memory_savers`` takes it)."""
     wanted = check_memory_savers(savers)
-    blocks = has_own_switch(model) or checkpoint_layers(_unwrapped(model)) is not None
+    # a torch.compile'd model takes no rung: dynamo cannot trace the exact checkpointing's context_fn
+    blocks = not is_compiled(model) and (has_own_switch(model) or checkpoint_layers(_unwrapped(model)) is not None)
     possible = {"none": True, "checkpointing": blocks, "offload": blocks and device.type == "cuda"}
     return tuple(r for r in RUNGS if r in wanted and possible[r])
 
@@ -104,7 +106,8 @@ def suggestions(rungs: Sequence[str]) -> tuple[str, ...]:
     """What to do where no rung of the ladder ``rungs`` fits the smallest micro-batch."""
     blocks = () if "checkpointing" in rungs else (
         "give the model's blocks an nn.ModuleList (or a gradient_checkpointing_enable()) so that they can be "
-        "checkpointed, and allow memory_savers",)
+        "checkpointed, and allow memory_savers (a torch.compile'd model takes no rung: compiling cannot trace their "
+        "exact checkpointing)",)
     return (*blocks, "use bf16 autocast (precision='bf16'), shorter sequences or a smaller model",
             "offload optimizer state and parameters to host memory (FSDP2's CPUOffloadPolicy), or shard them over "
             "more devices (FSDP)", "free memory held by other processes, or raise the budget")
