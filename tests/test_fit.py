@@ -786,3 +786,20 @@ def test_a_plan_file_with_knobs_fit_does_not_apply_is_named(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fit(torch.nn.Linear(4, 2), (x, y), 64, plan=plain, progress=False, max_steps=1)
+
+
+def test_budget_inside_an_emulated_budget_block_is_refused_before_any_work():
+    """budget= off CUDA is an emulated device, and so is an emulated_budget(...) block around fit: two
+    budgets for one run are refused, naming both, before the probe (the integrations refuse the same).
+    The block alone (no budget=) trains: the probe plans for what that device has free."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+    data = (torch.randn(128, 16), torch.randint(0, 4, (128,)))
+    before = [p.detach().clone() for p in model.parameters()]
+    with autoaccum.emulated_budget("8MiB"):
+        with pytest.raises(TypeError, match=r"budget='2MiB' and autoaccum\.emulated_budget\(8 MiB\).*two budgets.*"
+                                            r"Give one"):
+            autoaccum.fit(model, data, 64, budget="2MiB", max_steps=1, epochs=None, verbose=False, progress=False)
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))  # no work was done
+        result = autoaccum.fit(model, data, 64, max_steps=1, epochs=None, verbose=False, progress=False)
+    assert result.optimizer_steps == 1

@@ -39,8 +39,8 @@ TOKEN_BUDGET, TOKEN_LOWER = "2MiB", "1.45MiB"  # GPT-2 rows: micro-batches up to
 #: the two-budget refusal's words, for budget='2MiB' inside emulated_budget("3MiB")
 TWO_BUDGETS = (r"budget='2MiB' and autoaccum\.emulated_budget\(3 MiB\) around the training are two budgets for one "
                r"run: budget= is the memory the probe plans for and, off CUDA, the emulated device each step runs on "
-               r"\(as in fit\)\. Give one: budget='2MiB' alone, outside any emulated_budget\(\.\.\.\) block, or the "
-               r"emulated_budget\(\.\.\.\) block alone, without budget=")
+               r"\(in fit and the integrations alike\)\. Give one: budget='2MiB' alone, outside any "
+               r"emulated_budget\(\.\.\.\) block, or the emulated_budget\(\.\.\.\) block alone, without budget=")
 
 
 def held(lazy, budget: str) -> None:

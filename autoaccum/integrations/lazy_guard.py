@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_t
 
 from autoaccum import distributed
 from autoaccum.log import announce
-from autoaccum.memory import TrackedMemory, active_budget, refuse_compiled
+from autoaccum.memory import TrackedMemory, active_budget, refuse_compiled, refuse_two_budgets
 from autoaccum.plan.batch import Batch, batch_size, split_batch
 from autoaccum.plan.plan import Plan
 from autoaccum.plan.sources import read_plan, resolve_plan, source_words
@@ -98,7 +98,7 @@ def check_options(*, budget: Any = None, headroom: Any = 0.1, plan: Any = None, 
     ``budget=`` is, as in ``fit``, the memory the probe plans for and, off CUDA, the emulated device the run is
     held to. On ``device`` CUDA, next to ``plan=`` or ``micro_batch=`` (which skip the probe) it would mean
     nothing: refused there (checked where the device is known). Inside an ``autoaccum.emulated_budget(...)``
-    block it is refused (``_refuse_two_budgets``).
+    block it is refused (``refuse_two_budgets``).
 
     Raises:
         TypeError: ``plan=`` and ``micro_batch=`` together, ``budget=`` with either on CUDA, ``budget=`` inside
@@ -109,7 +109,7 @@ def check_options(*, budget: Any = None, headroom: Any = 0.1, plan: Any = None, 
         raise TypeError("give plan= or micro_batch=, not both")
     if budget is not None:
         parse_bytes(budget)
-        _refuse_two_budgets(budget)
+        refuse_two_budgets(budget)
     if budget is not None and (plan is not None or micro_batch is not None) and device is not None \
             and torch.device(device).type == "cuda":
         given = "plan=" if plan is not None else "micro_batch="
@@ -127,23 +127,6 @@ def check_options(*, budget: Any = None, headroom: Any = 0.1, plan: Any = None, 
         read_plan(plan)
         if model is not None:
             check_made_for(plan, model)
-
-
-def _refuse_two_budgets(budget: int | str) -> None:
-    """Refuse ``budget=`` while an ``autoaccum.emulated_budget(...)`` block is active: each is a budget for the
-    run (off CUDA each an emulated device), and neither could be ignored without surprise.
-
-    Raises:
-        TypeError: an emulated budget is active, naming both values and what to give instead.
-    """
-    active = active_budget()
-    if active is None:
-        return
-    raise TypeError(f"budget={budget!r} and autoaccum.emulated_budget({format_bytes(active.budget_bytes or 0)}) around "
-                    f"the training are two budgets for one run: budget= is the memory the probe plans for and, off "
-                    f"CUDA, the emulated device each step runs on (as in fit). Give one: budget={budget!r} alone, "
-                    f"outside any emulated_budget(...) block, or the emulated_budget(...) block alone, without budget= "
-                    f"(the probe then plans for what that device has free)")
 
 
 def _device_of(model: torch.nn.Module) -> torch.device | None:
@@ -247,7 +230,7 @@ class LazyGuard:
         weights, gradients and optimizer state, which the framework's optimizer step made outside it), else as
         the caller runs it."""
         if self.budget is not None:
-            _refuse_two_budgets(self.budget)  # an emulated_budget(...) entered since the guard was built
+            refuse_two_budgets(self.budget)  # an emulated_budget(...) entered since the guard was built
         if self.emulated is None:
             return contextlib.nullcontext()
         if self._closed:  # its counts stopped: a step now would run on no device of that size
@@ -268,7 +251,7 @@ class LazyGuard:
         if self.guard is not None:
             return self.guard
         if self.budget is not None:
-            _refuse_two_budgets(self.budget)  # before the probe
+            refuse_two_budgets(self.budget)  # before the probe
         plan = self._first_plan(batch, loss_fn)
         options = dict(self.guard_options)
         emulated = self.emulated if self.emulated is not None else active_budget()

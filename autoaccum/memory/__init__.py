@@ -27,12 +27,13 @@ from autoaccum.memory.tracked import (
     is_compiled,
     iter_tensors,
     refuse_compiled,
+    refuse_two_budgets,
 )
 
 __all__ = [
     "Budget", "CudaMeter", "active_budget", "DeviceCapacity", "MemoryReading", "Meter", "NullMeter", "TrackedMemory",
     "cuda_available_bytes", "cuda_capacity", "default_meter", "device_capacity", "emulated_budget", "is_compiled",
-    "iter_tensors", "refuse_compiled", "resolve_budget", "usable_bytes",
+    "iter_tensors", "refuse_compiled", "refuse_two_budgets", "resolve_budget", "usable_bytes",
 ]
 
 

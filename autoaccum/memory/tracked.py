@@ -192,6 +192,23 @@ def active_budget() -> TrackedMemory | None:
     return None
 
 
+def refuse_two_budgets(budget: int | str) -> None:
+    """Refuse ``budget=`` while an ``autoaccum.emulated_budget(...)`` block is active: each is a budget for the
+    run (off CUDA each an emulated device), and neither could be ignored without surprise.
+
+    Raises:
+        TypeError: an emulated budget is active, naming both values and what to give instead.
+    """
+    active = active_budget()
+    if active is None:
+        return
+    raise TypeError(f"budget={budget!r} and autoaccum.emulated_budget({format_bytes(active.budget_bytes or 0)}) around "
+                    f"the training are two budgets for one run: budget= is the memory the probe plans for and, off "
+                    f"CUDA, the emulated device each step runs on (in fit and the integrations alike). Give one: "
+                    f"budget={budget!r} alone, outside any emulated_budget(...) block, or the emulated_budget(...) "
+                    f"block alone, without budget= (the probe then plans for what that device has free)")
+
+
 def is_compiled(model: torch.nn.Module) -> bool:
     """``model`` (or a submodule) runs through ``torch.compile``: an ``OptimizedModule`` wrapper, or a
     module compiled in place with ``module.compile()``."""

@@ -24,7 +24,7 @@ import torch
 
 from autoaccum import distributed
 from autoaccum.log import ensure_visible, quiet
-from autoaccum.memory import TrackedMemory, refuse_compiled
+from autoaccum.memory import TrackedMemory, refuse_compiled, refuse_two_budgets
 from autoaccum.memory.model import MemoryModel
 from autoaccum.plan.batch import move_to
 from autoaccum.plan.batchnorm import smallest_micro_batch
@@ -315,6 +315,7 @@ def _check_model(model: torch.nn.Module, batches: GlobalBatches, cfg: FitConfig,
                         "device runs either (that is off CUDA only), so budget= would mean nothing on cuda. Give "
                         "budget= alone (the probe plans for it) or plan= alone")
     if cfg.memory.budget is not None and device.type != "cuda":
+        refuse_two_budgets(cfg.memory.budget)
         refuse_compiled(model, "train it under an emulated budget")
     if cfg.memory.grow == "model" and cfg.memory.budget is None and device.type != "cuda":
         raise ValueError(f"grow='model' needs memory the guard can read: a CUDA device, or budget= (an emulated "
