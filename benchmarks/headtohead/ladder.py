@@ -85,8 +85,10 @@ def run_fit(ctx: Context, recorder: Recorder, budget: Any) -> RunResult:
                        find_ooms=probe.probe_ooms if probe else 0, train_ooms=fitted.oom_events, model=model,
                        rung=fitted.final_plan.saver)
     tried = probe.savers_tried if probe else ()
+    # the bytes a rung below needed are counted up to its OOM: a lower bound (DoesNotFitError.at_least)
     result.notes.append(f"plan {fitted.plan.describe()}; " + "; ".join(
-        f"{rung}: one sample needs {autoaccum.format_bytes(needed) if needed else '?'}" for rung, needed in tried))
+        f"{rung}: one sample did not fit (>= {autoaccum.format_bytes(needed) if needed else '?'})"
+        for rung, needed in tried))
     return result
 
 
