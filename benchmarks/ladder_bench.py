@@ -35,6 +35,8 @@ BENCHMARKS = str(Path(__file__).resolve().parent)
 if BENCHMARKS not in sys.path:
     sys.path.insert(0, BENCHMARKS)
 
+from common import HEADROOM_KEPT  # noqa: E402
+
 import autoaccum  # noqa: E402
 from autoaccum.cli import TinyGPT, synthetic_tokens, token_loss  # noqa: E402
 from autoaccum.memory.savers import apply_rung  # noqa: E402
@@ -101,10 +103,6 @@ def _fits(args: argparse.Namespace, device: torch.device, data: torch.Tensor, mi
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return ok
-
-
-#: the share of the memory a step may use, as the probe keeps 10% free (its default headroom)
-HEADROOM_KEPT = 0.9
 
 
 def _brute_force(args: argparse.Namespace, device: torch.device, data: torch.Tensor, rung: str,

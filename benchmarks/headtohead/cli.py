@@ -10,7 +10,7 @@ import sys
 import torch
 
 from .report import table
-from .runner import Config, Setup, run, run_pair
+from .runner import Config, Setup, run, run_child
 from .systems import SYSTEMS
 
 MIN_STEPS = 4  # optimizer steps per run: 2 before the budget drops in run B, and a steady state after
@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
                              "(made under the same settings): a run that stops keeps what it finished (--size gpu "
                              "on a machine held for a limited time)")
     parser.add_argument("--redo", action="store_true", help="with --out: run again the models saved there")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="gpt_long (one sample does not fit): rounds of fit against the hand-configured run, "
+                             "alternating in one process (default 5; 0: none)")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: one system's runs, JSON out
     args, rest = parser.parse_known_args(argv)
     if args.child is not None:
@@ -52,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
                     device=args.device, runtime_oom=not args.no_runtime_oom,
                     dtype=args.dtype or ("float32" if args.device.startswith("cuda") else "float64"),
                     threads=args.threads, isolate=not args.in_process, budget_gib=args.budget_gib, out=args.out,
-                    redo=args.redo)
+                    redo=args.redo, rounds=args.rounds)
     if config.device == "cpu":
         torch.set_num_threads(args.threads)
     log = (lambda s: None) if args.json_only else (lambda s: print(s, file=sys.stderr, flush=True))
@@ -67,5 +70,5 @@ def main(argv: list[str] | None = None) -> int:
 def _child(setup: Setup, system: str) -> int:
     if setup.device == "cpu":
         torch.set_num_threads(setup.threads)
-    print(json.dumps(run_pair(system, setup, freeze_gc=True), default=str))
+    print(json.dumps(run_child(system, setup, freeze_gc=True), default=str))
     return 0

@@ -43,6 +43,7 @@ class Recorder:
         self.attempt_starts: list[float] = []
         self.lineage = 0
         self.micro: list[list[int]] = []
+        self.forwards: list[tuple[str, int, int]] = []  # (phase, attempt, size) of each forward
         self.current: int | None = None
         self.pending: dict[int, set[int]] = {}
         self.steps: list[StepRecord] = []
@@ -88,6 +89,7 @@ class Recorder:
     def forward(self, batch: Batch) -> None:
         self.current = len(self.micro)
         self.micro.append(batch["ids"].tolist())
+        self.forwards.append((self.phase, self.attempt, len(self.micro[-1])))
 
     def _on_step(self) -> None:
         sets = list(self.pending.values())
@@ -119,6 +121,12 @@ class Recorder:
         return {"steps": len(steps), "repeated_samples": repeated, "lost_samples": lost,
                 "inconsistent_steps": sum(not s.consistent for s in steps),
                 "global_batches": sorted({len(s.ids) for s in steps})}
+
+    def tries(self) -> list[tuple[str, int]]:
+        """(phase, micro-batch size) of each try: a forward whose phase, attempt or size differs from the
+        one before (a finder's trial, or a retried training run)."""
+        keys = [k for i, k in enumerate(self.forwards) if i == 0 or k != self.forwards[i - 1]]
+        return [(phase, size) for phase, _, size in keys]
 
     def steady_rate(self, cpu: bool = False) -> float | None:
         """Samples per second (of wall or of process CPU time) over optimizer steps 2..N of the final

@@ -34,7 +34,9 @@ def summarise(r: RunResult, ref: nn.Module, init: nn.Module, target: int) -> dic
         "optimizer_steps": integrity.get("steps"), "repeated_samples": integrity.get("repeated_samples"),
         "lost_samples": integrity.get("lost_samples"), "inconsistent_steps": integrity.get("inconsistent_steps"),
         "max_rel_diff": None if diff is None else diff[0], "diff_vs_update": None if diff is None else diff[1],
-        "error": r.error, "notes": r.notes, "wall_s": r.wall_s,
+        "error": r.error, "notes": r.notes, "wall_s": r.wall_s, "rung": r.rung, "budget_ooms": r.budget_ooms,
+        "all_optimizer_steps": len(rec.steps) if rec else None,  # any phase, any attempt
+        "tries": rec.tries() if rec else None,
     }
 
 
@@ -101,6 +103,13 @@ def _global(row: dict[str, Any]) -> str:
 
 
 def table(results: list[dict[str, Any]]) -> str:
+    """The comparison's table; a workload where one sample does not fit gets its own (``ladder_table``)."""
+    plain = [res for res in results if res.get("saver", "none") == "none"]
+    return "\n\n".join([_plain_table(plain)] * bool(plain)
+                       + [ladder_table(res) for res in results if res.get("saver", "none") != "none"])
+
+
+def _plain_table(results: list[dict[str, Any]]) -> str:
     head = ("| model | system | find: steps · s · OOMs | micro (truly fits: accum; alone) | global / target | "
             "samples/s: wall · CPU | runtime OOM: time lost · samples | rel. diff (A) | Δ/update (A) | "
             "rel. diff after OOM (B) |")
@@ -131,6 +140,61 @@ def table(results: list[dict[str, Any]]) -> str:
                 f"{b.get('outcome', '–')} | {num(row['max_rel_diff'], '.1e')} | "
                 f"{num(row['diff_vs_update'], '.1e')} | {num(b.get('max_rel_diff'), '.1e')} |")
     return "\n".join(lines)
+
+
+def _tries(tries: list[list[Any]] | None) -> str:
+    """``[[phase, size], ...]`` as ``find: 2; train: 1`` (each phase's sizes in order)."""
+    parts: list[tuple[str, list[str]]] = []
+    for phase, size in tries or []:
+        if not parts or parts[-1][0] != phase:
+            parts.append((phase, []))
+        parts[-1][1].append(str(size))
+    return "; ".join(f"{phase}: {', '.join(sizes)}" for phase, sizes in parts) or "–"
+
+
+def ladder_table(res: dict[str, Any]) -> str:
+    """Where one sample does not fit: what each system did, then fit against the hand-configured run."""
+    title = (f"{res['model']}: {res['describe']}; target {res['target_batch']}; budget "
+             f"{autoaccum.format_bytes(res['budget_bytes'])}: micro-batches of up to {res['truly_fits']} fit with "
+             f"{res['saver']}, {res['fits_without_savers']} without")
+    head = ("| system | tries (micro-batch sizes) | OOMs: finding · training | optimizer steps | ended with | "
+            "rung · micro | samples/s: wall · CPU | rel. diff |")
+    lines = [title, "", head, "|---|---|---|---|---|---|---|---|"]
+    for system, row in res["systems"].items():
+        if "micro_batch" not in row:
+            lines.append(f"| {system} | {row.get('error', '')} |" + " |" * 6)
+            continue
+        ended = f"**{row['error']}**" if row["error"] else f"trained: global {_global(row)}"
+        rung = "–" if row["error"] or row["micro_batch"] is None else \
+            f"{row.get('rung') or 'none'} · {row['micro_batch']}"
+        rate = "–" if row["samples_per_s"] is None else \
+            f"{row['samples_per_s']:,.2f} · {num(row.get('samples_per_cpu_s'), ',.2f')}"
+        lines.append(f"| {system} | {_tries(row.get('tries'))} | {num(row['find_ooms'], 'd')} · {row['train_ooms']} | "
+                     f"{row.get('all_optimizer_steps')} | {ended} | {rung} | {rate} | "
+                     f"{num(row['max_rel_diff'], '.1e')} |")
+    pair = res.get("fit_vs_hand")
+    return "\n".join(lines + ([] if pair is None else ["", *_pair_lines(pair)]))
+
+
+def _pair_lines(pair: dict[str, Any]) -> list[str]:
+    """fit against the hand-configured run (``ladder.measure``): a small table and the ratio."""
+    if "error" in pair:
+        return [f"fit against the hand-configured run: {pair['error']}"]
+    lines = [f"fit against the hand-configured run, {pair['rounds']} rounds alternating in one process:", "",
+             "| run | rung · micro | samples/s: wall · CPU (median) | OOMs in training | rel. diff (max) |",
+             "|---|---|---|---|---|"]
+    kept_free = f"brute force, {1 - pair['headroom_kept']:.0%} kept free"
+    for variant, how in (("fit", "the probe's plan"), ("hand", kept_free)):
+        runs = pair["runs"][variant]
+        rungs = sorted({f"{r.get('rung') or 'none'} · {r['micro_batch']}" for r in runs})
+        ooms = sum(r["train_ooms"] or 0 for r in runs)
+        lines.append(f"| {variant} | {', '.join(rungs)} ({how}) | {num(pair[f'{variant}_samples_per_s'], '.2f')} · "
+                     f"{num(pair[f'{variant}_samples_per_cpu_s'], '.2f')} | {ooms} | "
+                     f"{num(pair[f'{variant}_max_rel_diff'], '.1e')} |")
+    ratio = (f"fit / hand: {num(pair['ratio_median'], '.3f')} by wall time (median of rounds: "
+             f"{', '.join(format(r, '.3f') for r in pair['ratios'])}), {num(pair['cpu_ratio_median'], '.3f')} "
+             f"by CPU time")
+    return [*lines, "", ratio]
 
 
 def _git_head() -> str:

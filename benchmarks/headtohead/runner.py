@@ -3,17 +3,14 @@ gather the JSON document."""
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import datetime
 import gc
 import importlib
-import io
 import json
-import logging
 import subprocess
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,6 +24,7 @@ from autoaccum.jsonio import write_json_atomic
 
 from .budget import brute_force, budget_for, make_budget
 from .context import Context, RunResult
+from .ladder import PAIR, measure, quiet
 from .recorder import Recorder
 from .reference import reference
 from .report import BENCHMARKS, machine, num, summarise, summarise_drop, versions
@@ -54,6 +52,7 @@ class Config:
     isolate: bool = True  # each system in its own process (see run_isolated)
     out: str | None = None  # a folder: each workload's results saved there as it finishes (see run_resumable)
     redo: bool = False  # with ``out``: run workloads again whose results are there
+    rounds: int = 5  # where one sample does not fit: rounds of fit against the hand-configured run (ladder.py)
 
 
 @dataclass(frozen=True)
@@ -71,6 +70,7 @@ class Setup:
     drop_bytes: int
     runtime_oom: bool
     threads: int
+    rounds: int = 0  # rounds of fit against the hand-configured run (``ladder.measure``)
 
 
 def available(system: str) -> str | None:
@@ -99,19 +99,13 @@ def run_system(system: str, ctx: Context) -> RunResult:
     recorder = Recorder(budget, ctx.drop)
     started = time.perf_counter()
     gc.collect()
-    quiet = logging.getLogger("autoaccum")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)  # plan changes are in the notes
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-        warnings.simplefilter("ignore")
+    with quiet():
         torch.manual_seed(0)
         try:
             result = REGISTRY[system].run(ctx, recorder, budget)
         except Exception as exc:
             result = RunResult(error=f"failed: {type(exc).__name__}: {str(exc)[:100]}")
-        finally:
-            quiet.setLevel(level)
-    result.recorder, result.wall_s = recorder, time.perf_counter() - started
+    result.recorder, result.wall_s, result.budget_ooms = recorder, time.perf_counter() - started, budget.ooms
     result.train_ooms = max(result.train_ooms, budget.ooms - (result.find_ooms or 0)) \
         if not system.startswith("autoaccum") else result.train_ooms  # the guard counts its own replays
     return result
@@ -142,6 +136,17 @@ def run_pair(system: str, setup: Setup, freeze_gc: bool = False) -> dict[str, An
     return row
 
 
+def run_child(system: str, setup: Setup, freeze_gc: bool = False) -> dict[str, Any]:
+    """What one process runs: a system's runs A and B, or (``PAIR``) fit against the hand-configured run."""
+    if system != PAIR:
+        return run_pair(system, setup, freeze_gc)
+    w, data, base, device = _build(setup)
+    gc.collect()
+    if freeze_gc:
+        gc.freeze()  # as in run_pair: the recoveries' gc.collect() should not walk what the imports made
+    return measure(Context(w, data, base, setup.budget_bytes, setup.steps, device, setup.truly_fits), setup.rounds)
+
+
 def run_isolated(system: str, setup: Setup) -> dict[str, Any]:
     """``run_pair`` in a fresh Python process: no peer's imports, singletons (AcceleratorState), global
     seeds or logging settings leak into another's run, and ``gc.collect()`` costs what it costs with
@@ -165,18 +170,23 @@ def run_workload(name: str, w: Workload, config: Config, log: Callable[[str], No
     t0 = time.perf_counter()
     truly, tried = brute_force(ctx, budget_bytes)
     lone, _ = brute_force(ctx, budget_bytes, accumulate=False)
+    bare = brute_force(ctx, budget_bytes, rung="none")[0] if w.saver != "none" else truly
     log(f"{name}: {describe_model(base)}; target {w.target_batch}; budget {autoaccum.format_bytes(budget_bytes)}; "
-        f"truly fits {truly} when accumulating, {lone} alone ({time.perf_counter() - t0:.1f}s)")
+        f"truly fits {truly} when accumulating, {lone} alone"
+        + ("" if w.saver == "none" else f" (with {w.saver}; {bare} without)") + f" ({time.perf_counter() - t0:.1f}s)")
+    # Where one sample does not fit, the question is the first step: no budget drop (run B) there.
+    runtime_oom = config.runtime_oom and w.saver == "none"
     drop_micro = max(1, round(config.drop_fraction * truly))
-    drop_bytes = budget_for(ctx, drop_micro)
+    drop_bytes = budget_for(ctx, drop_micro) if runtime_oom else 0
     setup = Setup(config.size, name, config.dtype, config.device, config.steps, budget_bytes, truly,
-                  config.drop_after, drop_bytes, config.runtime_oom, config.threads)
+                  config.drop_after, drop_bytes, runtime_oom, config.threads)
     out: dict[str, Any] = {
         "model": name, "describe": describe_model(base), "target_batch": w.target_batch, "budget_bytes": budget_bytes,
         "truly_fits": truly, "fits_without_accumulation": lone, "brute_force_sizes_tried": tried,
         "token_level": w.token_level, "batchnorm": w.batchnorm,
-        "runtime_drop": {"after_steps": config.drop_after, "budget_bytes": drop_bytes, "fits_micro": drop_micro},
-        "note": w.note, "systems": {},
+        "runtime_drop": {"after_steps": config.drop_after, "budget_bytes": drop_bytes, "fits_micro": drop_micro}
+        if runtime_oom else None,
+        "note": w.note, "saver": w.saver, "fits_without_savers": bare, "systems": {},
     }
     for system in config.systems:
         why = available(system)
@@ -196,12 +206,20 @@ def run_workload(name: str, w: Workload, config: Config, log: Callable[[str], No
             + (f" · {row['error']}" if row.get("error") else "")
             + (f" · OOM recovery {num(row['runtime_oom']['recovery_s'], '.2f')}s "
                f"{row['runtime_oom']['outcome']}" if "runtime_oom" in row else ""))
+    if w.saver != "none" and config.rounds > 0:
+        t0 = time.perf_counter()
+        pair_setup = dataclasses.replace(setup, rounds=config.rounds)
+        out["fit_vs_hand"] = pair = run_isolated(PAIR, pair_setup) if config.isolate else run_child(PAIR, pair_setup)
+        log(f"  fit vs hand ({time.perf_counter() - t0:.0f}s): "
+            + (pair["error"] if "error" in pair else
+               f"{num(pair['fit_samples_per_s'], '.2f')} against {num(pair['hand_samples_per_s'], '.2f')} samples/s, "
+               f"ratio {num(pair['ratio_median'], '.3f')} (median of {len(pair['ratios'])} rounds)"))
     return out
 
 
 #: the fields of a Config that change a workload's results: saved ones are reused only where they agree
 RESUME_KEY = ("size", "systems", "steps", "drop_after", "drop_fraction", "device", "dtype", "runtime_oom", "threads",
-              "budget_gib", "isolate")
+              "budget_gib", "isolate", "rounds")
 
 
 def run_resumable(name: str, w: Workload, config: Config, log: Callable[[str], None]) -> dict[str, Any]:

@@ -33,6 +33,9 @@ class Workload:
     token_level: bool = False
     batchnorm: bool = False
     note: str = ""
+    #: the rung of the memory ladder (``autoaccum.memory.savers``) a plain loop needs under the budget:
+    #: ``"checkpointing"`` where one sample does not fit without it (``micro_target`` is then counted with it)
+    saver: str = "none"
 
 
 class MLP(nn.Module):
@@ -92,7 +95,10 @@ def loss_sum(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor
 
 
 def workloads(size: str) -> dict[str, Workload]:
-    """``tiny`` (the smoke test), ``cpu`` (default: a few minutes on 2 cores) or ``gpu`` (real memory)."""
+    """``tiny`` (the smoke test), ``cpu`` (default: a few minutes on 2 cores) or ``gpu`` (real memory).
+
+    ``gpt_long`` is the workload where one sample does not fit without activation checkpointing; it runs
+    only when named (``--models gpt_long``)."""
     def seeded(factory: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
         def make() -> nn.Module:
             torch.manual_seed(0)
@@ -106,6 +112,9 @@ def workloads(size: str) -> dict[str, Workload]:
                             _token_data(16, 32), 32, 7, token_level=True),
             "cnn": Workload("cnn", seeded(lambda: ConvBN(4, 8)), _classification_data((3, 8, 8)), 32, 7,
                             batchnorm=True),
+            "gpt_long": Workload("gpt_long", seeded(lambda: TinyGPT(vocab_size=32, seq_len=128, dim=16, layers=8,
+                                                                    heads=2)),
+                                 _token_data(128, 32), 4, 2, token_level=True, saver="checkpointing"),
         }
     if size == "cpu":
         return {
@@ -116,6 +125,11 @@ def workloads(size: str) -> dict[str, Workload]:
                             note="TinyGPT 2 layers x 64, 32 tokens, lengths 8..32 padded; token-level loss"),
             "cnn": Workload("cnn", seeded(lambda: ConvBN(16, 16)), _classification_data((3, 16, 16)), 128, 27,
                             batchnorm=True, note="2 conv+BatchNorm blocks, 16x16 images"),
+            "gpt_long": Workload("gpt_long", seeded(lambda: TinyGPT(vocab_size=64, seq_len=384, dim=32, layers=6,
+                                                                    heads=2)),
+                                 _token_data(384, 64), 8, 2, token_level=True, saver="checkpointing",
+                                 note="TinyGPT 6 layers x 32, 384 tokens, lengths 96..384 padded; one sample "
+                                      "does not fit without checkpointing"),
         }
     if size == "gpu":  # not exercised on the CPU-only machines this was written on
         return {
@@ -125,6 +139,9 @@ def workloads(size: str) -> dict[str, Workload]:
                             _token_data(1024, 32000), 256, 23, token_level=True),
             "cnn": Workload("cnn", seeded(lambda: ConvBN(128, 32)), _classification_data((3, 32, 32)), 4096, 900,
                             batchnorm=True),
+            "gpt_long": Workload("gpt_long", seeded(lambda: TinyGPT(vocab_size=8192, seq_len=4096, dim=768, layers=12,
+                                                                    heads=12)),
+                                 _token_data(4096, 8192), 16, 3, token_level=True, saver="checkpointing"),
         }
     raise ValueError(f"Invalid size: {size!r}. Allowed values: tiny, cpu, gpu")
 

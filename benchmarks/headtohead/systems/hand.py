@@ -1,4 +1,5 @@
-"""hand: a nanoGPT-style loop (``loss / accum_steps``) with a fixed micro-batch and no OOM handling."""
+"""hand: a nanoGPT-style loop (``loss / accum_steps``) with a fixed micro-batch and no OOM handling; on the
+workload's rung of the memory ladder (checkpointing on, where one sample does not fit without it)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import copy
 from typing import Any
 
 import torch
+
+from autoaccum.memory.savers import apply_rung
 
 from ..context import Context, RunResult
 from ..recorder import Recorder
@@ -25,9 +28,10 @@ def run(ctx: Context, recorder: Recorder, budget: Any) -> RunResult:
     recorder.phase = "train"
     recorder.new_attempt()
     budget.track(model, optimizer)
-    result = RunResult(micro_batch=micro, find_steps=0, find_time_s=0.0, find_ooms=0, model=model)
+    result = RunResult(micro_batch=micro, find_steps=0, find_time_s=0.0, find_ooms=0, model=model,
+                       rung=ctx.workload.saver)
     try:
-        with budget:
+        with budget, apply_rung(model, ctx.workload.saver):
             for step in range(ctx.steps):
                 for a in range(accum):
                     start = step * target + a * micro
@@ -40,5 +44,6 @@ def run(ctx: Context, recorder: Recorder, budget: Any) -> RunResult:
     except torch.OutOfMemoryError as exc:
         result.error = f"crashed: {type(exc).__name__}: {str(exc)[:60]}"
     result.notes.append(f"micro {micro} x accum {accum} fixed (largest power of two that fits and divides "
-                        f"{target}); no OOM handling")
+                        f"{target}); no OOM handling" + ("" if ctx.workload.saver == "none" else
+                                                         f"; {ctx.workload.saver} on"))
     return result

@@ -71,7 +71,7 @@ def run(ctx: Context, recorder: Recorder, budget: Any) -> RunResult:
             trainer(max_steps=ctx.steps, accumulate_grad_batches=accum).fit(module)
         except Exception as exc:
             result.error = f"crashed: {type(exc).__name__}: {str(exc)[:60]}"
-    result.micro_batch, result.model = micro, module.model
+    result.micro_batch, result.planned_micro, result.model = micro, found, module.model
     result.notes.append(f"micro {micro} x accum {accum} (binsearch, 5% margin; accum = target // micro in a "
                         f"second Trainer)")
     return result
