@@ -162,6 +162,27 @@ def test_guard_for_checks_its_options_when_it_is_called():
         guard_for(accelerator, model, optimizer, plan=foreign)
 
 
+def test_sync_gradients_left_false_is_named_for_what_it_is():
+    """An accumulate block that ended with an exception leaves Accelerate's shared GradientState at
+    sync_gradients=False with gradient_accumulation_steps=1: the refusal says so (and how to reset it) instead
+    of calling it accumulation switched on; reset, the same guard runs (the negative control)."""
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = gpt2()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(Rows(), batch_size=GLOBAL, collate_fn=collate)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    guard = guard_for(accelerator, model, optimizer, micro_batch=4)
+    batch = next(iter(loader))
+    # the state a crashed accumulation left in the head-to-head's in-process runs (GradientState is shared)
+    accelerator.gradient_state._set_sync_gradients(False)
+    with pytest.raises(ValueError, match=r"sync_gradients is False with gradient_accumulation_steps=1: .*an earlier "
+                                         r"accumulate block ended with an exception.*_set_sync_gradients\(True\)"):
+        guard.accumulate(batch, default_loss)
+    accelerator.gradient_state._set_sync_gradients(True)
+    guard.accumulate(batch, default_loss)
+    optimizer.step()
+
+
 def test_accelerates_accumulation_switched_on_during_the_run_is_refused_at_the_next_step():
     """``accelerator.gradient_accumulation_steps = 2`` after step 2: Accelerate would step once per 2 batches,
     each from the gradients the guard cleared, the last batch's alone. Refused at step 3, before its forward.

@@ -104,7 +104,13 @@ def guard_for(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch
         # Accelerate's accumulation set during the run would step once per k batches, each from the gradients the
         # guard cleared at the last batch's start: every optimizer step the last batch's alone. Refused here.
         steps, sync = accelerator.gradient_accumulation_steps, accelerator.sync_gradients
-        if steps != 1 or not sync:
+        if steps == 1 and not sync:  # inside accelerator.no_sync / accumulate, or a block an exception left
+            raise ValueError("guard_for: Accelerate's sync_gradients is False with gradient_accumulation_steps=1: the "
+                             "guard runs inside accelerator.accumulate(...) or no_sync(...), or an earlier accumulate "
+                             "block ended with an exception and left Accelerate's shared GradientState at False. Call "
+                             "the guard outside those blocks (it accumulates and syncs itself); after an exception, "
+                             "accelerator.gradient_state._set_sync_gradients(True) resets it.")
+        if steps != 1:
             raise ValueError(f"guard_for: Accelerate's gradient accumulation is on (gradient_accumulation_steps="
                              f"{steps}, sync_gradients={sync}): it must stay 1, outside accelerator.accumulate, "
                              f"while the guard accumulates. The global batch is the loader's batch per process; to "
