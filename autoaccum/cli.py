@@ -173,7 +173,8 @@ def format_probe(report: ProbeReport) -> str:
     for rung, needed in report.savers_tried:
         lines.append(f"micro-batch {plan.min_micro_batch} did not fit "
                      f"{'without a memory saver' if rung == 'none' else f'with {rung}'} (needs "
-                     f"{'?' if needed is None else format_bytes(needed)}); measured again with the next memory saver")
+                     f"{'?' if needed is None else 'at least ' + format_bytes(needed)}); measured again with the next "
+                     f"memory saver")
     # the plan is cut evenly from the size it was chosen at: the smallest measured size that covers it
     chosen = min((c for c in report.candidates if c.status == "ok" and c.micro_batch >= plan.micro_batch),
                  key=lambda c: c.micro_batch, default=None)

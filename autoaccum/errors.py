@@ -25,7 +25,8 @@ class DoesNotFitError(AutoAccumError):
         available_bytes: the budget the step had to fit in (None where no meter could tell).
         suggestions: what the user can do about it.
         micro_batch: the micro-batch that did not fit (the model's smallest).
-        rungs: each rung of the memory ladder tried, with the bytes it needed (None where unknown).
+        rungs: each rung of the memory ladder tried, with the bytes it needed: a lower bound where its step ran
+            out of memory before its peak (None where unknown).
     """
 
     def __init__(self, needed_bytes: int | None, available_bytes: int | None, suggestions: Sequence[str] = (),
@@ -50,7 +51,7 @@ class DoesNotFitError(AutoAccumError):
         lines = [f"a micro-batch of {micro_batch} does not fit: needs {needed}, available {available}."]
         if len(self.rungs) > 1 or (self.rungs and self.rungs[0][0] != "none"):
             tried = ", ".join(f"{rung} {'?' if b is None else format_bytes(b)}" for rung, b in self.rungs)
-            lines.append(f"Memory savers tried (bytes needed): {tried}.")
+            lines.append(f"Memory savers tried (at least the bytes each needed): {tried}.")
         lines += ["What to do:"] + [f"  - {s}" for s in self.suggestions]
         super().__init__("\n".join(lines))
 

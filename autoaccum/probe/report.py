@@ -106,7 +106,8 @@ class ProbeReport:
         source: ``probe`` or ``cache``.
         torch_version: the torch that ran the probe.
         savers_tried: each rung of the memory ladder on which the smallest micro-batch did not fit,
-            with the bytes it needed, before the plan's rung (``plan.saver``).
+            with the bytes it needed, before the plan's rung (``plan.saver``): a lower bound, what the
+            step reached before it ran out of memory.
         model_fingerprint: a hash of the model measured (``model_fingerprint``): a run refuses the
             report for another model (``check_made_for``); empty in reports written before it existed.
         model_summary: that model in words (``model_summary``).
