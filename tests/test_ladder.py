@@ -210,14 +210,14 @@ def test_the_hf_trainer_integration_climbs_through_the_models_own_switch(tmp_pat
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (8, 256), generator=torch.Generator().manual_seed(3))]
 
-    def run(cls, per_device: int, accum: int, budget: str | None):
+    def run(cls, per_device: int, accum: int, budget: str | None, **options):
         torch.manual_seed(0)
         model = transformers.GPT2LMHeadModel(config).double()
         args = transformers.TrainingArguments(
             output_dir=str(tmp_path / cls.__name__), per_device_train_batch_size=per_device,
             gradient_accumulation_steps=accum, max_steps=2, learning_rate=1e-2, optim="adamw_torch", report_to="none",
             use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0)
-        trainer = cls(model=model, args=args, train_dataset=rows)
+        trainer = cls(model=model, args=args, train_dataset=rows, **options)
         with emulated_budget(budget, model) if budget else contextlib.nullcontext():
             trainer.train()
         return trainer, {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -228,3 +228,26 @@ def test_the_hf_trainer_integration_climbs_through_the_models_own_switch(tmp_pat
     _, want = run(transformers.Trainer, 4, 1, None)
     for name, p in want.items():
         torch.testing.assert_close(got[name], p, **TIGHT, msg=name)
+    # memory_savers= reaches the probe: with the ladder off the same run does not fit
+    with pytest.raises(DoesNotFitError, match="a micro-batch of 1 does not fit"):
+        run(AutoAccumTrainer, 2, 2, "6MB", memory_savers="off")
+
+
+def test_the_integrations_check_memory_savers_where_they_are_built() -> None:
+    """memory_savers= is an option of each integration, checked at construction like the others."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("lightning")
+    accelerate = pytest.importorskip("accelerate")
+    from autoaccum.integrations.accelerate import guard_for
+    from autoaccum.integrations.lightning import AutoAccum
+    from autoaccum.integrations.transformers import AutoAccumTrainer
+
+    model = _model()
+    with pytest.raises(ValueError, match="Invalid memory_savers: 'sometimes'"):
+        AutoAccum(memory_savers="sometimes")
+    with pytest.raises(ValueError, match="Invalid memory_savers: 'sometimes'"):
+        AutoAccumTrainer(model=model, memory_savers="sometimes")
+    with pytest.raises(ValueError, match="Invalid memory_savers: 'sometimes'"):
+        guard_for(accelerate.Accelerator(cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.1),
+                  memory_savers="sometimes")
+    assert AutoAccum(memory_savers=("checkpointing",)).options["memory_savers"] == ("checkpointing",)

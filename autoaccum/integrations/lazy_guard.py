@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_t
 from autoaccum import distributed
 from autoaccum.log import announce
 from autoaccum.memory import TrackedMemory, active_budget, refuse_compiled, refuse_two_budgets
+from autoaccum.memory.savers import check_memory_savers
 from autoaccum.plan.batch import Batch, batch_size, split_batch
 from autoaccum.plan.plan import Plan
 from autoaccum.plan.sources import read_plan, resolve_plan, source_words
@@ -90,7 +91,7 @@ def sync_for(model: torch.nn.Module) -> GradSync:
 
 def check_options(*, budget: Any = None, headroom: Any = 0.1, plan: Any = None, micro_batch: Any = None,
                   grow_after: Any = None, target_batch: Any = None, model: torch.nn.Module | None = None,
-                  device: torch.device | str | None = None) -> None:
+                  device: torch.device | str | None = None, memory_savers: Any = "auto") -> None:
     """An integration's options, checked where it is built (``AutoAccumTrainer(...)``, ``AutoAccum(...)``,
     ``guard_for(...)``), before any work: each value in its range, a plan that can be read and was measured
     on ``model`` (``autoaccum.probe.report.check_made_for``), and no option that would mean nothing.
@@ -117,6 +118,7 @@ def check_options(*, budget: Any = None, headroom: Any = 0.1, plan: Any = None, 
                         f"device runs either (that is off CUDA only), so budget= would mean nothing on cuda. Give "
                         f"budget= alone (the probe plans for it) or {given} alone")
     check_headroom(headroom)
+    check_memory_savers(memory_savers)
     if micro_batch is not None:
         check_positive_int(micro_batch, "micro_batch")
     if target_batch is not None:
@@ -153,8 +155,8 @@ class LazyGuard:
         precision: the precision the probe measures under (``fp32``, ``bf16``, ``fp16``).
         check: called before every step (e.g. a framework's accumulation setting still 1); raises to refuse it.
         **guard_options: passed to ``OOMGuard`` (``scaler``, ``autocast_dtype``,
-            ``grow``, ``grow_after``, ``max_grad_norm``, ``scheduler``, ``size_fn``, ...; the probe's
-            memory model and ``headroom`` reach its growth after an OOM).
+            ``grow``, ``grow_after``, ``max_grad_norm``, ``scheduler``, ``size_fn``, ``memory_savers`` -- which
+            the probe climbs too --, ...; the probe's memory model and ``headroom`` reach its growth after an OOM).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, target_batch: int | None = None,
@@ -164,7 +166,8 @@ class LazyGuard:
         self.probe_model = probe_model if probe_model is not None else distributed.unwrap_model(model)
         device = _device_of(self.probe_model)
         check_options(budget=budget, headroom=headroom, plan=plan, micro_batch=micro_batch, target_batch=target_batch,
-                      grow_after=guard_options.get("grow_after"), model=self.probe_model, device=device)
+                      grow_after=guard_options.get("grow_after"), model=self.probe_model, device=device,
+                      memory_savers=guard_options.get("memory_savers", "auto"))
         #: off CUDA, ``budget=``'s emulated device: entered around each step (``_on_device``)
         self.emulated: TrackedMemory | None = None
         if budget is not None and device is not None and device.type != "cuda":
@@ -316,6 +319,7 @@ class LazyGuard:
         with _suspended(emulated):
             report = probe(model=self.probe_model, loss_fn=loss_fn, make_batch=make_batch, optimizer=self.optimizer,
                            target_batch=target, world_size=self.sync.world_size, budget=budget,
-                           headroom=self.headroom, precision=self.precision, max_micro_batch=size)
+                           headroom=self.headroom, precision=self.precision, max_micro_batch=size,
+                           memory_savers=self.guard_options.get("memory_savers", "auto"))
         self.report = report
         return report.plan

@@ -88,16 +88,21 @@ class AutoAccum(pl.Callback):
             to fit; elsewhere giving it asks for blind doubling: ``OOMGuard(grow=...)``).
         loss_fn: ``loss_fn(module, batch)`` -> mean loss or ``(loss_sum, num_items)``, instead of the
             module's ``training_step``.
+        memory_savers: where even the smallest micro-batch does not fit, the memory ladder's rungs the probe
+            and the guard may climb: ``"auto"`` (default), ``"off"``, or a tuple of rungs (as in ``fit``).
     """
 
     def __init__(self, *, budget: int | str | None = None, headroom: float = 0.1, plan: Any = None,
-                 micro_batch: int | None = None, grow_after: int | None = None, loss_fn: LossFn | None = None) -> None:
+                 micro_batch: int | None = None, grow_after: int | None = None, loss_fn: LossFn | None = None,
+                 memory_savers: Any = "auto") -> None:
         super().__init__()
-        check_options(budget=budget, headroom=headroom, plan=plan, micro_batch=micro_batch, grow_after=grow_after)
+        check_options(budget=budget, headroom=headroom, plan=plan, micro_batch=micro_batch, grow_after=grow_after,
+                      memory_savers=memory_savers)
         if loss_fn is not None:
             check_loss_fn(loss_fn)
         self.options: dict[str, Any] = {"budget": budget, "headroom": headroom, "plan": plan,
-                                        "micro_batch": micro_batch, "grow_after": grow_after}
+                                        "micro_batch": micro_batch, "grow_after": grow_after,
+                                        "memory_savers": memory_savers}
         self.loss_fn = loss_fn
         self.guard: LazyGuard | None = None
         self.last: AccumulateResult | None = None

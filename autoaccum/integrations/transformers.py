@@ -86,7 +86,7 @@ __all__ = ["GUARD_FILE", "AutoAccumTrainer"]
 #: the guard's state in each checkpoint folder
 GUARD_FILE = "autoaccum_guard.json"
 #: AutoAccumTrainer's own keyword options
-OPTIONS = ("budget", "headroom", "plan", "micro_batch", "grow_after")
+OPTIONS = ("budget", "headroom", "plan", "micro_batch", "grow_after", "memory_savers")
 
 
 def _one_step_per_global_batch(args: TrainingArguments) -> TrainingArguments:
@@ -141,6 +141,9 @@ class AutoAccumTrainer(Trainer):
         grow_after: calm steps before the guard grows the micro-batch back after an OOM (default 2;
             where memory can be read -- CUDA, an emulated budget -- it grows to what is predicted
             to fit; elsewhere giving it asks for blind doubling: ``OOMGuard(grow=...)``).
+        memory_savers: where even the smallest micro-batch does not fit, the memory ladder's rungs the probe
+            and the guard may climb (the model's own ``gradient_checkpointing_enable`` first): ``"auto"``
+            (default), ``"off"``, or a tuple of rungs (as in ``fit``).
 
     ``trainer.args`` is the arguments as the Trainer runs them (one global batch per device batch,
     see the module docstring); ``trainer.autoaccum_args`` is the caller's object, unchanged.
@@ -170,12 +173,13 @@ class AutoAccumTrainer(Trainer):
 
     def __init__(self, model: Any = None, args: TrainingArguments | None = None, *trainer_args: Any,
                  budget: int | str | None = None, headroom: float = 0.1, plan: Any = None,
-                 micro_batch: int | None = None, grow_after: int | None = None, **trainer_kwargs: Any) -> None:
+                 micro_batch: int | None = None, grow_after: int | None = None, memory_savers: Any = "auto",
+                 **trainer_kwargs: Any) -> None:
         _check_order(type(self))
         if args is None:
             args = TrainingArguments(output_dir="tmp_trainer")  # Trainer's own default
         options: dict[str, Any] = {"budget": budget, "headroom": headroom, "plan": plan, "micro_batch": micro_batch,
-                                   "grow_after": grow_after}
+                                   "grow_after": grow_after, "memory_savers": memory_savers}
         options.update(vars(self).pop("_autoaccum_given", {}))  # given to a subclass listed after another trainer
         # autoaccum's own options first: a mistake there should not cost building the Trainer
         check_options(**options, model=model if isinstance(model, torch.nn.Module) else None)
@@ -279,7 +283,8 @@ class AutoAccumTrainer(Trainer):
                 model, optimizer, target_batch=self._global_batch(), plan=options["plan"],
                 micro_batch=options["micro_batch"], probe_model=self.accelerator.unwrap_model(model),
                 budget=options["budget"], headroom=options["headroom"], precision=_precision(self.args),
-                scaler=self.accelerator.scaler, grow_after=options["grow_after"])
+                scaler=self.accelerator.scaler, grow_after=options["grow_after"],
+                memory_savers=options["memory_savers"])
             if self._autoaccum_state:
                 self._autoaccum.load_state_dict(self._autoaccum_state)
             self._autoaccum_logged = None
