@@ -48,6 +48,7 @@ def doc(compare):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.slow  # the head-to-head harness runs its systems in processes
 def test_autoaccum_trains_the_exact_global_batch_and_survives_the_budget_drop(doc):
     result = doc["results"][0]
     row = result["systems"]["autoaccum"]
@@ -86,6 +87,7 @@ def integrations_doc(compare):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.slow  # each framework in its own process
 @pytest.mark.parametrize("system", ["autoaccum_trainer", "autoaccum_lightning", "autoaccum_accelerate"])
 def test_autoaccum_inside_each_framework_is_exact_and_replays_the_budget_drop_in_place(integrations_doc, system):
     result = integrations_doc["results"][0]

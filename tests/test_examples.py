@@ -14,6 +14,7 @@ HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 NAMES = ("quickstart", "existing_loop", "token_lm", "variable_length") + \
     (("hf_causal_lm", "hf_vision") if HAVE_TRANSFORMERS else ())
 needs_transformers = pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="the Hugging Face examples need transformers")
+pytestmark = pytest.mark.slow  # every example in its own interpreter: about 20 s
 
 
 @pytest.fixture(scope="module")

@@ -275,6 +275,7 @@ def _run_script(code: str, tmp_path: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch
 def test_fit_speaks_off_a_terminal_without_any_logging_setup(tmp_path):
     """Under a job scheduler stderr is a file and nobody configured logging: the banner, each plan change
     and the summary must still show (they did not: nothing at all was printed)."""

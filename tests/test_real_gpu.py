@@ -253,6 +253,7 @@ def smoke40(rg, tmp_path_factory, one_thread):
     return SimpleNamespace(out=out, models=models, doc=rg.cli.run(args))
 
 
+@pytest.mark.slow  # every part of four rows, brute force included
 def test_issue40_rows_measure_every_column_on_a_cpu(rg, smoke40):
     assert smoke40.doc["settings"]["squeezes"] == ["budget"] and smoke40.doc["cpu_smoke"]
     for r in smoke40.doc["rows"]:
@@ -271,6 +272,7 @@ def test_issue40_rows_measure_every_column_on_a_cpu(rg, smoke40):
     assert any("fit's samples/s >= 0.99" in t for t in smoke40.doc["targets"])
 
 
+@pytest.mark.slow  # shares the rows above
 def test_issue40_rows_resume_from_their_files(rg, smoke40, monkeypatch):
     for name in ("estimate", "squeezed", "sweep"):
         monkeypatch.setattr(rg.parts, name, lambda *a, **k: pytest.fail("a part was measured again"))
