@@ -162,16 +162,21 @@ def test_guard_for_checks_its_options_when_it_is_called():
         guard_for(accelerator, model, optimizer, plan=foreign)
 
 
-def test_sync_gradients_left_false_is_named_for_what_it_is():
-    """An accumulate block that ended with an exception leaves Accelerate's shared GradientState at
-    sync_gradients=False with gradient_accumulation_steps=1: the refusal says so (and how to reset it) instead
-    of calling it accumulation switched on; reset, the same guard runs (the negative control)."""
+def _prepared_gpt2():
+    """A GPT-2, SGD and the rows' loader through ``accelerator.prepare``, and ``guard_for`` at micro-batch 4."""
     accelerator = accelerate.Accelerator(cpu=True)
     model = gpt2()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = torch.utils.data.DataLoader(Rows(), batch_size=GLOBAL, collate_fn=collate)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    guard = guard_for(accelerator, model, optimizer, micro_batch=4)
+    return accelerator, model, optimizer, loader, guard_for(accelerator, model, optimizer, micro_batch=4)
+
+
+def test_sync_gradients_left_false_is_named_for_what_it_is():
+    """An accumulate block that ended with an exception leaves Accelerate's shared GradientState at
+    sync_gradients=False with gradient_accumulation_steps=1: the refusal says so (and how to reset it) instead
+    of calling it accumulation switched on; reset, the same guard runs (the negative control)."""
+    accelerator, model, optimizer, loader, guard = _prepared_gpt2()
     batch = next(iter(loader))
     # the state a crashed accumulation left in the head-to-head's in-process runs (GradientState is shared)
     accelerator.gradient_state._set_sync_gradients(False)
@@ -187,12 +192,7 @@ def test_accelerates_accumulation_switched_on_during_the_run_is_refused_at_the_n
     """``accelerator.gradient_accumulation_steps = 2`` after step 2: Accelerate would step once per 2 batches,
     each from the gradients the guard cleared, the last batch's alone. Refused at step 3, before its forward.
     Negative control: set back to 1, the same guard runs on."""
-    accelerator = accelerate.Accelerator(cpu=True)
-    model = gpt2()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    loader = torch.utils.data.DataLoader(Rows(), batch_size=GLOBAL, collate_fn=collate)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    guard = guard_for(accelerator, model, optimizer, micro_batch=4)
+    accelerator, model, optimizer, loader, guard = _prepared_gpt2()
     steps = 0
     with pytest.raises(ValueError, match=r"Accelerate's gradient accumulation is on \(gradient_accumulation_steps=2, "
                                          r"sync_gradients=False\): it must stay 1"):
