@@ -298,16 +298,15 @@ def state_buffers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
 
 def capture_buffers(slots: list[tuple[torch.nn.Module, str]]) -> BufferSnapshot:
     """Copies of the buffers of ``slots`` (from ``state_buffers``) that a forward in training may
-    change: those of modules in training mode."""
-    return [(module, name, buffer.clone()) for module, name in slots if module.training
-            for buffer in (module._buffers.get(name),) if buffer is not None]
+    change: those of modules in training mode (made once: ``BufferCopies`` for a step loop)."""
+    return BufferCopies(slots).capture()
 
 
 class BufferCopies:
-    """``capture_buffers`` for a step loop: the copies are made again at every step into the same
-    tensors, in one fused copy per device and dtype (``torch._foreach_copy_``) instead of a clone
-    per buffer (on CUDA a clone is a launch each: 159 for a ResNet-50's BatchNorm statistics). The
-    copies stay allocated between steps."""
+    """Copies of the buffers of ``slots`` a forward in training may change, made again at each
+    ``capture()`` into the same tensors, in one fused copy per device and dtype
+    (``torch._foreach_copy_``) instead of a clone per buffer (on CUDA a clone is a launch each: 159
+    for a ResNet-50's BatchNorm statistics). The copies stay allocated between captures."""
 
     def __init__(self, slots: list[tuple[torch.nn.Module, str]]) -> None:
         self.slots = slots
@@ -320,7 +319,7 @@ class BufferCopies:
             buffer = module._buffers.get(name)
             if not module.training or buffer is None:
                 continue
-            if not _plain(buffer) or buffer.layout != torch.strided:
+            if type(buffer) is not torch.Tensor or buffer.layout != torch.strided:  # a subclass, sparse: cloned
                 snapshot.append((module, name, buffer.clone()))
                 continue
             copy = self._copies.get((id(module), name))

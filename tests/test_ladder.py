@@ -110,6 +110,19 @@ def test_after_calm_steps_at_the_smallest_micro_batch_the_guard_steps_back_down(
     assert len(down) == 1 and "calm steps" in down[0].describe()
 
 
+def _full_batch_reference() -> torch.nn.Module:
+    """The model after STEPS full-batch AdamW steps on the data in the order fit draws it (seed 0)."""
+    order = torch.randperm(TARGET * STEPS, generator=torch.Generator().manual_seed(0))
+    ref = _model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    data = _data()[order]
+    for step in range(STEPS):
+        ref_opt.zero_grad()
+        token_loss(ref, data[step * TARGET:(step + 1) * TARGET]).backward()
+        ref_opt.step()
+    return ref
+
+
 def test_fit_plans_on_the_rung_where_one_sample_fits_and_trains_exactly() -> None:
     """fit's probe finds that micro-batch 1 does not fit without a saver, measures with checkpointing,
     plans there; the run needs no OOM and equals full-batch steps."""
@@ -124,15 +137,7 @@ def test_fit_plans_on_the_rung_where_one_sample_fits_and_trains_exactly() -> Non
     # the bytes a rung reached before it ran out are a lower bound, and printed as one
     assert "did not fit without a memory saver (needs at least " in autoaccum.cli.format_probe(result.probe)
     got = {n: p.detach() for n, p in model.named_parameters()}
-    # fit shuffles each epoch from its seed: the same order, full-batch
-    order = torch.randperm(TARGET * STEPS, generator=torch.Generator().manual_seed(0 * 1_000_003 + 0))
-    ref = _model()
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    data = _data()[order]
-    for step in range(STEPS):
-        ref_opt.zero_grad()
-        token_loss(ref, data[step * TARGET:(step + 1) * TARGET]).backward()
-        ref_opt.step()
+    ref = _full_batch_reference()
     for name, p in ref.named_parameters():
         torch.testing.assert_close(got[name], p.detach(), **TIGHT, msg=name)
 
@@ -157,14 +162,7 @@ def test_two_ranks_plan_on_the_same_rung_and_equal_full_batch_steps(tmp_path) ->
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("needs torch.distributed with gloo")
     out = results(tmp_path, spawn(two_rank_fit, tmp_path)[0])
-    order = torch.randperm(TARGET * STEPS, generator=torch.Generator().manual_seed(0))
-    ref = _model()
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    data = _data()[order]
-    for step in range(STEPS):
-        ref_opt.zero_grad()
-        token_loss(ref, data[step * TARGET:(step + 1) * TARGET]).backward()
-        ref_opt.step()
+    ref = _full_batch_reference()
     for rank, params in enumerate(out):
         for name, p in ref.named_parameters():
             torch.testing.assert_close(params[name], p.detach(), **TIGHT, msg=f"rank {rank} {name}")

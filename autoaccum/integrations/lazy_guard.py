@@ -131,11 +131,6 @@ def check_options(*, budget: Any = None, headroom: Any = 0.1, plan: Any = None, 
             check_made_for(plan, model)
 
 
-def _device_of(model: torch.nn.Module) -> torch.device | None:
-    first = next(model.parameters(), None)
-    return None if first is None else first.device
-
-
 class LazyGuard:
     """An ``OOMGuard`` built at the first global batch (see the module docstring).
 
@@ -164,7 +159,7 @@ class LazyGuard:
                  probe_model: torch.nn.Module | None = None, budget: int | str | None = None, headroom: float = 0.1,
                  precision: Precision = "fp32", check: Callable[[], None] | None = None, **guard_options: Any) -> None:
         self.probe_model = probe_model if probe_model is not None else distributed.unwrap_model(model)
-        device = _device_of(self.probe_model)
+        device = next((p.device for p in self.probe_model.parameters()), None)
         check_options(budget=budget, headroom=headroom, plan=plan, micro_batch=micro_batch, target_batch=target_batch,
                       grow_after=guard_options.get("grow_after"), model=self.probe_model, device=device,
                       memory_savers=guard_options.get("memory_savers", "auto"))
@@ -232,8 +227,6 @@ class LazyGuard:
         """Where a step runs: ``budget=``'s emulated device (what lives on it at the step's start counted: the
         weights, gradients and optimizer state, which the framework's optimizer step made outside it), else as
         the caller runs it."""
-        if self.budget is not None:
-            refuse_two_budgets(self.budget)  # an emulated_budget(...) entered since the guard was built
         if self.emulated is None:
             return contextlib.nullcontext()
         if self._closed:  # its counts stopped: a step now would run on no device of that size
@@ -251,10 +244,10 @@ class LazyGuard:
 
     def build(self, batch: Batch, loss_fn: LossFn) -> OOMGuard:
         """The guard, planned on ``batch`` (this rank's share of the first global batch) the first time."""
+        if self.budget is not None:  # at every call, before the probe (an emulated_budget(...) may be entered later)
+            refuse_two_budgets(self.budget)
         if self.guard is not None:
             return self.guard
-        if self.budget is not None:
-            refuse_two_budgets(self.budget)  # before the probe
         plan = self._first_plan(batch, loss_fn)
         options = dict(self.guard_options)
         emulated = self.emulated if self.emulated is not None else active_budget()

@@ -30,8 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
 import torch
 
@@ -59,17 +58,6 @@ class HostSnapshotNeeded(Exception):
     def __init__(self, reason: str, steps: int = 0, ooms: int = 0, optimizer_steps: int = 0) -> None:
         super().__init__(reason)
         self.steps, self.ooms, self.optimizer_steps = steps, ooms, optimizer_steps
-
-
-def _state_tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _state_tensors(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _state_tensors(v)
 
 
 class StandIn:
@@ -103,7 +91,7 @@ class StandIn:
         clone.state = defaultdict(dict, {p: dict(s) for p, s in optimizer.state.items()})
         self.optimizer: torch.optim.Optimizer = clone
         self._saved = [(t, t.detach().to("cpu", copy=True)) for s in optimizer.state.values()
-                       for t in _state_tensors(s)]
+                       for t in tensors(s)]
 
     @staticmethod
     def of(optimizer: torch.optim.Optimizer) -> StandIn | None:

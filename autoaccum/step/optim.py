@@ -166,31 +166,25 @@ def _check_finite(params: Sequence[torch.nn.Parameter], loss: torch.Tensor | flo
         grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # type: ignore[operator]
     clip_norm = max_grad_norm is not None and not sharded
     total: torch.Tensor | None = None
-    flags: list[torch.Tensor] = []
+    parts: list[torch.Tensor] = []  # read on the host in one go: all finite, or not
     if grads and clip_norm:
         total = torch.nn.utils.get_total_norm(grads, 2.0)
-        flags.append(torch.isfinite(total).reshape(1))
+        parts.append(total.reshape(1))
     elif grads:
         device = grads[0].device
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for g in grads:
             groups.setdefault((g.device, g.dtype), []).append(g)
         norms = [n.to(device) for group in groups.values() for n in torch._foreach_norm(group, 2.0)]
-        flags.append(torch.isfinite(torch.stack(norms)).all().reshape(1))
-    values: list[torch.Tensor] = []  # read with the flags
+        parts.append(torch.stack(norms).max().reshape(1))  # an inf or NaN norm carries through the max
     if isinstance(loss, torch.Tensor):
-        loss = loss.detach().reshape(1).to(flags[0].device if flags else loss.device)
-        flags.append(torch.isfinite(loss))
-        values.append(loss)
-    if total is not None:
-        values.append(total.reshape(1))
-    finite, read = True, Read(None, None)
-    if flags:
-        dtype = torch.float32 if flags[0].device.type == "mps" else torch.float64  # MPS has no float64
-        row = torch.cat([torch.cat(flags).to(dtype), *(v.to(flags[0].device, dtype) for v in values)]).tolist()
-        finite = all(f == 1.0 for f in row[:len(flags)])  # the one read on the host
-        got = iter(row[len(flags):])
-        read = Read(next(got) if isinstance(loss, torch.Tensor) else None, next(got) if total is not None else None)
+        parts.append(loss.detach().reshape(1))
+    row: list[float] = []
+    if parts:
+        dtype = torch.float32 if parts[0].device.type == "mps" else torch.float64  # MPS has no float64
+        row = torch.cat([t.to(parts[0].device, dtype) for t in parts]).tolist()  # the one read on the host
+    finite = all(math.isfinite(v) for v in row)
+    read = Read(row[-1] if isinstance(loss, torch.Tensor) else None, row[0] if total is not None else None)
     if isinstance(loss, float):
         finite = finite and math.isfinite(loss)
     if not finite and grads:
@@ -198,7 +192,7 @@ def _check_finite(params: Sequence[torch.nn.Parameter], loss: torch.Tensor | flo
     if sharded and sync is not None and sync.world_size > 1:
         flag = torch.tensor([0.0 if finite else 1.0], dtype=torch.float64)
         finite = float(sync.sum_items(flag)[0]) == 0.0  # one rank's non-finite shard stops every rank
-    return finite, total if clip_norm else None, read
+    return finite, total, read
 
 
 def _elements_finite(grads: list[torch.Tensor], loss: torch.Tensor | float | None) -> bool:
