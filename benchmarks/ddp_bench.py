@@ -1,11 +1,11 @@
 """Many ranks: what autoaccum's guard costs against a hand-written DDP accumulation loop.
 
-Three ways to train the same DDP model, ``accum`` micro-batches a step: ``hand`` (``no_sync`` on all but
-the last micro-batch, DDP's reducer during the last backward), ``autoaccum off`` (the default: every
-micro-batch under ``no_sync``, the OOM flag agreed, then the gradients all-reduced) and ``autoaccum on``
-(experimental: the all-reduce during the last backward). One step of each a turn, shuffled, each after a
-barrier; reported: the median over turns of hand's step time over the mode's, with a 95% bootstrap
-interval. With k micro-batches a step, overlapping saves at most T_allreduce / (k * T_fwd_bwd + T_allreduce).
+Two ways to train the same DDP model, ``accum`` micro-batches a step: ``hand`` (``no_sync`` on all but
+the last micro-batch, DDP's reducer during the last backward) and ``autoaccum`` (every micro-batch under
+``no_sync``, the OOM flag agreed, then the gradients all-reduced once). One step of each a turn, shuffled,
+each after a barrier; reported: the median over turns of hand's step time over autoaccum's, with a 95%
+bootstrap interval. With k micro-batches a step, the hand loop's overlap of the all-reduce with the last
+backward saves at most T_allreduce / (k * T_fwd_bwd + T_allreduce).
 
     python benchmarks/ddp_bench.py [--world-size 2] [--accum 8] [--micro 8] [--hidden 1024] [--interleaved 150]
     python benchmarks/ddp_bench.py --backend nccl --device cuda --world-size 1   # one GPU (a world of one)
@@ -27,7 +27,6 @@ import statistics
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-MODES = ("hand", "autoaccum off", "autoaccum on")
+MODES = ("hand", "autoaccum")
 
 
 def _model(hidden: int) -> torch.nn.Module:
@@ -73,16 +72,9 @@ def _setup(mode: str, rank: int, world_size: int, device: torch.device, args: ar
     x, y = torch.randn(share, 64, generator=g).to(device), torch.randint(0, 10, (share,), generator=g).to(device)
     if mode == "hand":
         return lambda: _hand_step(model, opt, x, y, args.accum, args.micro)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "autoaccum: overlap='on' is experimental")
-        guard = autoaccum.OOMGuard(model, opt, target_batch=share * world_size, micro_batch=args.micro,
-                                   sync=DistributedSync(model), overlap=mode.split()[-1], grow="off")
-
-    def step() -> None:
-        result = guard.step((x, y), _loss)
-        if result.overlapped != (mode == "autoaccum on"):
-            raise RuntimeError(f"{mode}: a step {'not ' if not result.overlapped else ''}overlapped")
-    return step
+    guard = autoaccum.OOMGuard(model, opt, target_batch=share * world_size, micro_batch=args.micro,
+                               sync=DistributedSync(model), grow="off")
+    return lambda: guard.step((x, y), _loss)
 
 
 def _worker(rank: int, world_size: int, port: int, out: str, args: argparse.Namespace) -> None:

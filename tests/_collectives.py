@@ -1,7 +1,7 @@
 """Every all-reduce a rank issues from Python, seen where all of them meet: ``ProcessGroup.allreduce``.
 
-``dist.all_reduce`` calls it, and the overlapped gradient buckets are sent to it directly (as DDP's
-reducer sends its own), so a test that watches collectives watches it there. Whether the caller holds
+``dist.all_reduce`` calls it, and DDP's reducer sends its buckets to it directly, so a test that watches
+collectives watches it there. Whether the caller holds
 the work handle and waits on it later (sent ahead) is what ``dist.all_reduce`` was asked
 (``async_op``), or for a call made to the group directly, what its options say (``asyncOp``; on a
 torch without that field only the buckets call the group directly, and they are sent ahead).

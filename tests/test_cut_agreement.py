@@ -1,9 +1,9 @@
 """The cut's exchange (``autoaccum.step.sync``): one all-reduce per attempt, waited for before any
 micro-batch runs.
 
-- the decision, as a pure function: the terms every rank runs with, the overlap only where every rank
-  voted for it, items counted on some ranks only (or no item at all) an error, the thrashing ranks named;
-- on two gloo ranks, overlap off and on: a last batch whose shares differ (rank 0 full, rank 1 partial)
+- the decision, as a pure function: the terms every rank runs with, items counted on some ranks only
+  (or no item at all) an error, the thrashing ranks named;
+- on two gloo ranks: a last batch whose shares differ (rank 0 full, rank 1 partial)
   is weighted by the samples of every rank, exactly as one process's full-batch steps in fp64, with one
   waited-for exchange per attempt (an OOM replay: one more), also with an OOM in the partial step.
   Negative control: each rank taking its own share for every rank's trains on wrong weights;
@@ -29,37 +29,30 @@ from autoaccum.distributed import DistributedSync, unwrap_model, wrap_model
 
 FP64 = {"rtol": 1e-10, "atol": 1e-12}
 TARGET, MICRO, SEED = 12, 2, 5
-ROW_FIELDS = 6  # samples, micro-steps, vote, items, counted, thrash
+ROW_FIELDS = 5  # samples, micro-steps, items, counted, thrash
 
 
 # -- the decision ---------------------------------------------------------------------------------------
-def _row(n: int, steps: int, vote: int = 1, items: int | None = None, thrash: bool = False) -> tuple[int, ...]:
-    return (n, steps, vote, items or 0, int(items is not None), int(thrash))
+def _row(n: int, steps: int, items: int | None = None, thrash: bool = False) -> tuple[int, ...]:
+    return (n, steps, items or 0, int(items is not None), int(thrash))
 
 
 def test_the_terms_add_every_ranks_samples_and_take_the_most_micro_steps() -> None:
     agreed = decide((_row(6, 3), _row(4, 2)))  # rank 1: a partial share
-    assert agreed == cut_agreement.Agreed(CutTerms(10, 3, None), overlap=True, error=None)
-
-
-def test_the_overlap_needs_every_ranks_vote() -> None:
-    assert decide((_row(6, 3), _row(6, 3))).overlap
-    assert not decide((_row(6, 3), _row(6, 3, vote=0))).overlap
-    assert not decide((_row(6, 3, vote=0), _row(6, 3))).overlap
+    assert agreed == cut_agreement.Agreed(CutTerms(10, 3, None), error=None)
 
 
 def test_the_ranks_whose_allocator_thrashed_are_named_and_change_nothing_else() -> None:
     calm = decide((_row(6, 3), _row(6, 3)))
     said = decide((_row(6, 3), _row(6, 3, thrash=True)))
     assert calm.thrashing == () and said.thrashing == (1,)
-    assert (said.terms, said.overlap, said.error) == (calm.terms, calm.overlap, calm.error)
+    assert (said.terms, said.error) == (calm.terms, calm.error)
     assert decide((_row(6, 3, thrash=True), _row(4, 2, thrash=True))).thrashing == (0, 1)
 
 
 def test_items_counted_on_some_ranks_only_or_none_at_all_is_an_error() -> None:
     mixed = decide((_row(6, 3, items=40), _row(6, 3)))
     assert isinstance(mixed.error, autoaccum.TaskError) and "some ranks" in str(mixed.error)
-    assert not mixed.overlap
     empty = decide((_row(6, 3, items=0), _row(6, 3, items=0)))
     assert isinstance(empty.error, autoaccum.TaskError) and "no item" in str(empty.error)
     assert decide((_row(6, 3, items=40), _row(6, 3, items=2))).terms.num_items == 42
@@ -118,7 +111,7 @@ class ForwardCollective(torch.nn.Module):
         return x
 
 
-def mixed_partial_run(rank: int, world_size: int, kind: str, overlap: str = "off", check: bool = True,
+def mixed_partial_run(rank: int, world_size: int, kind: str, check: bool = True,
                       forward_collective: bool = False, oom_last: bool = False,
                       bucket_bytes: int | None = None) -> dict[str, Any]:
     """The last batch is partial: rank 0 holds a full share of it (6), rank 1 the rest. ``check=False``:
@@ -134,7 +127,7 @@ def mixed_partial_run(rank: int, world_size: int, kind: str, overlap: str = "off
     model = wrap_model(net) if kind == "ddp" else net
     opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
     sync = DistributedSync(model, **({} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}))
-    guard = autoaccum.OOMGuard(model, opt, target_batch=TARGET, micro_batch=MICRO, sync=sync, overlap=overlap)
+    guard = autoaccum.OOMGuard(model, opt, target_batch=TARGET, micro_batch=MICRO, sync=sync)
     calls: list[bool] = []
     original, gather = dist.all_reduce, sync.gather
 
@@ -159,7 +152,7 @@ def mixed_partial_run(rank: int, world_size: int, kind: str, overlap: str = "off
     dist.all_reduce = recording  # type: ignore[assignment]
     if not check:
         sync.gather = own_row_only  # type: ignore[method-assign]
-    attempts, exchanges, losses, overlapped = [], [], [], []
+    attempts, exchanges, losses = [], [], []
     try:
         start = 0
         for size in sizes:
@@ -172,13 +165,11 @@ def mixed_partial_run(rank: int, world_size: int, kind: str, overlap: str = "off
             attempts.append(stats.attempts)
             exchanges.append(list(calls))
             losses.append(stats.loss)
-            overlapped.append(stats.overlapped)
             start += size
     finally:
         dist.all_reduce = original  # type: ignore[assignment]
     return {"params": {n: p.detach().clone() for n, p in unwrap_model(model).named_parameters()},
-            "attempts": attempts, "exchanges": exchanges, "losses": losses, "ooms": guard.ooms,
-            "overlapped": overlapped}
+            "attempts": attempts, "exchanges": exchanges, "losses": losses, "ooms": guard.ooms}
 
 
 pytestmark_dist = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -187,16 +178,14 @@ pytestmark_dist = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo
 
 @pytestmark_dist
 @pytest.mark.slow
-@pytest.mark.parametrize(("kind", "overlap", "bucket_bytes"),
-                         [("ddp", "off", None), ("plain", "off", None), ("ddp", "on", None), ("plain", "on", 64)])
-def test_uneven_shares_are_weighted_by_every_ranks_samples(kind: str, overlap: str, bucket_bytes: int | None,
+@pytest.mark.parametrize(("kind", "bucket_bytes"), [("ddp", None), ("plain", None), ("plain", 64)])
+def test_uneven_shares_are_weighted_by_every_ranks_samples(kind: str, bucket_bytes: int | None,
                                                           tmp_path: Path) -> None:
-    out = results(tmp_path, spawn(mixed_partial_run, tmp_path, kind=kind, overlap=overlap,
-                                  bucket_bytes=bucket_bytes)[0])
+    out = results(tmp_path, spawn(mixed_partial_run, tmp_path, kind=kind, bucket_bytes=bucket_bytes)[0])
     want = reference()
     for rank, r in enumerate(out):
         assert r["exchanges"] == [[False]] * 3, r["exchanges"]  # one exchange a step, waited for
-        assert r["attempts"] == [1, 1, 1] and r["overlapped"] == [overlap == "on"] * 3, r
+        assert r["attempts"] == [1, 1, 1], r
         for name, p in want.items():
             torch.testing.assert_close(r["params"][name], p, **FP64, msg=f"rank {rank} {name}")
     assert out[0]["losses"] == out[1]["losses"]
@@ -204,14 +193,12 @@ def test_uneven_shares_are_weighted_by_every_ranks_samples(kind: str, overlap: s
 
 @pytestmark_dist
 @pytest.mark.slow
-@pytest.mark.parametrize("overlap", ["off", "on"])
-def test_an_oom_in_the_partial_step_is_replayed_exactly_on_every_rank(overlap: str, tmp_path: Path) -> None:
-    out = results(tmp_path, spawn(mixed_partial_run, tmp_path, kind="ddp", overlap=overlap, oom_last=True)[0])
+def test_an_oom_in_the_partial_step_is_replayed_exactly_on_every_rank(tmp_path: Path) -> None:
+    out = results(tmp_path, spawn(mixed_partial_run, tmp_path, kind="ddp", oom_last=True)[0])
     want = reference()
     for rank, r in enumerate(out):
         assert r["exchanges"] == [[False], [False], [False, False]], r["exchanges"]  # the replay's own exchange
         assert r["attempts"] == [1, 1, 2] and r["ooms"] == 1, (r["attempts"], r["ooms"])
-        assert r["overlapped"] == [overlap == "on", overlap == "on", False]  # a replay is not overlapped
         for name, p in want.items():
             torch.testing.assert_close(r["params"][name], p, **FP64, msg=f"rank {rank} {name}")
 

@@ -494,12 +494,7 @@ def fit_two_ranks(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, 
                                      "on_end": lambda self, r: reported.append({"end": True})})()
     whole = _fit(model, epochs=1, report_to=reported.append, callbacks=[callback])
     out = {"params": _params(model), "plan": whole.plan.to_dict(), "steps": whole.optimizer_steps,
-           "samples": whole.samples_seen, "losses": list(whole.losses), "overlapped": whole.overlapped_steps,
-           "reported": len(reported)}
-    with pytest.warns(UserWarning, match="experimental"):
-        on_model = make_net()
-        on = _fit(on_model, epochs=1, overlap="on")
-    out.update(overlap_on=_params(on_model), overlap_on_steps=on.overlapped_steps)
+           "samples": whole.samples_seen, "losses": list(whole.losses), "reported": len(reported)}
     first = make_net()
     _fit(first, max_steps=3, checkpoint_dir=checkpoint_dir, plan=autoaccum.Plan.for_target(TARGET, 2, world_size))
     dist.barrier()  # rank 0 wrote the checkpoint; every rank reads it
@@ -520,8 +515,8 @@ def fit_two_ranks(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, 
     _fit(sharded(), max_steps=4, plan=plan, checkpoint_dir=fsdp_dir)
     dist.barrier()
     model = sharded()
-    fsdp = _fit(model, epochs=1, plan=plan, checkpoint_dir=fsdp_dir, resume=True)
-    out["fsdp2_resumed"], out["fsdp2_overlapped"] = _params(model), fsdp.overlapped_steps
+    _fit(model, epochs=1, plan=plan, checkpoint_dir=fsdp_dir, resume=True)
+    out["fsdp2_resumed"] = _params(model)
     return out
 
 
@@ -546,17 +541,13 @@ def test_fit_on_two_ranks_equals_fit_in_one_process(tmp_path: Path) -> None:
         assert r["steps"] == one.optimizer_steps == 6 and r["samples"] == one.samples_seen == N_SAMPLES
         assert r["losses"] == pytest.approx(list(one.losses), rel=1e-5)
         assert r["resumed_source"] == "checkpoint" and r["resumed_steps"] == 6
-        assert r["overlapped"] == 0 and one.overlapped_steps == 0  # the default: overlap="off"
-        assert r["overlap_on_steps"] == r["steps"]  # overlap="on": every step (no OOM here)
         for name, p in want.items():
             torch.testing.assert_close(r["params"][name], p, rtol=RTOL, atol=ATOL, msg=name)
             torch.testing.assert_close(r["resumed"][name], p, rtol=RTOL, atol=ATOL, msg=f"resumed {name}")
-            torch.testing.assert_close(r["overlap_on"][name], p, rtol=RTOL, atol=ATOL, msg=f"overlap on {name}")
             if fsdp2_supported():
                 torch.testing.assert_close(r["fsdp2_resumed"][name], p, rtol=RTOL, atol=ATOL, msg=f"FSDP2 {name}")
         if fsdp2_supported():
             assert "cannot probe an FSDP2" in r["fsdp2_probe_error"]
-            assert r["fsdp2_overlapped"] == 0  # FSDP2 keeps today's protocol
 
 
 def test_example_under_torchrun() -> None:

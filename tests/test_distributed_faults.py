@@ -13,7 +13,6 @@ Each test spawns two processes bounded by a timeout (tests/_spawn.py): a hang fa
 from __future__ import annotations
 
 import logging
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -139,17 +138,14 @@ NAN_STEPS = 3  # the NaN gradient comes from rank 0's micro-batches of step 2
 
 def nonfinite_on_one_rank(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    runs = [("ddp", "off"), ("ddp", "on")] + ([("fsdp2", "off")] if fsdp2_supported() else [])
-    for kind, overlap in runs:
+    for kind in ["ddp"] + (["fsdp2"] if fsdp2_supported() else []):
         for policy in ("skip", "stop"):
             torch.manual_seed(SEED)
             net = PoisonNet()
             model = _shard(net) if kind == "fsdp2" else wrap_model(net)
             opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # overlap="on" says once that it is experimental
-                guard = autoaccum.OOMGuard(model, opt, target_batch=TARGET, micro_batch=4,
-                                           sync=DistributedSync(model), nonfinite=policy, overlap=overlap)
+            guard = autoaccum.OOMGuard(model, opt, target_batch=TARGET, micro_batch=4,
+                                       sync=DistributedSync(model), nonfinite=policy)
             skipped, error, after = [], None, {}
             batches = GlobalBatches(make_data(), TARGET, seed=SEED, rank=rank, world_size=world_size)
             for step, rb in zip(range(1, NAN_STEPS + 1), batches.epoch(0)):
@@ -161,9 +157,8 @@ def nonfinite_on_one_rank(rank: int, world_size: int) -> dict[str, Any]:
                     break
                 finally:
                     after[step] = _params(model)
-            out[f"{kind}/{overlap}/{policy}"] = {"skipped": skipped, "error": error, "after": after,
-                                                 "overlapped": guard.overlapped_steps,
-                                                 "finite": all(bool(torch.isfinite(p).all()) for p in after[max(after)].values())}
+            out[f"{kind}/{policy}"] = {"skipped": skipped, "error": error, "after": after,
+                                       "finite": all(bool(torch.isfinite(p).all()) for p in after[max(after)].values())}
     return out
 
 
@@ -194,8 +189,6 @@ def test_nonfinite_gradients_on_one_rank_are_skipped_or_stopped_on_every_rank(tm
         for rank, r in enumerate(out):
             got = r[key]
             assert got["finite"], (key, rank)
-            # overlapped: the sums are views of the buckets, checked like any gradient (the NaN found there)
-            assert (got["overlapped"] > 0) == ("/on/" in key), (key, rank, got["overlapped"])
             if key.endswith("skip"):
                 assert got["skipped"] == [False, True, False] and got["error"] is None, (key, rank)
                 assert all(torch.equal(a, b) for a, b in zip(got["after"][2].values(), got["after"][1].values()))
@@ -357,24 +350,18 @@ THRASH_STEPS = 5  # full global batches of make_data()
 
 
 def thrash_on_one_rank(rank: int, world_size: int, thrashing_rank: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for overlap in ("on", "off"):
-        torch.manual_seed(SEED)
-        model = wrap_model(make_net())
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # overlap="on" says once that it is experimental
-            guard = autoaccum.OOMGuard(model, opt, target_batch=TARGET, micro_batch=4, sync=DistributedSync(model),
-                                       meter=RetryMeter(rank == thrashing_rank), grow="off", overlap=overlap)
-        batches = GlobalBatches(make_data(), TARGET, seed=SEED, rank=rank, world_size=world_size)
-        changes, micro = [], []
-        for step, rb in zip(range(1, THRASH_STEPS + 1), batches.epoch(0)):
-            result = guard.step(rb.batch, mean_loss)
-            changes += [(step, c.reason, c.old.micro_batch, c.new.micro_batch, c.describe()) for c in result.changes]
-            micro.append(result.plan.micro_batch)
-        out[overlap] = {"changes": changes, "micro": micro, "params": _params(model),
-                        "overlapped": guard.overlapped_steps, "ooms": guard.ooms}
-    return out
+    torch.manual_seed(SEED)
+    model = wrap_model(make_net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    guard = autoaccum.OOMGuard(model, opt, target_batch=TARGET, micro_batch=4, sync=DistributedSync(model),
+                               meter=RetryMeter(rank == thrashing_rank), grow="off")
+    batches = GlobalBatches(make_data(), TARGET, seed=SEED, rank=rank, world_size=world_size)
+    changes, micro = [], []
+    for step, rb in zip(range(1, THRASH_STEPS + 1), batches.epoch(0)):
+        result = guard.step(rb.batch, mean_loss)
+        changes += [(step, c.reason, c.old.micro_batch, c.new.micro_batch, c.describe()) for c in result.changes]
+        micro.append(result.plan.micro_batch)
+    return {"changes": changes, "micro": micro, "params": _params(model), "ooms": guard.ooms}
 
 
 @pytest.mark.parametrize("thrashing_rank", [0, 1])
@@ -387,12 +374,9 @@ def test_allocator_thrashing_on_one_rank_shrinks_every_rank_together(tmp_path: P
     codes, _ = spawn(thrash_on_one_rank, tmp_path, thrashing_rank=thrashing_rank)
     out = results(tmp_path, codes)
     want = _one_process_skipping(None, THRASH_STEPS)
-    for overlap in ("on", "off"):
-        for rank, r in enumerate(out):
-            got = r[overlap]
-            assert [c[:4] for c in got["changes"]] == [(4, "thrash", 4, 2)], (overlap, rank, got["changes"])
-            assert f"allocator retries rising (on rank {thrashing_rank})" in got["changes"][0][4]
-            assert got["micro"] == [4, 4, 4, 2, 2] and got["ooms"] == 0, (overlap, rank, got["micro"])
-            assert got["overlapped"] == (THRASH_STEPS if overlap == "on" else 0), (overlap, got["overlapped"])
-            for name, p in want.items():
-                torch.testing.assert_close(got["params"][name], p, rtol=1e-5, atol=1e-6, msg=f"{overlap} {rank} {name}")
+    for rank, got in enumerate(out):
+        assert [c[:4] for c in got["changes"]] == [(4, "thrash", 4, 2)], (rank, got["changes"])
+        assert f"allocator retries rising (on rank {thrashing_rank})" in got["changes"][0][4]
+        assert got["micro"] == [4, 4, 4, 2, 2] and got["ooms"] == 0, (rank, got["micro"])
+        for name, p in want.items():
+            torch.testing.assert_close(got["params"][name], p, rtol=1e-5, atol=1e-6, msg=f"{rank} {name}")

@@ -262,6 +262,8 @@ def test_a_device_that_does_not_exist_here_is_a_clear_error(device, says):
 def test_unknown_fit_options_suggest_the_known_one():
     with pytest.raises(TypeError, match=r"unknown option 'lr_rul'; did you mean 'lr_rule'\?"):
         autoaccum.fit(mlp(), data(64), 32, lr_rul="sqrt")
+    with pytest.raises(TypeError, match=r"fit\(\): overlap= was removed"):
+        autoaccum.fit(mlp(), data(64), 32, overlap="on")
     with pytest.raises(ValueError, match=r"2 invalid fit options:\n  - Invalid lr: -1.*\n  - Invalid epochs: 0"):
         autoaccum.fit(mlp(), data(64), 32, lr=-1.0, epochs=0)
 

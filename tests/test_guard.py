@@ -1098,7 +1098,7 @@ def test_allocator_thrashing_on_one_of_several_ranks_is_said_first_and_shrunk_fo
 
         def gather(self, values):
             self.rows.append(values)
-            other = values[:5] + (int(self.other_thrashes),)
+            other = values[:4] + (int(self.other_thrashes),)
             return (other, tuple(values))
 
         def agree_plan(self, plan):
@@ -1111,11 +1111,11 @@ def test_allocator_thrashing_on_one_of_several_ranks_is_said_first_and_shrunk_fo
                      sync=sync, grow="off", meter=meter)
     step = thrash_run(guard, meter)
     assert [step(r) for r in (0, 2, 3)] == [[]] * 3  # the streak reached 2 in the third step: said, not acted on
-    assert [row[5] for row in sync.rows] == [0, 0, 0] and sync.plans == [] and guard.plan.micro_batch == 16
+    assert [row[4] for row in sync.rows] == [0, 0, 0] and sync.plans == [] and guard.plan.micro_batch == 16
     (change,) = step(3)  # the next step's exchange says it (this rank's row), and every rank shrinks after it
-    assert sync.rows[-1][5] == 1 and (change.reason, change.old.micro_batch, change.new.micro_batch) == ("thrash", 16, 8)
+    assert sync.rows[-1][4] == 1 and (change.reason, change.old.micro_batch, change.new.micro_batch) == ("thrash", 16, 8)
     assert "rank 1" in change.describe() and sync.plans == [8]
-    assert step(3) == [] and sync.rows[-1][5] == 0  # said and heard: a new streak from here
+    assert step(3) == [] and sync.rows[-1][4] == 0  # said and heard: a new streak from here
     sync.other_thrashes = True  # rank 0 says so in a step that replays for an OOM: no second shrink
     assert step(3, oom_first=True) == [] and guard.plan.micro_batch == 4 and sync.plans == [8, 4]
     (change,) = step(3)  # and in a clean one: every rank shrinks
@@ -1167,3 +1167,15 @@ def test_real_cuda_oom_replays_the_step_as_if_planned_smaller():
     for s, micro in enumerate([512, 512, 256, 256, 256, 256]):
         manual_step(ref, ref_opt, batch(s), sizes_for(1024, micro))
     assert max_diff(params_of(model), params_of(ref)) < 1e-12
+
+
+def test_removed_and_misspelt_options_are_refused_by_name():
+    """``overlap=`` was removed: refused with the reason, not Python's bare "unexpected keyword"; a typo gets
+    the closest known option. Control: the same guard without them builds."""
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"OOMGuard: overlap= was removed: .*0\.814x"):
+        OOMGuard(model, opt, target_batch=64, micro_batch=32, overlap="on")
+    with pytest.raises(TypeError, match=r"unknown option 'grow_aftr'; did you mean 'grow_after'\?"):
+        OOMGuard(model, opt, target_batch=64, micro_batch=32, grow_aftr=2)
+    assert OOMGuard(model, opt, target_batch=64, micro_batch=32).plan.micro_batch == 32

@@ -2,7 +2,7 @@
 
 Per attempt of an optimizer step the ranks talk at fixed points only, in the guard's order::
 
-    before the window  gather(row)         samples, micro-steps, items, overlap vote, thrash   all_reduce SUM
+    before the window  gather(row)         samples, micro-steps, items, thrash                 all_reduce SUM
     the window         no_sync()           every micro-batch's forward + backward              none
     after the window   agree(status)       OK < OOM < ERROR, the worst wins                    all_reduce MAX
     after OK           reduce_gradients()  gradients summed once        all_reduce SUM (FSDP2: reduce-scatter)
@@ -14,9 +14,7 @@ window's start and reduce-scatters once after the flag (``fsdp2``); a plain modu
 DDP, broadcast from rank 0 when the sync is built. So when the status is agreed no gradient
 collective can be in flight: a rank that ran out of memory can only be waiting in ``agree``, where
 every other rank is headed too, and an OOM on one rank becomes a shrink on every rank. Gradients are
-summed, not averaged: each micro-batch is weighted by its share of the global batch. With
-``OOMGuard(overlap="on")`` (experimental, ``overlap``) the buckets are all-reduced during the last
-backward instead, and the flag follows every bucket.
+summed, not averaged: each micro-batch is weighted by its share of the global batch.
 
 Not agreed on: an OOM in FSDP2's all-gather at the window's start, a collective the model runs in its
 own forward (SyncBatchNorm, warned about), an OOM in clipping or ``optimizer.step()``, an error in
@@ -26,8 +24,7 @@ agent ends them or the process group's timeout does (``init_from_env`` sets ``DE
 
 The package, by job: ``process_group`` (where this process stands, torchrun's environment, the
 small all-reduces, one plan for every rank), ``models`` (DDP, FSDP2 or plain; wrapping; full state
-for checkpoints), ``ddp`` (``DistributedSync`` and the bucketed gradient all-reduce), ``overlap``
-(the experimental all-reduce during the last backward), ``fsdp2`` (FSDP2's side of the window),
+for checkpoints), ``ddp`` (``DistributedSync`` and the bucketed gradient all-reduce), ``fsdp2`` (FSDP2's side of the window),
 ``settle`` (collectives that return only once gloo's worker thread has let go of their tensors).
 """
 

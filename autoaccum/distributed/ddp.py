@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -15,21 +15,17 @@ import torch.distributed as dist
 
 from autoaccum.distributed.fsdp2 import _FSDP2Window
 from autoaccum.distributed.models import ModelKind, model_kind
-from autoaccum.distributed.overlap import STEP_SCALARS, _OverlappedReduce
 from autoaccum.distributed.process_group import _all_reduce, broadcast_plan, is_distributed
 from autoaccum.distributed.settle import settled
 from autoaccum.log import user_stacklevel
 from autoaccum.plan.plan import Plan
-from autoaccum.step.sync import StepAgreement
 from autoaccum.validate import check_positive_int
 
 __all__ = ["BUCKET_BYTES", "DistributedSync"]
 
 #: gradients are all-reduced in flat buckets of at most this many bytes (DDP's default bucket_cap_mb)
 BUCKET_BYTES = 25 * 2**20
-#: overlapped, the first bucket (the last layers' gradients, final first in a backward) holds at most
-#: this many bytes, so that it leaves early (DDP's ``dist._DEFAULT_FIRST_BUCKET_BYTES``)
-FIRST_BUCKET_BYTES = 2**20
+
 
 
 def _buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> Iterator[list[torch.nn.Parameter]]:
@@ -44,27 +40,6 @@ def _buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> Iterator[li
             bucket, size = [], 0
         bucket.append(p)
         size += nbytes
-    if bucket:
-        yield bucket
-
-
-def _ddp_buckets(params: list[torch.nn.Parameter], bucket_bytes: int,
-                 first_bytes: int) -> Iterator[list[torch.nn.Parameter]]:
-    """Buckets as DDP assigns them (``dist._compute_bucket_assignment_by_size``): consecutive runs of
-    one dtype and device, each closed once it holds ``bucket_bytes`` or more (the first one once it
-    holds ``first_bytes``). A bucket so leaves as soon as enough of the backward is done, whatever
-    the size of the parameter that completes it (all buckets are held at once while overlapping)."""
-    bucket: list[torch.nn.Parameter] = []
-    size, cap = 0, min(first_bytes, bucket_bytes)
-    for p in params:
-        if bucket and (p.dtype != bucket[0].dtype or p.device != bucket[0].device):
-            yield bucket
-            bucket, size, cap = [], 0, bucket_bytes
-        bucket.append(p)
-        size += p.numel() * p.element_size()
-        if size >= cap:
-            yield bucket
-            bucket, size, cap = [], 0, bucket_bytes
     if bucket:
         yield bucket
 
@@ -103,7 +78,6 @@ class DistributedSync:
         self.world_size = dist.get_world_size(group)
         self._fsdp = _FSDP2Window(model) if self.kind == "fsdp2" else None
         self._buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-        self._overlap: _OverlappedReduce | None = None
         #: whether the model has buffers to broadcast after each step (as DDP, which lists its buffers when it is
         #: built; the same on every rank): a model without any skips walking its modules every step
         self._has_buffers = any(True for _ in model.buffers())
@@ -140,10 +114,7 @@ class DistributedSync:
         return contextlib.nullcontext()
 
     def agree(self, status: int) -> int:
-        """The worst status over all ranks (OK=0 < OOM=1 < ERROR=2). After an overlapped attempt, every
-        bucket this rank has not sent yet goes first, in order (``autoaccum.distributed.overlap``)."""
-        if self._overlap is not None and self._overlap.active:
-            return self._overlap.finish(status, (0.0,) * STEP_SCALARS).status
+        """The worst status over all ranks (OK=0 < OOM=1 < ERROR=2)."""
         agreed = int(_all_reduce(torch.tensor([status], dtype=torch.int64), dist.ReduceOp.MAX, self.group).item())
         if agreed != 0 and self._fsdp is not None:
             # every rank replays from the same FSDP2 state, whether its own attempt failed or not,
@@ -162,13 +133,6 @@ class DistributedSync:
         summed = _all_reduce(rows, dist.ReduceOp.SUM, self.group).tolist()
         return tuple(tuple(int(v) for v in row) for row in summed)
 
-    def agree_step(self, status: int, scalars: Sequence[float]) -> StepAgreement:
-        """``agree`` after an overlapped attempt, with the step's scalars (loss sum, item count,
-        kinds of loss) summed over the ranks in the flag's exchange; elsewhere the status alone."""
-        if self._overlap is not None and self._overlap.active:
-            return self._overlap.finish(status, scalars)
-        return StepAgreement(self.agree(status), None)
-
     def sum_items(self, count: torch.Tensor) -> torch.Tensor:
         """``count`` summed over ranks (same device and dtype as given)."""
         return _all_reduce(count, dist.ReduceOp.SUM, self.group)
@@ -182,53 +146,9 @@ class DistributedSync:
             if params:
                 self._all_reduce_grads(params)
             return
-        overlap = self._overlap
-        if overlap is not None and overlap.reduced is not None and not overlap.late:
-            overlap.copy_back()  # summed during the last backward; the ranks agreed the step is OK
-        else:
-            if overlap is not None:
-                overlap.reduced = None
-            self._all_reduce_grads(params)
+        self._all_reduce_grads(params)
         if self._has_buffers and (self.kind == "plain" or getattr(self.model, "broadcast_buffers", False)):
             self._broadcast_from_rank_zero(list(self.model.buffers()))
-
-    # -- the overlapped all-reduce (DDP and plain modules; autoaccum.distributed.overlap) ---------------
-    def overlap_bytes(self, params: list[torch.nn.Parameter]) -> int | None:
-        """The memory an overlapped attempt would add now (its flat buffers, 0 once they are held), or
-        None where this sync does not overlap (FSDP2; switched off after a watched gradient changed after its
-        hook, ``autoaccum.distributed.overlap``)."""
-        overlap = self._overlap_for(params)
-        if overlap is None:
-            return None
-        return 0 if overlap.flats is not None else overlap.nbytes
-
-    def prepare_overlap(self, params: list[torch.nn.Parameter]) -> bool:
-        """Hold the flat buffers before voting to overlap; False where they do not fit (an OOM)."""
-        overlap = self._overlap_for(params)
-        return overlap is not None and overlap.allocate()
-
-    def release_overlap(self) -> None:
-        """Give the overlap's buffers back (a replay after an OOM: memory is tight)."""
-        if self._overlap is not None and not self._overlap.active:
-            self._overlap.release()
-
-    def overlapped(self, params: list[torch.nn.Parameter]) -> Callable[[], None]:
-        """Start an overlapped attempt (every rank voted for it, ``prepare_overlap`` held the
-        buffers); returns ``arm``, called before the last micro-step's backward."""
-        overlap = self._overlap_for(params)
-        if overlap is None:
-            raise RuntimeError("internal: this sync does not overlap the gradient all-reduce")
-        return overlap.start()
-
-    def _overlap_for(self, params: list[torch.nn.Parameter]) -> _OverlappedReduce | None:
-        if self._fsdp is not None:
-            return None  # FSDP2 is not overlapped: its reduce-scatter runs inside FSDP2, after the flag
-        overlap = self._overlap
-        if overlap is None or overlap.ids != tuple(map(id, params)):
-            # backward makes the last layers' gradients first: buckets in reverse order, as DDP's
-            buckets = list(_ddp_buckets(list(reversed(params)), self.bucket_bytes, FIRST_BUCKET_BYTES))
-            overlap = self._overlap = _OverlappedReduce(list(params), buckets, self.group)
-        return None if overlap.disabled is not None else overlap
 
     # -- DDP and plain modules ------------------------------------------------------------------------
     def _all_reduce_grads(self, params: list[torch.nn.Parameter]) -> None:

@@ -41,7 +41,7 @@ from autoaccum.precision import autocast
 from autoaccum.step.sync import GradSync, LocalSync
 
 __all__ = ["Accumulated", "Failed", "LossKind", "StepTotals", "accumulate", "reduce_gradients", "step_scalars",
-           "step_values", "sum_dtype"]
+           "sum_dtype"]
 
 LossKind = Literal["mean", "sum", "normalized"]
 
@@ -200,17 +200,8 @@ def step_scalars(result: Accumulated) -> torch.Tensor:
     return torch.stack([loss_sum, count, loss_sum.new_tensor(kinds[0]), loss_sum.new_tensor(kinds[1])])
 
 
-def step_values(result: Accumulated | Failed) -> list[float]:
-    """``step_scalars`` as numbers on the host, for an overlapped step's flag, which is exchanged
-    with them (``autoaccum.distributed.overlap``); zeros for a failed attempt (exchanged and dropped)."""
-    if not isinstance(result, Accumulated):
-        return [0.0] * 4
-    return [float(result.loss_sum), float(result.num_items), float(result.kind == "mean"), float(result.kind == "sum")]
-
-
 def reduce_gradients(params: Sequence[torch.nn.Parameter], result: Accumulated, *, num_samples: int,
-                     sync: GradSync | None = None, num_items_in_batch: int | None = None,
-                     summed: Sequence[float] | None = None) -> StepTotals:
+                     sync: GradSync | None = None, num_items_in_batch: int | None = None) -> StepTotals:
     """Sum gradients over ranks once, add up the step's scalars, normalise token-level gradients.
 
     Afterwards each parameter's ``.grad`` is the gradient of the global batch (for an optimizer
@@ -222,8 +213,6 @@ def reduce_gradients(params: Sequence[torch.nn.Parameter], result: Accumulated, 
         num_samples: samples of the global batch over all ranks.
         sync: how ranks sum gradients and scalars (default: one process).
         num_items_in_batch: the step's item count where the losses were normalised by it up front.
-        summed: the step's ``step_values`` summed over ranks already (an overlapped step's flag
-            exchange carries them); None: summed here, after the gradients.
 
     Returns:
         The step's totals over all ranks (its loss, samples and items).
@@ -238,7 +227,7 @@ def reduce_gradients(params: Sequence[torch.nn.Parameter], result: Accumulated, 
         if sync.world_size == 1:
             loss_total = result.loss_sum
         else:
-            loss_total = float(summed[0]) if summed is not None else float(sync.sum_items(result.loss_sum))
+            loss_total = float(sync.sum_items(result.loss_sum))
         return StepTotals(loss_total, 1, num_samples, num_items_in_batch)
     if sync.world_size == 1:
         # One process: the kind of loss is known here, and no number on the device is needed
@@ -247,10 +236,8 @@ def reduce_gradients(params: Sequence[torch.nn.Parameter], result: Accumulated, 
         loss_total, item_total = result.loss_sum, result.num_items
         means, sums = result.kind == "mean", result.kind == "sum"
     else:
-        # One exchange for every scalar of the step (or none here: an overlapped step's flag carried them)
-        if summed is None:
-            summed = sync.sum_items(step_scalars(result)).tolist()
-        loss_total, item_total, means, sums = summed
+        # One exchange for every scalar of the step
+        loss_total, item_total, means, sums = sync.sum_items(step_scalars(result)).tolist()
     if means and sums:
         raise TaskError("loss_fn returned mean losses on some ranks and (loss_sum, num_items) on others")
     if not sums:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, get_args
+from typing import Any
 
 import torch
 
@@ -21,7 +21,7 @@ from autoaccum.plan.task import LossFn, check_loss_fn, check_optimizer_covers, t
 from autoaccum.probe.report import check_made_for
 from autoaccum.step.growth import GrowMode, check_growth_options, prior_of
 from autoaccum.step.optim import NONFINITE_POLICIES, NonFinite
-from autoaccum.step.sync import GradSync, OverlapMode
+from autoaccum.step.sync import GradSync
 from autoaccum.validate import check_choice, check_positive_float, check_positive_int
 
 __all__ = ["GuardOptions", "batchnorm_floor", "check_step_args", "guard_ladder", "checked_options", "count_items", "guard_plan", "local_size",
@@ -92,7 +92,7 @@ def batchnorm_floor(model: torch.nn.Module, plan: Plan, batch: Batch, loss_fn: L
 def checked_options(model: torch.nn.Module, optimizer: torch.optim.Optimizer, plan: Any, *,
                      max_grad_norm: float | None, grow: GrowMode, grow_after: int | None,
                      memory_model: MemoryModel | None, headroom: float | None, thrash_steps: int,
-                     nonfinite: NonFinite | None, overlap: OverlapMode, split_fn: SplitFn | None,
+                     nonfinite: NonFinite | None, split_fn: SplitFn | None,
                      cut: Cutter | None) -> tuple[MemoryModel | None, float]:
     """Check the guard's options (in the order of the arguments); the memory model and headroom growth uses."""
     if max_grad_norm is not None:
@@ -101,7 +101,6 @@ def checked_options(model: torch.nn.Module, optimizer: torch.optim.Optimizer, pl
     prior = prior_of(plan, memory_model, headroom)
     check_positive_int(thrash_steps, "thrash_steps")
     check_choice(nonfinite, "nonfinite", (*NONFINITE_POLICIES, None))
-    check_choice(overlap, "overlap", get_args(OverlapMode))
     check_optimizer_covers(model, optimizer)
     if split_fn is not None and cut is not None:
         raise TypeError("give split_fn= or cut=, not both (a cutter splits batches itself)")
@@ -155,7 +154,6 @@ class GuardOptions:
     autocast_dtype: torch.dtype | None
     size_fn: Callable[[Batch], int] | None
     nonfinite: NonFinite | None
-    overlap: OverlapMode
     log_changes: bool
     emulated: bool  # a counter with a budget: micro-batches are copied in, as a GPU's would be
 

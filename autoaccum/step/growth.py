@@ -224,13 +224,6 @@ class Growth:
         self.limit = memory_limit(meter) if self.start is not None and read_limit else None
         return self.start
 
-    def restart(self, meter: Meter) -> MemoryReading | None:
-        """Read the start again: memory live from here on (e.g. the overlap's buffers) counts there,
-        not in the step's measured rise."""
-        meter.reset_peak()
-        self.start = meter.read()
-        return self.start
-
     def may_grow(self, plan: Plan, initial_micro_batch: int) -> bool:
         """Calm steps enough, and below the initial micro-batch: memory-guided growth asks this step."""
         return self.calm >= self.calm_needed and plan.micro_batch < initial_micro_batch

@@ -12,35 +12,34 @@ plan changes is ``autoaccum.step.policy``'s.
 
 from __future__ import annotations
 
+import inspect
 import time
-import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
-from typing import Any, NoReturn, cast
+from typing import Any, NoReturn
 
 import torch
 
 from autoaccum.errors import AutoAccumError, DoesNotFitError, NonFiniteError
-from autoaccum.log import user_stacklevel
 from autoaccum.memory import Meter, TrackedMemory, active_budget, default_meter
 from autoaccum.memory.model import MemoryModel
 from autoaccum.memory.savers import MemorySavers, apply_rung, suggestions
 from autoaccum.memory.recovery import catch_oom, release_memory
 from autoaccum.plan.batch import Batch, SplitFn
-from autoaccum.plan.cut import Cutter, MicroBatch, SampleCut
+from autoaccum.plan.cut import Cutter, SampleCut
 from autoaccum.plan.plan import Plan
 from autoaccum.plan.task import LossFn, explain_error
+from autoaccum.validate import check_keywords
 from autoaccum.state import BufferCopies, capture_rng, restore_buffers, restore_rng, state_buffers
-from autoaccum.step.accumulate import Accumulated, Failed, StepTotals, accumulate, reduce_gradients, step_values
+from autoaccum.step.accumulate import Accumulated, Failed, StepTotals, accumulate, reduce_gradients
 from autoaccum.step.checks import (GuardOptions, batchnorm_floor, check_step_args, checked_options, count_items,
                                    guard_ladder, guard_plan, local_size, trained_params)
 from autoaccum.step.growth import GrowMode, Growth, Rise, check_growth_meter
 from autoaccum.step.optim import NonFinite, step_oom_error, step_optimizer
 from autoaccum.step.policy import PlanChange, PlanPolicy
 from autoaccum.step.results import AccumulateResult, StepResult
-from autoaccum.step.sync import (ERROR, OK, OVERLAP_WARNING, Agreed, GradSync, LocalSync, OverlapMode, OverlapSync,
-                                 agree_cut)
+from autoaccum.step.sync import ERROR, OK, Agreed, GradSync, LocalSync, agree_cut
 
 __all__ = ["AccumulateResult", "OOMGuard", "PlanChange", "StepResult"]
 
@@ -52,7 +51,6 @@ class _Step:
     totals: StepTotals
     attempts: int
     changes: list[PlanChange]
-    overlapped: bool
     micro_steps: int
     thrashing: tuple[int, ...]  # the ranks whose allocator thrashed, from the last attempt's exchange
 
@@ -95,10 +93,6 @@ class OOMGuard:
         nonfinite: inf/NaN in the gradients or loss, checked before ``optimizer.step()``: ``"stop"``
             (default) raises ``NonFiniteError`` with nothing stepped; ``"skip"`` skips the step;
             ``None`` does not check. With a GradScaler its own check applies.
-        overlap: under ``torch.distributed``, ``"off"`` (default) reduces the gradients after every
-            rank said OK; ``"on"`` (experimental, not run by the project on NCCL across GPUs)
-            all-reduces them during the last backward, which hides the most where a step has few
-            micro-batches and the model is large.
         memory_savers: at an OOM at the smallest micro-batch, the next rung of the memory ladder
             (``autoaccum.memory.savers``), each exact: ``"auto"`` (default), ``"off"``, or a tuple of rungs.
     """
@@ -110,8 +104,9 @@ class OOMGuard:
                  size_fn: Callable[[Batch], int] | None = None, cut: Cutter | None = None, sync: GradSync | None = None,
                  grow: GrowMode = "auto", grow_after: int | None = None, memory_model: MemoryModel | None = None,
                  headroom: float | None = None, thrash_steps: int = 2, meter: Meter | None = None,
-                 log_changes: bool = True, nonfinite: NonFinite | None = "stop", overlap: OverlapMode = "off",
-                 memory_savers: MemorySavers = "auto") -> None:
+                 log_changes: bool = True, nonfinite: NonFinite | None = "stop",
+                 memory_savers: MemorySavers = "auto", **removed: Any) -> None:
+        check_keywords(removed, inspect.signature(OOMGuard).parameters, "OOMGuard")
         self.params, self._outside_optimizer = trained_params(model, optimizer)
         self.sync: GradSync = sync if sync is not None else LocalSync()
         plan_ = guard_plan(model, plan, target_batch=target_batch, micro_batch=micro_batch,
@@ -119,26 +114,19 @@ class OOMGuard:
         memory_model, headroom = checked_options(
             model, optimizer, plan, max_grad_norm=max_grad_norm, grow=grow, grow_after=grow_after,
             memory_model=memory_model, headroom=headroom, thrash_steps=thrash_steps, nonfinite=nonfinite,
-            overlap=overlap, split_fn=split_fn, cut=cut)
+            split_fn=split_fn, cut=cut)
         self.model, self.optimizer = model, optimizer
         self.cut: Cutter = cut if cut is not None else SampleCut(split_fn)
         self.device = self.params[0].device
         self.meter: Meter = meter if meter is not None else default_meter(self.device)
         check_growth_meter(grow, self.meter)
-        self._options = GuardOptions(scheduler, scaler, max_grad_norm, autocast_dtype, size_fn, nonfinite, overlap,
+        self._options = GuardOptions(scheduler, scaler, max_grad_norm, autocast_dtype, size_fn, nonfinite,
                                      log_changes, isinstance(self.meter, TrackedMemory) and self.meter.budget_bytes is not None)
-        # where the sync can overlap the all-reduce (asked once: an isinstance against a Protocol is slow);
-        # a DistributedSync in a world of one does too (its all-reduces run, as DDP's do there)
-        self._overlapper: OverlapSync | None = (
-            cast(OverlapSync, self.sync) if overlap == "on" and isinstance(self.sync, OverlapSync) else None)
-        if self._overlapper is not None:
-            warnings.warn(OVERLAP_WARNING, stacklevel=user_stacklevel())
         rungs = guard_ladder(model, self.device, plan_, memory_savers)
         self._policy = PlanPolicy(plan_, self.sync, Growth(grow, grow_after, memory_model, headroom), thrash_steps,
                                   log_changes=log_changes, model=model, ladder=rungs)
         self._buffer_copies = BufferCopies(state_buffers(model))
         self.steps = 0  # optimizer steps (or accumulations) completed
-        self.overlapped_steps = 0  # steps whose gradient all-reduce ran during the last backward
         self._checked_loss_fn: Any = None
         self._floor_checked = False  # the smallest micro-batch BatchNorm allows, found at the first step
 
@@ -149,7 +137,6 @@ class OOMGuard:
     autocast_dtype = property(lambda self: self._options.autocast_dtype)
     size_fn = property(lambda self: self._options.size_fn)
     nonfinite = property(lambda self: self._options.nonfinite)
-    overlap = property(lambda self: self._options.overlap)
     log_changes = property(lambda self: self._options.log_changes)
     thrash_steps = property(lambda self: self._policy.thrash.steps)
     grow = property(lambda self: self._policy.growth.grow)
@@ -273,24 +260,18 @@ class OOMGuard:
             attempts += 1
             if callable(begin):
                 begin()
-            agreed = self._agree_cut(batch, n, items, attempts)
+            agreed = self._agree_cut(batch, n, items)
             if agreed.error is not None:
                 self._zero_grad()
                 raise agreed.error
-            arm = self._overlapper.overlapped(self.params) if agreed.overlap and self._overlapper else None
-            micro_batches = _armed(self.cut(batch, n, self.plan, agreed.terms.steps), agreed.terms.steps, arm)
+            micro_batches = self.cut(batch, n, self.plan, agreed.terms.steps)
             with apply_rung(self.model, self.plan.saver):  # the memory ladder's rung, for the attempt only
                 result = accumulate(self.model, micro_batches, loss_fn, num_samples=agreed.terms.num_samples,
                                     device=self.device, sync=self.sync, scaler=self._options.scaler,
                                     autocast_dtype=self._options.autocast_dtype,
                                     num_items_in_batch=agreed.terms.num_items, copy_inputs=self._options.emulated)
             micro_batches = None  # type: ignore[assignment]
-            summed = None
-            if arm is not None and self._overlapper is not None:  # the flag after every bucket, with the scalars
-                flag = self._overlapper.agree_step(_status(result), step_values(result))
-                status, summed = flag.status, flag.sums
-            else:
-                status = self.sync.agree(_status(result))
+            status = self.sync.agree(_status(result))
             if status == OK:
                 break
             if status == ERROR:
@@ -311,46 +292,28 @@ class OOMGuard:
         if not isinstance(result, Accumulated):
             raise RuntimeError(f"internal: the ranks agreed OK on a failed attempt ({result})")
         totals, failed = catch_oom(reduce_gradients, self.params, result, num_samples=agreed.terms.num_samples,
-                                   sync=self.sync, num_items_in_batch=agreed.terms.num_items, summed=summed)
+                                   sync=self.sync, num_items_in_batch=agreed.terms.num_items)
         if failed or totals is None:
             self._zero_grad()
             release_memory(self.device)
             raise step_oom_error("gradient reduction", self.steps + 1, self.plan.micro_batch)
-        return _Step(totals, attempts, changes, arm is not None, agreed.terms.steps, agreed.thrashing)
+        return _Step(totals, attempts, changes, agreed.terms.steps, agreed.thrashing)
 
-    def _agree_cut(self, batch: Batch, n: int, items: int | None, attempt: int) -> Agreed:
+    def _agree_cut(self, batch: Batch, n: int, items: int | None) -> Agreed:
         """The attempt's exchange (``autoaccum.step.sync``), before any micro-batch runs."""
         return agree_cut(self.sync, num_samples=n, steps=self.cut.steps(batch, n, self.plan),
-                         vote=self._overlap_vote(attempt), items=items, thrash=self._policy.thrash.pending)
-
-    def _overlap_vote(self, attempt: int) -> bool:
-        """``overlap="on"``: yes at a step's first attempt where this rank holds the overlap's buffers.
-        A replay after an OOM is not overlapped and gives them back (memory is tight)."""
-        sync = self._overlapper
-        if sync is None:
-            return False
-        if attempt > 1:
-            sync.release_overlap()
-            return False
-        missing = sync.overlap_bytes(self.params)
-        if missing is None or not sync.prepare_overlap(self.params):
-            return False  # the sync does not overlap (FSDP2, or switched off), or the buffers do not fit
-        if missing:  # allocated just now: they count at the step's start, never in its measured rise
-            self._policy.growth.restart(self.meter)
-        return True
+                         items=items, thrash=self._policy.thrash.pending)
 
     def _finish(self, step: _Step, started: float) -> dict[str, Any]:
         """After a successful step: counters, adaptation, and the fields of the result."""
         self.steps += 1
-        self.overlapped_steps += step.overlapped
         reading = self.meter.read()
         changes = step.changes + self._policy.after_step(step.attempts, reading, step.thrashing, self.steps + 1,
                                                          self._does_not_fit)
         return {"loss": step.totals.loss, "num_samples": step.totals.num_samples, "num_items": step.totals.num_items,
                 "plan": self.plan, "changes": tuple(changes), "attempts": step.attempts,
                 "step_time_s": time.perf_counter() - started,
-                "peak_bytes": None if reading is None else reading.peak_bytes, "micro_steps": step.micro_steps,
-                "overlapped": step.overlapped}
+                "peak_bytes": None if reading is None else reading.peak_bytes, "micro_steps": step.micro_steps}
 
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)  # through the optimizer: hooks on zero_grad see it
@@ -374,14 +337,6 @@ class OOMGuard:
         meter = self._budget_meter()
         return DoesNotFitError(meter.last_oom_needed_bytes, meter.budget_bytes, suggestions(self._policy.ladder),
                                at_least=True, micro_batch=self.plan.micro_batch, rungs=self._policy.rungs_tried)
-
-
-def _armed(micro_batches: Iterable[MicroBatch], steps: int, arm: Callable[[], None] | None) -> Iterator[MicroBatch]:
-    """The micro-batches; an overlapped attempt armed before the last one (its backward sends the buckets)."""
-    for index, micro in enumerate(micro_batches):
-        if arm is not None and index == steps - 1:
-            arm()
-        yield micro
 
 
 def _status(result: Accumulated | Failed) -> int:

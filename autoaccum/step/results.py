@@ -26,8 +26,6 @@ class AccumulateResult:
         peak_bytes: peak memory of the step (the meter's), else None.
         micro_steps: micro-steps of the attempt that succeeded (on every rank; with a token budget
             it depends on the step's lengths).
-        overlapped: the attempt that succeeded all-reduced its gradients during the last
-            micro-batch's backward (``OOMGuard(overlap="on")``).
     """
 
     loss: float
@@ -39,7 +37,6 @@ class AccumulateResult:
     step_time_s: float
     peak_bytes: int | None
     micro_steps: int = 0
-    overlapped: bool = False
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ suggests the closest known one.
 
 from __future__ import annotations
 
-import difflib
 import os
 from pathlib import Path
 from dataclasses import dataclass, field, fields, replace
@@ -22,7 +21,6 @@ from autoaccum.memory.savers import check_memory_savers
 from autoaccum.plan.data import LastBatch
 from autoaccum.precision import Precision, check_precision
 from autoaccum.step.growth import GrowMode
-from autoaccum.step.sync import OverlapMode
 from autoaccum.step.optim import NONFINITE_POLICIES, NonFinite
 from autoaccum.training.lr import LR_RULES, LrRule
 from autoaccum.training.report import check_callbacks, check_report_to
@@ -30,6 +28,7 @@ from autoaccum.units import parse_bytes
 from autoaccum.validate import (
     check_choice,
     check_headroom,
+    check_keywords,
     check_non_negative_int,
     check_positive_float,
     check_positive_int,
@@ -143,9 +142,6 @@ class MemoryConfig:
         grow: how the guard grows the micro-batch back after an OOM (``OOMGuard(grow=...)``):
             ``auto`` (default), ``model``, ``double`` or ``off``.
         grow_after: calm steps before the guard grows back (default 2).
-        overlap: under torch.distributed, whether the gradient all-reduce runs during the last
-            micro-batch's backward (``OOMGuard(overlap=...)``): ``off`` (default), or ``on``
-            (experimental, not run by the project on NCCL across GPUs).
         memory_savers: where even the smallest micro-batch does not fit, the memory ladder's next rung
             (activation checkpointing, then on CUDA activation offload), each exact: ``auto``
             (default), ``off``, or a tuple of rungs (``OOMGuard(memory_savers=...)``).
@@ -161,7 +157,6 @@ class MemoryConfig:
     nonfinite: NonFinite = _option(default="stop")
     grow: GrowMode = _option(default="auto")
     grow_after: int | None = _option(default=None)
-    overlap: OverlapMode = _option(default="off")
     memory_savers: Any = _option(default="auto")
     probe_cache: bool = _option(default=False)
 
@@ -179,7 +174,6 @@ class MemoryConfig:
             lambda: check_choice(self.nonfinite, "nonfinite", NONFINITE_POLICIES),
             lambda: check_choice(self.grow, "grow", get_args(GrowMode)),
             lambda: self.grow_after is None or check_positive_int(self.grow_after, "grow_after"),
-            lambda: check_choice(self.overlap, "overlap", get_args(OverlapMode)),
             lambda: check_memory_savers(self.memory_savers),
         )
 
@@ -270,12 +264,7 @@ class FitConfig:
             raise TypeError(f"config must be an autoaccum.FitConfig, got {type(base).__name__}")
         config = base if base is not None else cls()
         where = _option_table()
-        unknown = [name for name in options if name not in where]
-        if unknown:
-            name = unknown[0]
-            close = difflib.get_close_matches(name, list(where), n=1)
-            raise TypeError(f"fit() got an unknown option {name!r}" + (f"; did you mean {close[0]!r}?" if close else
-                            f". Known options: {', '.join(sorted(where))}"))
+        check_keywords({name: v for name, v in options.items() if name not in where}, where, "fit()")
         groups: dict[str, dict[str, Any]] = {}
         for name, value in options.items():
             group, attr = where[name]

@@ -73,8 +73,6 @@ class FitResult:
             checkpoint); ``log_file`` holds every step's loss, each step once across resumes.
         micro_steps: each step's micro-steps, for the steps in ``losses`` (with a token budget they
             follow the step's lengths).
-        overlapped_steps: steps of this call whose gradient all-reduce ran during the last backward
-            (``overlap="on"``; 0 in one process).
         eval_loss: the last evaluation's loss, None without eval_data.
         lr: the learning rate the rule set (before warmup).
         samples_per_s: samples per second of training steps in this call (probe excluded).
@@ -103,7 +101,6 @@ class FitResult:
     probe: ProbeReport | None = field(default=None, repr=False)
     micro_steps: tuple[int, ...] = ()
     skipped_steps: int = 0
-    overlapped_steps: int = 0
 
 
 def _placed(model: torch.nn.Module, device: Any) -> tuple[torch.nn.Module, GradSync, torch.device]:
@@ -157,7 +154,7 @@ def fit(model: torch.nn.Module, data: Any, target_batch: int = 256, *, loss_fn: 
         **options: ``lr``, ``base_batch``, ``lr_rule``, ``warmup_steps`` (``LRConfig``); ``epochs``,
             ``max_steps`` (``StopConfig``); ``seed``, ``collate_fn``, ``last_batch``, ``length_fn``,
             ``by_length`` (``DataConfig``); ``device``, ``budget``, ``headroom``, ``plan``,
-            ``precision``, ``max_grad_norm``, ``nonfinite``, ``grow``, ``grow_after``, ``overlap``,
+            ``precision``, ``max_grad_norm``, ``nonfinite``, ``grow``, ``grow_after``,
             ``memory_savers``, ``probe_cache`` (``MemoryConfig``); ``checkpoint_dir``, ``checkpoint_every``, ``resume``
             (``CheckpointConfig``); ``progress``, ``log_file``, ``eval_every``, ``verbose``,
             ``report_to``, ``report_dir``, ``callbacks`` (``OutputConfig``). Each is documented on
@@ -225,7 +222,7 @@ def _fit(model: torch.nn.Module, data: Any, target_batch: int, loss_fn: LossFn |
                      sync=sync, meter=meter, grow=cfg.memory.grow, grow_after=cfg.memory.grow_after, cut=cut,
                      memory_model=report.model if report is not None else
                      given_model if isinstance(given_model, MemoryModel) else None, headroom=cfg.memory.headroom,
-                     nonfinite=cfg.memory.nonfinite, overlap=cfg.memory.overlap, memory_savers=cfg.memory.memory_savers)
+                     nonfinite=cfg.memory.nonfinite, memory_savers=cfg.memory.memory_savers)
     position = RunPosition() if state is None else restore_run(
         state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, guard=guard, rank=sync.rank,
         world_size=sync.world_size)
@@ -252,7 +249,6 @@ def _fit(model: torch.nn.Module, data: Any, target_batch: int, loss_fn: LossFn |
             peak_bytes=summary["peak_bytes"], wall_time_s=time.perf_counter() - started,
             probe_time_s=0.0 if report is None else report.wall_time_s, probe=report,
             micro_steps=tuple(summary["micro_steps"]), skipped_steps=position.skipped,
-            overlapped_steps=summary["overlapped_steps"],
         )
         reporter.end(result)  # the callbacks' on_end, while a W&B or MLflow run of this fit is still open
         failed = False

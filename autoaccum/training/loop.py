@@ -58,7 +58,6 @@ def train(run: Run, batches: GlobalBatches, eval_batches: GlobalBatches | None, 
     pos, cfg, guard = run.position, run.config, run.guard
     first_samples, train_time, peak, skipped_streak = pos.samples, 0.0, None, 0
     micro_steps: list[int] = []
-    overlapped = 0  # steps whose gradient all-reduce ran during the last backward (overlap="on")
     eval_micro = 2 * guard.plan.micro_batch  # no activations are kept for backward: usually fits twice as many
     eval_loss, eval_ooms, evaluated_at = None, 0, None
     epochs, max_steps = cfg.stop.epochs, cfg.stop.max_steps
@@ -101,7 +100,6 @@ def train(run: Run, batches: GlobalBatches, eval_batches: GlobalBatches | None, 
             pos.losses.append(result.loss)
             pos.last_loss = result.loss
             micro_steps.append(result.micro_steps)
-            overlapped += result.overlapped
             if result.peak_bytes is not None:
                 peak = max(peak or 0, result.peak_bytes)
             record = _record(result, pos)
@@ -131,7 +129,7 @@ def train(run: Run, batches: GlobalBatches, eval_batches: GlobalBatches | None, 
                  + f" · {rate:,.0f} samples/s · {counted(guard.ooms, 'OOM')} recovered · {guard.plan.describe()}"
                  + ("" if peak is None else f" · peak {format_bytes(peak)}"))
     return {"eval_loss": eval_loss, "eval_ooms": eval_ooms, "samples_per_s": rate, "peak_bytes": peak,
-            "micro_steps": micro_steps, "overlapped_steps": overlapped}
+            "micro_steps": micro_steps}
 
 
 def _stopped(exc: NonFiniteError, run: Run, pos: RunPosition, batch_index: int) -> NonFiniteError:
@@ -164,5 +162,4 @@ def _record(result: StepResult, pos: RunPosition) -> dict[str, Any]:
         "peak_bytes": result.peak_bytes, "step_time_s": result.step_time_s,
         "samples_per_s": result.num_samples / result.step_time_s if result.step_time_s else 0.0,
         "ooms": len([c for c in result.changes if c.reason == "oom"]), "skipped": result.skipped,
-        "overlapped": result.overlapped,
     }

@@ -1,5 +1,4 @@
-"""Randomized fault-injection soak: ``autoaccum.fit`` on 2 and 4 gloo ranks, fp64, with the gradient
-all-reduce after the backward (``--overlap off``, the default) or overlapped with it (``--overlap on``).
+"""Randomized fault-injection soak: ``autoaccum.fit`` on 2 and 4 gloo ranks, fp64.
 
 Each *episode* is one training run of ``--steps`` optimizer steps on ``world`` ranks, launched the way
 torchrun launches workers (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), with checkpoints
@@ -30,7 +29,7 @@ weights must hold exactly the documented global batches, nothing lost, nothing r
 parameters against a fault-free run of the same world size (relative difference <= 1e-10; no step is
 deliberately skipped here), the time lost per injected OOM, and the number of faults.
 
-    python tests/stress/soak.py [--worlds 2 4] [--episodes 10] [--steps 300] [--seed 0] [--overlap off|on]
+    python tests/stress/soak.py [--worlds 2 4] [--episodes 10] [--steps 300] [--seed 0]
                               [--json-only] [--out FILE]
     python tests/stress/soak.py --sabotage ...   # the negative control: must report repeated ids and a param diff
 """
@@ -86,7 +85,6 @@ class Config:
     stall_s: float = 120.0  # a hang: no rank logged an event (each step logs one) for this long
     kill: bool = True
     error: bool = True
-    overlap: str = "off"  # fit(overlap=...): the gradient all-reduce after the backward, or during it
 
 
 # ==================================================================================================
@@ -330,10 +328,9 @@ def run_rank(spec_path: str) -> None:
         plan=autoaccum.Plan.for_target(cfg.target_batch, cfg.micro_batch or share, world),
         budget=spec["budget"] if spec["faults"] else None, grow_after=1, checkpoint_dir=ckpt_dir,
         checkpoint_every=cfg.checkpoint_every if ckpt_dir else None, resume="auto" if ckpt_dir else False,
-        progress=False, verbose=False, overlap=cfg.overlap)
+        progress=False, verbose=False)
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / f"final{rank}.pt")
-    log(type="done", steps=result.optimizer_steps, guard_ooms=result.oom_events, eval_ooms=result.eval_ooms,
-        overlapped=result.overlapped_steps)
+    log(type="done", steps=result.optimizer_steps, guard_ooms=result.oom_events, eval_ooms=result.eval_ooms)
     dist.destroy_process_group()
 
 
@@ -535,7 +532,7 @@ def summarize(cfg: Config, episodes: list[dict[str, Any]], works: list[Path],
         row = {"episodes": len(mine), "incarnations": 0, "hangs": 0, "aborts": 0, "unexpected_failures": 0,
                "not_ended_alone": 0, "lost": 0, "repeated": 0, "wrong_share": 0, "missing_steps": 0, "inconsistent": 0,
                "steps_audited": 0, "params_max_rel_diff": 0.0, "params_missing": 0, "lost_s": 0.0, "ooms_timed": 0,
-               "wall_s": 0.0, "overlapped_steps": 0}
+               "wall_s": 0.0}
         for episode, work in mine:
             for inc in episode["incarnations"]:
                 row["incarnations"] += 1
@@ -556,8 +553,6 @@ def summarize(cfg: Config, episodes: list[dict[str, Any]], works: list[Path],
                     counts[e["type"]] += 1
                 if e["type"] == "step":
                     counts["emulated_ooms"] += e["emulated_ooms"]
-                if e["type"] == "done" and e["rank"] == 0:  # steps overlapped (overlap="on") in the run that reached the end
-                    row["overlapped_steps"] += e.get("overlapped", 0)
             per_step: dict[tuple[int, int], set[int]] = {}
             for e in events:
                 if e["type"] == "oom" and e["phase"] != "eval":
@@ -587,7 +582,7 @@ def table(rows: dict[int, dict[str, Any]]) -> str:
             ("budget drops/rises", None), ("errors", "error"), ("kills", "kill"), ("multi-rank OOM steps",
             "multi_rank_steps"), ("hangs", "hangs"), ("aborts", "aborts"), ("not ended alone", "not_ended_alone"),
             ("unexpected failures", "unexpected_failures"), ("lost", "lost"), ("repeated", "repeated"),
-            ("inconsistent", "inconsistent"), ("overlapped steps", "overlapped_steps"),
+            ("inconsistent", "inconsistent"),
             ("params max rel diff", None), ("s lost per OOM", None)]
     lines = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
     for world, r in rows.items():
@@ -649,8 +644,6 @@ def main() -> None:
     for name in ("p_oom", "p_multi", "p_eval_oom", "p_drop"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(Config, name),
                             help=f"fault rate (default {getattr(Config, name)}; see Config)")
-    parser.add_argument("--overlap", choices=("off", "on"), default=Config.overlap,
-                        help="fit(overlap=...): the gradient all-reduce after the backward (off) or during it (on)")
     parser.add_argument("--timeout", type=float, default=Config.timeout_s, help="seconds per incarnation")
     parser.add_argument("--stall", type=float, default=Config.stall_s,
                         help="seconds without an event from any rank that count as a hang")
@@ -668,7 +661,7 @@ def main() -> None:
 
     cfg = Config(worlds=tuple(args.worlds), episodes=args.episodes, steps=args.steps, seed=args.seed,
                  timeout_s=args.timeout, stall_s=args.stall, target_batch=args.target_batch, p_oom=args.p_oom,
-                 p_multi=args.p_multi, p_eval_oom=args.p_eval_oom, p_drop=args.p_drop, overlap=args.overlap)
+                 p_multi=args.p_multi, p_eval_oom=args.p_eval_oom, p_drop=args.p_drop)
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="autoaccum-soak-"))
     say = (lambda *_: None) if args.json_only else print
     try:
