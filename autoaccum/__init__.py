@@ -14,7 +14,7 @@ from autoaccum.probe.report import Candidate, ProbeReport
 from autoaccum.probe.run import probe
 from autoaccum.search import SearchResult, SearchSpace, load_plan_file, search
 from autoaccum.search.knobs import Knobs
-from autoaccum.step.guard import AccumulateResult, OOMGuard, PlanChange, StepResult
+from autoaccum.guard.guard import AccumulateResult, OOMGuard, PlanChange, StepResult
 from autoaccum.training.fit import FitConfig, FitResult, fit
 from autoaccum.training.lr import LR_RULES, scale_adam_hparams, scale_lr
 from autoaccum.units import format_bytes, parse_bytes

@@ -17,27 +17,27 @@ class TaskError(AutoAccumError, ValueError):
 
 class DoesNotFitError(AutoAccumError):
     """Even the smallest micro-batch (one sample, or two with BatchNorm) does not fit in the memory
-    budget, on any rung of the memory ladder tried.
+    budget, with any memory saver tried.
 
     Attributes:
-        needed_bytes: the peak the smallest step needed on the last rung tried (measured, or a lower
+        needed_bytes: the peak the smallest step needed with the last memory saver tried (measured, or a lower
             bound: ``at_least``).
         available_bytes: the budget the step had to fit in (None where no meter could tell).
         suggestions: what the user can do about it.
         micro_batch: the micro-batch that did not fit (the model's smallest).
-        rungs: each rung of the memory ladder tried, with the bytes it needed: a lower bound where its step ran
+        savers: each memory saver tried, with the bytes it needed: a lower bound where its step ran
             out of memory before its peak (None where unknown).
     """
 
     def __init__(self, needed_bytes: int | None, available_bytes: int | None, suggestions: Sequence[str] = (),
                  *, at_least: bool = False, micro_batch: int = 1,
-                 rungs: Sequence[tuple[str, int | None]] = ()) -> None:
+                 savers: Sequence[tuple[str, int | None]] = ()) -> None:
         from autoaccum.units import format_bytes
 
         self.micro_batch = micro_batch
         self.needed_bytes = needed_bytes
         self.available_bytes = None if available_bytes is None else int(available_bytes)
-        self.rungs = tuple(rungs)
+        self.savers = tuple(savers)
         self.suggestions = tuple(suggestions) or (
             "use a smaller model or shorter sequences",
             "enable activation checkpointing or bf16 autocast",
@@ -49,8 +49,8 @@ class DoesNotFitError(AutoAccumError):
             ("at least " if at_least else "") + format_bytes(needed_bytes)
         available = 'unknown (no memory meter)' if self.available_bytes is None else format_bytes(self.available_bytes)
         lines = [f"a micro-batch of {micro_batch} does not fit: needs {needed}, available {available}."]
-        if len(self.rungs) > 1 or (self.rungs and self.rungs[0][0] != "none"):
-            tried = ", ".join(f"{rung} {'?' if b is None else format_bytes(b)}" for rung, b in self.rungs)
+        if len(self.savers) > 1 or (self.savers and self.savers[0][0] != "none"):
+            tried = ", ".join(f"{saver} {'?' if b is None else format_bytes(b)}" for saver, b in self.savers)
             lines.append(f"Memory savers tried (at least the bytes each needed): {tried}.")
         lines += ["What to do:"] + [f"  - {s}" for s in self.suggestions]
         super().__init__("\n".join(lines))

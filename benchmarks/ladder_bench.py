@@ -39,7 +39,7 @@ from common import HEADROOM_KEPT  # noqa: E402
 
 import autoaccum  # noqa: E402
 from autoaccum.cli import TinyGPT, synthetic_tokens, token_loss  # noqa: E402
-from autoaccum.memory.savers import apply_rung  # noqa: E402
+from autoaccum.memory.savers import apply_saver  # noqa: E402
 from autoaccum.units import format_bytes, parse_bytes  # noqa: E402
 
 
@@ -64,7 +64,7 @@ def _hand_rate(args: argparse.Namespace, device: torch.device, data: torch.Tenso
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     meter = autoaccum.emulated_budget(budget, model, opt) if budget is not None else contextlib.nullcontext()
     starts = []
-    with meter, apply_rung(model, rung):
+    with meter, apply_saver(model, rung):
         for step in range(args.steps):
             _sync(device)
             starts.append(time.perf_counter())
@@ -89,7 +89,7 @@ def _fits(args: argparse.Namespace, device: torch.device, data: torch.Tensor, mi
         free, _ = torch.cuda.mem_get_info(device)
         usable = HEADROOM_KEPT * (free + torch.cuda.memory_reserved(device))
     try:
-        with meter, apply_rung(model, rung):
+        with meter, apply_saver(model, rung):
             for _ in range(2):
                 for _ in range(2):
                     token_loss(model, data[:micro]).backward()

@@ -171,7 +171,7 @@ class _Changes(logging.Handler):
 def train(w: Workload, precision: str, data: object, report: autoaccum.ProbeReport) -> dict:
     """FIT_STEPS steps of ``fit`` on the probe's plan under the same emulated budget: the OOMs they raised,
     and the error that ended them early, if one did."""
-    changes, guard_logger = _Changes(), logging.getLogger("autoaccum.step.guard")
+    changes, guard_logger = _Changes(), logging.getLogger("autoaccum.guard")
     guard_logger.addHandler(changes)
     started, error, result = time.perf_counter(), None, None
     try:

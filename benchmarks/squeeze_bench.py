@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json-only", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    logging.getLogger("autoaccum.step.guard").setLevel(logging.ERROR)  # the squeeze's OOMs are expected
+    logging.getLogger("autoaccum.guard").setLevel(logging.ERROR)  # the squeeze's OOMs are expected
     device = torch.device(args.device)
     started = time.perf_counter()
     probe_model = make_model(device)

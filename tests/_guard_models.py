@@ -1,6 +1,6 @@
 """Small deterministic models, losses and reference loops for the guard and batch tests.
 
-The references here are written by hand and share no code with ``autoaccum.step.guard``: a full-batch
+The references here are written by hand and share no code with ``autoaccum.guard.guard``: a full-batch
 step, a plain accumulation loop with an explicit list of micro-batch sizes, and OOMs injected on
 demand (``Trigger``) at a chosen phase and call.
 """

@@ -1,4 +1,4 @@
-"""The cut's exchange (``autoaccum.step.sync``): one all-reduce per attempt, waited for before any
+"""The cut's exchange (``autoaccum.distributed.sync``): one all-reduce per attempt, waited for before any
 micro-batch runs.
 
 - the decision, as a pure function: the terms every rank runs with, items counted on some ranks only
@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 import autoaccum
 from _spawn import errors, results, spawn
-from autoaccum.step import sync as cut_agreement
-from autoaccum.step.sync import CutTerms, decide
+from autoaccum.distributed import sync as cut_agreement
+from autoaccum.distributed.sync import CutTerms, decide
 from autoaccum.distributed import DistributedSync, unwrap_model, wrap_model
 
 FP64 = {"rtol": 1e-10, "atol": 1e-12}

@@ -250,7 +250,7 @@ def test_probe_logs_and_plan_changes_come_from_rank_zero(tmp_path: Path) -> None
     in evaluation): rank 0 logs each message once at its level; rank 1 the same messages at debug level only."""
     codes, _ = spawn(logs_of_two_ranks, tmp_path)
     seen = results(tmp_path, codes)
-    watched = ("autoaccum.probe", "autoaccum.step.guard", "autoaccum.training.evaluate")
+    watched = ("autoaccum.probe", "autoaccum.guard", "autoaccum.training.evaluate")
 
     def messages(rank: int, level: int) -> list[str]:
         return [m for name, lv, m in seen[rank] if name in watched and lv == level]

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autoaccum.step.accumulate as accumulate_module
-import autoaccum.step.guard as guard_module
+import autoaccum.guard.guard as guard_module
 from autoaccum.memory import MemoryReading, NullMeter
 import autoaccum.memory.recovery as recovery_module
 from _guard_models import (
@@ -27,7 +27,7 @@ from _guard_models import (
 )
 from autoaccum import DoesNotFitError, OOMGuard, OptimizerStepOOMError, Plan, emulated_budget
 from autoaccum.errors import NonFiniteError, TaskError
-from autoaccum.step.sync import LocalSync
+from autoaccum.distributed.sync import LocalSync
 
 TOL = {torch.float64: {"rtol": 0.0, "atol": 1e-12}, torch.float32: {"rtol": 1e-5, "atol": 1e-6}}
 DTYPES = pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
@@ -854,7 +854,7 @@ def test_after_an_oom_in_clipping_the_scaler_is_ready_for_the_next_step(monkeypa
 # -- plan changes, logging, state -----------------------------------------------------------------
 
 def test_each_plan_change_is_logged_once_in_order(caplog):
-    caplog.set_level(logging.WARNING, logger="autoaccum.step.guard")
+    caplog.set_level(logging.WARNING, logger="autoaccum.guard")
     model = Net()
     guard = OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), target_batch=64, micro_batch=64)
     model.trigger.arm("forward", 1)
@@ -864,7 +864,7 @@ def test_each_plan_change_is_logged_once_in_order(caplog):
     r2 = guard.step(data(64, seed=2), mse)
     model.trigger.cap = 4  # two halvings within one step
     r3 = guard.step(data(64, seed=3), mse)
-    messages = [r.getMessage() for r in caplog.records if r.name == "autoaccum.step.guard"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "autoaccum.guard"]
     assert messages == [
         "OOM in forward/loss: batch 64 = 64 -> 32 x 2 (2 micro-batches); the global batch is unchanged",
         "OOM in backward: batch 64 = 32 x 2 -> 16 x 4 (4 micro-batches); the global batch is unchanged",
@@ -986,7 +986,7 @@ def test_grow_after_calm_steps_never_tries_a_size_that_failed():
     an OOM. Throughout, every step is the exact full-batch step."""
     (model, opt), (ref, ref_opt) = pair(Net())
     model.trigger.cap = 40
-    guard = OOMGuard(model, opt, target_batch=256, micro_batch=64, grow_after=2)
+    guard = OOMGuard(model, opt, target_batch=256, micro_batch=64, grow="double", grow_after=2)
     micros = []
     for s in range(14):
         batch = data(256, seed=s)

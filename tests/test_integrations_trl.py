@@ -180,7 +180,7 @@ def test_options_are_taken_either_way_and_the_order_that_would_skip_sfts_step_is
                    processing_class=tokenizer(), micro_batch=3, grow_after=5)
     trainer.train()
     guard = trainer.autoaccum_guard
-    assert guard.plan_source == "given" and guard.guard.plan.micro_batch == 3 and guard.guard.grow_after == 5
+    assert guard.plan_source == "given" and guard.guard.plan.micro_batch == 3 and guard.guard.policy.grow_after == 5
     assert trainer.autoaccum_args.gradient_accumulation_steps == ACCUM and trainer.args.gradient_accumulation_steps == 1
 
 

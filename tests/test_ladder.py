@@ -85,8 +85,8 @@ def test_negative_control_without_memory_savers_the_same_run_does_not_fit() -> N
 def test_where_no_rung_fits_every_rung_tried_is_named() -> None:
     with pytest.raises(DoesNotFitError) as info:
         _guard_run([TOO_SMALL])
-    assert [r for r, _ in info.value.rungs] == ["none", "checkpointing"]
-    assert all(b is not None and b > 1e6 for _, b in info.value.rungs)
+    assert [r for r, _ in info.value.savers] == ["none", "checkpointing"]
+    assert all(b is not None and b > 1e6 for _, b in info.value.savers)
     assert "Memory savers tried" in str(info.value) and "CPUOffloadPolicy" in str(info.value)
 
 
@@ -170,10 +170,10 @@ def test_two_ranks_plan_on_the_same_rung_and_equal_full_batch_steps(tmp_path) ->
 
 @pytest.mark.gpu
 def test_offload_on_cuda_gives_the_same_gradients_and_keeps_less_on_the_device() -> None:
-    """Rung ``offload`` (checkpointing + the forward's saved tensors in pinned host memory) on a CUDA
+    """MemorySaver ``offload`` (checkpointing + the forward's saved tensors in pinned host memory) on a CUDA
     model, fp64: the gradients of the step without a saver, and less device memory at the end of the
     forward than checkpointing alone."""
-    from autoaccum.memory.savers import apply_rung
+    from autoaccum.memory.savers import apply_saver
 
     device = torch.device("cuda")
     x = synthetic_tokens(8, 512, 64).to(device)
@@ -183,7 +183,7 @@ def test_offload_on_cuda_gives_the_same_gradients_and_keeps_less_on_the_device()
         model = TinyGPT(vocab_size=64, seq_len=512, dim=128, layers=6, heads=4).double().to(device)
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated(device)
-        with apply_rung(model, rung):
+        with apply_saver(model, rung):
             loss = token_loss(model, x)
             torch.cuda.synchronize()
             held[rung] = torch.cuda.memory_allocated(device) - base

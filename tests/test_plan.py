@@ -168,7 +168,7 @@ def test_a_token_budget_in_plain_words():
 
 
 def test_plan_changes_say_both_cuts_so_that_each_adds_up():
-    from autoaccum.step.policy import PlanChange
+    from autoaccum.guard.policy import PlanChange
 
     old = Plan.for_target(256, 64)
     change = PlanChange(3, "oom", "backward", old, old.halved())

@@ -22,10 +22,10 @@ from _guard_models import Net, data, full_step, mse, pair, params_of
 from _spawn import results, spawn
 
 import autoaccum.memory.recovery as recovery_module
-import autoaccum.step.growth as growth_module
+import autoaccum.guard.policy as policy_module
 from autoaccum import MemoryModel, OOMGuard, Plan, TrackedMemory
 from autoaccum.memory import CudaMeter, MemoryReading, NullMeter
-from autoaccum.step.growth import FailedGrowth, Rise, fits, fitting_plan, memory_limit, predicted_rise
+from autoaccum.guard.growth import FailedGrowth, Rise, fits, fitting_plan, memory_limit, predicted_rise
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one intra-op thread
 
@@ -186,7 +186,7 @@ def test_negative_control_blind_doubling_never_returns_and_growth_off_stays_smal
 def test_negative_control_growing_without_asking_memory_runs_out_of_it(monkeypatch):
     """The squeeze test can fail: a guard whose fitting rule says yes to everything grows into the
     squeeze after two calm steps and runs out of memory again; the failed growth is counted."""
-    monkeypatch.setattr(growth_module, "fits", lambda b, **kwargs: True)
+    monkeypatch.setattr(policy_module, "fits", lambda b, **kwargs: True)
     guard, micros, diff = squeezed_run("auto", squeeze=0.6)
     assert guard.failed_growths == 1 and guard.ooms == 2 and diff <= REL  # the real rule: 0 and 1
 
@@ -202,7 +202,7 @@ def test_a_growth_that_runs_out_of_memory_backs_off_and_waits_for_more_room(capl
     tight, full = live + int(rise * 0.6), live + int(rise * 1.15)
     mem = TrackedMemory(budget_bytes=tight).track(model, opt)
     micros = []
-    with mem, caplog.at_level(logging.WARNING, logger="autoaccum.step.guard"):
+    with mem, caplog.at_level(logging.WARNING, logger="autoaccum.guard"):
         guard = OOMGuard(model, opt, target_batch=1024, micro_batch=256, meter=mem, memory_model=wrong, headroom=0.0)
         for s in range(14):
             mem.budget_bytes = full if s >= 10 else tight
@@ -270,9 +270,9 @@ def test_the_probe_reports_model_and_headroom_reach_the_guard():
                          meter="tracked", is_estimate=False, budget_bytes=2**20, budget_source="given",
                          headroom=0.25, probe_steps=0, probe_ooms=0, wall_time_s=0.0, fit_note="")
     guard = OOMGuard(model, opt, plan=report)
-    assert guard.memory_model is mm and guard.headroom == 0.25 and guard.plan == report.plan
+    assert guard.policy.memory_model is mm and guard.policy.headroom == 0.25 and guard.plan == report.plan
     plain = OOMGuard(model, opt, plan=report.plan)
-    assert plain.memory_model is None and plain.headroom == 0.1
+    assert plain.policy.memory_model is None and plain.policy.headroom == 0.1
 
 
 # -- recovery: what is collected ----------------------------------------------------------------------

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autoaccum.memory.savers import RUNGS, apply_rung, checkpoint_layers, ladder, next_rung, suggestions
+from autoaccum.memory.savers import SAVERS, apply_saver, checkpoint_layers, allowed_savers, next_saver, suggestions
 
 TIGHT = {"rtol": 1e-12, "atol": 1e-14}
 
@@ -63,7 +63,7 @@ def _step(model: nn.Module, rung: str, seed: int = 5) -> tuple[dict[str, torch.T
     """One forward/backward on ``rung`` from a fixed RNG state: the gradients and the buffers after it."""
     ids = torch.randint(0, 11, (6, 7), generator=torch.Generator().manual_seed(1))
     model.train()
-    with apply_rung(model, rung):
+    with apply_saver(model, rung):
         torch.manual_seed(seed)
         loss = F.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
         loss.backward()
@@ -110,7 +110,7 @@ def test_the_rung_is_taken_off_afterwards_and_keeps_no_memory_of_activations() -
     model = _net()
     layers = checkpoint_layers(model)
     assert layers is model.blocks
-    with apply_rung(model, "checkpointing"):
+    with apply_saver(model, "checkpointing"):
         assert all("forward" in block.__dict__ for block in model.blocks)
     assert all("forward" not in block.__dict__ for block in model.blocks)
     # what the rung is for: the blocks' activations are not kept for backward
@@ -120,7 +120,7 @@ def test_the_rung_is_taken_off_afterwards_and_keeps_no_memory_of_activations() -
     for rung in ("none", "checkpointing"):
         m = Net(dim=64, depth=6).double()
         ids = torch.randint(0, 11, (16, 64))
-        with TrackedMemory().track(m) as mem, apply_rung(m, rung):
+        with TrackedMemory().track(m) as mem, apply_saver(m, rung):
             loss = m(ids).sum()
             peaks[rung] = mem.current_bytes
             loss.backward()
@@ -138,7 +138,7 @@ def test_a_hugging_face_model_uses_its_own_switch_with_the_same_gradients() -> N
         ids = torch.randint(0, 31, (3, 12), generator=torch.Generator().manual_seed(2))
         state = "is_activation_checkpointing" if hasattr(model, "activation_checkpointing_enable") \
             else "is_gradient_checkpointing"
-        with apply_rung(model, rung):
+        with apply_saver(model, rung):
             assert getattr(model, state) == (rung != "none")
             torch.manual_seed(9)
             model(input_ids=ids, labels=ids).loss.backward()
@@ -152,17 +152,17 @@ def test_a_hugging_face_model_uses_its_own_switch_with_the_same_gradients() -> N
 
 def test_the_ladder_follows_the_model_the_device_and_the_option() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert ladder(_net(), cpu) == ("none", "checkpointing")
-    assert ladder(_net(), cuda) == RUNGS  # offload needs CUDA (host memory is the device on a CPU)
-    assert ladder(_net(), cuda, "off") == ("none",)
-    assert ladder(_net(), cuda, ("checkpointing",)) == ("none", "checkpointing")
-    assert ladder(nn.Sequential(nn.Linear(2, 2)), cuda) == ("none",)  # no blocks, no switch: nothing to save
-    assert next_rung(RUNGS, "none") == "checkpointing" and next_rung(RUNGS, "offload") is None
+    assert allowed_savers(_net(), cpu) == ("none", "checkpointing")
+    assert allowed_savers(_net(), cuda) == SAVERS  # offload needs CUDA (host memory is the device on a CPU)
+    assert allowed_savers(_net(), cuda, "off") == ("none",)
+    assert allowed_savers(_net(), cuda, ("checkpointing",)) == ("none", "checkpointing")
+    assert allowed_savers(nn.Sequential(nn.Linear(2, 2)), cuda) == ("none",)  # no blocks, no switch: nothing to save
+    assert next_saver(SAVERS, "none") == "checkpointing" and next_saver(SAVERS, "offload") is None
     for bad in ("sometimes", ("checkpointing", "swap")):
         with pytest.raises(ValueError, match="memory_savers"):
-            ladder(_net(), cpu, bad)
+            allowed_savers(_net(), cpu, bad)
     with pytest.raises(TypeError, match="memory_savers"):
-        ladder(_net(), cpu, 3)
+        allowed_savers(_net(), cpu, 3)
 
 
 def test_a_compiled_model_takes_no_rung_and_the_error_says_why() -> None:
@@ -170,8 +170,8 @@ def test_a_compiled_model_takes_no_rung_and_the_error_says_why() -> None:
     context_fn"), so a compiled model's ladder is the bottom rung alone, and what DoesNotFitError suggests
     says so; the same model uncompiled keeps its rungs (the negative control)."""
     net = _net()
-    assert ladder(net, torch.device("cpu")) == ("none", "checkpointing")
-    assert ladder(torch.compile(net), torch.device("cpu")) == ("none",)
+    assert allowed_savers(net, torch.device("cpu")) == ("none", "checkpointing")
+    assert allowed_savers(torch.compile(net), torch.device("cpu")) == ("none",)
     net.compile()  # compiled in place
-    assert ladder(net, torch.device("cuda")) == ("none",)
+    assert allowed_savers(net, torch.device("cuda")) == ("none",)
     assert any("torch.compile'd model takes no rung" in s for s in suggestions(("none",)))

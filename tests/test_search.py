@@ -148,15 +148,15 @@ def test_trial_leaves_the_guard_logger_alone(caplog):
     filters = []
 
     def loss_fn(model, batch):  # runs inside the trial
-        filters.append(list(logging.getLogger("autoaccum.step.guard").filters))
+        filters.append(list(logging.getLogger("autoaccum.guard").filters))
         return token_loss(model, batch)
 
-    with caplog.at_level(logging.WARNING, logger="autoaccum.step.guard"):
+    with caplog.at_level(logging.WARNING, logger="autoaccum.guard"):
         # micro 32 runs out of memory: the trial's guard shrinks the plan, which ends the trial
         m = measure(dataclasses.replace(task, loss_fn=loss_fn), TARGET, TARGET, budget=BUDGET, **FAST)
     assert m.status == "oom" and filters
     assert all(f == [] for f in filters)  # no filter on the process's guard logger during the trial
-    assert not [r for r in caplog.records if r.name == "autoaccum.step.guard"]  # the trial's guard logged no change
+    assert not [r for r in caplog.records if r.name == "autoaccum.guard"]  # the trial's guard logged no change
 
 
 # -- the search ------------------------------------------------------------------------------------

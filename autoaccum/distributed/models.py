@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from autoaccum.distributed.process_group import is_distributed
+from autoaccum.modules import unwrap as unwrap_model  # the one rule, under the name users know
 
 __all__ = ["full_state_dicts", "is_fsdp2", "load_full_state_dicts", "model_kind", "unwrap_model", "wrap_model"]
 
@@ -70,11 +71,6 @@ def wrap_model(model: torch.nn.Module, device: torch.device | str | None = None,
     if device.type == "cuda":
         ddp_kwargs.setdefault("device_ids", [device])
     return torch.nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
-
-
-def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The module inside a DDP wrapper (an FSDP2 or plain module is its own)."""
-    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
 def full_state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:

@@ -39,6 +39,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
 
 from autoaccum import distributed
+from autoaccum.guard.growth import DEFAULT_GROW_AFTER
 from autoaccum.log import announce
 from autoaccum.memory import TrackedMemory, active_budget, refuse_compiled, refuse_two_budgets
 from autoaccum.memory.savers import check_memory_savers
@@ -49,8 +50,8 @@ from autoaccum.plan.task import LossFn
 from autoaccum.precision import Precision
 from autoaccum.probe.report import ProbeReport, check_made_for
 from autoaccum.probe.run import probe
-from autoaccum.step.guard import AccumulateResult, OOMGuard, StepResult
-from autoaccum.step.sync import GradSync, LocalSync
+from autoaccum.guard.guard import AccumulateResult, OOMGuard, StepResult
+from autoaccum.distributed.sync import GradSync, LocalSync
 from autoaccum.units import counted, format_bytes, parse_bytes
 from autoaccum.validate import check_headroom, check_positive_int
 
@@ -90,7 +91,7 @@ def sync_for(model: torch.nn.Module) -> GradSync:
 
 
 def check_options(*, budget: Any = None, headroom: Any = 0.1, plan: Any = None, micro_batch: Any = None,
-                  grow_after: Any = None, target_batch: Any = None, model: torch.nn.Module | None = None,
+                  grow_after: Any = DEFAULT_GROW_AFTER, target_batch: Any = None, model: torch.nn.Module | None = None,
                   device: torch.device | str | None = None, memory_savers: Any = "auto") -> None:
     """An integration's options, checked where it is built (``AutoAccumTrainer(...)``, ``AutoAccum(...)``,
     ``guard_for(...)``), before any work: each value in its range, a plan that can be read and was measured
@@ -123,8 +124,7 @@ def check_options(*, budget: Any = None, headroom: Any = 0.1, plan: Any = None, 
         check_positive_int(micro_batch, "micro_batch")
     if target_batch is not None:
         check_positive_int(target_batch, "target_batch")
-    if grow_after is not None:
-        check_positive_int(grow_after, "grow_after")
+    check_positive_int(grow_after, "grow_after")
     if plan is not None:
         read_plan(plan)
         if model is not None:
@@ -161,7 +161,7 @@ class LazyGuard:
         self.probe_model = probe_model if probe_model is not None else distributed.unwrap_model(model)
         device = next((p.device for p in self.probe_model.parameters()), None)
         check_options(budget=budget, headroom=headroom, plan=plan, micro_batch=micro_batch, target_batch=target_batch,
-                      grow_after=guard_options.get("grow_after"), model=self.probe_model, device=device,
+                      grow_after=guard_options.get("grow_after", DEFAULT_GROW_AFTER), model=self.probe_model, device=device,
                       memory_savers=guard_options.get("memory_savers", "auto"))
         #: off CUDA, ``budget=``'s emulated device: entered around each step (``_on_device``)
         self.emulated: TrackedMemory | None = None
@@ -184,7 +184,7 @@ class LazyGuard:
         self._closed = False
 
     def accumulate(self, batch: Batch, loss_fn: LossFn, *, partial: bool | None = None) -> AccumulateResult:
-        """``autoaccum.step.guard.OOMGuard.accumulate``, planning first at the first batch. ``partial``
+        """``autoaccum.guard.guard.OOMGuard.accumulate``, planning first at the first batch. ``partial``
         defaults to "the batch holds fewer samples than this rank's share" (the smaller last batch of
         an epoch, as the framework's loader yields it)."""
         if self.check is not None:
@@ -194,7 +194,7 @@ class LazyGuard:
             return guard.accumulate(batch, loss_fn, partial=self._partial(guard, batch) if partial is None else partial)
 
     def step(self, batch: Batch, loss_fn: LossFn, *, partial: bool | None = None) -> StepResult:
-        """``autoaccum.step.guard.OOMGuard.step``, planning first at the first batch."""
+        """``autoaccum.guard.guard.OOMGuard.step``, planning first at the first batch."""
         if self.check is not None:
             self.check()
         guard = self.build(batch, loss_fn)

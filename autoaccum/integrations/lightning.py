@@ -45,10 +45,11 @@ from typing import Any
 import torch
 
 from autoaccum.errors import TaskError
+from autoaccum.guard.growth import DEFAULT_GROW_AFTER
 from autoaccum.integrations.lazy_guard import LazyGuard, check_options
 from autoaccum.plan.batch import Batch
 from autoaccum.plan.task import LossFn, check_loss_fn
-from autoaccum.step.guard import AccumulateResult
+from autoaccum.guard.guard import AccumulateResult
 
 try:
     import lightning.pytorch as pl
@@ -93,7 +94,7 @@ class AutoAccum(pl.Callback):
     """
 
     def __init__(self, *, budget: int | str | None = None, headroom: float = 0.1, plan: Any = None,
-                 micro_batch: int | None = None, grow_after: int | None = None, loss_fn: LossFn | None = None,
+                 micro_batch: int | None = None, grow_after: int = DEFAULT_GROW_AFTER, loss_fn: LossFn | None = None,
                  memory_savers: Any = "auto") -> None:
         super().__init__()
         check_options(budget=budget, headroom=headroom, plan=plan, micro_batch=micro_batch, grow_after=grow_after,

@@ -69,10 +69,11 @@ from typing import Any
 import torch
 
 from autoaccum.integrations.hf_loss import EXAMPLES, STEP_METRICS, KeepExamples, TrainerLoss, flattens
+from autoaccum.guard.growth import DEFAULT_GROW_AFTER
 from autoaccum.integrations.lazy_guard import LazyGuard, check_options
 from autoaccum.jsonio import write_json_atomic
 from autoaccum.precision import Precision
-from autoaccum.step.guard import AccumulateResult
+from autoaccum.guard.guard import AccumulateResult
 
 try:
     from transformers import Trainer, TrainingArguments
@@ -173,7 +174,7 @@ class AutoAccumTrainer(Trainer):
 
     def __init__(self, model: Any = None, args: TrainingArguments | None = None, *trainer_args: Any,
                  budget: int | str | None = None, headroom: float = 0.1, plan: Any = None,
-                 micro_batch: int | None = None, grow_after: int | None = None, memory_savers: Any = "auto",
+                 micro_batch: int | None = None, grow_after: int = DEFAULT_GROW_AFTER, memory_savers: Any = "auto",
                  **trainer_kwargs: Any) -> None:
         _check_order(type(self))
         if args is None:

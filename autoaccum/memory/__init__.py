@@ -24,7 +24,6 @@ from autoaccum.memory.tracked import (
     TrackedMemory,
     active_budget,
     emulated_budget,
-    is_compiled,
     iter_tensors,
     refuse_compiled,
     refuse_two_budgets,
@@ -32,7 +31,7 @@ from autoaccum.memory.tracked import (
 
 __all__ = [
     "Budget", "CudaMeter", "active_budget", "DeviceCapacity", "MemoryReading", "Meter", "NullMeter", "TrackedMemory",
-    "cuda_available_bytes", "cuda_capacity", "default_meter", "device_capacity", "emulated_budget", "is_compiled",
+    "cuda_available_bytes", "cuda_capacity", "default_meter", "device_capacity", "emulated_budget",
     "iter_tensors", "refuse_compiled", "refuse_two_budgets", "resolve_budget", "usable_bytes",
 ]
 

@@ -1,6 +1,7 @@
-"""The memory ladder: what a step does when even its smallest micro-batch does not fit.
+"""Memory savers: what a step does when even its smallest micro-batch does not fit.
 
-Each rung adds to the one before and changes nothing but memory and speed (DESIGN, invariant 8):
+Taken cheapest first, each adds to the one before and changes nothing but memory and speed
+(invariant 8):
 
 - ``"none"``: the step as written;
 - ``"checkpointing"``: the model's blocks recompute their activations in backward instead of keeping
@@ -12,7 +13,7 @@ Each rung adds to the one before and changes nothing but memory and speed (DESIG
 - ``"offload"`` (CUDA only): checkpointing, and the tensors the forward saves for backward kept in
   pinned host memory (``torch.autograd.graph.save_on_cpu``) until backward needs them.
 
-A further rung that stays exact (optimizer state or parameters offloaded with FSDP2's
+A further saver that stays exact (optimizer state or parameters offloaded with FSDP2's
 ``CPUOffloadPolicy``) is not built: ``DoesNotFitError`` names it as a suggestion.
 """
 
@@ -25,34 +26,26 @@ from typing import Any, Literal, get_args
 import torch
 from torch import nn
 
-from autoaccum.memory.tracked import is_compiled
+from autoaccum.modules import is_compiled, unwrap
 from autoaccum.state import capture_buffers, restore_buffers, state_buffers
 
-__all__ = ["MemorySavers", "RUNGS", "Rung", "apply_rung", "check_memory_savers", "checkpoint_layers",
-           "has_own_switch", "ladder", "suggestions",
-           "next_rung", "rung_index"]
+__all__ = ["SAVERS", "MemorySaver", "MemorySavers", "allowed_savers", "apply_saver", "check_memory_savers",
+           "checkpoint_layers", "has_own_switch", "next_saver", "saver_index", "suggestions"]
 
-#: the rungs, in the order they are climbed
-Rung = Literal["none", "checkpointing", "offload"]
-RUNGS: tuple[Rung, ...] = get_args(Rung)
-#: ``"auto"``: every rung this model and device have; ``"off"``: none; or the rungs allowed, in order
-MemorySavers = Literal["auto", "off"] | Sequence[Rung]
+#: the memory savers, cheapest first (the order they are taken in)
+MemorySaver = Literal["none", "checkpointing", "offload"]
+SAVERS: tuple[MemorySaver, ...] = get_args(MemorySaver)
+#: ``"auto"``: every saver this model and device have; ``"off"``: none; or the savers allowed, in order
+MemorySavers = Literal["auto", "off"] | Sequence[MemorySaver]
 
 
-def rung_index(rung: str) -> int:
-    return RUNGS.index(rung)  # type: ignore[arg-type]
+def saver_index(saver: str) -> int:
+    return SAVERS.index(saver)  # type: ignore[arg-type]
 
 
 def checkpoint_layers(model: nn.Module) -> nn.ModuleList | None:
     """The blocks generic checkpointing wraps: the model's first non-empty ``nn.ModuleList``."""
     return next((m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0), None)
-
-
-def _unwrapped(model: nn.Module) -> nn.Module:
-    """The module under a DDP (or DataParallel) wrapper: where a model's own switch lives."""
-    inner = getattr(model, "module", None)
-    return inner if isinstance(inner, nn.Module) and type(model).__name__ in ("DistributedDataParallel",
-                                                                               "DataParallel") else model
 
 
 def _switch(model: nn.Module) -> tuple[str, str, str] | None:
@@ -67,7 +60,7 @@ def _switch(model: nn.Module) -> tuple[str, str, str] | None:
 
 def has_own_switch(model: nn.Module) -> bool:
     """The model turns checkpointing on and off itself (Hugging Face models that support it)."""
-    model = _unwrapped(model)
+    model = unwrap(model)
     return _switch(model) is not None and bool(getattr(model, "supports_gradient_checkpointing", True))
 
 
@@ -80,26 +73,26 @@ def check_memory_savers(savers: Any) -> tuple[str, ...]:
     if isinstance(savers, str):
         if savers not in ("auto", "off"):
             raise ValueError(f"Invalid memory_savers: {savers!r}. Allowed: 'auto', 'off', or a tuple of rungs "
-                             f"from {RUNGS} (e.g. ('checkpointing',))")
-        wanted: tuple[str, ...] = RUNGS if savers == "auto" else ("none",)
+                             f"from {SAVERS} (e.g. ('checkpointing',))")
+        wanted: tuple[str, ...] = SAVERS if savers == "auto" else ("none",)
     elif isinstance(savers, (tuple, list)) and all(isinstance(r, str) for r in savers):
-        unknown = [r for r in savers if r not in RUNGS]
+        unknown = [r for r in savers if r not in SAVERS]
         if unknown:
-            raise ValueError(f"Invalid memory_savers: {tuple(savers)!r}; unknown rung(s) {unknown}. Allowed: {RUNGS}")
+            raise ValueError(f"Invalid memory_savers: {tuple(savers)!r}; unknown rung(s) {unknown}. Allowed: {SAVERS}")
         wanted = ("none", *savers)
     else:
-        raise TypeError(f"memory_savers must be 'auto', 'off' or a tuple of rung names from {RUNGS}, got {savers!r}")
+        raise TypeError(f"memory_savers must be 'auto', 'off' or a tuple of rung names from {SAVERS}, got {savers!r}")
     return wanted
 
 
-def ladder(model: nn.Module, device: torch.device, savers: Any = "auto") -> tuple[Rung, ...]:
+def allowed_savers(model: nn.Module, device: torch.device, savers: Any = "auto") -> tuple[MemorySaver, ...]:
     """The rungs a step may climb for ``model`` on ``device``, starting with ``"none"`` (``savers``
     as ``check_memory_savers`` takes it)."""
     wanted = check_memory_savers(savers)
     # a torch.compile'd model takes no rung: dynamo cannot trace the exact checkpointing's context_fn
-    blocks = not is_compiled(model) and (has_own_switch(model) or checkpoint_layers(_unwrapped(model)) is not None)
+    blocks = not is_compiled(model) and (has_own_switch(model) or checkpoint_layers(unwrap(model)) is not None)
     possible = {"none": True, "checkpointing": blocks, "offload": blocks and device.type == "cuda"}
-    return tuple(r for r in RUNGS if r in wanted and possible[r])
+    return tuple(r for r in SAVERS if r in wanted and possible[r])
 
 
 def suggestions(rungs: Sequence[str]) -> tuple[str, ...]:
@@ -113,9 +106,9 @@ def suggestions(rungs: Sequence[str]) -> tuple[str, ...]:
             "more devices (FSDP)", "free memory held by other processes, or raise the budget")
 
 
-def next_rung(rungs: Sequence[Rung], rung: str) -> Rung | None:
+def next_saver(rungs: Sequence[MemorySaver], rung: str) -> MemorySaver | None:
     """The rung after ``rung`` on the ladder ``rungs``, or None at its top."""
-    later = [r for r in rungs if rung_index(r) > rung_index(rung)]
+    later = [r for r in rungs if saver_index(r) > saver_index(rung)]
     return later[0] if later else None
 
 
@@ -137,7 +130,7 @@ def _context_fn(module: nn.Module) -> Callable[[], tuple[Any, Any]]:
 
 @contextlib.contextmanager
 def _checkpointed(model: nn.Module) -> Iterator[None]:
-    inner = _unwrapped(model)
+    inner = unwrap(model)
     switch = _switch(inner) if has_own_switch(inner) else None
     if switch is not None:
         enable, disable, state = switch
@@ -201,10 +194,10 @@ def _offloaded(model: nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def apply_rung(model: nn.Module, rung: str) -> Iterator[None]:
+def apply_saver(model: nn.Module, rung: str) -> Iterator[None]:
     """``model`` runs on ``rung`` inside the block; as it was afterwards."""
-    if rung not in RUNGS:
-        raise ValueError(f"Invalid rung: {rung!r}. Allowed: {RUNGS}")
+    if rung not in SAVERS:
+        raise ValueError(f"Invalid rung: {rung!r}. Allowed: {SAVERS}")
     with contextlib.ExitStack() as stack:
         if rung in ("checkpointing", "offload"):
             stack.enter_context(_checkpointed(model))

@@ -30,9 +30,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from autoaccum.memory.meter import MemoryReading
+from autoaccum.modules import is_compiled
 from autoaccum.units import format_bytes, parse_bytes
 
-__all__ = ["TrackedMemory", "active_budget", "emulated_budget", "is_compiled", "iter_tensors", "refuse_compiled"]
+__all__ = ["TrackedMemory", "active_budget", "emulated_budget", "iter_tensors", "refuse_compiled"]
 
 
 def _storage(t: torch.Tensor) -> Any | None:
@@ -207,13 +208,6 @@ def refuse_two_budgets(budget: int | str) -> None:
                     f"CUDA, the emulated device each step runs on (in fit and the integrations alike). Give one: "
                     f"budget={budget!r} alone, outside any emulated_budget(...) block, or the emulated_budget(...) "
                     f"block alone, without budget= (the probe then plans for what that device has free)")
-
-
-def is_compiled(model: torch.nn.Module) -> bool:
-    """``model`` (or a submodule) runs through ``torch.compile``: an ``OptimizedModule`` wrapper, or a
-    module compiled in place with ``module.compile()``."""
-    return any(type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
-               for m in model.modules())
 
 
 def refuse_compiled(model: torch.nn.Module, what: str) -> None:

@@ -9,10 +9,11 @@ from typing import Any
 import torch
 
 from autoaccum.log import user_stacklevel
+from autoaccum.plan.batch import Batch, SplitFn, move_to, split_batch
 from autoaccum.plan.plan import Plan
 from autoaccum.state import capture_buffers, capture_rng, restore_buffers, restore_rng, state_buffers
 
-__all__ = ["batchnorm_layers", "smallest_micro_batch", "trains_on_one_sample", "warn_batchnorm"]
+__all__ = ["batchnorm_floor", "batchnorm_layers", "smallest_micro_batch", "trains_on_one_sample", "warn_batchnorm"]
 
 
 def batchnorm_layers(model: torch.nn.Module) -> list[str]:
@@ -99,3 +100,35 @@ def warn_batchnorm(model: torch.nn.Module, plan: Plan) -> bool:
         f"stats differ from a full-batch step. Remedies: SyncBatchNorm across ranks, GroupNorm/LayerNorm, "
         f"or ghost batch norm with a fixed ghost size independent of the micro-batch.", stacklevel=user_stacklevel())
     return True
+
+
+def batchnorm_floor(model: torch.nn.Module, plan: Plan, batch: Batch, size: int, loss_fn: Callable[..., Any],
+                    split_fn: SplitFn | None, device: torch.device) -> Plan | None:
+    """Before a guard's first step: ``plan`` with the smallest micro-batch ``model`` trains at, found by
+    trying one sample of ``batch`` (``smallest_micro_batch``): a model whose BatchNorm gets one value per
+    channel from one sample trains at no fewer than 2. None where ``batch`` (of ``size`` samples) is empty
+    (a rank's share of a short last batch): the next step tries. ``model`` is the module itself, not a DDP
+    wrapper: a trial runs no collective.
+
+    Raises:
+        ValueError: the plan's micro-batch is below that smallest one, naming both and the allowed range.
+    """
+    if plan.min_micro_batch >= 2 or smallest_micro_batch(model) == 1:
+        return plan
+    if size == 0:
+        return None
+    try:
+        one = batch if size == 1 else split_batch(batch, [1, size - 1], split_fn)[0]
+    except (TypeError, ValueError):  # a batch type only the guard's own cut can split: no trial
+        smallest = 2
+    else:
+        smallest = smallest_micro_batch(model, lambda: loss_fn(model, move_to(one, device)))
+    if smallest <= plan.min_micro_batch:
+        return plan
+    try:
+        return plan.with_min_micro_batch(smallest)
+    except ValueError:
+        raise ValueError(f"Invalid micro_batch: {plan.micro_batch}. A BatchNorm layer of {type(model).__name__} "
+                         f"gets one value per channel from one sample (torch: 'Expected more than 1 value per channel "
+                         f"when training'), so the model trains at no fewer than {smallest} samples per micro-batch. "
+                         f"Allowed range: {smallest} ~ any") from None

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from autoaccum.memory.savers import RUNGS
+from autoaccum.memory.savers import SAVERS
 from autoaccum.validate import check_positive_int
 
 __all__ = ["Plan", "TokenBudget", "micro_sizes", "micro_step_count", "rank_share"]
@@ -170,8 +170,8 @@ class Plan:
     def __post_init__(self) -> None:
         for name in ("micro_batch", "accum_steps", "world_size", "target_batch", "min_micro_batch"):
             check_positive_int(getattr(self, name), name)
-        if self.saver not in RUNGS:
-            raise ValueError(f"Invalid saver: {self.saver!r}. Allowed: {', '.join(RUNGS)}")
+        if self.saver not in SAVERS:
+            raise ValueError(f"Invalid saver: {self.saver!r}. Allowed: {', '.join(SAVERS)}")
         if self.micro_batch < min(self.min_micro_batch, self.rank_batch(0)):
             raise ValueError(f"Invalid micro_batch: {self.micro_batch} is below the smallest micro-batch this model "
                              f"trains at ({self.min_micro_batch}). Allowed range: {self.min_micro_batch} ~ any")

@@ -18,7 +18,7 @@ import torch
 from autoaccum.errors import TaskError
 from autoaccum.plan.batch import Batch, batch_size
 
-__all__ = ["Task", "LossFn", "LossOutput", "check_loss", "check_loss_fn", "check_optimizer_covers",
+__all__ = ["Task", "LossFn", "LossOutput", "check_loss", "check_loss_fn", "check_optimizer", "check_step_args", "trained_params",
            "default_optimizer", "load_task", "resolve_task", "trainable_parameters"]
 
 LossOutput = Union[torch.Tensor, tuple[torch.Tensor, Union[torch.Tensor, int]]]
@@ -224,8 +224,15 @@ _BATCH_NAMES = frozenset({"batch", "micro_batch", "inputs", "data", "sample", "s
 _MODEL_NAMES = frozenset({"model", "module", "net", "network"})
 
 
-def check_optimizer_covers(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Raise ValueError when ``optimizer`` steps none of ``model``'s trainable parameters (nothing would train)."""
+def check_optimizer(model: torch.nn.Module, optimizer: object) -> None:
+    """``optimizer`` is a torch optimizer that steps some of ``model``'s trainable parameters.
+
+    Raises:
+        TypeError: not a ``torch.optim.Optimizer``.
+        ValueError: it steps none of them (nothing would train).
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     trainable = {id(p) for p in model.parameters() if p.requires_grad}
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     if trainable and not trainable & stepped:
@@ -233,6 +240,26 @@ def check_optimizer_covers(model: torch.nn.Module, optimizer: torch.optim.Optimi
                          f"parameters of the {type(model).__name__} being trained, so nothing would train. Build it "
                          f"from this model: {type(optimizer).__name__}(model.parameters(), ...) (after any "
                          f"deepcopy or fully_shard of the model)")
+
+
+def trained_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
+    """The parameters whose gradient a step computes: every trainable parameter of the model and every
+    parameter the optimizer steps (e.g. a temperature owned by the loss). Token-level normalisation,
+    clipping and clearing cover them all; model parameters outside the optimizer are cleared too, or
+    their gradients would carry into the next step (and into its clipping norm)."""
+    params = trainable_parameters(model)
+    check_optimizer(model, optimizer)
+    seen = {id(p) for p in params}
+    return params + [p for group in optimizer.param_groups for p in group["params"]
+                     if p.requires_grad and id(p) not in seen]
+
+
+def check_step_args(batch: Any, loss_fn: Any) -> None:
+    """``loss_fn`` is a loss function (and the arguments of ``step(batch, loss_fn)`` are not swapped)."""
+    if callable(batch) and not callable(loss_fn):
+        raise TypeError(f"OOMGuard.step(batch, loss_fn) got a {type(batch).__name__} as batch and a "
+                        f"{type(loss_fn).__name__} as loss_fn: the arguments look swapped")
+    check_loss_fn(loss_fn)
 
 
 #: what torch says when a float tensor meets a layer of another float dtype

@@ -16,6 +16,7 @@ import torch
 
 from autoaccum.memory import usable_bytes
 from autoaccum.memory.model import MemoryModel, TokenMemoryModel
+from autoaccum.modules import unwrap
 from autoaccum.plan.lengths import LengthProfile
 from autoaccum.plan.plan import Plan
 
@@ -196,20 +197,11 @@ class ProbeReport:
             raise ValueError(f"malformed probe report: {exc!r}") from None
 
 
-def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
-    """The module inside DDP (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers."""
-    while True:
-        inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
-        if not isinstance(inner, torch.nn.Module):
-            return model
-        model = inner
-
-
 def model_fingerprint(model: torch.nn.Module) -> str:
     """A hash of what a plan for ``model`` depends on in the model itself: its class, and the name, shape,
     dtype and ``requires_grad`` of each parameter and buffer (the device is left out, and so are DDP and
     ``torch.compile`` wrappers: the same model probed on one device trains on another)."""
-    inner = _unwrapped(model)
+    inner = unwrap(model, compiled=True)
     key = {"model": type(inner).__qualname__,
            "params": [[n, list(p.shape), str(p.dtype), p.requires_grad] for n, p in inner.named_parameters()],
            "buffers": [[n, list(b.shape), str(b.dtype)] for n, b in inner.named_buffers()]}
@@ -218,7 +210,7 @@ def model_fingerprint(model: torch.nn.Module) -> str:
 
 def model_summary(model: torch.nn.Module) -> str:
     """``Sequential: 1,234 parameters (1,234 trainable), float32``."""
-    inner = _unwrapped(model)
+    inner = unwrap(model, compiled=True)
     params = list(inner.parameters())
     total, trainable = sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
     dtypes = sorted({str(p.dtype).replace("torch.", "") for p in params})

@@ -29,14 +29,14 @@ from autoaccum.memory import (
     TrackedMemory,
     cuda_available_bytes,
     device_capacity,
-    is_compiled,
     refuse_compiled,
     resolve_budget,
     usable_bytes,
 )
+from autoaccum.modules import is_compiled
 from autoaccum.memory.model import MemoryModel, TokenMemoryModel
 from autoaccum.memory.recovery import catch_oom, release_memory
-from autoaccum.memory.savers import apply_rung, ladder, suggestions
+from autoaccum.memory.savers import apply_saver, allowed_savers, suggestions
 from autoaccum.plan.batch import Batch, move_to
 from autoaccum.plan.batchnorm import smallest_micro_batch
 from autoaccum.plan.lengths import LengthProfile
@@ -154,7 +154,7 @@ def probe(
     device = trainable_parameters(task.model)[0].device
     if estimate or device.type != "cuda":
         refuse_compiled(task.model, "probe it")
-    rungs = ladder(task.model, device, memory_savers)
+    rungs = allowed_savers(task.model, device, memory_savers)
     capacity = device_capacity(device)
     plan_budget = resolve_budget(budget, device, headroom)
     one = task.batch(1)  # fail fast on a batch maker that returns the wrong size
@@ -217,7 +217,7 @@ def _climb(rungs: tuple[str, ...], measure: Callable[[str], _Measured], line: Pr
             tried.append((rung, exc.needed_bytes))
             if rung == rungs[-1]:
                 raise DoesNotFitError(exc.needed_bytes, exc.available_bytes, suggestions(rungs),
-                                      at_least=exc.at_least, micro_batch=exc.micro_batch, rungs=tried) from None
+                                      at_least=exc.at_least, micro_batch=exc.micro_batch, savers=tried) from None
             logger.log(rank_level(logging.INFO), "probe: even micro-batch %d does not fit %s; measuring again "
                        "with %s", exc.micro_batch, "without a memory saver" if rung == "none" else f"with {rung}",
                        rungs[rungs.index(rung) + 1])
@@ -357,7 +357,7 @@ def _measure_once(task: Task, optimizer: Any, precision: Precision, budget_bytes
                 run_optimizer = _new_optimizer(make_optimizer, run_model)
             if isinstance(meter, TrackedMemory):
                 meter.track(run_model, run_optimizer)
-            with meter, apply_rung(run_model, rung):
+            with meter, apply_saver(run_model, rung):
                 copy_bytes = 0
                 if copy_weights:  # inside the meter: it counts against the budget as it would on the device
                     before = meter.read().current_bytes

@@ -35,7 +35,7 @@ from typing import Any, get_args
 import torch
 from torch import nn
 
-from autoaccum.memory.savers import RUNGS, ladder, rung_index
+from autoaccum.memory.savers import SAVERS, allowed_savers, saver_index
 from autoaccum.precision import AUTOCAST_DTYPES, Precision, autocast_dtype
 
 __all__ = ["Autocast", "COMPILE_WITH_SAVER", "Knobs", "apply_knobs", "available_knobs", "AUTOCAST_DTYPES",
@@ -71,8 +71,8 @@ class Knobs:
     def __post_init__(self) -> None:
         if not isinstance(self.compile, bool):
             raise TypeError(f"Knobs.compile must be a bool, got {self.compile!r}")
-        if self.saver not in RUNGS:
-            raise ValueError(f"Invalid saver: {self.saver!r}. Allowed: {', '.join(RUNGS)} (the memory ladder's rungs)")
+        if self.saver not in SAVERS:
+            raise ValueError(f"Invalid saver: {self.saver!r}. Allowed: {', '.join(SAVERS)} (the memory ladder's rungs)")
         if self.autocast not in get_args(Autocast):
             raise ValueError(f"Invalid autocast: {self.autocast!r}. Allowed: {', '.join(get_args(Autocast))}")
 
@@ -89,7 +89,7 @@ class Knobs:
     def switched_on(self) -> int:
         """How far from the step as written: the rung's height (offload is checkpointing and more),
         plus one for autocast and one for compile. A tie between finalists goes to the fewest."""
-        return rung_index(self.saver) + int(self.autocast != "fp32") + int(self.compile)
+        return saver_index(self.saver) + int(self.autocast != "fp32") + int(self.compile)
 
     def describe(self) -> str:
         parts = [self.autocast] + ([self.saver] if self.saver != "none" else []) + \
@@ -125,7 +125,7 @@ def available_knobs(model: nn.Module, device: torch.device) -> dict[str, tuple[A
         autocast: tuple[str, ...] = ("fp32", "bf16", "fp16") if torch.cuda.is_bf16_supported() else ("fp32", "fp16")
     else:
         autocast = ("fp32", "bf16") if device.type == "cpu" and _cpu_bf16() else ("fp32",)
-    return {"saver": ladder(model, device), "autocast": autocast,
+    return {"saver": allowed_savers(model, device), "autocast": autocast,
             "compile": (False, True) if device.type == "cuda" else (False,)}
 
 

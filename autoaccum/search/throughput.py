@@ -20,7 +20,7 @@ Process-wide effects: after a failed measurement (and after every one on CUDA) m
 is built (``warnings.catch_warnings``, whose filters the process's threads share). The trial's
 guard logs no plan changes (``OOMGuard(log_changes=False)``). Knobs: ``autoaccum.search.knobs``; the
 trial's plan is on its knobs' rung of the memory ladder, which the trial's guard applies for each
-attempt (``autoaccum.memory.savers.apply_rung``, exact) and never climbs past.
+attempt (``autoaccum.memory.savers.apply_saver``, exact) and never climbs past.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from autoaccum.plan.batch import Batch
 from autoaccum.plan.plan import Plan
 from autoaccum.plan.task import LossFn, Task, trainable_parameters
 from autoaccum.search.knobs import COMPILE_WITH_SAVER, Knobs, apply_knobs
-from autoaccum.step.guard import OOMGuard
+from autoaccum.guard.guard import OOMGuard
 from autoaccum.validate import check_choice, check_positive_int
 
 __all__ = ["Clock", "Measurement", "Status", "Bench", "make_bench", "measure"]

@@ -1,4 +1,3 @@
-"""One optimizer step on a global batch: the exact accumulated gradient (``accumulate``), the OOM guard
-on top (``guard``: replay, shrink, grow back), its checks and results, how ranks agree (``sync``),
-plan changes (``policy``), growth after an OOM (``growth``), the optimizer step (``optim``) and the
-default losses (``losses``)."""
+"""One exact step on a global batch: the accumulated gradient (``accumulate``: weighted micro-batch
+losses, token counts, gradients reduced once), the optimizer step after it (``optim``: unscale, check,
+clip, step) and the default losses (``losses``). The OOM guard on top is ``autoaccum.guard``."""

@@ -38,7 +38,7 @@ from autoaccum.plan.batch import move_to
 from autoaccum.plan.cut import MicroBatch
 from autoaccum.plan.task import LossFn, check_loss
 from autoaccum.precision import autocast
-from autoaccum.step.sync import GradSync, LocalSync
+from autoaccum.distributed.sync import GradSync, LocalSync
 
 __all__ = ["Accumulated", "Failed", "LossKind", "StepTotals", "accumulate", "reduce_gradients", "step_scalars",
            "sum_dtype"]

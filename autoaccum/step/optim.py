@@ -4,7 +4,7 @@ The check (``check_finite``): inf/NaN gradients never reach the weights. Before 
 fused reduction over every gradient (``torch._foreach_norm``; with clipping, the total norm clipping
 computes anyway) and one read of its result on the host: a non-finite value skips
 ``optimizer.step()`` and the scheduler, and the caller decides what follows (stop or skip,
-``autoaccum.step.guard``). The gradients are checked after they were reduced over ranks: under
+``autoaccum.guard.guard``). The gradients are checked after they were reduced over ranks: under
 DDP every rank holds the same sums, so every rank decides the same; under FSDP2 each rank holds a
 shard, so the ranks exchange their verdicts (one all-reduce of one number). In fp16 the
 GradScaler checks (and skips) itself.
@@ -28,7 +28,7 @@ import torch
 
 from autoaccum.errors import OptimizerStepOOMError
 from autoaccum.memory.recovery import catch_oom, release_memory
-from autoaccum.step.sync import GradSync
+from autoaccum.distributed.sync import GradSync
 
 __all__ = ["NONFINITE_POLICIES", "NonFinite", "OptimizerStep", "step_oom_error", "step_optimizer"]
 

@@ -20,7 +20,7 @@ import torch
 from autoaccum.memory.savers import check_memory_savers
 from autoaccum.plan.data import LastBatch
 from autoaccum.precision import Precision, check_precision
-from autoaccum.step.growth import GrowMode
+from autoaccum.guard.growth import DEFAULT_GROW_AFTER, GrowMode
 from autoaccum.step.optim import NONFINITE_POLICIES, NonFinite
 from autoaccum.training.lr import LR_RULES, LrRule
 from autoaccum.training.report import check_callbacks, check_report_to
@@ -156,7 +156,7 @@ class MemoryConfig:
     max_grad_norm: float | None = _option(default=None)
     nonfinite: NonFinite = _option(default="stop")
     grow: GrowMode = _option(default="auto")
-    grow_after: int | None = _option(default=None)
+    grow_after: int = _option(default=DEFAULT_GROW_AFTER)
     memory_savers: Any = _option(default="auto")
     probe_cache: bool = _option(default=False)
 
@@ -173,7 +173,7 @@ class MemoryConfig:
                 self.max_grad_norm, "max_grad_norm", hint=", or None for no clipping"),
             lambda: check_choice(self.nonfinite, "nonfinite", NONFINITE_POLICIES),
             lambda: check_choice(self.grow, "grow", get_args(GrowMode)),
-            lambda: self.grow_after is None or check_positive_int(self.grow_after, "grow_after"),
+            lambda: check_positive_int(self.grow_after, "grow_after"),
             lambda: check_memory_savers(self.memory_savers),
         )
 

@@ -26,7 +26,7 @@ from autoaccum.plan.data import GlobalBatches
 from autoaccum.plan.plan import Plan
 from autoaccum.plan.task import LossFn
 from autoaccum.step.accumulate import Accumulated, accumulate, sum_dtype
-from autoaccum.step.sync import ERROR, OK, OOM, GradSync
+from autoaccum.distributed.sync import ERROR, OK, OOM, GradSync
 
 __all__ = ["EvalResult", "evaluate"]
 

@@ -32,12 +32,12 @@ from autoaccum.plan.cut import SampleCut, TokenCut
 from autoaccum.plan.data import GlobalBatches
 from autoaccum.plan.plan import Plan, rank_share
 from autoaccum.plan.sources import source_words
-from autoaccum.plan.task import LossFn, Task, check_loss_fn, check_optimizer_covers, trainable_parameters
+from autoaccum.plan.task import LossFn, Task, check_loss_fn, check_optimizer, trainable_parameters
 from autoaccum.precision import autocast_dtype, make_scaler
 from autoaccum.probe.report import ProbeReport
-from autoaccum.step.guard import OOMGuard, PlanChange
+from autoaccum.guard.guard import OOMGuard, PlanChange
 from autoaccum.step.losses import DefaultLoss, default_loss
-from autoaccum.step.sync import GradSync, LocalSync
+from autoaccum.distributed.sync import GradSync, LocalSync
 from autoaccum.training import checkpoint as ckpt
 from autoaccum.training.config import FitConfig
 from autoaccum.training.loop import Run, train
@@ -123,9 +123,7 @@ def _placed(model: torch.nn.Module, device: Any) -> tuple[torch.nn.Module, GradS
 def _optimizer(model: torch.nn.Module, optimizer: Any, lr: float | None) -> torch.optim.Optimizer:
     if optimizer is None:
         return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr if lr is not None else 1e-3)
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    check_optimizer_covers(model, optimizer)
+    check_optimizer(model, optimizer)
     if lr is not None:
         for group in optimizer.param_groups:
             group["lr"] = lr

@@ -16,8 +16,8 @@ from autoaccum.log import rank_level
 from autoaccum.memory import Meter, TrackedMemory
 from autoaccum.plan.data import GlobalBatches
 from autoaccum.plan.task import LossFn
-from autoaccum.step.guard import OOMGuard, StepResult
-from autoaccum.step.sync import GradSync
+from autoaccum.guard.guard import OOMGuard, StepResult
+from autoaccum.distributed.sync import GradSync
 from autoaccum.training.config import FitConfig
 from autoaccum.training.evaluate import evaluate
 from autoaccum.training.progress import Progress

@@ -14,7 +14,7 @@ from autoaccum.plan.sources import read_plan_document, resolve_plan
 from autoaccum.plan.task import Task
 from autoaccum.probe.report import ProbeReport, check_made_for
 from autoaccum.probe.run import probe
-from autoaccum.step.sync import GradSync
+from autoaccum.distributed.sync import GradSync
 from autoaccum.training.config import FitConfig
 
 __all__ = ["choose_plan", "warn_unapplied_knobs"]

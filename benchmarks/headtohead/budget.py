@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from autoaccum import TrackedMemory
-from autoaccum.memory.savers import apply_rung
+from autoaccum.memory.savers import apply_saver
 
 from .context import Context
 from .workloads import loss_sum, make_optimizer, on_device, slice_batch
@@ -94,7 +94,7 @@ def accumulated_steps(ctx: Context, micro: int, budget: Any, steps: int = 2, acc
     optimizer = make_optimizer(model)
     budget.track(model, optimizer)
     parts = 1 if micro >= target or not accumulate else 2
-    with budget, apply_rung(model, ctx.workload.saver if rung is None else rung):
+    with budget, apply_saver(model, ctx.workload.saver if rung is None else rung):
         for step in range(steps):
             for a in range(parts):
                 start = (step * parts + a) * micro

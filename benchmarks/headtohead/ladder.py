@@ -5,7 +5,7 @@ alternating in one process.
   that the smallest micro-batch does not fit, climbs the memory ladder and plans on the lowest rung where it
   does; on a CPU the training runs under fit's own emulated budget of that size, so an OOM in training
   would be real.
-- ``hand``: what a user would configure by hand: the workload's rung on (``apply_rung``), the largest
+- ``hand``: what a user would configure by hand: the workload's rung on (``apply_saver``), the largest
   micro-batch whose steps fit with the probe's headroom kept free (brute force on fresh models), and a plain
   accumulation loop at that micro-batch (each micro-batch's loss sum over the step's token count).
 
@@ -30,7 +30,7 @@ import torch
 from common import HEADROOM_KEPT
 
 import autoaccum
-from autoaccum.memory.savers import apply_rung
+from autoaccum.memory.savers import apply_saver
 
 from .budget import brute_force, make_budget
 from .context import Context, RunResult
@@ -98,7 +98,7 @@ def run_hand(ctx: Context, recorder: Recorder, budget: Any, micro: int) -> RunRe
     target = ctx.workload.target_batch
     loss = pair_loss(recorder, ctx.device)
     budget.track(model, optimizer)
-    with budget, apply_rung(model, ctx.workload.saver):
+    with budget, apply_saver(model, ctx.workload.saver):
         for step in range(ctx.steps):
             first, end = step * target, (step + 1) * target
             count = ctx.data["labels"][first:end].ne(-100).sum()  # the step's tokens: its loss is their mean

@@ -155,7 +155,7 @@ def _fit(built: Built, device: torch.device, sq: Squeezed, report: dict[str, Any
     """``settings.fit_steps`` steps of ``fit`` on the probe's plan under the squeeze: OOMs, peaks, step time."""
     w = built.workload
     # the guard's plan changes, one log record each: kept even when fit raises
-    changes, guard_logger = logging.handlers.BufferingHandler(capacity=2**31), logging.getLogger("autoaccum.step.guard")
+    changes, guard_logger = logging.handlers.BufferingHandler(capacity=2**31), logging.getLogger("autoaccum.guard")
     guard_logger.addHandler(changes)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

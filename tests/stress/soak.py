@@ -263,7 +263,7 @@ def _leak_failed_gradients(injector: Injector, log: Any) -> None:
     """The soak's negative control (``--sabotage``): a guard that, once per rank, skips clearing the
     gradients of an attempt an injected OOM ended, so that they leak into the replayed step. The sample
     audit (ids of the failed attempt counted twice) and the parameter comparison must both catch it."""
-    from autoaccum.step.guard import OOMGuard
+    from autoaccum.guard.guard import OOMGuard
 
     clear = OOMGuard._zero_grad
     leaked = False

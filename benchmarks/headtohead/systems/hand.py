@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from autoaccum.memory.savers import apply_rung
+from autoaccum.memory.savers import apply_saver
 
 from ..context import Context, RunResult
 from ..recorder import Recorder
@@ -31,7 +31,7 @@ def run(ctx: Context, recorder: Recorder, budget: Any) -> RunResult:
     result = RunResult(micro_batch=micro, find_steps=0, find_time_s=0.0, find_ooms=0, model=model,
                        rung=ctx.workload.saver)
     try:
-        with budget, apply_rung(model, ctx.workload.saver):
+        with budget, apply_saver(model, ctx.workload.saver):
             for step in range(ctx.steps):
                 for a in range(accum):
                     start = step * target + a * micro

@@ -1,12 +1,11 @@
-"""Growth after an OOM: the guard's record of what its steps took, and when to grow back.
+"""Growth after an OOM, as pure rules: what a step at a size is predicted to need, and whether it fits.
 
-The guard halves the micro-batch on an OOM (``autoaccum.step.policy``); ``Growth`` decides when and
-how far it grows back. It keeps what clean steps took per size above the bytes live at their start
-(``Rise``), the growths that ran out of memory (``FailedGrowth``), the meter's reading and limit at
-the step's start, and the calm steps since the last plan change. After calm steps it proposes the
-plan with the fewest micro-steps predicted to fit in what is free now (``grow="model"``), or lets
-the guard double blindly (``grow="double"``, or ``"auto"`` with ``grow_after`` where no meter knows
-the limit). It holds no plan and talks to no other rank: the guard agrees the plan and records it.
+The guard's policy (``autoaccum.guard.policy``) halves the micro-batch on an OOM and, after calm steps,
+grows back. Memory-guided growth (``grow="model"``, and ``"auto"`` where the meter knows its limit) rests
+on what clean steps took per size above the bytes live at their start (``Rise``) and on the growths that
+ran out of memory (``FailedGrowth``), both measured from the meter's reading at the step's start
+(``StepStart``). Blind growth (``grow="double"``) doubles; ``"auto"`` does not grow where no meter
+knows the limit.
 
 The rules (``fits``): a size does not fit where a growth to it or to a smaller size failed with no
 less room than there is now; it fits where it ran clean with no more room than now; otherwise its
@@ -21,15 +20,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal
 
 from autoaccum.memory import MemoryReading, Meter, usable_bytes
 from autoaccum.memory.model import MemoryModel, MemoryPoint
 from autoaccum.plan.plan import Plan, micro_step_count
-from autoaccum.validate import check_choice, check_headroom, check_positive_int
+from autoaccum.validate import check_headroom
 
-__all__ = ["check_growth_meter", "check_growth_options", "DEFAULT_GROW_AFTER", "DEFAULT_HEADROOM", "fitting_plan",
-    "FailedGrowth", "fits", "GrowMode", "Growth", "memory_limit", "predicted_rise", "prior_of", "Rise"]
+__all__ = ["DEFAULT_GROW_AFTER", "DEFAULT_HEADROOM", "FailedGrowth", "GrowMode", "Rise", "StepStart",
+           "check_growth_meter", "fits", "fitting_plan", "memory_limit", "predicted_rise", "prior_of"]
 
 
 @dataclass(frozen=True)
@@ -142,20 +141,10 @@ def fits(micro_batch: int, *, live_bytes: int, limit_bytes: int, headroom: float
 
 #: how the guard grows the micro-batch back after calm steps (see ``OOMGuard``)
 GrowMode = Literal["auto", "model", "double", "off"]
-#: calm steps before growing, where ``grow_after`` is not given
+#: calm steps (no OOM since the last plan change) before growing back
 DEFAULT_GROW_AFTER = 2
 #: the fraction of the limit a predicted size keeps free, where neither ``headroom`` nor a probe report gives one
 DEFAULT_HEADROOM = 0.1
-
-
-def check_growth_options(grow: str, grow_after: int | None, memory_model: object) -> None:
-    """``grow``, ``grow_after`` and ``memory_model`` as ``OOMGuard`` takes them (ValueError/TypeError)."""
-    if grow_after is not None:
-        check_positive_int(grow_after, "grow_after")
-    check_choice(grow, "grow", get_args(GrowMode))
-    if memory_model is not None and not isinstance(memory_model, MemoryModel):
-        raise TypeError(f"memory_model must be an autoaccum.MemoryModel (a probe report's .model), got "
-                        f"{type(memory_model).__name__}")
 
 
 def prior_of(plan: object, memory_model: MemoryModel | None, headroom: float | None) -> tuple[MemoryModel | None, float]:
@@ -169,123 +158,63 @@ def prior_of(plan: object, memory_model: MemoryModel | None, headroom: float | N
                                  report_headroom if report_headroom is not None else DEFAULT_HEADROOM)
 
 
-class Growth:
-    """One guard's growth state (arguments as ``OOMGuard``'s, checked there).
+@dataclass(frozen=True)
+class StepStart:
+    """The meter at a step's start, which what the step took is measured from.
 
     Attributes:
-        rises: what clean full steps took, per micro-batch size.
-        failures: growths that ran out of memory (or thrashed), against the room they had.
-        grown: the plan in force was grown and has not run a clean step yet.
-        limit: the meter's limit at this step's start (read only for memory-guided growth).
-        start: the meter at this step's start.
-        calm: clean steps since the last plan change.
+        reading: the meter's reading (its peak reset), None where it reads nothing.
+        limit: the meter's limit, read only for memory-guided growth (CUDA: two allocator queries).
+        ooms: the emulated budget's OOM count (to tell its own OOM from another).
+        full_step: the step holds this rank's whole share (a partial one measures nothing).
     """
 
-    def __init__(self, grow: GrowMode, grow_after: int | None, memory_model: MemoryModel | None,
-                 headroom: float) -> None:
-        self.grow, self.grow_after, self.memory_model, self.headroom = grow, grow_after, memory_model, headroom
-        self.rises: dict[int, Rise] = {}
-        self.failures: list[FailedGrowth] = []
-        self.grown = False
-        self.limit: int | None = None
-        self.start: MemoryReading | None = None
-        self.calm = 0
-        self._start_ooms = 0  # the emulated budget's OOM count at this step's start
-        self._fwd_bwd: MemoryReading | None = None  # the meter after this step's forward/backward passes
-        self._full_step = False  # the step holds this rank's whole share (a partial one measures nothing)
+    reading: MemoryReading | None
+    limit: int | None
+    ooms: int
+    full_step: bool
 
-    def fresh(self) -> Growth:
-        """A record with the same settings and nothing measured (the step changed: another memory
-        saver); the probe's memory model is dropped too, as it was measured for the other one."""
-        return Growth(self.grow, self.grow_after, None, self.headroom)
-
-    @property
-    def guided(self) -> bool:
-        """Memory-guided growth is asked for (where the meter allows it)."""
-        return self.grow in ("auto", "model")
-
-    @property
-    def calm_needed(self) -> int:
-        return self.grow_after if self.grow_after is not None else DEFAULT_GROW_AFTER
-
-    @property
-    def doubles(self) -> bool:
-        """Blind growth: asked for, or asked for with ``grow_after`` where memory cannot guide it."""
-        return self.grow == "double" or (self.grow == "auto" and self.grow_after is not None and self.limit is None)
-
-    # -- one step ---------------------------------------------------------------------------------------
-    def begin(self, meter: Meter, *, full_step: bool, read_limit: bool) -> MemoryReading | None:
-        """At a step's start: the meter's reading (peak reset) and, where ``read_limit``, its limit
-        (CUDA: two allocator queries, so only where memory-guided growth needs it)."""
+    @classmethod
+    def read(cls, meter: Meter, *, full_step: bool, read_limit: bool) -> StepStart:
         meter.reset_peak()
-        self.start = meter.read()
-        self._start_ooms = getattr(meter, "oom_count", 0)
-        self._full_step = full_step
-        self.limit = memory_limit(meter) if self.start is not None and read_limit else None
-        return self.start
+        reading = meter.read()
+        limit = memory_limit(meter) if reading is not None and read_limit else None
+        return cls(reading, limit, getattr(meter, "oom_count", 0), full_step)
 
-    def may_grow(self, plan: Plan, initial_micro_batch: int) -> bool:
-        """Calm steps enough, and below the initial micro-batch: memory-guided growth asks this step."""
-        return self.calm >= self.calm_needed and plan.micro_batch < initial_micro_batch
+    def after_passes(self, meter: Meter) -> MemoryReading | None:
+        """The meter after the forward/backward passes (only where growth is guided by memory)."""
+        return meter.read() if self.limit is not None else None
 
-    def fitting(self, plan: Plan, initial_micro_batch: int) -> Plan | None:
-        """The plan with the fewest micro-steps predicted to fit in what is free now (this rank's
-        proposal), up to the initial micro-batch; None where none does."""
-        assert self.start is not None and self.limit is not None
-        live_bytes, limit_bytes = self.start.current_bytes, self.limit
-        return fitting_plan(plan, initial_micro_batch, lambda b: fits(
-            b, live_bytes=live_bytes, limit_bytes=limit_bytes, headroom=self.headroom, rises=self.rises,
-            prior=self.memory_model, failures=self.failures))
-
-    def passes_done(self, meter: Meter) -> None:
-        """After the forward/backward passes succeeded on every rank, before the optimizer step."""
-        self._fwd_bwd = meter.read() if self.limit is not None else None
-
-    def measured(self, micro_batch: int, end: MemoryReading | None) -> None:
-        """After a clean step: what a step at this size took, and the room it had."""
-        self.grown = False
-        fwd_bwd, self._fwd_bwd = self._fwd_bwd, None
-        start = self.start
-        if self.limit is None or not self._full_step or start is None or end is None or fwd_bwd is None:
-            return
+    def rise(self, micro_batch: int, fwd_bwd: MemoryReading | None, end: MemoryReading | None) -> Rise | None:
+        """What a clean step at ``micro_batch`` took above its start, and the room it had (None: not measured)."""
+        start = self.reading
+        if self.limit is None or not self.full_step or start is None or end is None or fwd_bwd is None:
+            return None
         fwd_bwd_rise = fwd_bwd.peak_bytes - start.current_bytes
         # what the step left live (the optimizer state its first step creates) is in the next step's
         # start, not in its rise
         kept = max(0, end.current_bytes - start.current_bytes)
-        rise = Rise(micro_batch, fwd_bwd_rise, max(fwd_bwd_rise, end.peak_bytes - start.current_bytes - kept),
+        return Rise(micro_batch, fwd_bwd_rise, max(fwd_bwd_rise, end.peak_bytes - start.current_bytes - kept),
                     self.limit - start.current_bytes)
-        old = self.rises.get(micro_batch)
-        self.rises[micro_batch] = rise if old is None else old.merged(rise)
-        # a size at least this large failed earlier, with no more room than this: that record is stale
-        self.failures = [f for f in self.failures if f.micro_batch > micro_batch or f.free_bytes > rise.free_bytes]
 
-    def failed(self, meter: Meter, micro_batch: int, *, local: bool) -> None:
-        """The first step of a grown plan ran out of memory; where it struck on this rank, remember the
-        size against the room it had (and how far it got), so it is not retried until more is free."""
-        self.grown = False
-        start, limit_bytes = self.start, self.limit
-        if not local or limit_bytes is None or start is None:
-            return
+    def failure(self, meter: Meter, micro_batch: int) -> FailedGrowth | None:
+        """A grown step at ``micro_batch`` ran out of memory here: the room it had and how far it got."""
+        start, limit_bytes = self.reading, self.limit
+        if limit_bytes is None or start is None:
+            return None
         now = meter.read()
         reached = 0 if now is None else now.peak_bytes - start.current_bytes
         needed = meter.last_oom_needed_bytes
         short = 0
-        if needed is not None and getattr(meter, "oom_count", 0) > self._start_ooms:  # the budget's own OOM
+        if needed is not None and getattr(meter, "oom_count", 0) > self.ooms:  # the budget's own OOM
             short, reached = max(needed - limit_bytes, 0), max(reached, needed - start.current_bytes)
-        self.failures.append(FailedGrowth(micro_batch, limit_bytes - start.current_bytes, short, max(reached, 0)))
+        return FailedGrowth(micro_batch, limit_bytes - start.current_bytes, short, max(reached, 0))
 
-    def thrashed(self, micro_batch: int) -> None:
-        """The allocator thrashed at this size: with memory-guided growth, not back to it soon."""
-        if self.limit is not None and self.start is not None:
-            self.failures.append(FailedGrowth(micro_batch, self.limit - self.start.current_bytes))
-
-    def count_calm(self, attempts: int) -> None:
-        """After a successful step: calm if it ran without an OOM."""
-        self.calm = self.calm + 1 if attempts == 1 else 0
-
-    def predicted_rise(self, micro_batch: int) -> int | None:
-        """A step's predicted rise at ``micro_batch`` from the record (``predicted_rise``)."""
-        return predicted_rise(micro_batch, self.rises, self.memory_model, self.failures)
+    def room(self, micro_batch: int) -> FailedGrowth | None:
+        """The room a thrashing step at ``micro_batch`` had: not grown back to soon."""
+        if self.limit is None or self.reading is None:
+            return None
+        return FailedGrowth(micro_batch, self.limit - self.reading.current_bytes)
 
 
 def check_growth_meter(grow: GrowMode, meter: Meter) -> None:

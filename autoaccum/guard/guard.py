@@ -1,0 +1,410 @@
+"""The OOM guard: exact accumulation (``autoaccum.step``) with the OOM policy on top.
+
+One attempt, on every rank: the cut's exchange (``autoaccum.distributed.sync.agree_cut``), the
+micro-batches under ``no_sync``, the status agreed (OK < OOM < ERROR), then, after OK, the gradients
+reduced once. On an OOM anywhere, every rank replays the step on the same samples with a smaller
+micro-batch (invariant 3): outside the ``except`` block, with the gradients cleared, memory released
+and the RNG state and the buffers a forward updates put back. How the plan changes is
+``autoaccum.guard.policy``'s.
+
+``OOMGuard.step`` adds the optimizer step; ``OOMGuard.accumulate`` stops at the gradient.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import Any, NoReturn, get_args
+
+import torch
+
+from autoaccum.distributed.sync import ERROR, OK, GradSync, LocalSync, agree_cut
+from autoaccum.errors import AutoAccumError, DoesNotFitError, NonFiniteError
+from autoaccum.guard.growth import DEFAULT_GROW_AFTER, GrowMode, Rise, StepStart, check_growth_meter, prior_of
+from autoaccum.guard.policy import PlanChange, PlanPolicy
+from autoaccum.memory import MemoryReading, Meter, TrackedMemory, active_budget, default_meter
+from autoaccum.memory.model import MemoryModel
+from autoaccum.memory.recovery import catch_oom, release_memory
+from autoaccum.memory.savers import MemorySavers, allowed_savers, apply_saver, suggestions
+from autoaccum.plan.batch import Batch, SplitFn, batch_size
+from autoaccum.plan.batchnorm import batchnorm_floor
+from autoaccum.plan.cut import Cutter, SampleCut
+from autoaccum.plan.plan import Plan
+from autoaccum.plan.sources import resolve_plan
+from autoaccum.plan.task import LossFn, check_step_args, explain_error, trained_params
+from autoaccum.probe.report import check_made_for
+from autoaccum.state import BufferCopies, capture_rng, restore_buffers, restore_rng, state_buffers
+from autoaccum.step.accumulate import Accumulated, Failed, StepTotals, accumulate, reduce_gradients
+from autoaccum.step.optim import NONFINITE_POLICIES, NonFinite, step_oom_error, step_optimizer
+from autoaccum.modules import unwrap
+from autoaccum.validate import check_choice, check_keywords, check_positive_float, check_positive_int
+
+__all__ = ["AccumulateResult", "OOMGuard", "PlanChange", "StepResult"]
+
+
+@dataclass(frozen=True)
+class AccumulateResult:
+    """What one ``OOMGuard.accumulate`` did; the parameters' ``.grad`` hold the global batch's gradient.
+
+    Attributes:
+        loss: the step's loss, weighted by samples (or items) exactly as a full-batch step's.
+        num_samples: samples in the step over all ranks.
+        num_items: items (e.g. tokens) over all ranks for token-level losses, else None.
+        plan: the plan in force after the step.
+        changes: plan changes during the step (OOM replays, thrash, growth).
+        attempts: forward/backward passes over the batch (1 + OOM replays).
+        step_time_s: wall time of the whole step, replays included.
+        peak_bytes: peak memory of the step (the meter's), else None.
+        micro_steps: micro-steps of the attempt that succeeded (on every rank; with a token budget
+            it depends on the step's lengths).
+    """
+
+    loss: float
+    num_samples: int
+    num_items: int | None
+    plan: Plan
+    changes: tuple[PlanChange, ...]
+    attempts: int
+    step_time_s: float
+    peak_bytes: int | None
+    micro_steps: int = 0
+
+
+@dataclass(frozen=True)
+class StepResult(AccumulateResult):
+    """What one ``OOMGuard.step`` did: ``AccumulateResult``, and the optimizer step.
+
+    Attributes:
+        grad_norm: total gradient norm before clipping (when clipping), else None.
+        skipped: the optimizer step was skipped for inf/NaN gradients: by the GradScaler (fp16), or
+            under ``nonfinite="skip"`` (the weights, optimizer state and scheduler are unchanged).
+        lr: learning rate of the first parameter group used by the step.
+    """
+
+    grad_norm: float | None = None
+    skipped: bool = False
+    lr: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Attempts:
+    """What a step's attempts left for its end: their count, the plan changes, the micro-steps of the one
+    that succeeded, the meter at the start and after the passes, the ranks whose allocator thrashed."""
+
+    attempts: int
+    changes: list[PlanChange]
+    micro_steps: int
+    start: StepStart
+    fwd_bwd: MemoryReading | None
+    thrashing: tuple[int, ...]
+
+
+class OOMGuard:
+    """Exact gradient accumulation with out-of-memory recovery, for an existing training loop.
+
+    Example::
+
+        guard = autoaccum.OOMGuard(model, optimizer, target_batch=256, micro_batch=64)
+        for batch in loader:                      # each batch holds 256 samples
+            stats = guard.step(batch, loss_fn)    # loss_fn(model, micro_batch) -> mean loss
+            print(stats.loss, stats.plan.describe())
+
+    Args:
+        model: the module being trained.
+        optimizer: its optimizer; stepped once per global batch.
+        target_batch: samples per optimizer step (over all ranks). With ``micro_batch``, or give ``plan``.
+        micro_batch: the largest micro-batch to start with.
+        plan: a ``Plan``, a probe report, a search result or a plan file, instead of target/micro.
+        scheduler: stepped once per optimizer step, not when the step is skipped.
+        scaler: a ``torch.amp.GradScaler`` (fp16); unscaled exactly once per step, before clipping.
+        max_grad_norm: clip the total gradient norm once per step, after accumulation.
+        autocast_dtype: run forward and loss under ``torch.autocast`` with this dtype.
+        split_fn: cut batches of types other than tensors, tuples, lists and dicts.
+        size_fn: count the samples of such batches.
+        cut: how a batch is cut into micro-batches (default: by samples; ``TokenCut`` by tokens).
+        sync: how ranks agree (default: one process; ``autoaccum.distributed.DistributedSync``).
+        grow: growing back after an OOM. ``"model"``: to the largest micro-batch predicted to fit in
+            what is free now (needs a meter that knows the limit: CUDA or an emulated budget);
+            ``"double"``: at most doubling, never to a size that failed; ``"off"``; ``"auto"``
+            (default): ``"model"`` where the meter knows its limit, else ``"off"``.
+        grow_after: calm steps (no OOM since the last plan change) before growing back.
+        memory_model: the probe's memory model (default: ``plan``'s, where that is a probe report).
+        headroom: the fraction of the limit a size never run keeps free (default: the report's, else 0.1).
+        thrash_steps: on CUDA, shrink after this many consecutive steps with rising allocator retries.
+        meter: what each step reads memory with (default: the CUDA allocator on CUDA, none elsewhere).
+        log_changes: log each plan change as a warning (rank 0; other ranks at debug level).
+        nonfinite: inf/NaN in the gradients or loss, checked before ``optimizer.step()``: ``"stop"``
+            (default) raises ``NonFiniteError`` with nothing stepped; ``"skip"`` skips the step;
+            ``None`` does not check. With a GradScaler its own check applies.
+        memory_savers: at an OOM at the smallest micro-batch, the next memory saver
+            (``autoaccum.memory.savers``), each exact: ``"auto"`` (default), ``"off"``, or a tuple of them.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, target_batch: int | None = None,
+                 micro_batch: int | None = None, plan: Any = None, scheduler: Any = None,
+                 scaler: torch.amp.GradScaler | None = None, max_grad_norm: float | None = None,
+                 autocast_dtype: torch.dtype | None = None, split_fn: SplitFn | None = None,
+                 size_fn: Callable[[Batch], int] | None = None, cut: Cutter | None = None, sync: GradSync | None = None,
+                 grow: GrowMode = "auto", grow_after: int = DEFAULT_GROW_AFTER, memory_model: MemoryModel | None = None,
+                 headroom: float | None = None, thrash_steps: int = 2, meter: Meter | None = None,
+                 log_changes: bool = True, nonfinite: NonFinite | None = "stop", memory_savers: MemorySavers = "auto",
+                 **unknown: Any) -> None:
+        check_keywords(unknown, inspect.signature(OOMGuard).parameters, "OOMGuard")
+        self.params = trained_params(model, optimizer)
+        self.sync: GradSync = sync if sync is not None else LocalSync()
+        if plan is not None:
+            check_made_for(plan, model)
+        start = resolve_plan(plan, target_batch=target_batch, micro_batch=micro_batch, world_size=self.sync.world_size)
+        memory_model, headroom = _check_options(plan, max_grad_norm, grow, grow_after, memory_model, headroom,
+                                                thrash_steps, nonfinite, split_fn, cut)
+        self.model, self.optimizer = model, optimizer
+        self.scheduler, self.scaler, self.max_grad_norm, self.nonfinite = scheduler, scaler, max_grad_norm, nonfinite
+        self.autocast_dtype, self.size_fn = autocast_dtype, size_fn
+        self.cut: Cutter = cut if cut is not None else SampleCut(split_fn)
+        self.meter: Meter = meter if meter is not None else default_meter(self.device)
+        check_growth_meter(grow, self.meter)
+        # an emulated device (a counter with a budget): micro-batches are copied in, as to a GPU
+        self._copy_inputs = isinstance(self.meter, TrackedMemory) and self.meter.budget_bytes is not None
+        savers = allowed_savers(model, self.device, memory_savers)
+        if start.saver not in savers:
+            raise ValueError(f"the plan runs with memory saver {start.saver!r}, which this guard may not take: "
+                             f"{savers} (memory_savers={memory_savers!r}, device {self.device.type}); allow it, or "
+                             f"plan again here")
+        self.policy = PlanPolicy(start, self.sync, model=model, savers=savers, grow=grow, grow_after=grow_after,
+                                 memory_model=memory_model, headroom=headroom, thrash_steps=thrash_steps,
+                                 log_changes=log_changes)
+        self._buffer_copies = BufferCopies(state_buffers(model))
+        self._floor_checked = False  # BatchNorm's smallest micro-batch, found at the first non-empty step
+        self.steps = 0  # optimizer steps (or accumulations) completed
+
+    # -- what the run is at (the policy's record) --------------------------------------------------------
+    @property
+    def plan(self) -> Plan:
+        """The plan in force (after every change so far)."""
+        return self.policy.plan
+
+    @plan.setter
+    def plan(self, plan: Plan) -> None:
+        self.policy.plan = plan
+
+    device = property(lambda self: self.params[0].device, doc="Where the trained parameters live.")
+    changes = property(lambda self: self.policy.changes, doc="Every plan change so far (``PlanChange``).")
+    ooms = property(lambda self: self.policy.ooms, doc="OOMs recovered.")
+    failed_growths = property(lambda self: self.policy.failed_growths,
+                              doc="Memory-guided growths that ran out of memory (each also in ``ooms``).")
+
+    @property
+    def rises(self) -> Mapping[int, Rise]:
+        """What clean full steps took, per micro-batch size (read-only; ``autoaccum.guard.growth``)."""
+        return MappingProxyType(self.policy.rises)
+
+    # -- public ---------------------------------------------------------------------------------
+    def step(self, batch: Batch, loss_fn: LossFn, *, partial: bool = False) -> StepResult:
+        """Run one optimizer step on ``batch`` (this rank's share of the global batch).
+
+        Args:
+            batch: ``plan.rank_batch(rank)`` samples; fewer only with ``partial=True`` (the last
+                batch of an epoch), which is then one exact step on the samples it holds.
+            loss_fn: ``loss_fn(model, micro_batch)`` -> mean loss over the micro-batch, or
+                ``(loss_sum, num_items)`` for token-level losses; its ``begin_attempt()``, where it has
+                one, is called before each attempt (to put back side effects: a trainer's metrics).
+            partial: the batch is the epoch's smaller last one.
+
+        Returns:
+            What the step did: its loss, plan, plan changes, attempts, gradient norm.
+
+        Raises:
+            DoesNotFitError: the smallest micro-batch the model trains at ran out of memory.
+            OptimizerStepOOMError: out of memory in gradient reduction, clipping or ``optimizer.step()``.
+            NonFiniteError: inf/NaN gradients or loss under ``nonfinite="stop"`` (nothing was stepped).
+            ValueError: the batch holds the wrong number of samples.
+        """
+        started = time.perf_counter()
+        lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this step uses (the scheduler moves it after)
+        totals, fields = self._accumulate(batch, loss_fn, partial)
+        done = step_optimizer(self.optimizer, self.params, scaler=self.scaler, scheduler=self.scheduler,
+                              max_grad_norm=self.max_grad_norm, step_number=self.steps + 1,
+                              micro_batch=self.plan.micro_batch, check_finite=self.nonfinite is not None,
+                              loss=totals.loss_total, sync=self.sync)
+        if done.loss is not None:  # read with the check's flags: reading it again would wait for the optimizer
+            totals = replace(totals, loss_total=done.loss)
+        self._clear_grads()
+        if done.nonfinite and self.nonfinite == "stop":
+            raise NonFiniteError(
+                f"inf/NaN in the gradients or the loss (loss {totals.loss:.4g}) of optimizer step {self.steps + 1}; "
+                f"stopped before optimizer.step(): the weights, optimizer state and scheduler are those after step "
+                f"{self.steps}, the step's gradients are cleared. Check the data and the loss for inf/NaN, lower "
+                f"the lr ({lr:.3g}) or clip gradients (max_grad_norm=1.0); nonfinite='skip' skips such steps "
+                f"instead.", self.steps + 1)
+        return StepResult(**self._finish(totals, fields, started), lr=lr, skipped=done.skipped,
+                          grad_norm=None if done.grad_norm is None else float(done.grad_norm))
+
+    def accumulate(self, batch: Batch, loss_fn: LossFn, *, partial: bool = False) -> AccumulateResult:
+        """The exact gradient of one global batch, with OOM replay, and no optimizer step.
+
+        For trainers that clip, step, schedule and zero gradients themselves: afterwards each
+        parameter's ``.grad`` holds the gradient of the global batch (token-level losses
+        normalised by the step's item count over all ranks). Gradients present before the call are
+        cleared first. Arguments and errors as ``step``.
+        """
+        started = time.perf_counter()
+        return AccumulateResult(**self._finish(*self._accumulate(batch, loss_fn, partial), started))
+
+    def wrap(self, fn: Callable[[Batch], Any]) -> Callable[..., StepResult]:
+        """Turn ``fn(batch) -> loss`` (your forward and loss code) into a guarded step over global batches:
+        ``train_step = guard.wrap(fn)``, then ``train_step(global_batch)`` (see ``docs/guard.md``)."""
+        def train_step(batch: Batch, *, partial: bool = False) -> StepResult:
+            return self.step(batch, lambda _model, micro: fn(micro), partial=partial)
+
+        train_step.__wrapped__ = fn  # type: ignore[attr-defined]
+        train_step.__doc__ = fn.__doc__
+        return train_step
+
+    def state_dict(self) -> dict[str, Any]:
+        """The current plan and counters, so a resumed run does not rediscover its micro-batch."""
+        return {**self.policy.state_dict(), "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.policy.load_state_dict(state)
+        self.steps = int(state["steps"])
+
+    # -- one global batch, replayed until it fits ------------------------------------------------------
+    def _accumulate(self, batch: Batch, loss_fn: LossFn, partial: bool) -> tuple[StepTotals, _Attempts]:
+        """Accumulate the global batch, replaying smaller on OOM; gradients reduced and normalised."""
+        n = self._begin(batch, loss_fn, partial)
+        policy, count = self.policy, getattr(loss_fn, "count_items", None)  # a loss that counts items up front
+        items = count(self.model, batch) if callable(count) else None
+        start, changes = policy.begin(self.meter, full_step=n == self.plan.rank_batch(self.sync.rank),
+                                      step=self.steps + 1)
+        rng, buffers = capture_rng(), self._buffer_copies.capture()
+        self._zero_grad()  # every step, even with nothing set: wrappers of optimizer.zero_grad see it start
+        attempts, begin = 0, getattr(loss_fn, "begin_attempt", None)  # side effects put back (integrations)
+        while True:
+            attempts += 1
+            if callable(begin):
+                begin()
+            agreed = agree_cut(self.sync, num_samples=n, steps=self.cut.steps(batch, n, self.plan),
+                               items=None if items is None else int(items), thrash=policy.thrash_pending)
+            if agreed.error is not None:
+                self._zero_grad()
+                raise agreed.error
+            with apply_saver(self.model, self.plan.saver):  # the memory saver, for the attempt only
+                result = accumulate(self.model, self.cut(batch, n, self.plan, agreed.terms.steps), loss_fn,
+                                    num_samples=agreed.terms.num_samples, device=self.device, sync=self.sync,
+                                    scaler=self.scaler, autocast_dtype=self.autocast_dtype,
+                                    num_items_in_batch=agreed.terms.num_items, copy_inputs=self._copy_inputs)
+            status = self.sync.agree(OK if isinstance(result, Accumulated) else ERROR if result.error else 1)
+            if status == OK:
+                break
+            if status == ERROR:
+                _raise_error(result, self.model, batch)
+            where = result.where if isinstance(result, Failed) else "another rank"
+            result = None  # type: ignore[assignment]  # OOM here or elsewhere: replay smaller, from the same start
+            policy.failed_attempt(self.meter, start, local=where != "another rank")
+            self._zero_grad()
+            # a second OOM in one step: a full collection where no meter says whether memory came back
+            release_memory(self.device, self.meter, None if start.reading is None else start.reading.current_bytes,
+                           thorough=attempts > 1)
+            restore_rng(rng)
+            restore_buffers(buffers)
+            changes.append(policy.shrink("oom", where, self.steps + 1, self._does_not_fit,
+                                         needed_bytes=self._budget_meter().last_oom_needed_bytes))
+        if not isinstance(result, Accumulated):
+            raise RuntimeError(f"internal: the ranks agreed OK on a failed attempt ({result})")
+        fwd_bwd = start.after_passes(self.meter)
+        totals, failed = catch_oom(reduce_gradients, self.params, result, num_samples=agreed.terms.num_samples,
+                                   sync=self.sync, num_items_in_batch=agreed.terms.num_items)
+        if failed or totals is None:
+            self._zero_grad()
+            release_memory(self.device)
+            raise step_oom_error("gradient reduction", self.steps + 1, self.plan.micro_batch)
+        return totals, _Attempts(attempts, changes, agreed.terms.steps, start, fwd_bwd, agreed.thrashing)
+
+    def _begin(self, batch: Batch, loss_fn: LossFn, partial: bool) -> int:
+        """Before any work on a step: the arguments checked; at the first step of a model with BatchNorm,
+        the smallest micro-batch it trains at (one sample tried). Returns this rank's samples of the step."""
+        check_step_args(batch, loss_fn)
+        n = self.size_fn(batch) if self.size_fn is not None else batch_size(batch)
+        if not self._floor_checked:
+            floored = batchnorm_floor(unwrap(self.model), self.plan, batch, n, loss_fn,
+                                      getattr(self.cut, "split_fn", None), self.device)
+            self.plan, self._floor_checked = floored or self.plan, floored is not None
+        expected = self.plan.rank_batch(self.sync.rank)
+        # partial: the epoch's last batch; under torch.distributed a rank's share of it may be empty
+        if n != expected and not (partial and 0 <= n < expected and (n > 0 or self.sync.world_size > 1)):
+            hint = " (pass partial=True for the smaller last batch of an epoch)" if 0 < n < expected else ""
+            raise ValueError(f"batch holds {n} samples; this rank's share of target_batch {self.plan.target_batch} "
+                             f"is {expected}{hint}. The global batch is never changed silently.")
+        if 0 < n < self.plan.min_micro_batch:
+            raise ValueError(f"batch holds {n} sample(s), fewer than the smallest micro-batch this model trains at "
+                             f"({self.plan.min_micro_batch}: its BatchNorm gets one value per channel from one "
+                             f"sample). Drop the epoch's smaller last batch (DataLoader(drop_last=True), or fit(..., "
+                             f"last_batch='drop')) or make it hold at least {self.plan.min_micro_batch} per rank.")
+        return n
+
+    def _finish(self, totals: StepTotals, done: _Attempts, started: float) -> dict[str, Any]:
+        """After a successful step: counters, the policy's changes, and the fields of the result."""
+        self.steps += 1
+        end = self.meter.read()
+        changes = done.changes + self.policy.after_step(done.attempts, done.start, done.fwd_bwd, end, done.thrashing,
+                                                        self.steps + 1, self._does_not_fit)
+        return {"loss": totals.loss, "num_samples": totals.num_samples, "num_items": totals.num_items,
+                "plan": self.plan, "changes": tuple(changes), "attempts": done.attempts,
+                "step_time_s": time.perf_counter() - started, "peak_bytes": None if end is None else end.peak_bytes,
+                "micro_steps": done.micro_steps}
+
+    def _zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)  # through the optimizer: hooks on zero_grad see it
+        for p in self.params:  # and the model's parameters outside it
+            p.grad = None
+
+    def _clear_grads(self) -> None:
+        """After the optimizer step: the step's gradients dropped (their memory is free between steps),
+        for the optimizer's groups as they are now and the model's parameters outside it. The next step
+        opens with ``optimizer.zero_grad``, which wrappers of it see once a step."""
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
+        for p in self.params:
+            p.grad = None
+
+    def _budget_meter(self) -> Meter:  # the meter that knows the budget: this guard's, or an emulated budget's
+        return self.meter if self.meter.budget_bytes is not None else (active_budget() or self.meter)
+
+    def _does_not_fit(self) -> DoesNotFitError:
+        meter = self._budget_meter()
+        return DoesNotFitError(meter.last_oom_needed_bytes, meter.budget_bytes, suggestions(self.policy.savers),
+                               at_least=True, micro_batch=self.plan.micro_batch, savers=self.policy.savers_tried)
+
+
+def _check_options(plan: Any, max_grad_norm: Any, grow: Any, grow_after: Any, memory_model: Any, headroom: Any,
+                   thrash_steps: Any, nonfinite: Any, split_fn: Any, cut: Any) -> tuple[MemoryModel | None, float]:
+    """The guard's options, in the order of its arguments (invariant 7: before it holds any state); the
+    memory model and headroom growth uses."""
+    if max_grad_norm is not None:
+        check_positive_float(max_grad_norm, "max_grad_norm", hint=", or None for no clipping")
+    check_choice(grow, "grow", get_args(GrowMode))
+    check_positive_int(grow_after, "grow_after")
+    if memory_model is not None and not isinstance(memory_model, MemoryModel):
+        raise TypeError(f"memory_model must be an autoaccum.MemoryModel (a probe report's .model), got "
+                        f"{type(memory_model).__name__}")
+    prior = prior_of(plan, memory_model, headroom)
+    check_positive_int(thrash_steps, "thrash_steps")
+    check_choice(nonfinite, "nonfinite", (*NONFINITE_POLICIES, None))
+    if split_fn is not None and cut is not None:
+        raise TypeError("give split_fn= or cut=, not both (a cutter splits batches itself)")
+    return prior
+
+
+def _raise_error(result: Accumulated | Failed, model: torch.nn.Module, batch: Batch) -> NoReturn:
+    """An attempt the ranks agreed was an error: this rank's own exception (explained where a known
+    mistake caused it), or, where another rank's caused it, one that says so."""
+    if isinstance(result, Failed) and result.error is not None:
+        explained = explain_error(result.error, model, batch)
+        if explained is None:
+            raise result.error  # the original exception, unchanged
+        raise explained from result.error
+    raise AutoAccumError("another rank failed with an error during this step; see its log")
