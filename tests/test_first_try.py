@@ -456,14 +456,16 @@ def test_a_probe_report_of_another_model_is_refused_as_plan(tmp_path):
 
 
 def test_fit_refuses_budget_next_to_a_plan_on_cuda_where_it_means_nothing():
-    """On CUDA budget= sizes the probe's plan only (no emulated device there): next to plan= it is refused."""
-    from autoaccum.training.config import FitConfig
-    from autoaccum.training.fit import _check_model
+    """On CUDA budget= sizes the probe's plan only (no emulated device there): next to plan= it is refused. The
+    rule fit and the integrations share (``emulated_device``), asked for a CUDA device a CPU machine lacks;
+    control: the same budget alone is the probe's, with no emulated device."""
+    from autoaccum.memory import emulated_device
 
-    cfg = FitConfig.from_options(None, budget="1GiB", plan=Plan.for_target(32, 8)).check()
     with pytest.raises(TypeError, match=r"budget= is the memory the probe plans for, and plan= skips the probe.*"
                                         r"budget= would mean nothing on cuda"):
-        _check_model(mlp(), None, cfg, torch.device("cuda"), ce)  # type: ignore[arg-type]
+        emulated_device("1GiB", torch.device("cuda"), mlp(), skips_probe="plan=")
+    assert emulated_device("1GiB", torch.device("cuda"), mlp()) is None
+    assert emulated_device("1GiB", torch.device("cpu"), mlp()).budget_bytes == 2**30
 
 
 def test_announce_shows_a_line_on_the_console_without_any_logging_setup(tmp_path):

@@ -20,15 +20,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from autoaccum.memory import MemoryReading, Meter, usable_bytes
 from autoaccum.memory.model import MemoryModel, MemoryPoint
 from autoaccum.plan.plan import Plan, micro_step_count
-from autoaccum.validate import check_headroom
+from autoaccum.validate import check_choice, check_headroom, check_positive_int
 
 __all__ = ["DEFAULT_GROW_AFTER", "DEFAULT_HEADROOM", "FailedGrowth", "GrowMode", "Rise", "StepStart",
-           "check_growth_meter", "fits", "fitting_plan", "memory_limit", "predicted_rise", "prior_of"]
+           "check_growth_meter", "check_growth_options", "fits", "fitting_plan", "memory_limit", "predicted_rise", "prior_of"]
 
 
 @dataclass(frozen=True)
@@ -145,6 +145,16 @@ GrowMode = Literal["auto", "model", "double", "off"]
 DEFAULT_GROW_AFTER = 2
 #: the fraction of the limit a predicted size keeps free, where neither ``headroom`` nor a probe report gives one
 DEFAULT_HEADROOM = 0.1
+
+
+def check_growth_options(grow: object, grow_after: object, memory_model: object = None) -> None:
+    """``grow``, ``grow_after`` and ``memory_model`` as the guard takes them (and ``fit`` and the
+    integrations, which hand them on): ValueError/TypeError naming the value and the allowed range."""
+    check_choice(grow, "grow", get_args(GrowMode))
+    check_positive_int(grow_after, "grow_after", hint=" (calm steps before growing back)")
+    if memory_model is not None and not isinstance(memory_model, MemoryModel):
+        raise TypeError(f"memory_model must be an autoaccum.MemoryModel (a probe report's .model), got "
+                        f"{type(memory_model).__name__}")
 
 
 def prior_of(plan: object, memory_model: MemoryModel | None, headroom: float | None) -> tuple[MemoryModel | None, float]:

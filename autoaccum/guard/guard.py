@@ -17,13 +17,14 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
-from typing import Any, NoReturn, get_args
+from typing import Any, NoReturn
 
 import torch
 
 from autoaccum.distributed.sync import ERROR, OK, GradSync, LocalSync, agree_cut
 from autoaccum.errors import AutoAccumError, DoesNotFitError, NonFiniteError
-from autoaccum.guard.growth import DEFAULT_GROW_AFTER, GrowMode, Rise, StepStart, check_growth_meter, prior_of
+from autoaccum.guard.growth import (DEFAULT_GROW_AFTER, GrowMode, Rise, StepStart, check_growth_meter,
+                                    check_growth_options, prior_of)
 from autoaccum.guard.policy import PlanChange, PlanPolicy
 from autoaccum.memory import MemoryReading, Meter, TrackedMemory, active_budget, default_meter
 from autoaccum.memory.model import MemoryModel
@@ -386,11 +387,7 @@ def _check_options(plan: Any, max_grad_norm: Any, grow: Any, grow_after: Any, me
     memory model and headroom growth uses."""
     if max_grad_norm is not None:
         check_positive_float(max_grad_norm, "max_grad_norm", hint=", or None for no clipping")
-    check_choice(grow, "grow", get_args(GrowMode))
-    check_positive_int(grow_after, "grow_after")
-    if memory_model is not None and not isinstance(memory_model, MemoryModel):
-        raise TypeError(f"memory_model must be an autoaccum.MemoryModel (a probe report's .model), got "
-                        f"{type(memory_model).__name__}")
+    check_growth_options(grow, grow_after, memory_model)
     prior = prior_of(plan, memory_model, headroom)
     check_positive_int(thrash_steps, "thrash_steps")
     check_choice(nonfinite, "nonfinite", (*NONFINITE_POLICIES, None))

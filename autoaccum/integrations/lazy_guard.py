@@ -39,9 +39,9 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
 
 from autoaccum import distributed
-from autoaccum.guard.growth import DEFAULT_GROW_AFTER
+from autoaccum.guard.growth import DEFAULT_GROW_AFTER, check_growth_options
 from autoaccum.log import announce
-from autoaccum.memory import TrackedMemory, active_budget, refuse_compiled, refuse_two_budgets
+from autoaccum.memory import TrackedMemory, active_budget, emulated_device, refuse_two_budgets
 from autoaccum.memory.savers import check_memory_savers
 from autoaccum.plan.batch import Batch, batch_size, split_batch
 from autoaccum.plan.plan import Plan
@@ -112,23 +112,24 @@ def check_options(*, budget: Any = None, headroom: Any = 0.1, plan: Any = None, 
     if budget is not None:
         parse_bytes(budget)
         refuse_two_budgets(budget)
-    if budget is not None and (plan is not None or micro_batch is not None) and device is not None \
-            and torch.device(device).type == "cuda":
-        given = "plan=" if plan is not None else "micro_batch="
-        raise TypeError(f"budget= is the memory the probe plans for, and {given} skips the probe; on CUDA no emulated "
-                        f"device runs either (that is off CUDA only), so budget= would mean nothing on cuda. Give "
-                        f"budget= alone (the probe plans for it) or {given} alone")
+        if device is not None:  # the rules of budget= on this device (the emulated device itself is made later)
+            emulated_device(budget, torch.device(device), model, skips_probe=_skips_probe(plan, micro_batch))
     check_headroom(headroom)
     check_memory_savers(memory_savers)
     if micro_batch is not None:
         check_positive_int(micro_batch, "micro_batch")
     if target_batch is not None:
         check_positive_int(target_batch, "target_batch")
-    check_positive_int(grow_after, "grow_after")
+    check_growth_options("auto", grow_after)
     if plan is not None:
         read_plan(plan)
         if model is not None:
             check_made_for(plan, model)
+
+
+def _skips_probe(plan: Any, micro_batch: Any) -> str | None:
+    """The option given that skips the probe, as a user wrote it."""
+    return "plan=" if plan is not None else "micro_batch=" if micro_batch is not None else None
 
 
 class LazyGuard:
@@ -161,16 +162,14 @@ class LazyGuard:
         self.probe_model = probe_model if probe_model is not None else distributed.unwrap_model(model)
         device = next((p.device for p in self.probe_model.parameters()), None)
         check_options(budget=budget, headroom=headroom, plan=plan, micro_batch=micro_batch, target_batch=target_batch,
-                      grow_after=guard_options.get("grow_after", DEFAULT_GROW_AFTER), model=self.probe_model, device=device,
+                      grow_after=guard_options.get("grow_after", DEFAULT_GROW_AFTER), model=self.probe_model,
                       memory_savers=guard_options.get("memory_savers", "auto"))
         #: off CUDA, ``budget=``'s emulated device: entered around each step (``_on_device``)
-        self.emulated: TrackedMemory | None = None
-        if budget is not None and device is not None and device.type != "cuda":
-            if guard_options.get("meter") is not None:
-                raise TypeError("budget= off CUDA is the emulated device each step runs on and is read with; meter= "
-                                "would be another: give one")
-            refuse_compiled(model, "train it under an emulated budget (budget= off CUDA)")
-            self.emulated = TrackedMemory(budget_bytes=budget)
+        self.emulated: TrackedMemory | None = None if device is None else \
+            emulated_device(budget, device, model, skips_probe=_skips_probe(plan, micro_batch))
+        if self.emulated is not None and guard_options.get("meter") is not None:
+            raise TypeError("budget= off CUDA is the emulated device each step runs on and is read with; meter= "
+                            "would be another: give one")
         self.model, self.optimizer = model, optimizer
         self.sync = sync if sync is not None else sync_for(model)
         self.target_batch, self.plan, self.micro_batch = target_batch, plan, micro_batch

@@ -24,6 +24,7 @@ from autoaccum.memory.tracked import (
     TrackedMemory,
     active_budget,
     emulated_budget,
+    emulated_device,
     iter_tensors,
     refuse_compiled,
     refuse_two_budgets,
@@ -31,7 +32,7 @@ from autoaccum.memory.tracked import (
 
 __all__ = [
     "Budget", "CudaMeter", "active_budget", "DeviceCapacity", "MemoryReading", "Meter", "NullMeter", "TrackedMemory",
-    "cuda_available_bytes", "cuda_capacity", "default_meter", "device_capacity", "emulated_budget",
+    "cuda_available_bytes", "cuda_capacity", "default_meter", "device_capacity", "emulated_budget", "emulated_device",
     "iter_tensors", "refuse_compiled", "refuse_two_budgets", "resolve_budget", "usable_bytes",
 ]
 

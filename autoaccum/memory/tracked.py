@@ -33,7 +33,8 @@ from autoaccum.memory.meter import MemoryReading
 from autoaccum.modules import is_compiled
 from autoaccum.units import format_bytes, parse_bytes
 
-__all__ = ["TrackedMemory", "active_budget", "emulated_budget", "iter_tensors", "refuse_compiled"]
+__all__ = ["TrackedMemory", "active_budget", "emulated_budget", "emulated_device", "iter_tensors", "refuse_compiled",
+           "refuse_two_budgets"]
 
 
 def _storage(t: torch.Tensor) -> Any | None:
@@ -222,3 +223,37 @@ def refuse_compiled(model: torch.nn.Module, what: str) -> None:
             f"device but CUDA, and for --estimate / emulated budgets) runs as a TorchDispatchMode, inside which "
             f"torch.compile compiles nothing -- it would run eagerly and be measured as eager. Pass the uncompiled "
             f"module (e.g. model._orig_mod), or measure on CUDA.")
+
+
+def emulated_device(budget: int | str | None, device: torch.device, model: torch.nn.Module | None, *,
+                    skips_probe: str | None = None) -> TrackedMemory | None:
+    """What ``budget=`` means for a run (``fit``, the integrations, a search trial), decided in one place:
+    the memory the probe plans for and, on every device but CUDA, an emulated device of that size that
+    each step runs on (returned; None on CUDA or without a budget).
+
+    Args:
+        budget: the run's ``budget=`` (None: no budget).
+        device: where the run trains.
+        model: the model it trains (a compiled one cannot run under the counter: refused off CUDA); None
+            where it is not known yet (only the other rules are checked).
+        skips_probe: the option given that skips the probe (``"plan="``, ``"micro_batch="``), if any: on
+            CUDA ``budget=`` then means nothing and is refused.
+
+    Raises:
+        TypeError: ``budget=`` inside an ``emulated_budget(...)`` block (two budgets), or next to
+            ``skips_probe`` on CUDA.
+        ValueError: an unreadable budget, or a compiled model off CUDA.
+    """
+    if budget is None:
+        return None
+    budget_bytes = parse_bytes(budget)
+    refuse_two_budgets(budget)
+    if device.type == "cuda":
+        if skips_probe is not None:
+            raise TypeError(f"budget= is the memory the probe plans for, and {skips_probe} skips the probe; on CUDA no "
+                            f"emulated device runs either (that is off CUDA only), so budget= would mean nothing on "
+                            f"cuda. Give budget= alone (the probe plans for it) or {skips_probe} alone")
+        return None
+    if model is not None:
+        refuse_compiled(model, "train it under an emulated budget (budget= off CUDA)")
+    return TrackedMemory(budget_bytes=budget_bytes)

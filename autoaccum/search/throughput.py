@@ -37,7 +37,7 @@ import torch
 from autoaccum import state as training_state
 from autoaccum.errors import DoesNotFitError, OptimizerStepOOMError
 from autoaccum.log import user_stacklevel
-from autoaccum.memory import TrackedMemory, resolve_budget
+from autoaccum.memory import emulated_device, resolve_budget
 from autoaccum.memory.oom import is_oom
 from autoaccum.memory.recovery import release_memory
 from autoaccum.plan.batch import Batch
@@ -106,8 +106,6 @@ class Bench:
         share: the samples in ``batch``.
         device: where steps run.
         usable_bytes: ``budget * (1 - headroom)``; a configuration above it is infeasible.
-        emulate: count memory with the tracked counter and raise OOM past ``usable_bytes``
-            (every device but CUDA).
         snapshot: the state restored after each measurement (every trial starts from it).
         warmup_steps: optimizer steps run before timing.
         measure_steps: optimizer steps timed.
@@ -121,7 +119,6 @@ class Bench:
     share: int
     device: torch.device
     usable_bytes: int
-    emulate: bool
     snapshot: training_state.TrainingSnapshot
     warmup_steps: int = 2
     measure_steps: int = 3
@@ -160,8 +157,8 @@ class Bench:
         failure: BaseException | None = None
         try:
             with apply_knobs(self.model, knobs) as run_model:
-                meter = TrackedMemory(budget_bytes=self.usable_bytes).track(self.model, self.optimizer) \
-                    if self.emulate else None
+                device = emulated_device(self.usable_bytes, self.device, run_model)
+                meter = None if device is None else device.track(self.model, self.optimizer)
                 scaler = torch.amp.GradScaler(self.device.type) if knobs.autocast == "fp16" else None
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # BatchNorm advice: once from the guard the user builds
@@ -247,7 +244,7 @@ def make_bench(task: Task, optimizer: torch.optim.Optimizer | None, share: int, 
         raise ValueError(f"Invalid warmup_steps: {warmup_steps}. Allowed range: >= 2 (optimizer state is created "
                          f"in the first step, so the peak is usually in the second)")
     return Bench(model=task.model, optimizer=optimizer, loss_fn=task.loss_fn, batch=task.batch(share), share=share,
-                 device=device, usable_bytes=usable_bytes, emulate=device.type != "cuda",
+                 device=device, usable_bytes=usable_bytes,
                  snapshot=training_state.capture(task.model, optimizer, pinned=False),
                  warmup_steps=warmup_steps, measure_steps=measure_steps, clock=clock)
 

@@ -13,14 +13,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import torch
 
 from autoaccum.memory.savers import check_memory_savers
 from autoaccum.plan.data import LastBatch
 from autoaccum.precision import Precision, check_precision
-from autoaccum.guard.growth import DEFAULT_GROW_AFTER, GrowMode
+from autoaccum.guard.growth import DEFAULT_GROW_AFTER, GrowMode, check_growth_options
 from autoaccum.step.optim import NONFINITE_POLICIES, NonFinite
 from autoaccum.training.lr import LR_RULES, LrRule
 from autoaccum.training.report import check_callbacks, check_report_to
@@ -172,8 +172,7 @@ class MemoryConfig:
             lambda: self.max_grad_norm is None or check_positive_float(
                 self.max_grad_norm, "max_grad_norm", hint=", or None for no clipping"),
             lambda: check_choice(self.nonfinite, "nonfinite", NONFINITE_POLICIES),
-            lambda: check_choice(self.grow, "grow", get_args(GrowMode)),
-            lambda: check_positive_int(self.grow_after, "grow_after"),
+            lambda: check_growth_options(self.grow, self.grow_after),
             lambda: check_memory_savers(self.memory_savers),
         )
 

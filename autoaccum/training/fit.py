@@ -24,7 +24,7 @@ import torch
 
 from autoaccum import distributed
 from autoaccum.log import ensure_visible, quiet
-from autoaccum.memory import TrackedMemory, refuse_compiled, refuse_two_budgets
+from autoaccum.memory import emulated_device
 from autoaccum.memory.model import MemoryModel
 from autoaccum.plan.batch import move_to
 from autoaccum.plan.batchnorm import smallest_micro_batch
@@ -193,6 +193,8 @@ def _fit(model: torch.nn.Module, data: Any, target_batch: int, loss_fn: LossFn |
     batches, eval_batches = _global_batches(data, eval_data, target_batch, cfg, sync)
     loss_fn = loss_fn if loss_fn is not None else default_loss
     _check_model(inner, batches, cfg, dev, loss_fn)
+    # off CUDA, budget= is the emulated device every step runs on (weights and state count; entered in train)
+    meter = emulated_device(cfg.memory.budget, dev, inner, skips_probe="plan=" if cfg.memory.plan is not None else None)
     optimizer = _optimizer(model, optimizer, cfg.lr.lr)
     # resume="auto" with no checkpoint yet (a restartable job's first start) is a fresh run: the rule applies
     state = ckpt.load_checkpoint(ckpt_dir) if cfg.checkpoint.resume and ckpt_dir is not None else None
@@ -210,8 +212,6 @@ def _fit(model: torch.nn.Module, data: Any, target_batch: int, loss_fn: LossFn |
                 name="fit")
     start_plan, plan_source, report = choose_plan(cfg, state, sync, task, optimizer, target_batch,
                                                   batches.lengths() if batches.by_length else None)
-    budget_bytes = cfg.memory.budget_bytes
-    meter = TrackedMemory(budget_bytes=budget_bytes) if budget_bytes is not None and dev.type != "cuda" else None
     cut = TokenCut() if batches.by_length else SampleCut()
     # growth after an OOM reads the probe's memory model (a given probe report's too) and plans with its headroom
     given_model = getattr(cfg.memory.plan, "model", None)
@@ -304,13 +304,6 @@ def _by_length(batches: GlobalBatches, cfg: FitConfig) -> bool:
 def _check_model(model: torch.nn.Module, batches: GlobalBatches, cfg: FitConfig, device: torch.device,
                  loss_fn: LossFn) -> None:
     """What the model cannot do with this data and budget, found before any work."""
-    if cfg.memory.budget is not None and cfg.memory.plan is not None and device.type == "cuda":
-        raise TypeError("budget= is the memory the probe plans for, and plan= skips the probe; on CUDA no emulated "
-                        "device runs either (that is off CUDA only), so budget= would mean nothing on cuda. Give "
-                        "budget= alone (the probe plans for it) or plan= alone")
-    if cfg.memory.budget is not None and device.type != "cuda":
-        refuse_two_budgets(cfg.memory.budget)
-        refuse_compiled(model, "train it under an emulated budget")
     if cfg.memory.grow == "model" and cfg.memory.budget is None and device.type != "cuda":
         raise ValueError(f"grow='model' needs memory the guard can read: a CUDA device, or budget= (an emulated "
                          f"budget) on {device.type}. Pass budget=..., or grow='auto' (no growth here), 'double' or "
