@@ -419,9 +419,9 @@ def test_the_default_loss_takes_class_probabilities_and_skipped_labels():
 
 
 def test_a_log_file_in_a_missing_directory_is_refused_before_the_probe(tmp_path, monkeypatch):
-    from autoaccum.training import plans
+    import autoaccum.training.fit as fit_module
 
-    monkeypatch.setattr(plans, "probe", lambda *a, **k: pytest.fail("probed before checking log_file"))
+    monkeypatch.setattr(fit_module, "probe", lambda *a, **k: pytest.fail("probed before checking log_file"))
     missing = tmp_path / "no" / "such" / "metrics.jsonl"
     with pytest.raises(ValueError, match=rf"Invalid log_file '{missing}': its directory '{missing.parent}' does not "
                                          rf"exist\. Allowed: a file path in an existing directory; create it first "

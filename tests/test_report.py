@@ -238,7 +238,7 @@ def test_a_missing_backend_names_its_extra_before_any_work(tokens, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     probed = []
-    monkeypatch.setattr("autoaccum.training.plans.probe", lambda *a, **k: probed.append(1))
+    monkeypatch.setattr("autoaccum.training.fit.probe", lambda *a, **k: probed.append(1))
     with pytest.raises(ImportError, match=r"report_to='wandb' needs the wandb package: pip install "
                                           r"'autoaccum\[wandb\]'"):
         autoaccum.fit(gpt(), tokens, TARGET, loss_fn=token_loss, progress=False, report_to="wandb")

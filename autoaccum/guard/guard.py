@@ -23,13 +23,21 @@ import torch
 
 from autoaccum.distributed.sync import ERROR, OK, GradSync, LocalSync, agree_cut
 from autoaccum.errors import AutoAccumError, DoesNotFitError, NonFiniteError
-from autoaccum.guard.growth import (DEFAULT_GROW_AFTER, GrowMode, Rise, StepStart, check_growth_meter,
-                                    check_growth_options, prior_of)
+from autoaccum.guard.growth import (
+    DEFAULT_GROW_AFTER,
+    GrowMode,
+    Rise,
+    StepStart,
+    check_growth_meter,
+    check_growth_options,
+    prior_of,
+)
 from autoaccum.guard.policy import PlanChange, PlanPolicy
 from autoaccum.memory import MemoryReading, Meter, TrackedMemory, active_budget, default_meter
 from autoaccum.memory.model import MemoryModel
 from autoaccum.memory.recovery import catch_oom, release_memory
 from autoaccum.memory.savers import MemorySavers, allowed_savers, apply_saver, suggestions
+from autoaccum.modules import unwrap
 from autoaccum.plan.batch import Batch, SplitFn, batch_size
 from autoaccum.plan.batchnorm import batchnorm_floor
 from autoaccum.plan.cut import Cutter, SampleCut
@@ -40,7 +48,6 @@ from autoaccum.probe.report import check_made_for
 from autoaccum.state import BufferCopies, capture_rng, restore_buffers, restore_rng, state_buffers
 from autoaccum.step.accumulate import Accumulated, Failed, StepTotals, accumulate, reduce_gradients
 from autoaccum.step.optim import NONFINITE_POLICIES, NonFinite, step_oom_error, step_optimizer
-from autoaccum.modules import unwrap
 from autoaccum.validate import check_choice, check_keywords, check_positive_float, check_positive_int
 
 __all__ = ["AccumulateResult", "OOMGuard", "PlanChange", "StepResult"]

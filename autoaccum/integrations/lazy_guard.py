@@ -39,19 +39,20 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
 
 from autoaccum import distributed
+from autoaccum.distributed.sync import GradSync, LocalSync
 from autoaccum.guard.growth import DEFAULT_GROW_AFTER, check_growth_options
+from autoaccum.guard.guard import AccumulateResult, OOMGuard, StepResult
 from autoaccum.log import announce
 from autoaccum.memory import TrackedMemory, active_budget, emulated_device, refuse_two_budgets
 from autoaccum.memory.savers import check_memory_savers
 from autoaccum.plan.batch import Batch, batch_size, split_batch
 from autoaccum.plan.plan import Plan
-from autoaccum.plan.sources import read_plan, resolve_plan, source_words
+from autoaccum.plan.sources import read_plan, source_words
 from autoaccum.plan.task import LossFn
 from autoaccum.precision import Precision
 from autoaccum.probe.report import ProbeReport, check_made_for
 from autoaccum.probe.run import probe
-from autoaccum.guard.guard import AccumulateResult, OOMGuard, StepResult
-from autoaccum.distributed.sync import GradSync, LocalSync
+from autoaccum.training.plans import choose_plan
 from autoaccum.units import counted, format_bytes, parse_bytes
 from autoaccum.validate import check_headroom, check_positive_int
 
@@ -276,29 +277,17 @@ class LazyGuard:
         return line
 
     def _first_plan(self, batch: Batch, loss_fn: LossFn) -> Plan:
-        world = self.sync.world_size
-        size = self._size(batch)
+        size, world = self._size(batch), self.sync.world_size
         target = self.target_batch
         if target is None:  # the first batch is this rank's share of a full global batch
             target = int(self.sync.sum_items(torch.tensor(size)).item()) if world > 1 else size
-        if self._saved is not None:
-            plan, self.plan_source = Plan.from_dict(self._saved["plan"]).with_world_size(world), "checkpoint"
-            if plan.target_batch != target:
-                raise ValueError(f"the checkpoint's guard state is for target_batch {plan.target_batch}, this run's "
-                                 f"global batch is {target}; the global batch is never changed silently")
-        elif self.plan is not None or self.micro_batch is not None:
-            plan = resolve_plan(self.plan, target_batch=target, micro_batch=self.micro_batch, world_size=world,
-                                adapt_world_size=True)
-            self.plan_source = "given"
-        else:
-            plan, self.plan_source = self._probe(batch, loss_fn, target, size), "probe"
-        return self.sync.agree_plan(plan) if world > 1 else plan
+        plan, self.plan_source, self.report = choose_plan(
+            saved=self._saved, given=self.plan, micro_batch=self.micro_batch, target_batch=target, sync=self.sync,
+            model=self.probe_model, precision=self.precision, probe=lambda: self._probe(batch, loss_fn, target, size))
+        return plan
 
-    def _probe(self, batch: Batch, loss_fn: LossFn, target: int, size: int) -> Plan:
+    def _probe(self, batch: Batch, loss_fn: LossFn, target: int, size: int) -> ProbeReport:
         """Measure real steps on slices of ``batch`` (this rank's, on its own: no collective)."""
-        if getattr(self.sync, "kind", None) == "fsdp2":
-            raise ValueError("cannot probe an FSDP2 (fully_shard) model: the probe's steps would run collectives "
-                             "whose number depends on each rank's measurements. Pass plan= or micro_batch=")
         split_fn = self.guard_options.get("split_fn")
 
         def make_batch(b: int) -> Batch:
@@ -313,5 +302,4 @@ class LazyGuard:
                            target_batch=target, world_size=self.sync.world_size, budget=budget,
                            headroom=self.headroom, precision=self.precision, max_micro_batch=size,
                            memory_savers=self.guard_options.get("memory_savers", "auto"))
-        self.report = report
-        return report.plan
+        return report

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 
 from autoaccum import distributed
+from autoaccum.distributed.sync import GradSync, LocalSync
+from autoaccum.guard.guard import OOMGuard, PlanChange
 from autoaccum.log import ensure_visible, quiet
 from autoaccum.memory import emulated_device
 from autoaccum.memory.model import MemoryModel
@@ -35,9 +37,8 @@ from autoaccum.plan.sources import source_words
 from autoaccum.plan.task import LossFn, Task, check_loss_fn, check_optimizer, trainable_parameters
 from autoaccum.precision import autocast_dtype, make_scaler
 from autoaccum.probe.report import ProbeReport
-from autoaccum.guard.guard import OOMGuard, PlanChange
+from autoaccum.probe.run import probe
 from autoaccum.step.losses import DefaultLoss, default_loss
-from autoaccum.distributed.sync import GradSync, LocalSync
 from autoaccum.training import checkpoint as ckpt
 from autoaccum.training.config import FitConfig
 from autoaccum.training.loop import Run, train
@@ -210,8 +211,16 @@ def _fit(model: torch.nn.Module, data: Any, target_batch: int, loss_fn: LossFn |
     task = Task(model=inner, loss_fn=DefaultLoss(check_range=True) if loss_fn is default_loss else loss_fn,
                 make_batch=batches.sample_at if batches.by_length else batches.sample,
                 name="fit")
-    start_plan, plan_source, report = choose_plan(cfg, state, sync, task, optimizer, target_batch,
-                                                  batches.lengths() if batches.by_length else None)
+    lengths = batches.lengths() if batches.by_length else None
+    start_plan, plan_source, report = choose_plan(
+        saved=None if state is None else state["guard"], given=cfg.memory.plan, micro_batch=None,
+        target_batch=target_batch, sync=sync, model=inner, precision=cfg.memory.precision,
+        probe=lambda: probe(task, optimizer=optimizer, target_batch=target_batch, world_size=sync.world_size,
+                            budget=cfg.memory.budget, headroom=cfg.memory.headroom, precision=cfg.memory.precision,
+                            cache=cfg.memory.probe_cache, lengths=None if lengths is None else lengths[0],
+                            lengths_source="" if lengths is None else lengths[2],
+                            memory_savers=cfg.memory.memory_savers,
+                            progress=cfg.output.progress and cfg.output.verbose and sync.rank == 0))
     cut = TokenCut() if batches.by_length else SampleCut()
     # growth after an OOM reads the probe's memory model (a given probe report's too) and plans with its headroom
     given_model = getattr(cfg.memory.plan, "model", None)

@@ -1,68 +1,82 @@
-"""Where ``fit``'s plan comes from: the checkpoint's, the one given, or the probe's."""
+"""Where a run's first plan comes from, for ``fit`` and the integrations alike: the checkpoint's guard
+state, the plan (or micro-batch) given, or the probe's; one plan for every rank."""
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from autoaccum import distributed
+from autoaccum.distributed.sync import GradSync
 from autoaccum.log import user_stacklevel
 from autoaccum.plan.plan import Plan
 from autoaccum.plan.sources import read_plan_document, resolve_plan
-from autoaccum.plan.task import Task
 from autoaccum.probe.report import ProbeReport, check_made_for
-from autoaccum.probe.run import probe
-from autoaccum.distributed.sync import GradSync
-from autoaccum.training.config import FitConfig
 
-__all__ = ["choose_plan", "warn_unapplied_knobs"]
+__all__ = ["choose_plan"]
 
 
-def choose_plan(cfg: FitConfig, state: dict[str, Any] | None, sync: GradSync, task: Task,
-                optimizer: torch.optim.Optimizer, target_batch: int,
-                lengths: tuple[list[int], Any, str] | None = None) -> tuple[Plan, str, ProbeReport | None]:
-    """The plan training starts with: the checkpoint's, the given one, or the probe's; one for every rank."""
+def choose_plan(*, saved: dict[str, Any] | None, given: Any, micro_batch: int | None, target_batch: int,
+                sync: GradSync, model: torch.nn.Module, precision: str,
+                probe: Callable[[], ProbeReport]) -> tuple[Plan, str, ProbeReport | None]:
+    """The plan training starts with, where it came from (``checkpoint``, ``given``, ``probe`` or ``cache``)
+    and the probe's report (when it probed).
+
+    Args:
+        saved: a checkpoint's guard state (``OOMGuard.state_dict``), which wins; None for a fresh run.
+        given: a plan, probe report, search result or plan file the user gave (``plan=``), or None.
+        micro_batch: a micro-batch the user gave instead (``micro_batch=``, the integrations), or None.
+        target_batch: the run's global batch; a plan for another one is refused.
+        sync: the run's ranks: a plan made for another number of ranks is re-cut for them, and every rank
+            starts with the same plan (the smallest micro-batch any rank proposes).
+        model: the module measured (a probe report or search result of another model is refused).
+        precision: the run's precision (a search plan measured under another one is named).
+        probe: measures real steps and returns the report (called only where nothing else gives a plan).
+
+    Raises:
+        ValueError: a checkpoint or plan for another global batch or model, or an FSDP2 model to probe.
+    """
     report = None
-    if state is not None:
-        plan, source = Plan.from_dict(state["guard"]["plan"]).with_world_size(sync.world_size), "checkpoint"
-    elif cfg.memory.plan is not None:
-        check_made_for(cfg.memory.plan, task.model)
-        plan = resolve_plan(cfg.memory.plan, target_batch=target_batch, world_size=sync.world_size,
+    if saved is not None:
+        plan, source = Plan.from_dict(saved["plan"]).with_world_size(sync.world_size), "checkpoint"
+        if plan.target_batch != target_batch:
+            raise ValueError(f"the checkpoint's guard state is for target_batch {plan.target_batch}, this run's "
+                             f"global batch is {target_batch}; the global batch is never changed silently")
+    elif given is not None or micro_batch is not None:
+        if given is not None:
+            check_made_for(given, model)
+            _warn_unapplied_knobs(given, precision)
+        plan = resolve_plan(given, target_batch=target_batch, micro_batch=micro_batch, world_size=sync.world_size,
                             adapt_world_size=True)
         source = "given"
-        warn_unapplied_knobs(cfg.memory.plan, cfg.memory.precision)
     else:
-        if isinstance(sync, distributed.DistributedSync) and sync.kind == "fsdp2":
-            raise ValueError("fit cannot probe an FSDP2 (fully_shard) model: the probe's steps would run collectives "
-                             "whose number depends on each rank's measurements. Pass plan= (e.g. a probe report "
-                             "of one unsharded replica, or autoaccum.Plan.for_target(target_batch, micro_batch))")
-        report = probe(task, optimizer=optimizer, target_batch=target_batch, world_size=sync.world_size,
-                       budget=cfg.memory.budget, headroom=cfg.memory.headroom, precision=cfg.memory.precision,
-                       cache=cfg.memory.probe_cache, lengths=None if lengths is None else lengths[0],
-                       lengths_source="" if lengths is None else lengths[2], memory_savers=cfg.memory.memory_savers,
-                       progress=cfg.output.progress and cfg.output.verbose and sync.rank == 0)
+        if getattr(sync, "kind", None) == "fsdp2":
+            raise ValueError("cannot probe an FSDP2 (fully_shard) model: the probe's steps would run collectives whose "
+                             "number depends on each rank's measurements. Pass plan= (e.g. a probe report of one "
+                             "unsharded replica, or autoaccum.Plan.for_target(target_batch, micro_batch))")
+        report = probe()
         plan, source = report.plan, report.source
     if sync.world_size > 1:  # one plan for every rank: the smallest micro-batch any rank can run
         plan = sync.agree_plan(plan)
     return plan, source, report
 
 
-def warn_unapplied_knobs(plan: Any, precision: str) -> None:
-    """A search plan file also names knobs (the memory ladder's rung, autocast, compile); fit applies the
-    plan, its rung (``plan.saver``) and its own ``precision``, not compile: say so rather than train
-    differently from what was measured."""
+def _warn_unapplied_knobs(plan: Any, precision: str) -> None:
+    """A search plan file also names knobs (the memory saver, autocast, compile); a run applies the plan, its
+    memory saver (``plan.saver``) and its own ``precision``, not compile: say so rather than train differently
+    from what was measured."""
     try:
         knobs = read_plan_document(plan)[1]
     except (OSError, ValueError, TypeError):
-        return  # resolve_plan has read it already; nothing more to say
+        return  # resolve_plan reads it next and says what is wrong
     if not knobs:
         return
     autocast = knobs.get("autocast", "fp32")
     compiled = bool(knobs.get("compile"))
     if compiled or autocast != precision:
-        warnings.warn(f"the plan was measured with knobs {knobs}; fit applies the plan's micro-batch, its memory "
+        warnings.warn(f"the plan was measured with knobs {knobs}; the run applies the plan's micro-batch, its memory "
                       f"saver and precision={precision!r} only. Pass precision={autocast!r}"
                       + (" and model=torch.compile(model)" if compiled else "")
                       + " to train as measured.", stacklevel=user_stacklevel())
