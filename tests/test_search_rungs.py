@@ -23,7 +23,7 @@ from autoaccum.probe.report import model_fingerprint
 from autoaccum.search import format_search, read_plan_file, search
 from autoaccum.search.knobs import COMPILE_WITH_SAVER
 from autoaccum.search.space import SearchSpace
-from autoaccum.search.study import _current_space, _sample_knobs
+from autoaccum.search.study import _sample_knobs
 from autoaccum.search.throughput import measure
 
 optuna = pytest.importorskip("optuna")
@@ -168,29 +168,6 @@ def test_compile_is_not_sampled_on_a_rung_and_not_run_with_one():
     assert _sample_knobs(optuna.trial.FixedTrial({**chosen, "saver": "none"}), space) == Knobs(compile=True)
     m = measure(small_task(), TARGET, 8, Knobs(saver="checkpointing", compile=True), budget=BUDGET, **FAST)
     assert (m.status, m.note) == ("failed", COMPILE_WITH_SAVER)
-
-
-# -- files written before the saver was a rung ------------------------------------------------------
-
-LEGACY_PLAN = {"micro_batch": 16, "accum_steps": 2, "world_size": 1, "target_batch": 32}
-
-
-@pytest.mark.parametrize("kind", ["autoaccum.plan", "autoaccum.search"])
-@pytest.mark.parametrize(("checkpointing", "saver"), [(True, "checkpointing"), (False, "none")])
-def test_old_plan_files_with_a_checkpointing_knob_load_on_its_rung(tmp_path, kind, checkpointing, saver):
-    path = tmp_path / "old.json"
-    path.write_text(json.dumps({"kind": kind, "version": 1, "source": "search", "plan": LEGACY_PLAN,
-                                "knobs": {"checkpointing": checkpointing, "autocast": "fp32", "compile": False}}))
-    plan, knobs = read_plan_file(path)
-    assert plan == Plan.from_dict(LEGACY_PLAN).with_saver(saver) and knobs == Knobs(saver=saver)
-    assert autoaccum.load_plan_file(path).saver == saver
-    assert Knobs.from_dict({"checkpointing": checkpointing}) == Knobs(saver=saver)
-
-
-def test_an_old_stored_study_space_reads_as_rungs():
-    old = {"micro_batches": [8], "checkpointing": [False, True], "autocast": ["fp32"], "compile": [False]}
-    assert _current_space(old) == {"micro_batches": [8], "autocast": ["fp32"], "compile": [False],
-                                   "saver": ["none", "checkpointing"]}
 
 
 # -- the model the plan was made for ------------------------------------------------------------------

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from autoaccum.plan.plan import Plan
 
-__all__ = ["read_plan", "read_plan_document", "resolve_plan", "source_words"]
+__all__ = ["PlanDocument", "read_plan", "read_plan_document", "resolve_plan", "source_words"]
 
 SOURCE_WORDS = {"probe": "measured by the probe", "cache": "from the probe's cache (measured earlier for this model, "
                 "device and budget)", "given": "as given", "checkpoint": "from the checkpoint"}
@@ -21,58 +22,80 @@ def source_words(source: str | None) -> str:
     return SOURCE_WORDS.get(source or "", source or "")
 
 
-def read_plan_document(source: Any) -> tuple[Plan, dict[str, Any] | None]:
-    """The plan in ``source``, and the knobs it was measured with (None where it names none; their
-    ``saver`` is the plan's rung of the memory ladder, also for files that named it only as
-    ``"checkpointing": true`` among their knobs).
+@dataclass(frozen=True)
+class PlanDocument:
+    """What a plan source holds (``read_plan_document``).
 
-    ``source`` is what the tools write: a Plan; an object with a ``.plan`` (ProbeReport,
-    SearchResult, and its ``.knobs``); a dict (a plan, or a document with a ``"plan"`` entry and
-    maybe ``"knobs"``); or the path of such a JSON document (``autoaccum probe --json``,
-    ``autoaccum search --out``). The one reader of plan files.
+    Attributes:
+        plan: the plan.
+        knobs: the knobs a search measured it with (``saver``, ``autocast``, ``compile``), None where none.
+        kind: the document's ``kind`` (``autoaccum.probe``, ``autoaccum.search``, ``autoaccum.plan``), None
+            for a bare plan.
+        model_fingerprint: the model it was measured on (``autoaccum.probe.report.model_fingerprint``), ""
+            where it names none (a ``Plan`` is the caller's explicit choice of a cut).
+        model_summary: that model in words.
+    """
+
+    plan: Plan
+    knobs: dict[str, Any] | None = None
+    kind: str | None = None
+    model_fingerprint: str = ""
+    model_summary: str = ""
+
+
+def read_plan_document(source: Any, *, kinds: tuple[str, ...] | None = None) -> PlanDocument:
+    """The one reader of plans: what ``source`` holds.
+
+    ``source`` is what the tools write: a Plan; an object with a ``.plan`` (ProbeReport, SearchResult,
+    and its ``.knobs``); a dict (a plan, or a document with a ``"plan"`` entry and maybe ``"knobs"``); or
+    the path of such a JSON document (``autoaccum probe --json``, ``autoaccum search --out``).
+
+    Args:
+        source: one of those.
+        kinds: the document kinds accepted (a file read by ``autoaccum.search.read_plan_file`` must name
+            one, so that a stray JSON dict is not taken for a plan); None accepts a bare plan too.
 
     Raises:
-        ValueError: the file cannot be read or holds no plan.
+        ValueError: the file cannot be read, holds no plan, or is not of ``kinds``.
         TypeError: ``source`` is none of those.
     """
     if isinstance(source, Plan):
-        return source, None
-    if isinstance(getattr(source, "plan", None), Plan):
+        document: Any = {"plan": source}
+    elif isinstance(getattr(source, "plan", None), Plan):
         knobs = getattr(source, "knobs", None)
-        return source.plan, (knobs.to_dict() if hasattr(knobs, "to_dict") else None)
-    if isinstance(source, (str, os.PathLike)):
+        return PlanDocument(source.plan, knobs.to_dict() if hasattr(knobs, "to_dict") else None, None,
+                            str(getattr(source, "model_fingerprint", "")), str(getattr(source, "model_summary", "")))
+    elif isinstance(source, (str, os.PathLike)):
         try:
-            source = json.loads(Path(source).read_text())
+            document = json.loads(Path(source).read_text())
         except (OSError, ValueError) as exc:
             raise ValueError(f"Invalid plan file {str(source)!r}: {exc}") from None
-    if isinstance(source, dict):
-        document = source if isinstance(source.get("plan"), dict) else {"plan": source}
+    else:
+        document = source
+    if not isinstance(document, dict):
+        raise TypeError(f"plan must be a Plan, a probe report, a search result, a dict or a JSON path, "
+                        f"got {type(source).__name__}")
+    if not isinstance(document.get("plan"), (dict, Plan)):
+        document = {"plan": document}  # a plan's own dict
+    kind = document.get("kind")
+    if kinds is not None and kind not in kinds:
+        where = f"{str(source)!r}" if isinstance(source, (str, os.PathLike)) else "the document"
+        raise ValueError(f"{where} is not an autoaccum plan file: expected JSON with kind one of {', '.join(kinds)} "
+                         f"and a 'plan' (write one with `autoaccum search --out` or `autoaccum probe --json`)")
+    plan = document["plan"]
+    if not isinstance(plan, Plan):
         try:
-            plan = Plan.from_dict(document["plan"])
+            plan = Plan.from_dict(plan)
         except TypeError as exc:
             raise ValueError(f"malformed plan: {exc}") from None
-        knobs = document.get("knobs")
-        return _with_rung(plan, dict(knobs) if isinstance(knobs, dict) else None)
-    raise TypeError(f"plan must be a Plan, a probe report, a search result, a dict or a JSON path, "
-                    f"got {type(source).__name__}")
-
-
-def _with_rung(plan: Plan, knobs: dict[str, Any] | None) -> tuple[Plan, dict[str, Any] | None]:
-    """The plan on the rung its knobs name, and the knobs naming the plan's rung. Search plan files
-    written before the plan carried its rung said ``"checkpointing": true`` among the knobs: that was
-    measured with checkpointing, so the plan runs on the ``checkpointing`` rung."""
-    if knobs is None:
-        return plan, None
-    legacy = knobs.pop("checkpointing", None)
-    saver = knobs.get("saver", "checkpointing" if legacy is True else "none")
-    if plan.saver == "none" and saver != "none":
-        plan = plan.with_saver(saver)  # Plan checks the name
-    return plan, {**knobs, "saver": plan.saver}
+    knobs = document.get("knobs")
+    return PlanDocument(plan, dict(knobs) if isinstance(knobs, dict) else None, kind,
+                        str(document.get("model_fingerprint") or ""), str(document.get("model_summary") or ""))
 
 
 def read_plan(source: Any) -> Plan:
     """The ``Plan`` in ``source`` (see ``read_plan_document``)."""
-    return read_plan_document(source)[0]
+    return read_plan_document(source).plan
 
 
 def resolve_plan(plan: Any = None, *, target_batch: int | None = None, micro_batch: int | None = None,

@@ -9,7 +9,6 @@ import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -19,6 +18,7 @@ from autoaccum.memory.model import MemoryModel, TokenMemoryModel
 from autoaccum.modules import unwrap
 from autoaccum.plan.lengths import LengthProfile
 from autoaccum.plan.plan import Plan
+from autoaccum.plan.sources import read_plan_document
 
 __all__ = ["Candidate", "ProbeReport", "REPORT_VERSION", "Status", "check_made_for", "model_fingerprint",
            "model_summary"]
@@ -110,7 +110,7 @@ class ProbeReport:
             with the bytes it needed, before the plan's rung (``plan.saver``): a lower bound, what the
             step reached before it ran out of memory.
         model_fingerprint: a hash of the model measured (``model_fingerprint``): a run refuses the
-            report for another model (``check_made_for``); empty in reports written before it existed.
+            report for another model (``check_made_for``).
         model_summary: that model in words (``model_summary``).
     """
 
@@ -189,9 +189,8 @@ class ProbeReport:
                 lengths=None if data.get("lengths") is None else LengthProfile.from_dict(data["lengths"]),
                 fingerprint=str(data["fingerprint"]), source=str(data["source"]),
                 torch_version=str(data["torch_version"]),
-                savers_tried=tuple((str(r), None if b is None else int(b)) for r, b in data.get("savers_tried", ())),
-                model_fingerprint=str(data.get("model_fingerprint", "")),
-                model_summary=str(data.get("model_summary", "")),
+                savers_tried=tuple((str(s), None if b is None else int(b)) for s, b in data["savers_tried"]),
+                model_fingerprint=str(data["model_fingerprint"]), model_summary=str(data["model_summary"]),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed probe report: {exc!r}") from None
@@ -228,20 +227,13 @@ def check_made_for(source: Any, model: torch.nn.Module, name: str = "plan") -> N
     Raises:
         ValueError: the fingerprint differs from ``model``'s, naming both models and the fixes.
     """
-    document: Any = source
-    if isinstance(source, (str, os.PathLike)):
-        try:
-            document = json.loads(Path(source).read_text())
-        except (OSError, ValueError):
-            return  # unreadable: the plan reader says so
-    if isinstance(document, dict):
-        measured, summary = document.get("model_fingerprint") or "", document.get("model_summary") or ""
-        noun = "probe report" if document.get("kind", "autoaccum.probe") == "autoaccum.probe" else "search result"
-    elif isinstance(getattr(document, "model_fingerprint", None), str):  # a ProbeReport, a SearchResult
-        measured, summary = document.model_fingerprint, getattr(document, "model_summary", "")
-        noun = "probe report" if isinstance(document, ProbeReport) else "search result"
-    else:
-        return
+    try:
+        document = read_plan_document(source)
+    except (TypeError, ValueError):
+        return  # unreadable: the plan reader says so where the plan is read
+    measured, summary = document.model_fingerprint, document.model_summary
+    noun = "probe report" if isinstance(source, ProbeReport) or document.kind == "autoaccum.probe" else \
+        "search result"
     if not measured or measured == model_fingerprint(model):
         return
     where = f" ({source})" if isinstance(source, (str, os.PathLike)) else ""

@@ -28,6 +28,7 @@ A rung touches only the model, for each attempt of the trial's guard.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, get_args
@@ -101,14 +102,12 @@ class Knobs:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Knobs:
-        """From ``to_dict``'s output, or from the knobs of files written before the saver was a rung:
-        ``"checkpointing": true`` is the ``checkpointing`` rung, ``false`` the ``none`` rung."""
-        values = {k: data[k] for k in ("saver", "autocast", "compile") if k in data}
-        if "saver" not in values and "checkpointing" in data:
-            if not isinstance(data["checkpointing"], bool):
-                raise TypeError(f"knobs' checkpointing must be a bool, got {data['checkpointing']!r}")
-            values["saver"] = "checkpointing" if data["checkpointing"] else "none"
-        return cls(**values)
+        """From ``to_dict``'s output; a key it does not write is refused, not dropped."""
+        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown knobs {unknown} in a plan file; the knobs are {[f.name for f in dataclasses.fields(cls)]}. "
+                             f"Write the file again with this version (autoaccum search or probe --save).")
+        return cls(**data)
 
 
 def _cpu_bf16() -> bool:

@@ -10,7 +10,6 @@ it back -- and a search result or a probe report (``autoaccum probe --json``) --
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -198,31 +197,17 @@ class SearchResult:
 
 
 def read_plan_file(path: str | Path) -> tuple[Plan, Knobs]:
-    """The plan and knobs in a search plan file, a search result or a probe report (knobs: none but
-    the plan's rung). Files written before the saver was a rung (knobs ``"checkpointing": true``) read
-    as the ``checkpointing`` rung (``read_plan_document``).
-
-    Stricter than ``read_plan_document``, which reads the rest: the file must
-    name its kind, so a stray JSON dict is not taken for a plan.
+    """The plan and knobs in a search plan file, a search result or a probe report (knobs: none but the
+    plan's memory saver); the file must name its kind (``read_plan_document``).
 
     Raises:
         ValueError: the file is not JSON or not one of those.
     """
-    path = Path(path)
     try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"cannot read plan file {path}: {exc}") from None
-    kinds = (PLAN_FILE_KIND, SEARCH_KIND, "autoaccum.probe")
-    if not isinstance(data, dict) or data.get("kind") not in kinds or not isinstance(data.get("plan"), dict):
-        raise ValueError(f"{path} is not an autoaccum plan file: expected JSON with kind one of {', '.join(kinds)} "
-                         f"and a 'plan' (write one with `autoaccum search --out` or `autoaccum probe --json`)")
-    try:
-        plan, knobs = read_plan_document(data)
-        return plan, Knobs.from_dict(knobs or {"saver": plan.saver})
-    except (TypeError, ValueError) as exc:
-        # read_plan_document words a plan's TypeError as "malformed plan: ..." already
-        raise ValueError(f"{path}: malformed plan: {str(exc).removeprefix('malformed plan: ')}") from None
+        document = read_plan_document(Path(path), kinds=(PLAN_FILE_KIND, SEARCH_KIND, "autoaccum.probe"))
+        return document.plan, Knobs.from_dict(document.knobs or {"saver": document.plan.saver})
+    except TypeError as exc:
+        raise ValueError(f"{path}: malformed plan: {exc}") from None
 
 
 def load_plan_file(path: str | Path) -> Plan:

@@ -121,7 +121,7 @@ def _open_study(optuna: Any, report: ProbeReport, space: dict[str, Any], request
     if stored is None:
         study.set_user_attr("autoaccum", {"key": key, "space": space})
         return study, space, sampler_kwargs["n_startup_trials"]
-    stored_space = _current_space(stored["space"])
+    stored_space = stored["space"]
     if stored["key"] != key:
         raise ValueError(f"study {name!r} was made for {stored['key']}, not {key}; its trials measure another "
                          f"problem. Use another study name (--study-name) or storage.")
@@ -130,15 +130,6 @@ def _open_study(optuna: Any, report: ProbeReport, space: dict[str, Any], request
                          f"space, or use another study name")
     # the sizes measured before: the index means the same size again
     return study, stored_space, sampler_kwargs["n_startup_trials"]
-
-
-def _current_space(space: dict[str, Any]) -> dict[str, Any]:
-    """A stored study's space, its ``checkpointing`` choices (studies stored before the saver was the
-    memory ladder's rung) read as rungs: ``True`` the ``checkpointing`` rung, ``False`` ``none``."""
-    if "saver" in space or "checkpointing" not in space:
-        return space
-    rungs = dict.fromkeys("checkpointing" if on else "none" for on in space["checkpointing"])
-    return {**{k: v for k, v in space.items() if k != "checkpointing"}, "saver": list(rungs)}
 
 
 def _trial_params(space: dict[str, Any], micro_batch: int, knobs: Knobs) -> dict[str, Any]:

@@ -68,7 +68,7 @@ def _warn_unapplied_knobs(plan: Any, precision: str) -> None:
     memory saver (``plan.saver``) and its own ``precision``, not compile: say so rather than train differently
     from what was measured."""
     try:
-        knobs = read_plan_document(plan)[1]
+        knobs = read_plan_document(plan).knobs
     except (OSError, ValueError, TypeError):
         return  # resolve_plan reads it next and says what is wrong
     if not knobs:
