@@ -5,6 +5,7 @@
 
 from autoaccum.distributed import DistributedSync, broadcast_plan, init_from_env, wrap_model
 from autoaccum.errors import AutoAccumError, DoesNotFitError, NonFiniteError, OptimizerStepOOMError, TaskError
+from autoaccum.guard.guard import AccumulateResult, OOMGuard, PlanChange, StepResult
 from autoaccum.memory import TrackedMemory, emulated_budget
 from autoaccum.memory.model import MemoryModel
 from autoaccum.memory.oom import is_oom
@@ -14,7 +15,6 @@ from autoaccum.probe.report import Candidate, ProbeReport
 from autoaccum.probe.run import probe
 from autoaccum.search import SearchResult, SearchSpace, load_plan_file, search
 from autoaccum.search.knobs import Knobs
-from autoaccum.guard.guard import AccumulateResult, OOMGuard, PlanChange, StepResult
 from autoaccum.training.fit import FitConfig, FitResult, fit
 from autoaccum.training.lr import LR_RULES, scale_adam_hparams, scale_lr
 from autoaccum.units import format_bytes, parse_bytes

@@ -23,8 +23,8 @@ from torch import nn
 from autoaccum.errors import DoesNotFitError
 from autoaccum.plan.task import Task, load_task
 from autoaccum.precision import PRECISIONS
-from autoaccum.probe.report import REPORT_VERSION, ProbeReport
 from autoaccum.probe.choice import plan_step_times
+from autoaccum.probe.report import REPORT_VERSION, ProbeReport
 from autoaccum.probe.run import probe
 from autoaccum.units import counted, format_bytes, parse_bytes
 from autoaccum.validate import check_headroom, resolve_device

@@ -207,7 +207,7 @@ class WeightsCopy:
     optimizer steps change them, and nothing after it should (forward and backward passes only), so the copy
     is put back when the warm-up ends and given up. On a GPU this is a device-to-device copy, so the probe
     need not pin the weights' size of host memory. It takes device memory while it lives, which the probe
-    subtracts from its readings (``autoaccum.probe.stepper``). Frozen parameters are copied too: a forward
+    subtracts from its readings (``autoaccum.probe.passes``). Frozen parameters are copied too: a forward
     may write them (``nn.Embedding(max_norm=...)`` renormalises its rows in place), and nothing else holds them.
 
     A model's forward may write its own parameters (a max-norm constraint, weight clipping). Such writes are

@@ -12,13 +12,13 @@ import torch
 
 import autoaccum
 import autoaccum.state
-from autoaccum.probe import stepper as stepper_module
+from autoaccum.probe import passes
 from autoaccum import AutoAccumError, DoesNotFitError, Plan, ProbeReport, Task, TaskError, probe
 from autoaccum.cli import TinyGPT, synthetic_tokens, token_loss
 from autoaccum.memory import TrackedMemory
 from autoaccum.probe.choice import RETIME_ROUNDS, THROUGHPUT_TIE, choose_micro_batch, plan_step_times, time_slope
 from autoaccum.probe.report import Candidate
-from autoaccum.probe.stepper import Stepper
+from autoaccum.probe.passes import Stepper
 from _probe_models import (
     convnet, gpt_batch, gpt_loss, image_batch, largest_fitting, measure_phases, mlp, mlp_batch, mlp_loss, runs_under,
     stateful_batch, stateful_mlp, tiny_gpt,
@@ -377,7 +377,7 @@ def test_an_optimizer_that_wraps_another_is_stepped_itself_and_restored():
     model, trained = _trained()
     optimizer = Wrapping(model.parameters())
     optimizer.load_state_dict(trained.state_dict())
-    assert stepper_module.StandIn.of(optimizer) is None and stepper_module.StandIn.of(trained) is not None
+    assert passes.StandIn.of(optimizer) is None and passes.StandIn.of(trained) is not None
     calls = _Calls(optimizer)
     differences, report = _probe_keeping(model, optimizer, 1_000_000)
     assert isinstance(report, ProbeReport) and differences == []
@@ -394,7 +394,7 @@ def _give_up_without_putting_back(monkeypatch) -> None:
 
 def test_negative_control_without_the_restore_the_probe_leaves_traces(monkeypatch):
     monkeypatch.setattr(autoaccum.state, "restore", lambda *args, **kwargs: None)
-    monkeypatch.setattr(stepper_module.StandIn, "put_back", lambda self: None)  # the optimizer's state tensors
+    monkeypatch.setattr(passes.StandIn, "put_back", lambda self: None)  # the optimizer's state tensors
     _give_up_without_putting_back(monkeypatch)
     model, optimizer = _trained()
     differences, report = _probe_keeping(model, optimizer, 1_000_000)
@@ -500,7 +500,7 @@ def test_a_warm_up_that_runs_out_beside_the_copy_is_measured_again_from_host_mem
     monkeypatch.setattr(probe_module, "_measure", lambda *a, **k: probe_module._measure_once(
         *a, copy_weights=True, **k))
     _, result = _probe_keeping(model, optimizer, budget, headroom=0.0)
-    assert result is stepper_module.HostSnapshotNeeded
+    assert result is passes.HostSnapshotNeeded
 
 
 class _MaxNorm(torch.nn.Linear):
@@ -762,7 +762,7 @@ def test_an_estimate_counts_only_the_rows_of_a_batch_sliced_from_a_dataset_tenso
     assert sliced.max_fitting_micro_batch == fresh.max_fitting_micro_batch > 1
     assert [c.peak_bytes for c in sliced.candidates] == [c.peak_bytes for c in fresh.candidates]
     # negative control: without the copy to the batch's own rows the whole pool is counted
-    monkeypatch.setattr(stepper_module, "own_rows", lambda batch: batch)
+    monkeypatch.setattr(passes, "own_rows", lambda batch: batch)
     with pytest.raises(DoesNotFitError):
         probe(model=mlp(), make_batch=lambda b: tuple(t[:b] for t in pool), **kwargs)
 

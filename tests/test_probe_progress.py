@@ -1,4 +1,4 @@
-"""autoaccum.probe.progress: the probe's line on a terminal (fit's probe and ``autoaccum probe``), and nothing
+"""autoaccum.probe.progress_line: the probe's line on a terminal (fit's probe and ``autoaccum probe``), and nothing
 with ``progress=False``, ``verbose=False`` or off a terminal."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""autoaccum.training.report: fit's metrics where users look -- TensorBoard event files, W&B offline runs and
+"""autoaccum.training.trackers: fit's metrics where users look -- TensorBoard event files, W&B offline runs and
 MLflow file stores written by the real packages and read back, a callable and callbacks -- and bad input.
 
 The run: TinyGPT (fp64) at target 64 planned micro 16, under an emulated budget between step 1's peak and
@@ -18,7 +18,7 @@ import pytest
 import autoaccum
 from _fit_models import gpt, gpt_tokens, token_loss
 from autoaccum.plan.plan import Plan
-from autoaccum.training.report import Reporter
+from autoaccum.training.trackers import Reporter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -46,10 +46,10 @@ import torch
 
 from autoaccum.errors import TaskError
 from autoaccum.guard.growth import DEFAULT_GROW_AFTER
+from autoaccum.guard.guard import AccumulateResult
 from autoaccum.integrations.lazy_guard import LazyGuard, check_options
 from autoaccum.plan.batch import Batch
 from autoaccum.plan.task import LossFn, check_loss_fn
-from autoaccum.guard.guard import AccumulateResult
 
 try:
     import lightning.pytorch as pl

@@ -68,12 +68,12 @@ from typing import Any
 
 import torch
 
-from autoaccum.integrations.hf_loss import EXAMPLES, STEP_METRICS, KeepExamples, TrainerLoss, flattens
 from autoaccum.guard.growth import DEFAULT_GROW_AFTER
+from autoaccum.guard.guard import AccumulateResult
+from autoaccum.integrations.hf_loss import EXAMPLES, STEP_METRICS, KeepExamples, TrainerLoss, flattens
 from autoaccum.integrations.lazy_guard import LazyGuard, check_options
 from autoaccum.jsonio import write_json_atomic
 from autoaccum.precision import Precision
-from autoaccum.guard.guard import AccumulateResult
 
 try:
     from transformers import Trainer, TrainingArguments

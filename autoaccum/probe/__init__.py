@@ -1,5 +1,5 @@
 """Measure -> model -> plan: real training steps at a few micro-batch sizes (``run``), the passes
-themselves (``stepper``), the search over sizes and lengths, the report, its cache, the fake-tensor
+themselves (``passes``), the search over sizes and lengths, the report, its cache, the fake-tensor
 estimate and the plot."""
 
 from autoaccum.probe.run import probe

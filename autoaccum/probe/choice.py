@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from autoaccum.plan.plan import Plan
+from autoaccum.probe.passes import Stepper
 from autoaccum.probe.report import Candidate
-from autoaccum.probe.stepper import Stepper
 
 __all__ = ["RETIME_ROUNDS", "THROUGHPUT_TIE", "choose", "choose_micro_batch", "plan_step_times", "time_slope"]
 

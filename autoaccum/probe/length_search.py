@@ -14,9 +14,9 @@ import logging
 
 from autoaccum.memory.model import MemoryModel, TokenMemoryModel, TokenPoint
 from autoaccum.plan.lengths import LengthProfile
+from autoaccum.probe.passes import Stepper
 from autoaccum.probe.report import Candidate
 from autoaccum.probe.size_search import search_sizes
-from autoaccum.probe.stepper import Stepper
 
 __all__ = ["SHORT_FRACTION", "search_lengths", "token_points"]
 

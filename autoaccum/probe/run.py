@@ -1,7 +1,7 @@
 """The probe: measure real training steps at a few micro-batch sizes, fit the memory model, plan.
 
 The optimizer phase is measured once, in a warm-up of two complete steps at the model's smallest size; every
-further size runs forward/backward passes only, as an accumulation's micro-batches do (``autoaccum.probe.stepper``).
+further size runs forward/backward passes only, as an accumulation's micro-batches do (``autoaccum.probe.passes``).
 Sizes are chosen, not laddered (``autoaccum.probe.size_search``): the smallest, a safe second size, then the limit
 the fitted model predicts, verified, and bisected where the model does not hold. Among the sizes that fit, the plan
 measured fastest wins (ties to fewer passes); sizes are timed again only where the choice hangs on it. Every pass
@@ -33,10 +33,10 @@ from autoaccum.memory import (
     resolve_budget,
     usable_bytes,
 )
-from autoaccum.modules import is_compiled
 from autoaccum.memory.model import MemoryModel, TokenMemoryModel
 from autoaccum.memory.recovery import catch_oom, release_memory
-from autoaccum.memory.savers import apply_saver, allowed_savers, suggestions
+from autoaccum.memory.savers import allowed_savers, apply_saver, suggestions
+from autoaccum.modules import is_compiled
 from autoaccum.plan.batch import Batch, move_to
 from autoaccum.plan.batchnorm import smallest_micro_batch
 from autoaccum.plan.lengths import LengthProfile
@@ -44,13 +44,13 @@ from autoaccum.plan.plan import Plan, TokenBudget
 from autoaccum.plan.task import LossFn, Task, check_loss_fn, default_optimizer, resolve_task, trainable_parameters
 from autoaccum.precision import Precision, autocast_dtype, check_precision, make_scaler
 from autoaccum.probe import cache as probe_cache
+from autoaccum.probe.choice import choose
 from autoaccum.probe.estimate import cuda_library_bytes, estimate_device, fake_setup, with_offset
 from autoaccum.probe.length_search import search_lengths
-from autoaccum.probe.choice import choose
-from autoaccum.probe.progress import ProbeProgress
+from autoaccum.probe.passes import HostSnapshotNeeded, StandIn, Stepper
+from autoaccum.probe.progress_line import ProbeProgress
 from autoaccum.probe.report import Candidate, ProbeReport, model_fingerprint, model_summary
 from autoaccum.probe.size_search import search_sizes
-from autoaccum.probe.stepper import HostSnapshotNeeded, StandIn, Stepper
 from autoaccum.state import WeightsCopy
 from autoaccum.validate import check_positive_int
 
@@ -335,7 +335,7 @@ def _measure_once(task: Task, optimizer: Any, precision: Precision, budget_bytes
     device = trainable_parameters(task.model)[0].device
     run_model, make_optimizer = task.model, task.make_optimizer
     user_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
-    # the caller's optimizer is not stepped where a StandIn can step for it (autoaccum.probe.stepper)
+    # the caller's optimizer is not stepped where a StandIn can step for it (autoaccum.probe.passes)
     stand_in = None if estimate or user_optimizer is None else StandIn.of(user_optimizer)
     run_optimizer = user_optimizer if stand_in is None else stand_in.optimizer
     usable = usable_bytes(budget_bytes, headroom)

@@ -13,8 +13,8 @@ from collections.abc import Iterable
 
 from autoaccum.errors import DoesNotFitError
 from autoaccum.memory.model import MemoryModel, MemoryPoint
+from autoaccum.probe.passes import Stepper
 from autoaccum.probe.report import Candidate
-from autoaccum.probe.stepper import Stepper
 
 __all__ = ["LIMIT_TOLERANCE", "LONG_JUMP_FRACTION", "MAX_JUMP", "MIN_FIT_SPAN", "fit_sizes", "search_sizes"]
 

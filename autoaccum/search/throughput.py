@@ -36,6 +36,7 @@ import torch
 
 from autoaccum import state as training_state
 from autoaccum.errors import DoesNotFitError, OptimizerStepOOMError
+from autoaccum.guard.guard import OOMGuard
 from autoaccum.log import user_stacklevel
 from autoaccum.memory import emulated_device, resolve_budget
 from autoaccum.memory.oom import is_oom
@@ -44,7 +45,6 @@ from autoaccum.plan.batch import Batch
 from autoaccum.plan.plan import Plan
 from autoaccum.plan.task import LossFn, Task, trainable_parameters
 from autoaccum.search.knobs import COMPILE_WITH_SAVER, Knobs, apply_knobs
-from autoaccum.guard.guard import OOMGuard
 from autoaccum.validate import check_choice, check_positive_int
 
 __all__ = ["Clock", "Measurement", "Status", "Bench", "make_bench", "measure"]

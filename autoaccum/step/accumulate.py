@@ -31,6 +31,7 @@ from typing import Literal
 
 import torch
 
+from autoaccum.distributed.sync import GradSync, LocalSync
 from autoaccum.errors import TaskError
 from autoaccum.memory.oom import is_oom
 from autoaccum.memory.recovery import drop_frames
@@ -38,7 +39,6 @@ from autoaccum.plan.batch import move_to
 from autoaccum.plan.cut import MicroBatch
 from autoaccum.plan.task import LossFn, check_loss
 from autoaccum.precision import autocast
-from autoaccum.distributed.sync import GradSync, LocalSync
 
 __all__ = ["Accumulated", "Failed", "LossKind", "StepTotals", "accumulate", "reduce_gradients", "step_scalars",
            "sum_dtype"]

@@ -26,9 +26,9 @@ from typing import Any, Literal, NamedTuple, get_args
 
 import torch
 
+from autoaccum.distributed.sync import GradSync
 from autoaccum.errors import OptimizerStepOOMError
 from autoaccum.memory.recovery import catch_oom, release_memory
-from autoaccum.distributed.sync import GradSync
 
 __all__ = ["NONFINITE_POLICIES", "NonFinite", "OptimizerStep", "step_oom_error", "step_optimizer"]
 

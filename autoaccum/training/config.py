@@ -11,19 +11,19 @@ suggests the closest known one.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
+from autoaccum.guard.growth import DEFAULT_GROW_AFTER, GrowMode, check_growth_options
 from autoaccum.memory.savers import check_memory_savers
 from autoaccum.plan.data import LastBatch
 from autoaccum.precision import Precision, check_precision
-from autoaccum.guard.growth import DEFAULT_GROW_AFTER, GrowMode, check_growth_options
 from autoaccum.step.optim import NONFINITE_POLICIES, NonFinite
 from autoaccum.training.lr import LR_RULES, LrRule
-from autoaccum.training.report import check_callbacks, check_report_to
+from autoaccum.training.trackers import check_callbacks, check_report_to
 from autoaccum.units import parse_bytes
 from autoaccum.validate import (
     check_choice,
@@ -217,7 +217,7 @@ class OutputConfig:
             warnings and show either way.
         report_to: where each step's metrics also go (rank 0): ``"tensorboard"``, ``"wandb"``,
             ``"mlflow"`` (each an extra of its own), a callable receiving each step's metrics dict,
-            or a list of these (``autoaccum.training.report``).
+            or a list of these (``autoaccum.training.trackers``).
         report_dir: TensorBoard's log folder (default ``runs/<time>_<host>``, as ``SummaryWriter``'s).
         callbacks: objects with ``on_step(metrics)`` (each step's metrics dict) and/or
             ``on_end(result)`` (the ``FitResult``), called on rank 0.

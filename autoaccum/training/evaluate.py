@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from autoaccum.distributed.sync import ERROR, OK, OOM, GradSync
 from autoaccum.errors import DoesNotFitError, TaskError
 from autoaccum.log import rank_level
 from autoaccum.memory import TrackedMemory, active_budget
@@ -26,7 +27,6 @@ from autoaccum.plan.data import GlobalBatches
 from autoaccum.plan.plan import Plan
 from autoaccum.plan.task import LossFn
 from autoaccum.step.accumulate import Accumulated, accumulate, sum_dtype
-from autoaccum.distributed.sync import ERROR, OK, OOM, GradSync
 
 __all__ = ["EvalResult", "evaluate"]
 

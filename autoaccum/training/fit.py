@@ -45,8 +45,8 @@ from autoaccum.training.loop import Run, train
 from autoaccum.training.lr import apply_lr_rule, warmup_lambda
 from autoaccum.training.plans import choose_plan
 from autoaccum.training.progress import Progress
-from autoaccum.training.report import Reporter, check_backends
 from autoaccum.training.resume import RunPosition, check_resumable, restore_run
+from autoaccum.training.trackers import Reporter, check_backends
 from autoaccum.units import format_bytes
 from autoaccum.validate import check_positive_int, resolve_device
 

@@ -11,13 +11,13 @@ from typing import Any
 
 import torch
 
+from autoaccum.distributed.sync import GradSync
 from autoaccum.errors import AutoAccumError, NonFiniteError
+from autoaccum.guard.guard import OOMGuard, StepResult
 from autoaccum.log import rank_level
 from autoaccum.memory import Meter, TrackedMemory
 from autoaccum.plan.data import GlobalBatches
 from autoaccum.plan.task import LossFn
-from autoaccum.guard.guard import OOMGuard, StepResult
-from autoaccum.distributed.sync import GradSync
 from autoaccum.training.config import FitConfig
 from autoaccum.training.evaluate import evaluate
 from autoaccum.training.progress import Progress

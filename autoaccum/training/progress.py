@@ -1,5 +1,5 @@
 """What ``fit`` reports while it runs: banner, progress bar, one JSON line per step (also to the
-``report_to`` targets and callbacks, ``autoaccum.training.report``), summary.
+``report_to`` targets and callbacks, ``autoaccum.training.trackers``), summary.
 
 The metrics file gets one line per optimizer step. A resumed run first cuts the file back to the
 checkpoint's step (``truncate_metrics``: the lines of the steps after the checkpoint, which the
@@ -18,7 +18,7 @@ from typing import Any
 from autoaccum.jsonio import write_bytes_atomic
 from autoaccum.log import SHOWN
 from autoaccum.plan.plan import Plan
-from autoaccum.training.report import Reporter
+from autoaccum.training.trackers import Reporter
 from autoaccum.units import format_bytes
 
 __all__ = ["Progress", "truncate_metrics"]

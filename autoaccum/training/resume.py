@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from autoaccum import distributed
+from autoaccum.guard.guard import OOMGuard
 from autoaccum.log import user_stacklevel
 from autoaccum.state import capture_rng, restore_rng
-from autoaccum.guard.guard import OOMGuard
 from autoaccum.training import checkpoint as ckpt
 
 __all__ = ["CHECKPOINT_FORMAT", "RunPosition", "check_resumable", "model_shapes", "restore_run", "save_run"]

@@ -21,8 +21,10 @@ other size runs forward and backward only:
 
 Each pass runs under the run's precision (autocast; a GradScaler for fp16). An OOM ends the size
 (status ``oom``) and is recovered outside the ``except`` block. The caller's optimizer is not
-stepped: the warm-up steps a ``StandIn``. Gradients are cleared by setting ``.grad`` to None, so no
-``zero_grad`` of any optimizer is called.
+stepped: the warm-up steps a ``StandIn``. The passes and steps are the guard's own (``accumulate``,
+``step_optimizer``), so the probe measures what training runs. Gradients are cleared by setting
+``.grad`` to None (``zero_grad``, which wrappers and counters of it would see, runs only after an OOM
+in the warm-up's optimizer step).
 """
 
 from __future__ import annotations
@@ -34,16 +36,17 @@ from collections.abc import Callable
 
 import torch
 
-from autoaccum.errors import AutoAccumError
+from autoaccum.errors import AutoAccumError, OptimizerStepOOMError
 from autoaccum.memory import Meter
-from autoaccum.memory.oom import is_oom
 from autoaccum.memory.recovery import catch_oom, release_memory
-from autoaccum.plan.batch import Batch, batch_size, move_to, own_rows, tensors
-from autoaccum.plan.task import LossFn, check_loss, explain_error
-from autoaccum.precision import autocast
-from autoaccum.probe.progress import ProbeProgress
+from autoaccum.plan.batch import Batch, move_to, own_rows, tensors
+from autoaccum.plan.cut import MicroBatch
+from autoaccum.plan.task import LossFn, explain_error
+from autoaccum.probe.progress_line import ProbeProgress
 from autoaccum.probe.report import Candidate, Status
 from autoaccum.state import WeightsCopy
+from autoaccum.step.accumulate import Failed, accumulate
+from autoaccum.step.optim import step_optimizer
 from autoaccum.units import format_bytes
 
 __all__ = ["HostSnapshotNeeded", "StandIn", "Stepper"]
@@ -166,41 +169,39 @@ class Stepper:
         reading = self.meter.read()
         return 0 if reading is None else reading.peak_bytes - self.copy_bytes
 
-    def _pass(self, batch: Batch) -> tuple[int, float]:
-        """One forward/backward pass: (its peak, its time)."""
+    def _pass(self, batch: Batch, size: int) -> tuple[int, float]:
+        """One forward/backward pass of ``size`` samples, as the guard runs one (``accumulate``): (its
+        peak, its time). An OOM is raised again for ``_record``; a known mistake is named."""
         self._sync()
         started = time.perf_counter()
         self.meter.reset_peak()
         reading = self.meter.read()
         self.start_bytes = 0 if reading is None else reading.current_bytes - self.copy_bytes
-        try:
-            with autocast(self.device, self.autocast_dtype):
-                loss, _ = check_loss(self.loss_fn(self.model, batch))
-            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-        except Exception as exc:  # an OOM goes on as it is; a known mistake is named
-            explained = None if is_oom(exc) else explain_error(exc, self.model, batch)
+        done = accumulate(self.model, [MicroBatch(batch, size)], self.loss_fn, num_samples=size, device=self.device,
+                          scaler=self.scaler, autocast_dtype=self.autocast_dtype)
+        if isinstance(done, Failed):  # the failed pass's frames are gone: raising here holds no activation
+            if done.oom:
+                raise torch.OutOfMemoryError(f"micro-batch {size} ran out of memory in {done.where}")
+            assert done.error is not None
+            explained = explain_error(done.error, self.model, batch)  # as the guard explains it
             if explained is None:
-                raise
-            raise explained from exc  # the same explanation as the guard's (autoaccum.plan.task.explain_error)
-        del loss
+                raise done.error
+            raise explained from done.error
+        del done
         peak = self._peak()
         self._sync()
         self.steps += 1
         self.holding_grads = True
         elapsed = time.perf_counter() - started
         if self.watching is not None:  # after the timing: the pass's time is the same with or without a copy
-            self._check_unwritten(self.watching, batch)
+            self._check_unwritten(self.watching, size)
         return peak, elapsed
 
     @staticmethod
-    def _check_unwritten(watching: WeightsCopy, batch: Batch) -> None:
+    def _check_unwritten(watching: WeightsCopy, size: int) -> None:
         """After the warm-up's copy was put back, no pass may write the weights: nothing could restore them."""
         name = watching.written()
         if name is not None:
-            try:
-                size: int | str = batch_size(batch)
-            except ValueError:  # a batch type the probe cuts with a size_fn: its size is not in the message
-                size = "?"
             raise AutoAccumError(
                 f"the model wrote its parameter {name!r} (in place, or a new .data) during a forward/backward pass "
                 f"of the probe (at micro-batch {size}), after the warm-up's copy of the weights was put back, so the "
@@ -221,17 +222,18 @@ class Stepper:
         if size >= self.share:
             self._zero_grad()
         elif not self.holding_grads:  # after an OOM: gradients as an accumulation's later passes hold them
-            self._pass(self._batch(self.smallest))
+            self._pass(self._batch(self.smallest), self.smallest)
 
     def _optimizer_step(self) -> None:
+        """One optimizer step as the guard takes one (``step_optimizer``); its OOM ends the size."""
         self._sync()
         started = time.perf_counter()
         self.meter.reset_peak()
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        try:
+            step_optimizer(self.optimizer, params, scaler=self.scaler)
+        except OptimizerStepOOMError as exc:
+            raise torch.OutOfMemoryError(str(exc)) from None
         self.opt_peak_bytes = max(self.opt_peak_bytes, self._peak())
         self._sync()
         self.opt_time_s = time.perf_counter() - started
@@ -257,7 +259,7 @@ class Stepper:
         for step in range(2):
             if step == 0 or size >= self.share:
                 self._zero_grad()
-            peak, seconds = self._pass(batch)
+            peak, seconds = self._pass(batch, size)
             copy = self.weights_copy
             if step == 0 and copy is not None and (copy.written() or copy.differs()):  # before any optimizer step
                 raise HostSnapshotNeeded("a forward/backward pass wrote the parameters", self.steps, self.ooms,
@@ -272,7 +274,7 @@ class Stepper:
         peaks, times = [], []
         for _ in range(self.passes):
             self._start(size)
-            peak, seconds = self._pass(batch)
+            peak, seconds = self._pass(batch, size)
             peaks.append(peak)
             times.append(seconds)
         return self._candidate(size, max(peaks), times[1:] or times)
@@ -313,7 +315,7 @@ class Stepper:
         another process took): the size is recorded as not fitting, and the probe chooses without it."""
         candidate = self.measured[(size, self.length)]
         self._start(size)
-        timed, failed = catch_oom(lambda: self._pass(self._batch(size)))
+        timed, failed = catch_oom(lambda: self._pass(self._batch(size), size))
         if failed or timed is None:  # outside any except block: the failed pass's activations are gone
             self.steps += 1
             self.ooms += 1
