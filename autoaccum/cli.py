@@ -170,9 +170,9 @@ def format_probe(report: ProbeReport) -> str:
                      f"{counted(report.optimizer_steps, 'optimizer step')} in {report.wall_time_s:.2f} s, {ooms} ran "
                      f"out of memory")
     plan = report.plan
-    for rung, needed in report.savers_tried:
+    for saver, needed in report.savers_tried:
         lines.append(f"micro-batch {plan.min_micro_batch} did not fit "
-                     f"{'without a memory saver' if rung == 'none' else f'with {rung}'} (needs "
+                     f"{'without a memory saver' if saver == 'none' else f'with {saver}'} (needs "
                      f"{'?' if needed is None else 'at least ' + format_bytes(needed)}); measured again with the next "
                      f"memory saver")
     # the plan is cut evenly from the size it was chosen at: the smallest measured size that covers it

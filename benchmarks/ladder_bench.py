@@ -1,9 +1,9 @@
-"""When one sample does not fit: fit climbing the memory ladder against a hand-configured run.
+"""When one sample does not fit: fit turning to the memory savers against a hand-configured run.
 
 A TinyGPT whose one-sample step does not fit the memory it is given, at a long sequence. Per budget:
 
-- ``fit``: ``autoaccum.fit`` with nothing configured (the probe climbs to the rung where the smallest
-  micro-batch fits and picks the micro-batch there); its rung, plan, OOMs and samples/s (probe excluded);
+- ``fit``: ``autoaccum.fit`` with nothing configured (the probe turns to the saver with which the smallest
+  micro-batch fits and picks the micro-batch there); its saver, plan, OOMs and samples/s (probe excluded);
 - ``hand``: what a user would configure by hand: checkpointing on, the largest micro-batch that fits
   found by brute force (real steps on a fresh model, keeping the same 10% headroom the probe keeps),
   a plain accumulation loop at that micro-batch; its samples/s, measured in the same process right
@@ -57,14 +57,14 @@ def _squeeze(args: argparse.Namespace, device: torch.device) -> contextlib.Abstr
     return contextlib.nullcontext()
 
 
-def _hand_rate(args: argparse.Namespace, device: torch.device, data: torch.Tensor, micro: int, rung: str,
+def _hand_rate(args: argparse.Namespace, device: torch.device, data: torch.Tensor, micro: int, saver: str,
                budget: int | None) -> float:
-    """Samples/s of a plain accumulation loop at ``micro`` on ``rung`` (steps after the first two)."""
+    """Samples/s of a plain accumulation loop at ``micro`` on ``saver`` (steps after the first two)."""
     model = _model(args, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     meter = autoaccum.emulated_budget(budget, model, opt) if budget is not None else contextlib.nullcontext()
     starts = []
-    with meter, apply_saver(model, rung):
+    with meter, apply_saver(model, saver):
         for step in range(args.steps):
             _sync(device)
             starts.append(time.perf_counter())
@@ -78,9 +78,9 @@ def _hand_rate(args: argparse.Namespace, device: torch.device, data: torch.Tenso
     return args.target * (args.steps - 2) / (starts[-1] - starts[2])
 
 
-def _fits(args: argparse.Namespace, device: torch.device, data: torch.Tensor, micro: int, rung: str,
+def _fits(args: argparse.Namespace, device: torch.device, data: torch.Tensor, micro: int, saver: str,
           budget: int | None) -> bool:
-    """Two accumulated steps at ``micro`` on ``rung`` on a fresh model run out of no memory."""
+    """Two accumulated steps at ``micro`` on ``saver`` on a fresh model run out of no memory."""
     model = _model(args, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     meter = autoaccum.emulated_budget(budget, model, opt) if budget is not None else contextlib.nullcontext()
@@ -89,7 +89,7 @@ def _fits(args: argparse.Namespace, device: torch.device, data: torch.Tensor, mi
         free, _ = torch.cuda.mem_get_info(device)
         usable = HEADROOM_KEPT * (free + torch.cuda.memory_reserved(device))
     try:
-        with meter, apply_saver(model, rung):
+        with meter, apply_saver(model, saver):
             for _ in range(2):
                 for _ in range(2):
                     token_loss(model, data[:micro]).backward()
@@ -105,14 +105,14 @@ def _fits(args: argparse.Namespace, device: torch.device, data: torch.Tensor, mi
     return ok
 
 
-def _brute_force(args: argparse.Namespace, device: torch.device, data: torch.Tensor, rung: str,
+def _brute_force(args: argparse.Namespace, device: torch.device, data: torch.Tensor, saver: str,
                  budget: int | None) -> int:
-    """The largest micro-batch (up to the target) whose steps fit on ``rung``: doubling, then bisection."""
+    """The largest micro-batch (up to the target) whose steps fit on ``saver``: doubling, then bisection."""
     budget = None if budget is None else int(budget * HEADROOM_KEPT)
     lo, hi = 0, None
     size = 1
     while size <= args.target:
-        if _fits(args, device, data, size, rung, budget):
+        if _fits(args, device, data, size, saver, budget):
             lo, size = size, size * 2
         else:
             hi = size
@@ -120,7 +120,7 @@ def _brute_force(args: argparse.Namespace, device: torch.device, data: torch.Ten
     hi = hi if hi is not None else args.target + 1
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if _fits(args, device, data, mid, rung, budget) else (lo, mid)
+        lo, hi = (mid, hi) if _fits(args, device, data, mid, saver, budget) else (lo, mid)
     return lo
 
 
@@ -152,15 +152,15 @@ def main() -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         result = autoaccum.fit(model, data, target_batch=args.target, loss_fn=token_loss, optimizer=opt,
                                max_steps=args.steps, epochs=None, budget=budget, progress=False, verbose=False)
-        rung, micro = result.plan.saver, result.final_plan.micro_batch
+        saver, micro = result.plan.saver, result.final_plan.micro_batch
         del model, opt
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        hand_rung = "checkpointing" if rung == "none" else rung
+        hand_rung = "checkpointing" if saver == "none" else saver
         hand_micro = _brute_force(args, device, data, hand_rung, budget)
         hand = _hand_rate(args, device, data, hand_micro, hand_rung, budget) if hand_micro else 0.0
-    row = {"rung": rung, "savers_tried": [r for r, _ in result.probe.savers_tried] if result.probe else [],
+    row = {"saver": saver, "savers_tried": [r for r, _ in result.probe.savers_tried] if result.probe else [],
            "plan": result.plan.describe(), "micro": micro, "fit_ooms": result.oom_events,
            "fit_samples_per_s": result.samples_per_s, "probe_s": result.probe_time_s,
            "hand_rung": hand_rung, "hand_micro": hand_micro, "hand_samples_per_s": hand,
@@ -173,7 +173,7 @@ def main() -> None:
               "command": "python benchmarks/ladder_bench.py " + " ".join(sys.argv[1:])}
     if not args.json_only:
         print(f"{report['model']}, target {args.target}, {format_bytes(parse_bytes(args.budget))} left, {report['device']}")
-        print(f"fit: {row['plan']} (rungs below: {', '.join(row['savers_tried']) or '-'}), {row['fit_ooms']} OOMs, "
+        print(f"fit: {row['plan']} (savers below: {', '.join(row['savers_tried']) or '-'}), {row['fit_ooms']} OOMs, "
               f"{row['fit_samples_per_s']:.2f} samples/s (probe {row['probe_s']:.1f} s)")
         print(f"hand: {hand_rung}, micro {hand_micro} (brute force), {hand:.2f} samples/s")
         print(f"fit / hand: {row['fit_vs_hand']:.3f}x (target >= 0.95)" if row["fit_vs_hand"] else "hand: nothing fits")

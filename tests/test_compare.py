@@ -166,7 +166,7 @@ def test_one_sample_does_not_fit_without_checkpointing_and_autoaccum_climbs_the_
     assert nofit_doc["saver"] == "checkpointing" and nofit_doc["fits_without_savers"] == 0
     assert nofit_doc["truly_fits"] >= 1  # with checkpointing
     row = nofit_doc["systems"]["autoaccum"]
-    assert row["error"] is None and row["rung"] == "checkpointing"
+    assert row["error"] is None and row["saver"] == "checkpointing"
     assert row["find_ooms"] >= 1 and _tries(row)[0] == ("find", 1)  # the probe's step at 1 sample without it
     assert row["train_ooms"] == 0 and row["budget_ooms"] == 0  # no OOM in training, caught or escaping
     assert row["global_batches"] == [nofit_doc["target_batch"]] and row["optimizer_steps"] == 4
@@ -199,13 +199,13 @@ def test_fit_against_the_hand_configured_run_in_one_process(nofit_doc):
     assert pair["rounds"] == 1 and len(pair["ratios"]) == 1 and pair["hand_micro"] >= 1
     fit, hand = pair["runs"]["fit"][0], pair["runs"]["hand"][0]
     assert fit["error"] is None and hand["error"] is None
-    assert fit["rung"] == hand["rung"] == "checkpointing"
+    assert fit["saver"] == hand["saver"] == "checkpointing"
     assert pair["fit_train_ooms"] == 0 and hand["budget_ooms"] == 0  # fit: an escaping OOM would be its error
     assert fit["global_batches"] == hand["global_batches"] == [nofit_doc["target_batch"]]
     assert pair["fit_max_rel_diff"] < 1e-10 and pair["hand_max_rel_diff"] < 1e-10  # both token-exact
     # negative control: the harness's hand row divides each micro-batch's token mean by accum_steps, which
     # is not the step's token mean; the same comparison catches it
-    assert nofit_doc["systems"]["hand"]["rung"] == "checkpointing"
+    assert nofit_doc["systems"]["hand"]["saver"] == "checkpointing"
     assert nofit_doc["systems"]["hand"]["max_rel_diff"] > 1e-3
 
 

@@ -763,13 +763,13 @@ def test_a_plan_file_with_knobs_fit_does_not_apply_is_named(tmp_path):
                                 "plan": {"micro_batch": 32, "accum_steps": 2, "world_size": 1, "target_batch": 64}}))
     with pytest.warns(UserWarning, match=r"precision='bf16' and model=torch.compile\(model\) to train as measured"):
         fit(torch.nn.Linear(4, 2), (x, y), 64, plan=path, progress=False, max_steps=1)
-    # the rung is no knob to apply by hand: fit trains on it (the plan's saver), and says nothing
-    ladder = tmp_path / "ladder.json"
-    ladder.write_text(json.dumps({"kind": "autoaccum.plan", "knobs": {"saver": "checkpointing", "autocast": "fp32",
+    # the saver is no knob to apply by hand: fit trains on it (the plan's saver), and says nothing
+    savers = tmp_path / "savers.json"
+    savers.write_text(json.dumps({"kind": "autoaccum.plan", "knobs": {"saver": "checkpointing", "autocast": "fp32",
                                                                      "compile": False},
                                   "plan": {"micro_batch": 32, "accum_steps": 2, "world_size": 1, "target_batch": 64,
                                            "saver": "checkpointing"}}))
-    class Blocks(torch.nn.Module):  # blocks in an nn.ModuleList: what the checkpointing rung wraps
+    class Blocks(torch.nn.Module):  # blocks in an nn.ModuleList: what the checkpointing saver wraps
         def __init__(self):
             super().__init__()
             self.blocks, self.head = torch.nn.ModuleList([torch.nn.Linear(4, 4)]), torch.nn.Linear(4, 2)
@@ -779,7 +779,7 @@ def test_a_plan_file_with_knobs_fit_does_not_apply_is_named(tmp_path):
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        result = fit(Blocks(), (x, y), 64, plan=ladder, progress=False, max_steps=1)
+        result = fit(Blocks(), (x, y), 64, plan=savers, progress=False, max_steps=1)
     assert result.plan.saver == "checkpointing"
     plain = tmp_path / "plain.json"  # a probe report or a plan without knobs: nothing to say
     plain.write_text(json.dumps({"plan": {"micro_batch": 32, "accum_steps": 2, "world_size": 1, "target_batch": 64}}))

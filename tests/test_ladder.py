@@ -1,8 +1,8 @@
-"""The memory ladder in use: a transformer whose one-sample step does not fit the (emulated) budget
-trains to the end on the next rung (activation checkpointing), with the probe and the guard climbing
+"""The memory savers in use: a transformer whose one-sample step does not fit the (emulated) budget
+trains to the end on the next saver (activation checkpointing), with the probe and the guard turning to
 to it, and its weights equal an unconstrained run's (fp64, 1e-12). Negative controls: with
-``memory_savers="off"`` the same run ends in ``DoesNotFitError``; under a budget no rung fits, the
-error lists every rung tried.
+``memory_savers="off"`` the same run ends in ``DoesNotFitError``; under a budget no saver fits, the
+error lists every saver tried.
 
 Sizes (TinyGPT, vocab 64, 128 tokens, dim 32, 4 blocks, fp64, AdamW, counted by the tracked meter):
 a step at micro-batch 1 peaks at about 3.3 MB without checkpointing and 1.9 MB with it; 3.5 MB at 2.
@@ -64,7 +64,7 @@ def _guard_run(budgets: list[str | None], **options) -> tuple[dict[str, torch.Te
 
 def test_the_guard_climbs_to_checkpointing_where_one_sample_does_not_fit_and_stays_exact() -> None:
     """Two steps with memory to spare, then the budget drops below one sample's step: the guard halves
-    4 -> 2 -> 1, then climbs to checkpointing and replays the same samples; the weights are those of
+    4 -> 2 -> 1, then turns to checkpointing and replays the same samples; the weights are those of
     full-batch steps."""
     params, guard = _guard_run([None, None, LADDER_ONLY, LADDER_ONLY])
     changes = [(c.step, c.old.micro_batch, c.new.micro_batch, c.old.saver, c.new.saver) for c in guard.changes]
@@ -93,7 +93,7 @@ def test_where_no_rung_fits_every_rung_tried_is_named() -> None:
 @pytest.mark.slow
 def test_after_calm_steps_at_the_smallest_micro_batch_the_guard_steps_back_down() -> None:
     """Memory comes back: after enough calm steps at micro-batch 1 on checkpointing the guard tries the
-    rung below; it fits, and the run goes on there, exact."""
+    saver below; it fits, and the run goes on there, exact."""
     budgets = [LADDER_ONLY] + [None] * 9
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -134,7 +134,7 @@ def test_fit_plans_on_the_rung_where_one_sample_fits_and_trains_exactly() -> Non
     assert result.plan.saver == "checkpointing" and result.oom_events == 0
     assert [r for r, _ in result.probe.savers_tried] == ["none"]
     assert result.probe.to_dict()["plan"]["saver"] == "checkpointing"
-    # the bytes a rung reached before it ran out are a lower bound, and printed as one
+    # the bytes a saver reached before it ran out are a lower bound, and printed as one
     assert "did not fit without a memory saver (needs at least " in autoaccum.cli.format_probe(result.probe)
     got = {n: p.detach() for n, p in model.named_parameters()}
     ref = _full_batch_reference()
@@ -178,20 +178,20 @@ def test_offload_on_cuda_gives_the_same_gradients_and_keeps_less_on_the_device()
     device = torch.device("cuda")
     x = synthetic_tokens(8, 512, 64).to(device)
     grads, held = {}, {}
-    for rung in ("none", "checkpointing", "offload"):
+    for saver in ("none", "checkpointing", "offload"):
         torch.manual_seed(0)
         model = TinyGPT(vocab_size=64, seq_len=512, dim=128, layers=6, heads=4).double().to(device)
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated(device)
-        with apply_saver(model, rung):
+        with apply_saver(model, saver):
             loss = token_loss(model, x)
             torch.cuda.synchronize()
-            held[rung] = torch.cuda.memory_allocated(device) - base
+            held[saver] = torch.cuda.memory_allocated(device) - base
             loss.backward()
-        grads[rung] = {n: p.grad.clone() for n, p in model.named_parameters()}
-    for rung in ("checkpointing", "offload"):
+        grads[saver] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for saver in ("checkpointing", "offload"):
         for name, g in grads["none"].items():
-            torch.testing.assert_close(grads[rung][name], g, **TIGHT, msg=f"{rung} {name}")
+            torch.testing.assert_close(grads[saver][name], g, **TIGHT, msg=f"{saver} {name}")
     assert held["offload"] < held["checkpointing"] < held["none"], held
 
 
@@ -226,7 +226,7 @@ def test_the_hf_trainer_integration_climbs_through_the_models_own_switch(tmp_pat
     _, want = run(transformers.Trainer, 4, 1, None)
     for name, p in want.items():
         torch.testing.assert_close(got[name], p, **TIGHT, msg=name)
-    # memory_savers= reaches the probe: with the ladder off the same run does not fit
+    # memory_savers= reaches the probe: with the savers off the same run does not fit
     with pytest.raises(DoesNotFitError, match="a micro-batch of 1 does not fit"):
         run(AutoAccumTrainer, 2, 2, "6MB", memory_savers="off")
 

@@ -181,8 +181,8 @@ def test_plan_changes_say_both_cuts_so_that_each_adds_up():
         "rank 1 -> (10 x 2 + 9 x 5) on rank 0 + (10 + 9 x 6) on rank 1 (7 micro-batches each); the global batch is "
         "unchanged")
     one = Plan.for_target(16, 1)
-    rung = PlanChange(2, "oom", "forward", one, one.with_saver("checkpointing"))
-    assert rung.describe() == ("OOM in forward: batch 16 = 1 x 16 (16 micro-batches), memory saver none -> "
+    saver = PlanChange(2, "oom", "forward", one, one.with_saver("checkpointing"))
+    assert saver.describe() == ("OOM in forward: batch 16 = 1 x 16 (16 micro-batches), memory saver none -> "
                                "checkpointing; the global batch is unchanged")
     tokens = dataclasses.replace(Plan.for_target(64, 32), tokens=TokenBudget(4096, 0.0, 512))
     halved = PlanChange(1, "oom", "backward", tokens, tokens.halved())

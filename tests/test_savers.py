@@ -1,4 +1,4 @@
-"""The memory ladder's rungs (autoaccum.memory.savers): each gives the gradients of the step without
+"""The memory savers (autoaccum.memory.savers): each gives the gradients of the step without
 it (fp64, 1e-12), draws the same dropout masks, updates BatchNorm running statistics once per forward,
 and handles tied and frozen weights as without it. Each property with a negative control: plain
 ``torch.utils.checkpoint`` updates the statistics twice; without the RNG state kept the masks differ.
@@ -59,11 +59,11 @@ def _net() -> Net:
     return Net().double()
 
 
-def _step(model: nn.Module, rung: str, seed: int = 5) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """One forward/backward on ``rung`` from a fixed RNG state: the gradients and the buffers after it."""
+def _step(model: nn.Module, saver: str, seed: int = 5) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One forward/backward on ``saver`` from a fixed RNG state: the gradients and the buffers after it."""
     ids = torch.randint(0, 11, (6, 7), generator=torch.Generator().manual_seed(1))
     model.train()
-    with apply_saver(model, rung):
+    with apply_saver(model, saver):
         torch.manual_seed(seed)
         loss = F.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
         loss.backward()
@@ -113,16 +113,16 @@ def test_the_rung_is_taken_off_afterwards_and_keeps_no_memory_of_activations() -
     with apply_saver(model, "checkpointing"):
         assert all("forward" in block.__dict__ for block in model.blocks)
     assert all("forward" not in block.__dict__ for block in model.blocks)
-    # what the rung is for: the blocks' activations are not kept for backward
+    # what the saver is for: the blocks' activations are not kept for backward
     from autoaccum.memory import TrackedMemory
 
     peaks = {}
-    for rung in ("none", "checkpointing"):
+    for saver in ("none", "checkpointing"):
         m = Net(dim=64, depth=6).double()
         ids = torch.randint(0, 11, (16, 64))
-        with TrackedMemory().track(m) as mem, apply_saver(m, rung):
+        with TrackedMemory().track(m) as mem, apply_saver(m, saver):
             loss = m(ids).sum()
-            peaks[rung] = mem.current_bytes
+            peaks[saver] = mem.current_bytes
             loss.backward()
     assert peaks["checkpointing"] < 0.6 * peaks["none"], peaks
 
@@ -132,14 +132,14 @@ def test_a_hugging_face_model_uses_its_own_switch_with_the_same_gradients() -> N
     config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=31, n_positions=16,
                                      resid_pdrop=0.2, embd_pdrop=0.2, attn_pdrop=0.2)
 
-    def run(rung: str) -> dict[str, torch.Tensor]:
+    def run(saver: str) -> dict[str, torch.Tensor]:
         torch.manual_seed(0)
         model = transformers.GPT2LMHeadModel(config).double().train()
         ids = torch.randint(0, 31, (3, 12), generator=torch.Generator().manual_seed(2))
         state = "is_activation_checkpointing" if hasattr(model, "activation_checkpointing_enable") \
             else "is_gradient_checkpointing"
-        with apply_saver(model, rung):
-            assert getattr(model, state) == (rung != "none")
+        with apply_saver(model, saver):
+            assert getattr(model, state) == (saver != "none")
             torch.manual_seed(9)
             model(input_ids=ids, labels=ids).loss.backward()
         assert not getattr(model, state)  # switched off again
@@ -167,11 +167,11 @@ def test_the_ladder_follows_the_model_the_device_and_the_option() -> None:
 
 def test_a_compiled_model_takes_no_rung_and_the_error_says_why() -> None:
     """torch.compile cannot trace the exact checkpointing (dynamo: "checkpoint not implemented for ...
-    context_fn"), so a compiled model's ladder is the bottom rung alone, and what DoesNotFitError suggests
-    says so; the same model uncompiled keeps its rungs (the negative control)."""
+    context_fn"), so a compiled model's savers is the bottom saver alone, and what DoesNotFitError suggests
+    says so; the same model uncompiled keeps its savers (the negative control)."""
     net = _net()
     assert allowed_savers(net, torch.device("cpu")) == ("none", "checkpointing")
     assert allowed_savers(torch.compile(net), torch.device("cpu")) == ("none",)
     net.compile()  # compiled in place
     assert allowed_savers(net, torch.device("cuda")) == ("none",)
-    assert any("torch.compile'd model takes no rung" in s for s in suggestions(("none",)))
+    assert any("torch.compile'd model takes no saver" in s for s in suggestions(("none",)))

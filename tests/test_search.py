@@ -32,7 +32,7 @@ from autoaccum.search.throughput import Bench, Measurement, measure  # noqa: E40
 
 TARGET = 32
 # Usable 1.53 MB: a guarded fp32 step fits up to about micro 10 of this model, micro 32 does not
-# (32 needs ~3 MB); on the checkpointing rung or with bf16 larger micro-batches fit (16 on checkpointing).
+# (32 needs ~3 MB); on the checkpointing saver or with bf16 larger micro-batches fit (16 on checkpointing).
 BUDGET = 1_700_000
 # CPU time, with one intra-op thread (fixture below): other processes on a shared CI machine do
 # not count, so readings of millisecond steps do not swing by 2-3x with their load.
@@ -98,7 +98,7 @@ def test_space_rejects_bad_values():
 def test_knobs_offered_where_they_apply():
     mlp = torch.nn.Sequential(torch.nn.Linear(4, 4))
     cpu = torch.device("cpu")
-    # the saver knob is the memory ladder's rungs (offload only on CUDA)
+    # the saver knob is the memory savers (offload only on CUDA)
     assert available_knobs(small_task().model, cpu)["saver"] == ("none", "checkpointing")  # blocks: a ModuleList
     assert available_knobs(mlp, cpu)["saver"] == ("none",)  # nothing to checkpoint
     assert available_knobs(mlp, cpu)["compile"] == (False,)  # compiling on CPU: only when asked

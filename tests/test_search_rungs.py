@@ -1,6 +1,6 @@
-"""The search's saver knob is the memory ladder's rung (autoaccum.memory.savers): a trial on a rung runs the
-exact rung (the gradients of the step without it, BatchNorm statistics updated once, the same dropout
-masks), the search picks among rungs and its plan carries the winner's (``Plan.saver``), plan files
+"""The search's saver knob is the memory saver (autoaccum.memory.savers): a trial with a saver runs the
+exact saver (the gradients of the step without it, BatchNorm statistics updated once, the same dropout
+masks), the search picks among savers and its plan carries the winner's (``Plan.saver``), plan files
 written before (``"checkpointing": true`` among their knobs) still load, and a search plan file made for
 another model is refused as a probe report is."""
 
@@ -16,7 +16,7 @@ from test_search import BUDGET, FAST, QUICK, TARGET, small_task
 from torch import nn
 
 import autoaccum
-from autoaccum import Knobs, Plan
+from autoaccum import Knobs
 from autoaccum.cli import TinyGPT
 from autoaccum.plan.task import Task
 from autoaccum.probe.report import model_fingerprint
@@ -42,7 +42,7 @@ class Block(nn.Module):
 
 
 class BatchNormNet(nn.Module):
-    """Blocks with BatchNorm (running statistics) and dropout in an ``nn.ModuleList``: what the rung checkpoints."""
+    """Blocks with BatchNorm (running statistics) and dropout in an ``nn.ModuleList``: what the saver checkpoints."""
 
     def __init__(self, dim: int = 6, depth: int = 3) -> None:
         super().__init__()
@@ -89,14 +89,14 @@ def _trial(saver: str) -> list[tuple[dict[str, torch.Tensor], dict[str, torch.Te
 def test_a_trial_on_the_checkpointing_rung_is_the_step_without_it():
     """fp64: the gradients of every optimizer step (dropout included) equal the trial without the saver's,
     and BatchNorm's running statistics are updated once per forward: three micro-batches, three updates."""
-    plain, rung = _trial("none"), _trial("checkpointing")
-    assert len(plain) == len(rung) == FAST["warmup_steps"] + FAST["measure_steps"]
-    for (want_grads, want_buffers), (grads, buffers) in zip(plain, rung):
+    plain, saver = _trial("none"), _trial("checkpointing")
+    assert len(plain) == len(saver) == FAST["warmup_steps"] + FAST["measure_steps"]
+    for (want_grads, want_buffers), (grads, buffers) in zip(plain, saver):
         for name, g in want_grads.items():
             torch.testing.assert_close(grads[name], g, **TIGHT, msg=name)
         for name, b in want_buffers.items():
             torch.testing.assert_close(buffers[name], b, **TIGHT, msg=name)
-    assert [int(b["blocks.0.norm.num_batches_tracked"]) for _, b in rung] == [3, 6, 9, 12]
+    assert [int(b["blocks.0.norm.num_batches_tracked"]) for _, b in saver] == [3, 6, 9, 12]
 
 
 def test_negative_control_plain_checkpoint_in_a_trial_updates_batchnorm_twice(monkeypatch):
@@ -107,19 +107,19 @@ def test_negative_control_plain_checkpoint_in_a_trial_updates_batchnorm_twice(mo
     plain = _trial("none")
     monkeypatch.setattr(savers, "_context_fn", lambda module: (lambda: (contextlib.nullcontext(),
                                                                          contextlib.nullcontext())))
-    rung = _trial("checkpointing")
-    assert int(rung[0][1]["blocks.0.norm.num_batches_tracked"]) == 6  # twice per micro-batch
-    assert not torch.allclose(rung[0][1]["blocks.0.norm.running_mean"], plain[0][1]["blocks.0.norm.running_mean"])
+    saver = _trial("checkpointing")
+    assert int(saver[0][1]["blocks.0.norm.num_batches_tracked"]) == 6  # twice per micro-batch
+    assert not torch.allclose(saver[0][1]["blocks.0.norm.running_mean"], plain[0][1]["blocks.0.norm.running_mean"])
 
 
 def _rung_study() -> tuple[optuna.storages.InMemoryStorage, str]:
-    """A study whose first trials are micro 16 on both rungs: 16 does not fit without a saver under BUDGET,
+    """A study whose first trials are micro 16 on both savers: 16 does not fit without a saver under BUDGET,
     and fits on checkpointing (the enqueued trials run before the search's seeds and sampled trials)."""
     storage = optuna.storages.InMemoryStorage()
-    study = optuna.create_study(storage=storage, study_name="rungs", direction="maximize")
+    study = optuna.create_study(storage=storage, study_name="savers", direction="maximize")
     for saver in ("checkpointing", "none"):
         study.enqueue_trial({"micro_batch_index": 1, "saver": saver})
-    return storage, "rungs"
+    return storage, "savers"
 
 
 @pytest.fixture(scope="module")
@@ -135,22 +135,22 @@ def rung_search():
 def test_the_search_picks_among_rungs_and_its_plan_carries_the_rung(rung_search):
     _, result = rung_search
     outcome = {(t.plan.micro_batch, t.knobs.saver): t.status for t in result.trials}
-    assert outcome[(16, "checkpointing")] == "ok" and outcome[(16, "none")] == "oom"  # the rung lets 16 fit
+    assert outcome[(16, "checkpointing")] == "ok" and outcome[(16, "none")] == "oom"  # the saver lets 16 fit
     assert outcome[(8, "none")] == "ok"
-    for t in result.trials:  # a trial's plan is on its rung
+    for t in result.trials:  # a trial's plan is with its saver
         assert t.plan.saver == t.knobs.saver and t.plan.target_batch == TARGET
     assert result.plan.saver == result.knobs.saver
     assert result.plan_file()["plan"].get("saver", "none") == result.knobs.saver
     assert result.plan_file()["knobs"]["saver"] == result.knobs.saver and "checkpointing" not in result.knobs.to_dict()
     text = format_search(result)
-    assert "fp32 + checkpointing" in text  # the table names the rung of every trial on one
+    assert "fp32 + checkpointing" in text  # the table names the saver of every trial on one
     winner_line = next(line for line in text.splitlines() if line.startswith("winner: "))
     assert winner_line.startswith(f"winner: {result.plan.describe()} · fp32 · ")  # ends "with checkpointing" there
 
 
 def test_fit_trains_on_the_rung_of_the_search_plan_file(rung_search, tmp_path):
     task, result = rung_search
-    on_rung = result.plan.with_saver("checkpointing").with_micro_batch(16)  # whatever won: the rung's plan
+    on_rung = result.plan.with_saver("checkpointing").with_micro_batch(16)  # whatever won: the saver's plan
     knobs = {**result.knobs.to_dict(), "saver": "checkpointing"}
     doc = {**result.plan_file(), "plan": on_rung.to_dict(), "knobs": knobs}
     path = tmp_path / "plan.json"

@@ -186,8 +186,8 @@ def broadcast_plan(plan: Plan | None, group: Any = None) -> Plan:
         raise ValueError(f"the ranks' plans disagree: target_batch {target_min}..{-neg_target_max}, world_size "
                          f"{world_min}..{-neg_world_max}; every rank must plan the same target_batch and world_size")
     smallest = -neg_smallest  # the largest of the ranks' smallest micro-batches: every rank can train at it
-    saver = SAVERS[-neg_saver]  # the highest rung any rank needs
+    saver = SAVERS[-neg_saver]  # the highest saver any rank needs
     if plan is not None and (plan.micro_batch, plan.min_micro_batch, plan.saver) == (micro, smallest, saver):
         return plan
-    # the smallest micro-batch wins (never below what every rank can train at), on the highest rung
+    # the smallest micro-batch wins (never below what every rank can train at), with the highest saver
     return Plan.for_target(int(target_min), max(int(micro), smallest), int(world_min), smallest).with_saver(saver)

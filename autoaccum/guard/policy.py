@@ -313,7 +313,7 @@ class PlanPolicy:
 
     def _step_down(self, step: int) -> list[PlanChange]:
         """Calm steps at the smallest micro-batch on a memory saver: one saver down (the memory taken by
-        another process may have come back); an OOM there climbs again."""
+        another process may have come back); an OOM there turns to the next saver again."""
         lower = [s for s in self.savers if saver_index(s) < saver_index(self.plan.saver)]
         if not lower:
             return []

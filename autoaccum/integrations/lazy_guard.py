@@ -153,7 +153,7 @@ class LazyGuard:
         check: called before every step (e.g. a framework's accumulation setting still 1); raises to refuse it.
         **guard_options: passed to ``OOMGuard`` (``scaler``, ``autocast_dtype``,
             ``grow``, ``grow_after``, ``max_grad_norm``, ``scheduler``, ``size_fn``, ``memory_savers`` -- which
-            the probe climbs too --, ...; the probe's memory model and ``headroom`` reach its growth after an OOM).
+            the probe turns too --, ...; the probe's memory model and ``headroom`` reach its growth after an OOM).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, target_batch: int | None = None,

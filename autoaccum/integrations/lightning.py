@@ -89,8 +89,8 @@ class AutoAccum(pl.Callback):
             to fit; elsewhere giving it asks for blind doubling: ``OOMGuard(grow=...)``).
         loss_fn: ``loss_fn(module, batch)`` -> mean loss or ``(loss_sum, num_items)``, instead of the
             module's ``training_step``.
-        memory_savers: where even the smallest micro-batch does not fit, the memory ladder's rungs the probe
-            and the guard may climb: ``"auto"`` (default), ``"off"``, or a tuple of rungs (as in ``fit``).
+        memory_savers: where even the smallest micro-batch does not fit, the memory savers the probe
+            and the guard may turn to: ``"auto"`` (default), ``"off"``, or a tuple of savers (as in ``fit``).
     """
 
     def __init__(self, *, budget: int | str | None = None, headroom: float = 0.1, plan: Any = None,

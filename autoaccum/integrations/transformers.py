@@ -142,9 +142,9 @@ class AutoAccumTrainer(Trainer):
         grow_after: calm steps before the guard grows the micro-batch back after an OOM (default 2;
             where memory can be read -- CUDA, an emulated budget -- it grows to what is predicted
             to fit; elsewhere giving it asks for blind doubling: ``OOMGuard(grow=...)``).
-        memory_savers: where even the smallest micro-batch does not fit, the memory ladder's rungs the probe
-            and the guard may climb (the model's own ``gradient_checkpointing_enable`` first): ``"auto"``
-            (default), ``"off"``, or a tuple of rungs (as in ``fit``).
+        memory_savers: where even the smallest micro-batch does not fit, the memory savers the probe
+            and the guard may turn to (the model's own ``gradient_checkpointing_enable`` first): ``"auto"``
+            (default), ``"off"``, or a tuple of savers (as in ``fit``).
 
     ``trainer.args`` is the arguments as the Trainer runs them (one global batch per device batch,
     see the module docstring); ``trainer.autoaccum_args`` is the caller's object, unchanged.

@@ -65,50 +65,50 @@ def has_own_switch(model: nn.Module) -> bool:
 
 
 def check_memory_savers(savers: Any) -> tuple[str, ...]:
-    """The rungs ``memory_savers`` allows, ``"none"`` first.
+    """The savers ``memory_savers`` allows, ``"none"`` first.
 
     Raises:
-        ValueError, TypeError: ``savers`` is not ``"auto"``, ``"off"`` or a sequence of rung names.
+        ValueError, TypeError: ``savers`` is not ``"auto"``, ``"off"`` or a sequence of saver names.
     """
     if isinstance(savers, str):
         if savers not in ("auto", "off"):
-            raise ValueError(f"Invalid memory_savers: {savers!r}. Allowed: 'auto', 'off', or a tuple of rungs "
+            raise ValueError(f"Invalid memory_savers: {savers!r}. Allowed: 'auto', 'off', or a tuple of savers "
                              f"from {SAVERS} (e.g. ('checkpointing',))")
         wanted: tuple[str, ...] = SAVERS if savers == "auto" else ("none",)
     elif isinstance(savers, (tuple, list)) and all(isinstance(r, str) for r in savers):
         unknown = [r for r in savers if r not in SAVERS]
         if unknown:
-            raise ValueError(f"Invalid memory_savers: {tuple(savers)!r}; unknown rung(s) {unknown}. Allowed: {SAVERS}")
+            raise ValueError(f"Invalid memory_savers: {tuple(savers)!r}; unknown saver(s) {unknown}. Allowed: {SAVERS}")
         wanted = ("none", *savers)
     else:
-        raise TypeError(f"memory_savers must be 'auto', 'off' or a tuple of rung names from {SAVERS}, got {savers!r}")
+        raise TypeError(f"memory_savers must be 'auto', 'off' or a tuple of saver names from {SAVERS}, got {savers!r}")
     return wanted
 
 
 def allowed_savers(model: nn.Module, device: torch.device, savers: Any = "auto") -> tuple[MemorySaver, ...]:
-    """The rungs a step may climb for ``model`` on ``device``, starting with ``"none"`` (``savers``
+    """The savers a step may turn to for ``model`` on ``device``, starting with ``"none"`` (``savers``
     as ``check_memory_savers`` takes it)."""
     wanted = check_memory_savers(savers)
-    # a torch.compile'd model takes no rung: dynamo cannot trace the exact checkpointing's context_fn
+    # a torch.compile'd model takes no saver: dynamo cannot trace the exact checkpointing's context_fn
     blocks = not is_compiled(model) and (has_own_switch(model) or checkpoint_layers(unwrap(model)) is not None)
     possible = {"none": True, "checkpointing": blocks, "offload": blocks and device.type == "cuda"}
     return tuple(r for r in SAVERS if r in wanted and possible[r])
 
 
-def suggestions(rungs: Sequence[str]) -> tuple[str, ...]:
-    """What to do where no rung of the ladder ``rungs`` fits the smallest micro-batch."""
-    blocks = () if "checkpointing" in rungs else (
+def suggestions(savers: Sequence[str]) -> tuple[str, ...]:
+    """What to do where none of ``savers`` fits the smallest micro-batch."""
+    blocks = () if "checkpointing" in savers else (
         "give the model's blocks an nn.ModuleList (or a gradient_checkpointing_enable()) so that they can be "
-        "checkpointed, and allow memory_savers (a torch.compile'd model takes no rung: compiling cannot trace their "
+        "checkpointed, and allow memory_savers (a torch.compile'd model takes no saver: compiling cannot trace their "
         "exact checkpointing)",)
     return (*blocks, "use bf16 autocast (precision='bf16'), shorter sequences or a smaller model",
             "offload optimizer state and parameters to host memory (FSDP2's CPUOffloadPolicy), or shard them over "
             "more devices (FSDP)", "free memory held by other processes, or raise the budget")
 
 
-def next_saver(rungs: Sequence[MemorySaver], rung: str) -> MemorySaver | None:
-    """The rung after ``rung`` on the ladder ``rungs``, or None at its top."""
-    later = [r for r in rungs if saver_index(r) > saver_index(rung)]
+def next_saver(savers: Sequence[MemorySaver], saver: str) -> MemorySaver | None:
+    """The saver after ``saver`` in ``savers``, or None at its top."""
+    later = [r for r in savers if saver_index(r) > saver_index(saver)]
     return later[0] if later else None
 
 
@@ -194,13 +194,13 @@ def _offloaded(model: nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def apply_saver(model: nn.Module, rung: str) -> Iterator[None]:
-    """``model`` runs on ``rung`` inside the block; as it was afterwards."""
-    if rung not in SAVERS:
-        raise ValueError(f"Invalid rung: {rung!r}. Allowed: {SAVERS}")
+def apply_saver(model: nn.Module, saver: str) -> Iterator[None]:
+    """``model`` runs on ``saver`` inside the block; as it was afterwards."""
+    if saver not in SAVERS:
+        raise ValueError(f"Invalid saver: {saver!r}. Allowed: {SAVERS}")
     with contextlib.ExitStack() as stack:
-        if rung in ("checkpointing", "offload"):
+        if saver in ("checkpointing", "offload"):
             stack.enter_context(_checkpointed(model))
-        if rung == "offload":
+        if saver == "offload":
             stack.enter_context(_offloaded(model))
         yield

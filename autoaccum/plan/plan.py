@@ -155,7 +155,7 @@ class Plan:
             (``autoaccum.plan.cut.TokenCut``); ``micro_batch`` is then the most samples a micro-batch may
             hold (at the shortest lengths) and ``accum_steps`` the fewest micro-steps a step takes:
             how many it takes depends on the lengths of its samples.
-        saver: the rung of the memory ladder a step runs on (``autoaccum.memory.savers``):
+        saver: the memory saver a step runs on (``autoaccum.memory.savers``):
             ``"none"``, ``"checkpointing"`` or ``"offload"``.
     """
 
@@ -252,7 +252,7 @@ class Plan:
         return dataclasses.replace(plan, tokens=dataclasses.replace(tokens, max_cost=max(tokens.max_cost, floor)))
 
     def with_micro_batch(self, micro_batch: int) -> Plan:
-        """The same target, ranks, smallest size, token budget and rung, cut at ``micro_batch``."""
+        """The same target, ranks, smallest size, token budget and saver, cut at ``micro_batch``."""
         return self._same(Plan.for_target(self.target_batch, micro_batch, self.world_size, self.min_micro_batch))
 
     def with_world_size(self, world_size: int) -> Plan:
@@ -265,11 +265,11 @@ class Plan:
         return self._same(Plan.for_target(self.target_batch, self.micro_batch, self.world_size, min_micro_batch))
 
     def with_saver(self, saver: str) -> Plan:
-        """This plan on another rung of the memory ladder."""
+        """This plan on another memory saver."""
         return dataclasses.replace(self, saver=saver)
 
     def _same(self, plan: Plan) -> Plan:
-        """``plan`` with this plan's token budget and rung."""
+        """``plan`` with this plan's token budget and saver."""
         return plan if self.tokens is None and self.saver == "none" else \
             dataclasses.replace(plan, tokens=self.tokens, saver=self.saver)
 

@@ -63,7 +63,8 @@ def read_plan_document(source: Any, *, kinds: tuple[str, ...] | None = None) -> 
         document: Any = {"plan": source}
     elif isinstance(getattr(source, "plan", None), Plan):
         knobs = getattr(source, "knobs", None)
-        return PlanDocument(source.plan, knobs.to_dict() if hasattr(knobs, "to_dict") else None, None,
+        kind = "autoaccum.search" if knobs is not None else "autoaccum.probe" if hasattr(source, "candidates") else None
+        return PlanDocument(source.plan, knobs.to_dict() if hasattr(knobs, "to_dict") else None, kind,
                             str(getattr(source, "model_fingerprint", "")), str(getattr(source, "model_summary", "")))
     elif isinstance(source, (str, os.PathLike)):
         try:

@@ -46,8 +46,8 @@ class ProbeProgress:
         self.done.append(f"{candidate.micro_batch}{_at(candidate.length)} {says}")
         self._show(None)
 
-    def rung(self, saver: str) -> None:
-        """The memory ladder's next rung: measuring again with a memory saver."""
+    def measuring_with(self, saver: str) -> None:
+        """The sizes are measured again, with ``saver``."""
         self.saver, self.done = saver, []
 
     def close(self) -> None:

@@ -106,8 +106,8 @@ class ProbeReport:
         fingerprint: the hash the probe cache keys the report by.
         source: ``probe`` or ``cache``.
         torch_version: the torch that ran the probe.
-        savers_tried: each rung of the memory ladder on which the smallest micro-batch did not fit,
-            with the bytes it needed, before the plan's rung (``plan.saver``): a lower bound, what the
+        savers_tried: each memory saver on which the smallest micro-batch did not fit,
+            with the bytes it needed, before the plan's saver (``plan.saver``): a lower bound, what the
             step reached before it ran out of memory.
         model_fingerprint: a hash of the model measured (``model_fingerprint``): a run refuses the
             report for another model (``check_made_for``).
@@ -232,8 +232,7 @@ def check_made_for(source: Any, model: torch.nn.Module, name: str = "plan") -> N
     except (TypeError, ValueError):
         return  # unreadable: the plan reader says so where the plan is read
     measured, summary = document.model_fingerprint, document.model_summary
-    noun = "probe report" if isinstance(source, ProbeReport) or document.kind == "autoaccum.probe" else \
-        "search result"
+    noun = "search result" if document.kind == "autoaccum.search" or document.knobs is not None else "probe report"
     if not measured or measured == model_fingerprint(model):
         return
     where = f" ({source})" if isinstance(source, (str, os.PathLike)) else ""

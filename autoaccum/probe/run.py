@@ -2,7 +2,7 @@
 
 The optimizer phase is measured once, in a warm-up of two complete steps at the model's smallest size; every
 further size runs forward/backward passes only, as an accumulation's micro-batches do (``autoaccum.probe.passes``).
-Sizes are chosen, not laddered (``autoaccum.probe.size_search``): the smallest, a safe second size, then the limit
+Sizes are chosen, not stepped through (``autoaccum.probe.size_search``): the smallest, a safe second size, then the limit
 the fitted model predicts, verified, and bisected where the model does not hold. Among the sizes that fit, the plan
 measured fastest wins (ties to fewer passes); sizes are timed again only where the choice hangs on it. Every pass
 runs under the run's precision. Afterwards the model, optimizer and RNG are exactly as before (invariant 4); a
@@ -128,9 +128,8 @@ def probe(
         lengths: variable-length data: the samples' lengths (instead of ``Task.lengths``); ``make_batch(b, length)``
             then makes ``b`` samples padded to ``length``, and the plan is cut by a token budget.
         lengths_source: where ``lengths`` were read, for the report (e.g. "1,000 of 50,000 samples").
-        memory_savers: where even the smallest micro-batch does not fit, measure again on the next rung of the
-            memory ladder (``autoaccum.memory.savers``) and plan on the lowest rung where it fits: ``"auto"``
-            (default), ``"off"``, or a tuple of rungs.
+        memory_savers: where even the smallest micro-batch does not fit, measure again on the next memory saver (``autoaccum.memory.savers``) and plan with the first saver with which it fits: ``"auto"``
+            (default), ``"off"``, or a tuple of savers.
         progress: on a terminal, show the sizes measured so far on one line of stderr (cleared at the end;
             off a terminal nothing is written).
 
@@ -138,7 +137,7 @@ def probe(
         A ``ProbeReport`` with the plan, the candidates and the fitted model.
 
     Raises:
-        DoesNotFitError: the smallest micro-batch the model trains at does not fit on any rung of the ladder.
+        DoesNotFitError: the smallest micro-batch the model trains at does not fit with any savers.
         ValueError: an argument out of its range.
         TypeError: an argument of the wrong type.
     """
@@ -154,7 +153,7 @@ def probe(
     device = trainable_parameters(task.model)[0].device
     if estimate or device.type != "cuda":
         refuse_compiled(task.model, "probe it")
-    rungs = allowed_savers(task.model, device, memory_savers)
+    savers = allowed_savers(task.model, device, memory_savers)
     capacity = device_capacity(device)
     plan_budget = resolve_budget(budget, device, headroom)
     one = task.batch(1)  # fail fast on a batch maker that returns the wrong size
@@ -166,7 +165,7 @@ def probe(
                                           target_batch=target_batch, world_size=world_size, upper=upper,
                                           estimate=estimate, precision=precision,
                                           lengths=None if task.lengths is None else sorted(task.lengths),
-                                          savers=rungs)
+                                          savers=savers)
     if cache and not refresh:
         cached = probe_cache.load(fingerprint, cache_dir)
         if cached is not None:
@@ -177,15 +176,15 @@ def probe(
     passes = steps_per_size if steps_per_size is not None else 2 if is_compiled(task.model) else 1
     line = ProbeProgress(progress)
     try:
-        measured, tried = _climb(rungs, lambda rung: _measure(
+        measured, tried = _first_fitting(savers, lambda saver: _measure(
             task, optimizer, precision, plan_budget.budget_bytes - library, plan_budget.headroom, estimate=estimate,
             share=share, smallest=smallest, upper=upper, passes=passes, max_candidates=max_candidates,
-            profile=profile, rung=rung, progress=line), line)
+            profile=profile, saver=saver, progress=line), line)
     finally:
         line.close()
     stepper = measured.stepper
     candidates, model_fit, token_model, note = _with_library(measured, library, device)
-    plan = Plan.for_target(target_batch, measured.best, world_size, smallest).with_saver(measured.rung)
+    plan = Plan.for_target(target_batch, measured.best, world_size, smallest).with_saver(measured.saver)
     if token_model is not None and profile is not None:
         plan = _token_plan(token_model, profile, plan, plan_budget.budget_bytes, plan_budget.headroom, upper,
                            candidates)
@@ -204,24 +203,23 @@ def probe(
     return report
 
 
-def _climb(rungs: tuple[str, ...], measure: Callable[[str], _Measured], line: ProbeProgress
+def _first_fitting(savers: tuple[str, ...], measure: Callable[[str], _Measured], line: ProbeProgress
            ) -> tuple[_Measured, list[tuple[str, int | None]]]:
-    """The memory ladder: measure on each rung in turn, up to the lowest on which the smallest
-    micro-batch fits; that rung's measurement and the (rung, bytes needed) of those below it."""
+    """Measure with each memory saver in turn, up to the first with which the smallest micro-batch fits; that saver's measurement and the (saver, bytes needed) of those below it."""
     tried: list[tuple[str, int | None]] = []
-    for rung in rungs:
-        line.rung(rung)
+    for saver in savers:
+        line.measuring_with(saver)
         try:
-            return measure(rung), tried
+            return measure(saver), tried
         except DoesNotFitError as exc:
-            tried.append((rung, exc.needed_bytes))
-            if rung == rungs[-1]:
-                raise DoesNotFitError(exc.needed_bytes, exc.available_bytes, suggestions(rungs),
+            tried.append((saver, exc.needed_bytes))
+            if saver == savers[-1]:
+                raise DoesNotFitError(exc.needed_bytes, exc.available_bytes, suggestions(savers),
                                       at_least=exc.at_least, micro_batch=exc.micro_batch, savers=tried) from None
             logger.log(rank_level(logging.INFO), "probe: even micro-batch %d does not fit %s; measuring again "
-                       "with %s", exc.micro_batch, "without a memory saver" if rung == "none" else f"with {rung}",
-                       rungs[rungs.index(rung) + 1])
-    raise RuntimeError("internal: the memory ladder has no rung")  # ladder() always starts with "none"
+                       "with %s", exc.micro_batch, "without a memory saver" if saver == "none" else f"with {saver}",
+                       savers[savers.index(saver) + 1])
+    raise RuntimeError("internal: no memory saver to measure with")  # allowed_savers() starts with "none"
 
 
 def _with_library(measured: _Measured, library: int, device: torch.device
@@ -247,7 +245,7 @@ class _Measured:
     token_model: TokenMemoryModel | None
     note: str
     best: int  # the micro-batch chosen (for variable-length data: at the longest length)
-    rung: str = "none"  # the memory ladder's rung it was measured on
+    saver: str = "none"  # the memory saver it was measured on
 
 
 #: a pass's fixed cost, in the share of a full micro-batch's cost, where the probe's timings cannot tell
@@ -308,19 +306,19 @@ def _room_for_weights_copy(model: torch.nn.Module, optimizer: torch.optim.Optimi
 
 def _measure(task: Task, optimizer: Any, precision: Precision, budget_bytes: int, headroom: float, *,
              estimate: bool, share: int, smallest: int, upper: int, passes: int, max_candidates: int,
-             profile: LengthProfile | None, rung: str = "none", progress: ProbeProgress | None = None) -> _Measured:
+             profile: LengthProfile | None, saver: str = "none", progress: ProbeProgress | None = None) -> _Measured:
     """Run the measurements (on fake tensors for an estimate) and choose the size; the task's state is restored
     after both. Where the weights' copy on the device did not do (``HostSnapshotNeeded``), everything is measured
     again with them copied to host memory; the first try's passes and OOMs count in the report."""
     kwargs: dict[str, Any] = {"estimate": estimate, "share": share, "smallest": smallest, "upper": upper,
-                              "passes": passes, "max_candidates": max_candidates, "profile": profile, "rung": rung,
+                              "passes": passes, "max_candidates": max_candidates, "profile": profile, "saver": saver,
                               "progress": progress}
     try:
         return _measure_once(task, optimizer, precision, budget_bytes, headroom, copy_weights=not estimate, **kwargs)
     except HostSnapshotNeeded as first:
         logger.debug("probe: %s; measuring again with the weights copied to host memory", first)
         if progress is not None:
-            progress.rung(rung)  # the sizes are measured again
+            progress.measuring_with(saver)  # the sizes are measured again
         measured = _measure_once(task, optimizer, precision, budget_bytes, headroom, copy_weights=False, **kwargs)
         measured.stepper.steps += first.steps
         measured.stepper.ooms += first.ooms
@@ -330,7 +328,7 @@ def _measure(task: Task, optimizer: Any, precision: Precision, budget_bytes: int
 
 def _measure_once(task: Task, optimizer: Any, precision: Precision, budget_bytes: int, headroom: float, *,
                   copy_weights: bool, estimate: bool, share: int, smallest: int, upper: int, passes: int,
-                  max_candidates: int, profile: LengthProfile | None, rung: str,
+                  max_candidates: int, profile: LengthProfile | None, saver: str,
                   progress: ProbeProgress | None = None) -> _Measured:
     device = trainable_parameters(task.model)[0].device
     run_model, make_optimizer = task.model, task.make_optimizer
@@ -357,7 +355,7 @@ def _measure_once(task: Task, optimizer: Any, precision: Precision, budget_bytes
                 run_optimizer = _new_optimizer(make_optimizer, run_model)
             if isinstance(meter, TrackedMemory):
                 meter.track(run_model, run_optimizer)
-            with meter, apply_saver(run_model, rung):
+            with meter, apply_saver(run_model, saver):
                 copy_bytes = 0
                 if copy_weights:  # inside the meter: it counts against the budget as it would on the device
                     before = meter.read().current_bytes
@@ -392,4 +390,4 @@ def _measure_once(task: Task, optimizer: Any, precision: Precision, budget_bytes
                 stand_in.put_back()
             del snapshot  # its page-locked host copies go back
             training_state.release_pinned_memory()
-    return _Measured(stepper, model_fit, token_model, note, best, rung)
+    return _Measured(stepper, model_fit, token_model, note, best, saver)

@@ -1,6 +1,6 @@
 """The search over micro-batch sizes at one length: which sizes the probe measures, in what order.
 
-Sizes are chosen, not laddered: the model's smallest (two complete training steps: the optimizer's
+Sizes are chosen, not stepped through: the model's smallest (two complete training steps: the optimizer's
 state and peak), a safe second size from that one measurement, then the limit the fitted memory
 model predicts, verified by a measurement, refined by bisection where the points do not follow
 the model. The forward/backward peak is convex in ``b`` on many models, so jumps are capped.

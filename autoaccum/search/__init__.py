@@ -1,11 +1,11 @@
 """Throughput search: the fastest configuration that fits, measured, not just the largest batch.
 
 The probe says which micro-batches fit; this package asks which one -- with which knobs (the memory
-ladder's rung, as the probe and the guard take it: activation checkpointing, or offload on CUDA;
+memory saver, as the probe and the guard take it: activation checkpointing, or offload on CUDA;
 autocast dtype; ``torch.compile``; see ``autoaccum.search.knobs``) -- trains fastest at the exact
-global batch: a larger micro-batch on a rung may beat a smaller one without. Each Optuna trial picks a
+global batch: a larger micro-batch with a saver may beat a smaller one without. Each Optuna trial picks a
 micro-batch and knobs, runs real guarded optimizer steps (``autoaccum.search.throughput``) and returns
-measured samples/s. The winner's plan carries its rung (``Plan.saver``), which ``fit`` and
+measured samples/s. The winner's plan carries its saver (``Plan.saver``), which ``fit`` and
 ``OOMGuard`` apply.
 
 - ``space``: what may be tried (``SearchSpace``, the candidate sizes).

@@ -1,14 +1,14 @@
 """Knobs that trade memory for speed, and how a trial applies them to a model without keeping them.
 
-- **saver**: the memory ladder's rung (``autoaccum.memory.savers``): ``none``, ``checkpointing``
+- **saver**: the memory saver (``autoaccum.memory.savers``): ``none``, ``checkpointing``
   (the model's blocks recompute their activations in backward), ``offload`` (CUDA: checkpointing,
-  and what the forward saves kept in host memory). The rungs the probe and the guard climb, the same
-  exact implementation: a trial's plan carries its rung (``Plan.saver``) and the trial's guard applies
-  it for each attempt, as training does. Which rungs apply comes from ``memory.savers.ladder``.
+  and what the forward saves kept in host memory). The savers the probe and the guard turn to, the same
+  exact implementation: a trial's plan carries its saver (``Plan.saver``) and the trial's guard applies
+  it for each attempt, as training does. Which savers apply comes from ``memory.savers.savers``.
 - **autocast dtype**: ``fp32`` (no autocast), ``bf16``, ``fp16``: forward and loss under
   ``torch.autocast``; ``fp16`` steps with a ``GradScaler``, as training in fp16 must.
 - **torch.compile**: the trial steps ``torch.compile(model)`` (the same parameters); compile time
-  is spent in the warm-up steps, never in the timed ones. Dynamo cannot trace the rungs' exact
+  is spent in the warm-up steps, never in the timed ones. Dynamo cannot trace the savers' exact
   checkpointing (a ``torch.utils.checkpoint`` with a ``context_fn``), so a trial that asks for both
   is recorded as failed without running (``COMPILE_WITH_SAVER``).
 
@@ -22,7 +22,7 @@ Dynamo's cache of compiled code is the process's, and a trial does not clear it
 combination of knobs or shape class adds an entry; past ``recompile_limit`` (8 by default) a frame
 runs eagerly. Inside a trial the limit is raised to ``TRIAL_RECOMPILE_LIMIT``
 (``torch._dynamo.config.patch``, for the whole process while it lasts), and restored on exit.
-A rung touches only the model, for each attempt of the trial's guard.
+A saver touches only the model, for each attempt of the trial's guard.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ Autocast = Precision
 #: other sizes share a dynamic one), and entries of earlier trials stay: 64 holds a whole search's
 #: with room.
 TRIAL_RECOMPILE_LIMIT = 64
-#: why a trial with ``compile`` and a rung above ``none`` is not run
-COMPILE_WITH_SAVER = ("torch.compile cannot trace the memory ladder's exact checkpointing (torch.utils.checkpoint "
+#: why a trial with ``compile`` and a saver above ``none`` is not run
+COMPILE_WITH_SAVER = ("torch.compile cannot trace the memory savers' exact checkpointing (torch.utils.checkpoint "
                       "with a context_fn); compile and a saver are not combined")
 
 
@@ -59,7 +59,7 @@ class Knobs:
     """How a training step runs, apart from its micro-batch.
 
     Attributes:
-        saver: the memory ladder's rung (``none``, ``checkpointing``, ``offload``); the plan a trial
+        saver: the memory saver (``none``, ``checkpointing``, ``offload``); the plan a trial
             measures carries it as ``Plan.saver``, and so does the search's result.
         autocast: ``fp32`` (no autocast), ``bf16`` or ``fp16`` (with a GradScaler).
         compile: step a ``torch.compile``-d model.
@@ -73,7 +73,7 @@ class Knobs:
         if not isinstance(self.compile, bool):
             raise TypeError(f"Knobs.compile must be a bool, got {self.compile!r}")
         if self.saver not in SAVERS:
-            raise ValueError(f"Invalid saver: {self.saver!r}. Allowed: {', '.join(SAVERS)} (the memory ladder's rungs)")
+            raise ValueError(f"Invalid saver: {self.saver!r}. Allowed: {', '.join(SAVERS)} (the memory savers)")
         if self.autocast not in get_args(Autocast):
             raise ValueError(f"Invalid autocast: {self.autocast!r}. Allowed: {', '.join(get_args(Autocast))}")
 
@@ -88,7 +88,7 @@ class Knobs:
 
     @property
     def switched_on(self) -> int:
-        """How far from the step as written: the rung's height (offload is checkpointing and more),
+        """How far from the step as written: the saver's height (offload is checkpointing and more),
         plus one for autocast and one for compile. A tie between finalists goes to the fewest."""
         return saver_index(self.saver) + int(self.autocast != "fp32") + int(self.compile)
 
@@ -119,7 +119,7 @@ def _cpu_bf16() -> bool:
 
 def available_knobs(model: nn.Module, device: torch.device) -> dict[str, tuple[Any, ...]]:
     """The values of each knob worth trying for ``model`` on ``device``; the first is the default.
-    The rungs are the memory ladder's for them (``ladder``)."""
+    They are ``allowed_savers``'s for them."""
     if device.type == "cuda":
         autocast: tuple[str, ...] = ("fp32", "bf16", "fp16") if torch.cuda.is_bf16_supported() else ("fp32", "fp16")
     else:
@@ -132,9 +132,9 @@ def available_knobs(model: nn.Module, device: torch.device) -> dict[str, tuple[A
 def apply_knobs(model: nn.Module, knobs: Knobs) -> Iterator[nn.Module]:
     """Yield the module to step with ``knobs``' compile applied; on exit ``model`` is as it was.
 
-    Neither autocast nor the rung is applied here: pass ``knobs.autocast_dtype`` to
+    Neither autocast nor the saver is applied here: pass ``knobs.autocast_dtype`` to
     ``OOMGuard(autocast_dtype=...)`` and a plan on ``knobs.saver`` (``plan.with_saver``), whose guard
-    applies the rung for each attempt.
+    applies the saver for each attempt.
     """
     with contextlib.ExitStack() as stack:
         run = model

@@ -1,7 +1,7 @@
 """What a search returns: every trial, the winner, and the plan file that carries the winner to training.
 
 A plan file (``SearchResult.save``, ``autoaccum search --out``) is JSON of kind ``autoaccum.plan``:
-the winner's plan (on its rung of the memory ladder, ``plan.saver``) and knobs, what they measured,
+the winner's plan (with its memory saver, ``plan.saver``) and knobs, what they measured,
 and the fingerprint of the model searched, so that a run of another model refuses the file
 (``autoaccum.probe.report.check_made_for``), as it refuses a probe report. ``read_plan_file`` reads
 it back -- and a search result or a probe report (``autoaccum probe --json``) -- through
@@ -39,8 +39,8 @@ class TrialRecord:
 
     Attributes:
         number: Optuna's trial number.
-        plan: the plan for the whole target (micro x accum x world), on the knobs' rung (``plan.saver``).
-        knobs: the memory ladder's rung, autocast, compile.
+        plan: the plan for the whole target (micro x accum x world), with the knobs' saver (``plan.saver``).
+        knobs: the memory saver, autocast, compile.
         status: ``ok``, ``oom``, ``over_budget``, ``failed`` (see ``Measurement``).
         samples_per_s: samples of one rank's share per second (None unless ok).
         items_per_s: items (e.g. tokens) per second for token-level losses, else None.
@@ -107,7 +107,7 @@ class SearchResult:
 
     Attributes:
         plan: the winner's plan for ``target_batch`` (give it to ``OOMGuard(plan=...)`` / ``fit``), on
-            the winner's rung of the memory ladder (``plan.saver``), which the guard applies.
+            the winner's memory saver (``plan.saver``), which the guard applies.
         knobs: the winner's knobs (``knobs.autocast_dtype`` for ``OOMGuard(autocast_dtype=...)``;
             ``knobs.saver`` is ``plan.saver``).
         samples_per_s: the winner's samples/s on one rank: the median of its readings in the
@@ -247,15 +247,15 @@ def format_search(result: SearchResult) -> str:
             f"#{n} median {statistics.median(runs):,.1f} of {len(runs)}" for n, runs in result.confirmed))
     speed = f"{result.samples_per_s:,.1f} samples/s" + \
         (f", {result.items_per_s:,.0f} items/s" if result.items_per_s else "")
-    knobs = replace(result.knobs, saver="none").describe()  # the plan names the rung
+    knobs = replace(result.knobs, saver="none").describe()  # the plan names the saver
     lines.append(f"winner: {result.plan.describe()} · {knobs} · {speed}"
                  + ("" if result.peak_bytes is None else f" · peak {format_bytes(result.peak_bytes)}"))
-    rung = "" if result.probe_plan.saver == "none" else f" with {result.probe_plan.saver}"
+    saver = "" if result.probe_plan.saver == "none" else f" with {result.probe_plan.saver}"
     if result.probe_samples_per_s:
-        lines.append(f"probe pick: micro {result.probe_plan.micro_batch}{rung} · {result.probe_samples_per_s:,.1f} "
+        lines.append(f"probe pick: micro {result.probe_plan.micro_batch}{saver} · {result.probe_samples_per_s:,.1f} "
                      f"samples/s -> winner x{result.speedup_over_probe:.2f}")
     else:
-        lines.append(f"probe pick: micro {result.probe_plan.micro_batch}{rung} did not fit as a guarded step")
+        lines.append(f"probe pick: micro {result.probe_plan.micro_batch}{saver} did not fit as a guarded step")
     lines.append(f"{result.n_trials_run} trials this run (stopped: {result.stopped}), {result.wall_time_s:.1f} s "
                  f"(probe {result.probe_wall_time_s:.1f} s)")
     return "\n".join(lines)

@@ -3,8 +3,7 @@
 Micro-batches come from the probe's memory model: for every accumulation count ``k`` the balanced
 size ``ceil(share / k)`` (fewest passes, lowest peak for that ``k``; 86 for a share of 256 in 3
 passes, not only powers of two), the powers of two and the multiples of 8, up to the largest size
-predicted to fit -- and up to ``beyond_fit`` times that when a memory-saving knob (a rung of the
-memory ladder above ``none``, bf16/fp16) is searched, since those sizes may fit with it. The study
+predicted to fit -- and up to ``beyond_fit`` times that when a memory-saving knob (a memory saver above ``none``, bf16/fp16) is searched, since those sizes may fit with it. The study
 samples the sizes as an ordered index (``micro_batch_index``), so TPE can learn which region is fast.
 """
 
@@ -32,8 +31,7 @@ class SearchSpace:
 
     Attributes:
         micro_batches: sizes to try (default: from the probe's memory model, see the module docstring).
-        saver: rungs of the memory ladder, e.g. ``("none", "checkpointing")`` (default: the ladder's
-            rungs for the model and device, ``autoaccum.memory.savers.ladder``; ``offload`` on CUDA).
+        saver: memory savers, e.g. ``("none", "checkpointing")`` (default: the memory savers for the model and device, ``autoaccum.memory.savers.savers``; ``offload`` on CUDA).
         autocast: among ``fp32``, ``bf16``, ``fp16`` (default: what the device supports).
         compile: e.g. ``(False, True)`` (default: on CUDA only; compiling on CPU is slow).
         beyond_fit: with a memory-saving knob in the space, sizes up to this multiple of the
@@ -82,7 +80,7 @@ def resolve_space(space: SearchSpace, report: ProbeReport, model: torch.nn.Modul
     unavailable = [r for r in knobs["saver"] if r not in defaults["saver"]]
     if unavailable:
         raise ValueError(f"saver {unavailable} cannot be applied to {type(model).__name__} on {device.type}: its "
-                         f"memory ladder is {defaults['saver']} (checkpointing needs an nn.ModuleList of blocks or a "
+                         f"memory savers is {defaults['saver']} (checkpointing needs an nn.ModuleList of blocks or a "
                          f"gradient_checkpointing_enable(); offload needs CUDA). Leave it out of the space.")
     if space.micro_batches is not None:
         sizes = tuple(sorted({min(b, share) for b in space.micro_batches}))

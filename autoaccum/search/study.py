@@ -2,17 +2,17 @@
 and the checks that let a stored study be resumed.
 
 - **Trials**: each trial picks a micro-batch (an index into the space's sizes) and knobs (the memory
-  ladder's rung, autocast, compile; compile only on the ``none`` rung, see ``autoaccum.search.knobs``),
+  memory saver, autocast, compile; compile only without a memory saver, see ``autoaccum.search.knobs``),
   runs real guarded optimizer steps (``autoaccum.search.throughput``) and returns measured samples/s.
-  Its plan carries its rung (``Plan.saver``). A configuration already measured in the study is not run
+  Its plan carries its saver (``Plan.saver``). A configuration already measured in the study is not run
   again (its result is reused).
 - **Infeasible trials**: a trial that runs out of memory, or whose guard had to shrink the plan,
   or that peaks above the usable budget, completes with value 0 and a positive ``memory``
   constraint (``Trial.set_constraint`` on Optuna >= 5, ``constraints_func`` before). TPE treats
   it as infeasible and learns from it; the study goes on.
-- **Seeding and stopping**: the probe's pick (on the probe's rung) is enqueued first
+- **Seeding and stopping**: the probe's pick (with the probe's saver) is enqueued first
   (``enqueue_trial``), so it is measured and confirmed alongside the best; then the two largest sizes
-  predicted to fit as an accumulated step, on the same rung. The search stops after ``n_trials``
+  predicted to fit as an accumulated step, with the same saver. The search stops after ``n_trials``
   trials, ``timeout_s`` seconds, or ``patience`` trials in a row without a ``min_improvement`` gain.
 - **Final comparison**: a trial is one reading on a possibly busy machine, and the best of many
   readings flatters whoever got a quiet moment. So the finalists (the ``confirm_top`` fastest, the
@@ -84,7 +84,7 @@ class StudyOptions:
 
 def trial_plan(trial: Any, options: StudyOptions) -> Plan:
     """The plan a trial measures: its micro-batch with the fewest accumulation steps that cover
-    the target exactly, on its knobs' rung of the memory ladder. The one way from a trial's
+    the target exactly, with its knobs' memory saver. The one way from a trial's
     micro-batch to a plan: the trial's stored ``accum_steps``, its record, the winner and the
     confirmation rounds all come from here."""
     saver = Knobs.from_dict(trial.user_attrs.get("knobs", {})).saver
@@ -142,13 +142,13 @@ def _trial_params(space: dict[str, Any], micro_batch: int, knobs: Knobs) -> dict
 
 
 def _sample_knobs(trial: Any, space: dict[str, Any]) -> Knobs:
-    """The trial's knobs; compile is sampled on the ``none`` rung only (dynamo cannot trace the
-    rungs' exact checkpointing, ``autoaccum.search.knobs``)."""
+    """The trial's knobs; compile is sampled without a memory saver only (dynamo cannot trace the
+    savers' exact checkpointing, ``autoaccum.search.knobs``)."""
     def pick(name: str) -> Any:
         return trial.suggest_categorical(name, space[name]) if len(space[name]) > 1 else space[name][0]
 
     saver, autocast = pick("saver"), pick("autocast")
-    # on a rung, compile=False; only a space that allows nothing but compile gets both (recorded as failed)
+    # with a saver, compile=False; only a space that allows nothing but compile gets both (recorded as failed)
     compile_ = pick("compile") if saver == "none" or False not in space["compile"] else False
     return Knobs(saver=saver, autocast=autocast, compile=compile_)
 
@@ -158,7 +158,7 @@ def _enqueue_seeds(study: Any, space: dict[str, Any], report: ProbeReport, large
     confirmed with the best), then the two largest sizes predicted to fit as an accumulated step
     (speed usually grows with the micro-batch, the sampler's random start may miss the top sizes,
     and the prediction is a few percent off either way). Only where the space has the default
-    knobs on the probe's rung. Returns how many were enqueued."""
+    knobs with the probe's saver. Returns how many were enqueued."""
     knobs = Knobs(saver=report.plan.saver)
     if not all(v in space[k] for k, v in knobs.to_dict().items()):
         return 0
@@ -280,7 +280,7 @@ def run_study(optuna: Any, bench: Bench, report: ProbeReport, space: dict[str, A
 
 
 def _simplicity(record: TrialRecord) -> tuple[int, int]:
-    """Sort key among finalists within noise of each other: fewer knobs (a lower rung), then fewer passes."""
+    """Sort key among finalists within noise of each other: fewer knobs (a lower saver), then fewer passes."""
     return record.knobs.switched_on, record.plan.accum_steps
 
 

@@ -19,8 +19,8 @@ Process-wide effects: after a failed measurement (and after every one on CUDA) m
 ``torch.cuda.empty_cache()`` for the whole process); warnings are silenced while the trial's guard
 is built (``warnings.catch_warnings``, whose filters the process's threads share). The trial's
 guard logs no plan changes (``OOMGuard(log_changes=False)``). Knobs: ``autoaccum.search.knobs``; the
-trial's plan is on its knobs' rung of the memory ladder, which the trial's guard applies for each
-attempt (``autoaccum.memory.savers.apply_saver``, exact) and never climbs past.
+trial's plan is with its knobs' memory saver, which the trial's guard applies for each
+attempt (``autoaccum.memory.savers.apply_saver``, exact) and never goes past.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ class Bench:
         if knobs.compile and knobs.saver != "none":
             logger.info("micro %d %s: not run: %s", micro_batch, knobs.describe(), COMPILE_WITH_SAVER)
             return Measurement("failed", note=COMPILE_WITH_SAVER)
-        # one rank's share: the same micro x accum; on the knobs' rung, which the guard applies
+        # one rank's share: the same micro x accum; with the knobs' saver, which the guard applies
         plan = Plan.for_target(self.share, micro_batch).with_saver(knobs.saver)
         guard: OOMGuard | None = None
         outcome: Measurement | None = None
@@ -163,8 +163,8 @@ class Bench:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # BatchNorm advice: once from the guard the user builds
                     # log_changes=False: the guard's "OOM ... micro 64 -> 32" would read as a rescue; here a
-                    # change ends the trial. The ladder ends at the trial's rung (an OOM on it ends the trial,
-                    # never a climb), and grow_after outlasts the trial's steps: no step down a rung either
+                    # change ends the trial. The savers ends at the trial's saver (an OOM on it ends the trial,
+                    # never the next saver), and grow_after outlasts the trial's steps: no step down a saver either
                     # (that waits 4 x grow_after calm steps).
                     guard = OOMGuard(run_model, self.optimizer, plan=plan, autocast_dtype=knobs.autocast_dtype,
                                      scaler=scaler, meter=meter, log_changes=False,
@@ -259,7 +259,7 @@ def measure(task: Task, target_batch: int, micro_batch: int, knobs: Knobs | None
         task: the training step.
         target_batch: the global batch over all ranks.
         micro_batch: samples per forward/backward; accumulation covers the share exactly.
-        knobs: the memory ladder's rung, autocast, compile (default: none).
+        knobs: the memory saver, autocast, compile (default: none).
         optimizer: step this optimizer (restored afterwards) instead of a fresh one from the task.
         world_size: the ranks sharing ``target_batch``; one rank's share is measured.
         budget: infeasible above ``budget * (1 - headroom)`` (default: what the device has free);

@@ -142,9 +142,9 @@ class MemoryConfig:
         grow: how the guard grows the micro-batch back after an OOM (``OOMGuard(grow=...)``):
             ``auto`` (default), ``model``, ``double`` or ``off``.
         grow_after: calm steps before the guard grows back (default 2).
-        memory_savers: where even the smallest micro-batch does not fit, the memory ladder's next rung
+        memory_savers: where even the smallest micro-batch does not fit, the next memory saver
             (activation checkpointing, then on CUDA activation offload), each exact: ``auto``
-            (default), ``off``, or a tuple of rungs (``OOMGuard(memory_savers=...)``).
+            (default), ``off``, or a tuple of savers (``OOMGuard(memory_savers=...)``).
         probe_cache: reuse a cached probe result with the same fingerprint.
     """
 

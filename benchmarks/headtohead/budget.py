@@ -84,17 +84,17 @@ def make_budget(budget_bytes: int, device: torch.device) -> EmulatedBudget | Cud
 
 
 def accumulated_steps(ctx: Context, micro: int, budget: Any, steps: int = 2, accumulate: bool = True,
-                      rung: str | None = None) -> None:
+                      saver: str | None = None) -> None:
     """Two AdamW steps, each accumulating two micro-batches of ``micro`` (one when ``micro`` is the target,
     or without ``accumulate``). The second micro-batch's forward runs with the first one's gradients
     alive: an accumulation step needs more memory than a lone step of the same micro-batch. The model
-    runs on ``rung`` of the memory ladder (default: the workload's)."""
+    runs on ``saver`` of the memory savers (default: the workload's)."""
     target = ctx.workload.target_batch
     model = copy.deepcopy(ctx.base).to(ctx.device)
     optimizer = make_optimizer(model)
     budget.track(model, optimizer)
     parts = 1 if micro >= target or not accumulate else 2
-    with budget, apply_saver(model, ctx.workload.saver if rung is None else rung):
+    with budget, apply_saver(model, ctx.workload.saver if saver is None else saver):
         for step in range(steps):
             for a in range(parts):
                 start = (step * parts + a) * micro
@@ -128,12 +128,12 @@ def budget_for(ctx: Context, micro: int) -> int:
     return (low + high) // 2 if high > low else low
 
 
-def fits(ctx: Context, micro: int, budget_bytes: int, accumulate: bool = True, rung: str | None = None) -> bool:
+def fits(ctx: Context, micro: int, budget_bytes: int, accumulate: bool = True, saver: str | None = None) -> bool:
     if ctx.device.type == "cuda":  # the counter of a CPU run sees only its own tensors; a GPU sees all
         gc.collect()
     budget = make_budget(budget_bytes, ctx.device)
     try:
-        accumulated_steps(ctx, micro, budget, accumulate=accumulate, rung=rung)
+        accumulated_steps(ctx, micro, budget, accumulate=accumulate, saver=saver)
     except torch.OutOfMemoryError:
         return False
     finally:
@@ -142,17 +142,17 @@ def fits(ctx: Context, micro: int, budget_bytes: int, accumulate: bool = True, r
     return True
 
 
-def brute_force(ctx: Context, budget_bytes: int, accumulate: bool = True, rung: str | None = None) -> tuple[int, int]:
+def brute_force(ctx: Context, budget_bytes: int, accumulate: bool = True, saver: str | None = None) -> tuple[int, int]:
     """The largest micro-batch that runs two accumulated AdamW steps under the budget (doubling, then
     bisection), and how many sizes were tried; 0 where one sample does not fit. ``accumulate=False``: two
-    lone steps of that size. ``rung``: the memory ladder's rung the steps run on (default: the workload's)."""
+    lone steps of that size. ``saver``: the memory saver the steps run on (default: the workload's)."""
     target = ctx.workload.target_batch
     tried = 0
     lo, hi = 0, None
     size = 1
     while hi is None:
         tried += 1
-        if fits(ctx, size, budget_bytes, accumulate, rung):
+        if fits(ctx, size, budget_bytes, accumulate, saver):
             lo = size
             if size >= target:
                 return target, tried
@@ -162,5 +162,5 @@ def brute_force(ctx: Context, budget_bytes: int, accumulate: bool = True, rung: 
     while hi - lo > 1:
         mid = (lo + hi) // 2
         tried += 1
-        lo, hi = (mid, hi) if fits(ctx, mid, budget_bytes, accumulate, rung) else (lo, mid)
+        lo, hi = (mid, hi) if fits(ctx, mid, budget_bytes, accumulate, saver) else (lo, mid)
     return lo, tried

@@ -32,7 +32,7 @@ class RunResult:
     find_ooms: int | None = None
     train_ooms: int = 0
     budget_ooms: int = 0  # every OOM the run's budget raised, caught or not (not the probe's own counter's)
-    rung: str | None = None  # the memory ladder's rung autoaccum trained on (``autoaccum.memory.savers``)
+    saver: str | None = None  # the memory saver autoaccum trained on (``autoaccum.memory.savers``)
     error: str | None = None
     model: nn.Module | None = None
     notes: list[str] = field(default_factory=list)

@@ -2,10 +2,10 @@
 alternating in one process.
 
 - ``fit``: ``autoaccum.fit(..., budget=...)``, no plan, micro-batch or memory saver given. Its probe finds
-  that the smallest micro-batch does not fit, climbs the memory ladder and plans on the lowest rung where it
+  that the smallest micro-batch does not fit, turns to the memory savers and plans with the lowest saver where it
   does; on a CPU the training runs under fit's own emulated budget of that size, so an OOM in training
   would be real.
-- ``hand``: what a user would configure by hand: the workload's rung on (``apply_saver``), the largest
+- ``hand``: what a user would configure by hand: the workload's saver on (``apply_saver``), the largest
   micro-batch whose steps fit with the probe's headroom kept free (brute force on fresh models), and a plain
   accumulation loop at that micro-batch (each micro-batch's loss sum over the step's token count).
 
@@ -70,7 +70,7 @@ def _start(ctx: Context, recorder: Recorder) -> tuple[Any, Any]:
 
 
 def run_fit(ctx: Context, recorder: Recorder, budget: Any) -> RunResult:
-    """``fit`` with the budget and no plan: the probe (inside fit) picks the rung and the plan."""
+    """``fit`` with the budget and no plan: the probe (inside fit) picks the saver and the plan."""
     model, optimizer = _start(ctx, recorder)
     target = ctx.workload.target_batch
     # On a CPU fit emulates the budget itself (budget=); on CUDA the card is made smaller around it.
@@ -83,17 +83,17 @@ def run_fit(ctx: Context, recorder: Recorder, budget: Any) -> RunResult:
     result = RunResult(micro_batch=fitted.final_plan.micro_batch, planned_micro=fitted.plan.micro_batch,
                        find_steps=probe.probe_steps if probe else 0, find_time_s=fitted.probe_time_s,
                        find_ooms=probe.probe_ooms if probe else 0, train_ooms=fitted.oom_events, model=model,
-                       rung=fitted.final_plan.saver)
+                       saver=fitted.final_plan.saver)
     tried = probe.savers_tried if probe else ()
-    # the bytes a rung below needed are counted up to its OOM: a lower bound (DoesNotFitError.at_least)
+    # the bytes a saver below needed are counted up to its OOM: a lower bound (DoesNotFitError.at_least)
     result.notes.append(f"plan {fitted.plan.describe()}; " + "; ".join(
-        f"{rung}: one sample did not fit (>= {autoaccum.format_bytes(needed) if needed else '?'})"
-        for rung, needed in tried))
+        f"{saver}: one sample did not fit (>= {autoaccum.format_bytes(needed) if needed else '?'})"
+        for saver, needed in tried))
     return result
 
 
 def run_hand(ctx: Context, recorder: Recorder, budget: Any, micro: int) -> RunResult:
-    """A plain accumulation loop at ``micro`` on the workload's rung, token-exact, under ``budget``."""
+    """A plain accumulation loop at ``micro`` on the workload's saver, token-exact, under ``budget``."""
     model, optimizer = _start(ctx, recorder)
     target = ctx.workload.target_batch
     loss = pair_loss(recorder, ctx.device)
@@ -109,7 +109,7 @@ def run_hand(ctx: Context, recorder: Recorder, budget: Any, micro: int) -> RunRe
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     return RunResult(micro_batch=micro, find_steps=0, find_time_s=0.0, find_ooms=0, model=model,
-                     rung=ctx.workload.saver)
+                     saver=ctx.workload.saver)
 
 
 def _timed(ctx: Context, variant: str, micro: int) -> RunResult:
@@ -133,7 +133,7 @@ def _timed(ctx: Context, variant: str, micro: int) -> RunResult:
 def measure(ctx: Context, rounds: int) -> dict[str, Any]:
     """``rounds`` runs of ``fit`` and of ``hand``, alternating (odd rounds hand first); the JSON document."""
     if ctx.workload.saver == "none":
-        raise ValueError(f"workload {ctx.workload.name!r} fits one sample without a memory saver: nothing to climb")
+        raise ValueError(f"workload {ctx.workload.name!r} fits one sample without a memory saver: no saver to turn to")
     ref = reference(ctx)
     started = time.perf_counter()
     micro, tried = brute_force(ctx, int(ctx.budget_bytes * HEADROOM_KEPT))

@@ -34,7 +34,7 @@ def summarise(r: RunResult, ref: nn.Module, init: nn.Module, target: int) -> dic
         "optimizer_steps": integrity.get("steps"), "repeated_samples": integrity.get("repeated_samples"),
         "lost_samples": integrity.get("lost_samples"), "inconsistent_steps": integrity.get("inconsistent_steps"),
         "max_rel_diff": None if diff is None else diff[0], "diff_vs_update": None if diff is None else diff[1],
-        "error": r.error, "notes": r.notes, "wall_s": r.wall_s, "rung": r.rung, "budget_ooms": r.budget_ooms,
+        "error": r.error, "notes": r.notes, "wall_s": r.wall_s, "saver": r.saver, "budget_ooms": r.budget_ooms,
         "all_optimizer_steps": len(rec.steps) if rec else None,  # any phase, any attempt
         "tries": rec.tries() if rec else None,
     }
@@ -158,37 +158,37 @@ def ladder_table(res: dict[str, Any]) -> str:
              f"{autoaccum.format_bytes(res['budget_bytes'])}: micro-batches of up to {res['truly_fits']} fit with "
              f"{res['saver']}, {res['fits_without_savers']} without")
     head = ("| system | tries (micro-batch sizes) | OOMs: finding · training | optimizer steps | ended with | "
-            "rung · micro | samples/s: wall · CPU | rel. diff |")
+            "saver · micro | samples/s: wall · CPU | rel. diff |")
     lines = [title, "", head, "|---|---|---|---|---|---|---|---|"]
     for system, row in res["systems"].items():
         if "micro_batch" not in row:
             lines.append(f"| {system} | {row.get('error', '')} |" + " |" * 6)
             continue
         ended = f"**{row['error']}**" if row["error"] else f"trained: global {_global(row)}"
-        rung = "–" if row["error"] or row["micro_batch"] is None else \
-            f"{row.get('rung') or 'none'} · {row['micro_batch']}"
+        saver = "–" if row["error"] or row["micro_batch"] is None else \
+            f"{row.get('saver') or 'none'} · {row['micro_batch']}"
         rate = "–" if row["samples_per_s"] is None else \
             f"{row['samples_per_s']:,.2f} · {num(row.get('samples_per_cpu_s'), ',.2f')}"
         lines.append(f"| {system} | {_tries(row.get('tries'))} | {num(row['find_ooms'], 'd')} · {row['train_ooms']} | "
-                     f"{row.get('all_optimizer_steps')} | {ended} | {rung} | {rate} | "
+                     f"{row.get('all_optimizer_steps')} | {ended} | {saver} | {rate} | "
                      f"{num(row['max_rel_diff'], '.1e')} |")
     pair = res.get("fit_vs_hand")
     return "\n".join(lines + ([] if pair is None else ["", *_pair_lines(pair)]))
 
 
 def _pair_lines(pair: dict[str, Any]) -> list[str]:
-    """fit against the hand-configured run (``ladder.measure``): a small table and the ratio."""
+    """fit against the hand-configured run (``savers.measure``): a small table and the ratio."""
     if "error" in pair:
         return [f"fit against the hand-configured run: {pair['error']}"]
     lines = [f"fit against the hand-configured run, {pair['rounds']} rounds alternating in one process:", "",
-             "| run | rung · micro | samples/s: wall · CPU (median) | OOMs in training | rel. diff (max) |",
+             "| run | saver · micro | samples/s: wall · CPU (median) | OOMs in training | rel. diff (max) |",
              "|---|---|---|---|---|"]
     kept_free = f"brute force, {1 - pair['headroom_kept']:.0%} kept free"
     for variant, how in (("fit", "the probe's plan"), ("hand", kept_free)):
         runs = pair["runs"][variant]
-        rungs = sorted({f"{r.get('rung') or 'none'} · {r['micro_batch']}" for r in runs})
+        savers = sorted({f"{r.get('saver') or 'none'} · {r['micro_batch']}" for r in runs})
         ooms = sum(r["train_ooms"] or 0 for r in runs)
-        lines.append(f"| {variant} | {', '.join(rungs)} ({how}) | {num(pair[f'{variant}_samples_per_s'], '.2f')} · "
+        lines.append(f"| {variant} | {', '.join(savers)} ({how}) | {num(pair[f'{variant}_samples_per_s'], '.2f')} · "
                      f"{num(pair[f'{variant}_samples_per_cpu_s'], '.2f')} | {ooms} | "
                      f"{num(pair[f'{variant}_max_rel_diff'], '.1e')} |")
     ratio = (f"fit / hand: {num(pair['ratio_median'], '.3f')} by wall time (median of rounds: "

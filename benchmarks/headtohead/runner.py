@@ -52,7 +52,7 @@ class Config:
     isolate: bool = True  # each system in its own process (see run_isolated)
     out: str | None = None  # a folder: each workload's results saved there as it finishes (see run_resumable)
     redo: bool = False  # with ``out``: run workloads again whose results are there
-    rounds: int = 5  # where one sample does not fit: rounds of fit against the hand-configured run (ladder.py)
+    rounds: int = 5  # where one sample does not fit: rounds of fit against the hand-configured run (savers.py)
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class Setup:
     drop_bytes: int
     runtime_oom: bool
     threads: int
-    rounds: int = 0  # rounds of fit against the hand-configured run (``ladder.measure``)
+    rounds: int = 0  # rounds of fit against the hand-configured run (``savers.measure``)
 
 
 def available(system: str) -> str | None:
@@ -170,7 +170,7 @@ def run_workload(name: str, w: Workload, config: Config, log: Callable[[str], No
     t0 = time.perf_counter()
     truly, tried = brute_force(ctx, budget_bytes)
     lone, _ = brute_force(ctx, budget_bytes, accumulate=False)
-    bare = brute_force(ctx, budget_bytes, rung="none")[0] if w.saver != "none" else truly
+    bare = brute_force(ctx, budget_bytes, saver="none")[0] if w.saver != "none" else truly
     log(f"{name}: {describe_model(base)}; target {w.target_batch}; budget {autoaccum.format_bytes(budget_bytes)}; "
         f"truly fits {truly} when accumulating, {lone} alone"
         + ("" if w.saver == "none" else f" (with {w.saver}; {bare} without)") + f" ({time.perf_counter() - t0:.1f}s)")

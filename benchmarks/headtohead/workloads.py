@@ -33,7 +33,7 @@ class Workload:
     token_level: bool = False
     batchnorm: bool = False
     note: str = ""
-    #: the rung of the memory ladder (``autoaccum.memory.savers``) a plain loop needs under the budget:
+    #: the memory saver (``autoaccum.memory.savers``) a plain loop needs under the budget:
     #: ``"checkpointing"`` where one sample does not fit without it (``micro_target`` is then counted with it)
     saver: str = "none"
 

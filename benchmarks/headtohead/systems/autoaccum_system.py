@@ -58,11 +58,11 @@ def run(ctx: Context, recorder: Recorder, budget: Any) -> RunResult:
                                    loss_fn=pair, optimizer=optimizer, plan=report, max_steps=ctx.steps,
                                    epochs=None, device=ctx.device, progress=False)
     result.micro_batch, result.planned_micro = fitted.final_plan.micro_batch, report.plan.micro_batch
-    result.train_ooms, result.rung = fitted.oom_events, fitted.final_plan.saver
+    result.train_ooms, result.saver = fitted.oom_events, fitted.final_plan.saver
     result.notes.append(f"probe: largest fitting micro-batch {report.max_fitting_micro_batch} under "
                         f"{autoaccum.format_bytes(report.usable_bytes)} (budget less {report.headroom:.0%} headroom); "
                         f"plan {report.plan.describe()}; final {fitted.final_plan.describe()}"
-                        + "".join(f"; {rung} did not fit one sample" for rung, _ in report.savers_tried))
+                        + "".join(f"; {saver} did not fit one sample" for saver, _ in report.savers_tried))
     result.notes.extend(f"plan change: {c.describe()}" for c in fitted.plan_changes)
     result.notes.extend(f"warning: {str(c.message)[:90]}..." for c in caught if "BatchNorm" in str(c.message))
     return result

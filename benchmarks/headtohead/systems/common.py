@@ -114,6 +114,6 @@ def guard_outcome(lazy: Any, result: RunResult) -> None:
     guard = lazy.guard if lazy is not None else None
     if guard is None:
         return
-    result.micro_batch, result.train_ooms, result.rung = guard.plan.micro_batch, guard.ooms, guard.plan.saver
+    result.micro_batch, result.train_ooms, result.saver = guard.plan.micro_batch, guard.ooms, guard.plan.saver
     result.notes.append(f"final {guard.plan.describe()}")
     result.notes.extend(f"plan change: {c.describe()}" for c in guard.changes)

@@ -1,5 +1,5 @@
 """hand: a nanoGPT-style loop (``loss / accum_steps``) with a fixed micro-batch and no OOM handling; on the
-workload's rung of the memory ladder (checkpointing on, where one sample does not fit without it)."""
+workload's memory saver (checkpointing on, where one sample does not fit without it)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def run(ctx: Context, recorder: Recorder, budget: Any) -> RunResult:
     recorder.new_attempt()
     budget.track(model, optimizer)
     result = RunResult(micro_batch=micro, find_steps=0, find_time_s=0.0, find_ooms=0, model=model,
-                       rung=ctx.workload.saver)
+                       saver=ctx.workload.saver)
     try:
         with budget, apply_saver(model, ctx.workload.saver):
             for step in range(ctx.steps):
