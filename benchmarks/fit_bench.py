@@ -23,7 +23,7 @@ import time
 import torch
 
 import autoaccum
-from autoaccum.cli import TinyGPT, synthetic_tokens, token_loss
+from autoaccum.demo import TinyGPT, synthetic_tokens, token_loss
 from autoaccum.plan.plan import Plan
 
 TARGET, MICRO = 64, 16

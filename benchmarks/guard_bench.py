@@ -27,7 +27,7 @@ import torch
 
 import autoaccum
 from autoaccum import OOMGuard, Plan
-from autoaccum.cli import TinyGPT, synthetic_tokens, token_loss
+from autoaccum.demo import TinyGPT, synthetic_tokens, token_loss
 
 _clock = time.perf_counter  # ``--clock cpu``: this process's CPU time (a shared machine's waits left out)
 

@@ -38,7 +38,7 @@ if BENCHMARKS not in sys.path:
 from common import HEADROOM_KEPT  # noqa: E402
 
 import autoaccum  # noqa: E402
-from autoaccum.cli import TinyGPT, synthetic_tokens, token_loss  # noqa: E402
+from autoaccum.demo import TinyGPT, synthetic_tokens, token_loss  # noqa: E402
 from autoaccum.memory.savers import apply_saver  # noqa: E402
 from autoaccum.units import format_bytes, parse_bytes  # noqa: E402
 

@@ -24,7 +24,7 @@ from torch import nn
 
 import autoaccum
 from autoaccum import emulated_budget
-from autoaccum.cli import TinyGPT, synthetic_tokens, token_loss
+from autoaccum.demo import TinyGPT, synthetic_tokens, token_loss
 from autoaccum.plan.task import Task
 from autoaccum.search.throughput import measure
 

@@ -31,7 +31,7 @@ from common import markdown_table
 from torch import nn
 
 import autoaccum
-from autoaccum.cli import TinyGPT, synthetic_tokens, token_loss
+from autoaccum.demo import TinyGPT, synthetic_tokens, token_loss
 from autoaccum.plan.plan import Plan
 from autoaccum.plan.task import Task
 from autoaccum.search import SearchSpace, search

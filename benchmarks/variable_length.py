@@ -24,14 +24,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' padded rows
 
 from common import bench_main, markdown_table
+from helpers import pad_rows as collate
+from helpers import padded_token_loss as token_loss
 
 import autoaccum
 from autoaccum import OOMGuard, Plan, TrackedMemory
-from autoaccum.cli import TinyGPT
-from autoaccum.cli import pad_rows as collate
-from autoaccum.cli import padded_token_loss as token_loss
+from autoaccum.demo import TinyGPT
 from autoaccum.plan.batch import Samples
 from autoaccum.plan.cut import SampleCut, TokenCut
 

@@ -32,7 +32,7 @@ CONSTANT = torch.zeros(1)  # a name that is not callable
 
 def variable_length() -> autoaccum.Task:
     """A small causal LM whose data declares its lengths: probed by length, planned by tokens."""
-    from autoaccum.cli import TinyGPT, token_loss
+    from autoaccum.demo import TinyGPT, token_loss
 
     torch.manual_seed(0)
     lengths = tuple([8] * 40 + [16] * 20 + [48] * 4)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autoaccum.cli import TinyGPT, synthetic_tokens, token_loss
+from autoaccum.demo import TinyGPT, synthetic_tokens, token_loss
 
 __all__ = ["Mlp", "cross_entropy", "epoch_order", "global_batches", "gpt", "gpt_tokens", "max_abs_diff",
            "mlp_data", "reference_fit", "resumable_run", "token_loss"]

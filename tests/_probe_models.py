@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autoaccum import TrackedMemory, emulated_budget
-from autoaccum.cli import TinyGPT, synthetic_tokens, token_loss
+from autoaccum.demo import TinyGPT, synthetic_tokens, token_loss
 
 
 def mlp(in_dim: int = 32, hidden: int = 64, out_dim: int = 8, seed: int = 0) -> nn.Module:

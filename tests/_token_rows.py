@@ -16,7 +16,7 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-from autoaccum.cli import pad_rows
+from helpers import pad_rows
 
 VOCAB, SEQ, PAD, N = 64, 16, 0, 32
 
@@ -69,15 +69,6 @@ def collate(rows: list[dict], per_sample: bool = False) -> dict[str, torch.Tenso
     if per_sample:
         batch["labels"] = torch.tensor([r["label"] for r in rows])
     return batch
-
-
-def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """``max |a - b| / max |b|`` over all parameters (attention key biases hold ~1e-23 noise: see test_hf)."""
-    return max(float((a[n] - b[n]).abs().max()) for n in a) / max(float(b[n].abs().max()) for n in b)
 
 
 def ids_of(args: tuple, kwargs: dict) -> list[int]:

@@ -17,7 +17,7 @@ from torch import nn
 
 import autoaccum
 from autoaccum import DoesNotFitError, OOMGuard, Plan, TaskError, emulated_budget, probe
-from autoaccum.cli import TinyGPT, synthetic_tokens, token_loss
+from autoaccum.demo import TinyGPT, synthetic_tokens, token_loss
 
 
 def bn_mlp(seed: int = 0) -> nn.Module:

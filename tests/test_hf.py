@@ -23,8 +23,13 @@ from autoaccum.step import losses as losses_module
 from autoaccum.step.losses import default_loss, predicted_tokens
 
 transformers = pytest.importorskip("transformers")
+from helpers import params, rel_diff
 from transformers import (  # noqa: E402 - after the skip: these tests need transformers
-    BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel, ResNetConfig,
+    BertConfig,
+    BertForSequenceClassification,
+    GPT2Config,
+    GPT2LMHeadModel,
+    ResNetConfig,
     ResNetForImageClassification,
 )
 
@@ -71,17 +76,6 @@ def padded_tokens(n: int, seed: int, labels: str = "tokens") -> dict[str, torch.
     batch["labels"] = ids.masked_fill(mask == 0, -100) if labels == "tokens" else \
         torch.randint(0, 3, (n,), generator=g)
     return batch
-
-
-def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """``max |a - b| / max |b|`` over all parameters together. (Per tensor it would be meaningless for
-    attention key biases: their gradient is zero in exact arithmetic -- softmax ignores a constant
-    added to every key's score -- so they hold rounding noise of ~1e-23 on both sides.)"""
-    return max(float((a[n] - b[n]).abs().max()) for n in a) / max(float(b[n].abs().max()) for n in b)
 
 
 def full_batch_steps(model: torch.nn.Module, batches: list[dict], lr: float = 0.1) -> None:

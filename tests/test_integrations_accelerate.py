@@ -27,7 +27,8 @@ from autoaccum.step.losses import default_loss
 pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
 
-from _token_rows import N, Rows, collate, gpt2, ids_of, params, rel_diff  # noqa: E402
+from _token_rows import N, Rows, collate, gpt2, ids_of  # noqa: E402
+from helpers import params, rel_diff  # noqa: E402
 
 from autoaccum.integrations.accelerate import guard_for  # noqa: E402
 

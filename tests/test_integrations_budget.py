@@ -25,7 +25,8 @@ pl = pytest.importorskip("lightning.pytorch")
 import test_integrations_accelerate as acc  # noqa: E402 - after the skips
 import test_integrations_hf as hf  # noqa: E402
 import test_integrations_lightning as light  # noqa: E402
-from _token_rows import Rows, collate, gpt2, params, rel_diff  # noqa: E402
+from _token_rows import Rows, collate, gpt2  # noqa: E402
+from helpers import params, rel_diff  # noqa: E402
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
 from autoaccum.integrations.accelerate import guard_for  # noqa: E402

@@ -20,7 +20,8 @@ from _audit import IdAudit
 from autoaccum import emulated_budget, parse_bytes
 
 transformers = pytest.importorskip("transformers")
-from _token_rows import N, Rows, bert, collate, gpt2, ids_of, llama, params, rel_diff  # noqa: E402
+from _token_rows import N, Rows, bert, collate, gpt2, ids_of, llama  # noqa: E402
+from helpers import params, rel_diff  # noqa: E402
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402 - after the skip
 
 from autoaccum.integrations.transformers import GUARD_FILE, AutoAccumTrainer  # noqa: E402

@@ -23,6 +23,8 @@ from autoaccum import emulated_budget, parse_bytes
 
 pl = pytest.importorskip("lightning.pytorch")
 
+from helpers import params, rel_diff
+
 from autoaccum.integrations.lightning import AutoAccum  # noqa: E402 - after the skip
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -113,14 +115,6 @@ def fit(*callbacks: pl.Callback, budget=None, drop_after=None, data=None, ckpt_p
         with meter:
             run.fit(module, data or loader(), ckpt_path=ckpt_path)
     return module, run, watch
-
-
-def params(module: torch.nn.Module) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in module.parameters()]
-
-
-def rel_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return max(float((x - y).abs().max()) for x, y in zip(a, b)) / max(float(y.abs().max()) for y in b)
 
 
 @pytest.fixture(scope="module")

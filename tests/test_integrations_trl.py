@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("trl")
 transformers = pytest.importorskip("transformers")
 from _sft_data import KINDS, config_options, dataset, llama, tokenizer  # noqa: E402
-from _token_rows import params, rel_diff  # noqa: E402
+from helpers import params, rel_diff  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 from trl import SFTConfig, SFTTrainer  # noqa: E402
 

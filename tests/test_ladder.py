@@ -17,7 +17,7 @@ import torch
 
 import autoaccum
 from autoaccum import DoesNotFitError, OOMGuard, emulated_budget
-from autoaccum.cli import TinyGPT, synthetic_tokens, token_loss
+from autoaccum.demo import TinyGPT, synthetic_tokens, token_loss
 
 TIGHT = {"rtol": 1e-10, "atol": 1e-12}
 SEQ, TARGET, STEPS = 128, 4, 4

@@ -35,8 +35,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("integrations",),
     # the optional throughput search
     ("search",),
-    # the entry points
-    ("cli", "__main__", ""),
+    # the entry points, and the demo task the command line runs without a task of the user's
+    ("cli", "demo", "__main__", ""),
 ]
 
 

@@ -14,14 +14,16 @@ import random
 
 import pytest
 import torch
+from helpers import pad_rows as pad
+from helpers import padded_token_loss as token_loss
+from helpers import params, rel_diff
 
 import autoaccum
 from autoaccum import OOMGuard, Plan
+from autoaccum.demo import TinyGPT
+from autoaccum.memory import TrackedMemory
 from autoaccum.plan.batch import Samples
 from autoaccum.plan.cut import TokenCut
-from autoaccum.cli import TinyGPT, padded_token_loss as token_loss
-from autoaccum.cli import pad_rows as pad
-from autoaccum.memory import TrackedMemory
 from autoaccum.plan.plan import TokenBudget
 
 VOCAB, LONGEST = 64, 48
@@ -52,14 +54,6 @@ def full_batch_steps(model: torch.nn.Module, batches: list[list[dict]], lr: floa
         loss_sum, count = token_loss(model, pad(items))
         (loss_sum / count).backward()
         opt.step()
-
-
-def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    return max(float((a[n] - b[n]).abs().max()) for n in a) / max(float(b[n].abs().max()) for n in b)
 
 
 def token_plan(target: int, max_cost: float, micro: int = 16) -> Plan:

@@ -9,20 +9,31 @@ import unittest.mock
 
 import pytest
 import torch
+from _probe_models import (
+    convnet,
+    gpt_batch,
+    gpt_loss,
+    image_batch,
+    largest_fitting,
+    measure_phases,
+    mlp,
+    mlp_batch,
+    mlp_loss,
+    runs_under,
+    stateful_batch,
+    stateful_mlp,
+    tiny_gpt,
+)
 
 import autoaccum
 import autoaccum.state
-from autoaccum.probe import passes
 from autoaccum import AutoAccumError, DoesNotFitError, Plan, ProbeReport, Task, TaskError, probe
-from autoaccum.cli import TinyGPT, synthetic_tokens, token_loss
+from autoaccum.demo import TinyGPT, synthetic_tokens, token_loss
 from autoaccum.memory import TrackedMemory
+from autoaccum.probe import passes
 from autoaccum.probe.choice import RETIME_ROUNDS, THROUGHPUT_TIE, choose_micro_batch, plan_step_times, time_slope
-from autoaccum.probe.report import Candidate
 from autoaccum.probe.passes import Stepper
-from _probe_models import (
-    convnet, gpt_batch, gpt_loss, image_batch, largest_fitting, measure_phases, mlp, mlp_batch, mlp_loss, runs_under,
-    stateful_batch, stateful_mlp, tiny_gpt,
-)
+from autoaccum.probe.report import Candidate
 
 HEADROOM = 0.1
 TARGET = 4096  # large enough that the target never caps the search
@@ -952,7 +963,8 @@ def test_a_task_from_data_draws_fits_order_and_repeats_past_the_end():
 
 
 def test_a_task_from_variable_length_data_is_probed_by_length():
-    from autoaccum.cli import TinyGPT, pad_rows, padded_token_loss
+    from autoaccum.demo import TinyGPT
+    from helpers import pad_rows, padded_token_loss
 
     g = torch.Generator().manual_seed(0)
     rows = [{"input_ids": torch.randint(1, 64, (int(n),), generator=g)} for n in [9] * 12 + [17] * 6 + [33] * 2]

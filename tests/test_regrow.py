@@ -20,20 +20,17 @@ import torch
 import torch.distributed as dist
 from _guard_models import Net, data, full_step, mse, pair, params_of
 from _spawn import results, spawn
+from helpers import rel_diff
 
-import autoaccum.memory.recovery as recovery_module
 import autoaccum.guard.policy as policy_module
+import autoaccum.memory.recovery as recovery_module
 from autoaccum import MemoryModel, OOMGuard, Plan, TrackedMemory
-from autoaccum.memory import CudaMeter, MemoryReading, NullMeter
 from autoaccum.guard.growth import FailedGrowth, Rise, fits, fitting_plan, memory_limit, predicted_rise
+from autoaccum.memory import CudaMeter, MemoryReading, NullMeter
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one intra-op thread
 
 REL = 1e-10  # fp64: accumulated against full batch, relative to the reference's largest entry
-
-
-def rel_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(a, b))
 
 
 def sgd_pair(hidden: int = 256):

@@ -16,7 +16,7 @@ import torch
 
 from autoaccum import OOMGuard, Plan, emulated_budget, probe
 from autoaccum.cli import EXIT_ERROR, EXIT_OK, main
-from autoaccum.cli import TinyGPT, synthetic_tokens, token_loss
+from autoaccum.demo import TinyGPT, synthetic_tokens, token_loss
 from autoaccum.errors import DoesNotFitError
 from autoaccum.search.knobs import TRIAL_RECOMPILE_LIMIT, Knobs, apply_knobs, available_knobs
 from autoaccum.plan.task import Task

@@ -17,7 +17,7 @@ from torch import nn
 
 import autoaccum
 from autoaccum import Knobs
-from autoaccum.cli import TinyGPT
+from autoaccum.demo import TinyGPT
 from autoaccum.plan.task import Task
 from autoaccum.probe.report import model_fingerprint
 from autoaccum.search import format_search, read_plan_file, search

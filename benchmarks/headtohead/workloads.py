@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autoaccum.cli import TinyGPT
+from autoaccum.demo import TinyGPT
 
 LR = 1e-3
 
