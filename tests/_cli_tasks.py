@@ -2,9 +2,9 @@
 
 import torch
 import torch.nn.functional as F
+from _probe_models import mlp, mlp_batch, mlp_loss
 
 import autoaccum
-from _probe_models import mlp, mlp_batch, mlp_loss
 
 
 def tiny() -> autoaccum.Task:

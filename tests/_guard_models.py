@@ -13,11 +13,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+from helpers import InjectedOOM
 from torch import nn
-
-
-class InjectedOOM(torch.OutOfMemoryError):
-    """An OOM raised on purpose (a subclass, so the test can tell it from an emulated one)."""
 
 
 class Trigger:

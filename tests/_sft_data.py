@@ -5,12 +5,11 @@ TRL's ``SFTTrainer`` trains on: plain text, prompt-completion (completion-only l
 
 from __future__ import annotations
 
+import _token_rows
 import torch
 from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
-
-import _token_rows
 
 WORDS = ["<pad>", "<eos>", "<bos>", "<unk>", "user", "assistant", ":"] + [f"w{i}" for i in range(40)]
 CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}assistant : {% generation %}"

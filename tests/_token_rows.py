@@ -7,6 +7,7 @@ fp64, dropout off.
 from __future__ import annotations
 
 import torch
+from helpers import pad_rows
 from transformers import (
     BertConfig,
     BertForSequenceClassification,
@@ -15,8 +16,6 @@ from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
 )
-
-from helpers import pad_rows
 
 VOCAB, SEQ, PAD, N = 64, 16, 0, 32
 

@@ -48,7 +48,8 @@ def full_batch_steps(model: nn.Module, loss_fn: Callable[[nn.Module, Any], torch
 
 
 class InjectedOOM(torch.OutOfMemoryError):
-    """A real ``torch.OutOfMemoryError`` (the type the guard catches), raised by a test on purpose."""
+    """An OOM raised on purpose: a real ``torch.OutOfMemoryError`` (the type the guard catches), and a
+    subclass, so that a test can tell it from an emulated budget's."""
 
 
 def pad_rows(rows: list[dict[str, torch.Tensor]], pad: int = 0) -> dict[str, torch.Tensor]:

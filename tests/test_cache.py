@@ -5,11 +5,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from _probe_models import mlp, mlp_batch, mlp_loss
 
 import autoaccum
 from autoaccum import probe
 from autoaccum.probe.cache import default_cache_dir, fingerprint
-from _probe_models import mlp, mlp_batch, mlp_loss
 
 
 class CountingLoss:

@@ -13,12 +13,17 @@ import warnings
 import pytest
 import torch
 
+from autoaccum.state import capture_rng, restore_rng
 from autoaccum.training.checkpoint import (
-    CHECKPOINT_NAME, CheckpointError, check_writable, load_checkpoint, rng_from_plain, rng_to_plain,
+    CHECKPOINT_NAME,
+    CheckpointError,
+    check_writable,
+    load_checkpoint,
+    rng_from_plain,
+    rng_to_plain,
     save_checkpoint,
 )
 from autoaccum.training.lr import warmup_lambda
-from autoaccum.state import capture_rng, restore_rng
 
 
 def _model() -> torch.nn.Module:

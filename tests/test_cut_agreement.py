@@ -20,12 +20,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _spawn import errors, results, spawn
+from helpers import needs_gloo
 
 import autoaccum
-from _spawn import errors, results, spawn
+from autoaccum.distributed import DistributedSync, unwrap_model, wrap_model
 from autoaccum.distributed import sync as cut_agreement
 from autoaccum.distributed.sync import CutTerms, decide
-from autoaccum.distributed import DistributedSync, unwrap_model, wrap_model
 
 FP64 = {"rtol": 1e-10, "atol": 1e-12}
 TARGET, MICRO, SEED = 12, 2, 5
@@ -172,8 +173,7 @@ def mixed_partial_run(rank: int, world_size: int, kind: str, check: bool = True,
             "attempts": attempts, "exchanges": exchanges, "losses": losses, "ooms": guard.ooms}
 
 
-pytestmark_dist = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                     reason="needs torch.distributed with gloo")
+pytestmark_dist = needs_gloo
 
 
 @pytestmark_dist

@@ -4,9 +4,9 @@ import itertools
 
 import pytest
 import torch
+from _fit_models import epoch_order
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from _fit_models import epoch_order
 from autoaccum.plan.data import GlobalBatches
 from autoaccum.plan.plan import rank_share
 

@@ -19,16 +19,16 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _spawn import TIMEOUT_S, errors, results, spawn
+from helpers import needs_gloo
 
 import autoaccum
-from _spawn import TIMEOUT_S, errors, results, spawn
 import autoaccum.distributed
+from autoaccum.distributed import DistributedSync, unwrap_model, wrap_model
 from autoaccum.plan.cut import SampleCut
 from autoaccum.plan.data import GlobalBatches
-from autoaccum.distributed import DistributedSync, unwrap_model, wrap_model
 
-pytestmark = [pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="needs torch.distributed with gloo"),
+pytestmark = [needs_gloo,
               pytest.mark.slow]  # several processes each
 
 TARGET, MICRO, SEED = 16, 4, 7

@@ -20,18 +20,18 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-import autoaccum
 from _spawn import results, spawn
-from autoaccum.distributed import DistributedSync, wrap_model
-from autoaccum.errors import NonFiniteError
-from autoaccum.plan.data import GlobalBatches
-from autoaccum.training.checkpoint import load_checkpoint
-from autoaccum.memory import MemoryReading, NullMeter
+from helpers import needs_gloo
 from test_distributed import SEED, TARGET, Net, _params, fsdp2_supported, make_data, make_net, mean_loss
 
-pytestmark = [pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="needs torch.distributed with gloo"),
+import autoaccum
+from autoaccum.distributed import DistributedSync, wrap_model
+from autoaccum.errors import NonFiniteError
+from autoaccum.memory import MemoryReading, NullMeter
+from autoaccum.plan.data import GlobalBatches
+from autoaccum.training.checkpoint import load_checkpoint
+
+pytestmark = [needs_gloo,
               pytest.mark.slow]  # several processes each
 
 needs_fsdp2 = pytest.mark.skipif(not fsdp2_supported(), reason="FSDP2 under autoaccum needs torch >= 2.13")

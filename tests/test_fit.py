@@ -18,16 +18,28 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from _fit_models import (
+    RESUME_EPOCHS,
+    RESUME_SAMPLES,
+    Mlp,
+    cross_entropy,
+    global_batches,
+    gpt,
+    gpt_tokens,
+    max_abs_diff,
+    mlp_data,
+    reference_fit,
+    resumable_run,
+    token_loss,
+)
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import autoaccum
-from _fit_models import (RESUME_EPOCHS, RESUME_SAMPLES, Mlp, cross_entropy, global_batches, gpt, gpt_tokens,
-                         max_abs_diff, mlp_data, reference_fit, resumable_run, token_loss)
 from autoaccum import state
-from autoaccum.training import checkpoint
 from autoaccum.errors import AutoAccumError, NonFiniteError, TaskError
 from autoaccum.plan.plan import Plan
+from autoaccum.training import checkpoint
 
 TESTS_DIR = Path(__file__).resolve().parent
 N, TARGET, EPOCHS = 150, 64, 2  # 64 + 64 + 22 per epoch: every epoch ends with a partial batch

@@ -14,20 +14,33 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from _guard_models import (
+    Net,
+    RecordingSGD,
+    TokenModel,
+    data,
+    full_step,
+    manual_step,
+    max_diff,
+    mse,
+    pair,
+    params_of,
+    phase_peaks,
+    sizes_for,
+    token_batch,
+    token_mean,
+    token_sum,
+)
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import autoaccum.step.accumulate as accumulate_module
 import autoaccum.guard.guard as guard_module
-from autoaccum.memory import MemoryReading, NullMeter
 import autoaccum.memory.recovery as recovery_module
-from _guard_models import (
-    Net, RecordingSGD, TokenModel, data, full_step, manual_step, max_diff, mse, pair, params_of, phase_peaks, sizes_for,
-    token_batch, token_mean, token_sum,
-)
+import autoaccum.step.accumulate as accumulate_module
 from autoaccum import DoesNotFitError, OOMGuard, OptimizerStepOOMError, Plan, emulated_budget
-from autoaccum.errors import NonFiniteError, TaskError
 from autoaccum.distributed.sync import LocalSync
+from autoaccum.errors import NonFiniteError, TaskError
+from autoaccum.memory import MemoryReading, NullMeter
 
 TOL = {torch.float64: {"rtol": 0.0, "atol": 1e-12}, torch.float32: {"rtol": 1e-5, "atol": 1e-6}}
 DTYPES = pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])

@@ -156,7 +156,6 @@ def two_rank_fit(rank: int, world_size: int) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_two_ranks_plan_on_the_same_rung_and_equal_full_batch_steps(tmp_path) -> None:
     import torch.distributed as dist
-
     from _spawn import results, spawn
 
     if not dist.is_available() or not dist.is_gloo_available():

@@ -4,6 +4,7 @@ import warnings
 
 import pytest
 import torch
+from _probe_models import measure_phases, mlp, mlp_batch, mlp_loss
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import autoaccum
@@ -11,7 +12,6 @@ from autoaccum import TrackedMemory, emulated_budget, is_oom
 from autoaccum.memory import CudaMeter, device_capacity, iter_tensors
 from autoaccum.memory.capacity import cuda_capacity
 from autoaccum.memory.cuda import _nvml
-from _probe_models import measure_phases, mlp, mlp_batch, mlp_loss
 
 N = 1000
 

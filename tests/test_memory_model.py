@@ -1,9 +1,9 @@
 """autoaccum.memory.model: peak(b) = max(opt_peak, base + per_sample * b), fitted on measured phases."""
 
 import pytest
+from _probe_models import gpt_batch, gpt_loss, measure_phases, mlp, mlp_batch, mlp_loss, tiny_gpt
 
 from autoaccum.memory.model import GOOD_FIT_RESIDUAL, MemoryModel, MemoryPoint
-from _probe_models import gpt_batch, gpt_loss, measure_phases, mlp, mlp_batch, mlp_loss, tiny_gpt
 
 
 def line_points(sizes, base=1000, per_sample=50, opt=0):

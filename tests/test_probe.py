@@ -963,8 +963,9 @@ def test_a_task_from_data_draws_fits_order_and_repeats_past_the_end():
 
 
 def test_a_task_from_variable_length_data_is_probed_by_length():
-    from autoaccum.demo import TinyGPT
     from helpers import pad_rows, padded_token_loss
+
+    from autoaccum.demo import TinyGPT
 
     g = torch.Generator().manual_seed(0)
     rows = [{"input_ids": torch.randint(1, 64, (int(n),), generator=g)} for n in [9] * 12 + [17] * 6 + [33] * 2]

@@ -9,10 +9,10 @@ import re
 import sys
 
 import pytest
-
-import autoaccum
 from _fit_models import gpt, gpt_tokens, token_loss
 from _probe_models import mlp, mlp_batch, mlp_loss
+
+import autoaccum
 from autoaccum.cli import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")

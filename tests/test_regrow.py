@@ -17,10 +17,9 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from _guard_models import Net, data, full_step, mse, pair, params_of
 from _spawn import results, spawn
-from helpers import rel_diff
+from helpers import needs_gloo, rel_diff
 
 import autoaccum.guard.policy as policy_module
 import autoaccum.memory.recovery as recovery_module
@@ -354,7 +353,7 @@ def two_ranks_squeezed(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+@needs_gloo
 @pytest.mark.slow  # two spawned processes
 def test_two_ranks_grow_to_the_smallest_size_any_rank_can_take(tmp_path: Path):
     codes, _ = spawn(two_ranks_squeezed, tmp_path)

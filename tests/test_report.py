@@ -14,9 +14,9 @@ import struct
 from pathlib import Path
 
 import pytest
+from _fit_models import gpt, gpt_tokens, token_loss
 
 import autoaccum
-from _fit_models import gpt, gpt_tokens, token_loss
 from autoaccum.plan.plan import Plan
 from autoaccum.training.trackers import Reporter
 

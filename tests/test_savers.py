@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autoaccum.memory.savers import SAVERS, apply_saver, checkpoint_layers, allowed_savers, next_saver, suggestions
+from autoaccum.memory.savers import SAVERS, allowed_savers, apply_saver, checkpoint_layers, next_saver, suggestions
 
 TIGHT = {"rtol": 1e-12, "atol": 1e-14}
 

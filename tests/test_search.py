@@ -18,14 +18,12 @@ from autoaccum import OOMGuard, Plan, emulated_budget, probe
 from autoaccum.cli import EXIT_ERROR, EXIT_OK, main
 from autoaccum.demo import TinyGPT, synthetic_tokens, token_loss
 from autoaccum.errors import DoesNotFitError
-from autoaccum.search.knobs import TRIAL_RECOMPILE_LIMIT, Knobs, apply_knobs, available_knobs
 from autoaccum.plan.task import Task
+from autoaccum.search.knobs import TRIAL_RECOMPILE_LIMIT, Knobs, apply_knobs, available_knobs
 
 optuna = pytest.importorskip("optuna")
 
-from autoaccum.search import (  # noqa: E402 - after the skip: these tests need the search extra
-    SearchSpace, candidate_micro_batches, format_search, load_plan_file, read_plan_file, search,
-)
+from autoaccum.search import SearchSpace, candidate_micro_batches, format_search, load_plan_file, read_plan_file, search  # noqa: E402 - after the skip: these tests need the search extra
 from autoaccum.search.compare import DEFAULT_TIE_CEILING, compare_finalists, paired_ratios  # noqa: E402
 from autoaccum.search.study import OUT_AFTER_ROUNDS  # noqa: E402
 from autoaccum.search.throughput import Bench, Measurement, measure  # noqa: E402

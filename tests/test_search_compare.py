@@ -8,7 +8,11 @@ import statistics
 import pytest
 
 from autoaccum.search.compare import (
-    DEFAULT_TIE_CEILING, DEFAULT_TIE_FLOOR, NOISE_STANDARD_ERRORS, compare_finalists, paired_ratios,
+    DEFAULT_TIE_CEILING,
+    DEFAULT_TIE_FLOOR,
+    NOISE_STANDARD_ERRORS,
+    compare_finalists,
+    paired_ratios,
 )
 
 # finalists named by (knobs switched on, passes): the simplicity key is the name itself

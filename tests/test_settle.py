@@ -26,13 +26,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-import autoaccum
 from _collectives import intercept_all_reduces
 from _spawn import results, spawn
+from helpers import needs_gloo
 
-pytestmark = [pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="needs torch.distributed with gloo"),
+import autoaccum
+
+pytestmark = [needs_gloo,
               pytest.mark.slow]  # several processes each
 
 

@@ -3,9 +3,9 @@ search stops refining once the plan is settled (a real CUDA probe's readings, th
 
 import pytest
 
-from autoaccum.probe import size_search
 from autoaccum.memory.model import MemoryModel, MemoryPoint
 from autoaccum.plan.plan import Plan
+from autoaccum.probe import size_search
 from autoaccum.probe.report import Candidate
 from autoaccum.probe.size_search import LIMIT_TOLERANCE, _next_size, fit_sizes, search_sizes
 

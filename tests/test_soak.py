@@ -20,13 +20,12 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
+from helpers import needs_gloo
 
 SOAK = Path(__file__).resolve().parent / "stress" / "soak.py"
 WORLD = 2
 
-pytestmark = [pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="needs torch.distributed with gloo"),
+pytestmark = [needs_gloo,
               pytest.mark.slow]  # several processes each
 
 
