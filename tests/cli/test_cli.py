@@ -12,7 +12,7 @@ import torch
 import autoaccum
 from autoaccum.cli import EXIT_DOES_NOT_FIT, EXIT_OK, EXIT_USAGE, main
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).resolve().parents[1]
 TINY = ["probe", "--task", "_cli_tasks:tiny", "--budget", "400000", "--target-batch", "64"]
 SENTINEL_WALL_S = 12345.0  # a probe wall time no real probe of TINY takes: marks an entry written by a test
 

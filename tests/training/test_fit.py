@@ -41,7 +41,7 @@ from autoaccum.errors import AutoAccumError, NonFiniteError, TaskError
 from autoaccum.plan.plan import Plan
 from autoaccum.training import checkpoint
 
-TESTS_DIR = Path(__file__).resolve().parent
+TESTS_DIR = Path(__file__).resolve().parents[1]
 N, TARGET, EPOCHS = 150, 64, 2  # 64 + 64 + 22 per epoch: every epoch ends with a partial batch
 
 

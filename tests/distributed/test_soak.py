@@ -22,7 +22,7 @@ import pytest
 import torch
 from helpers import needs_gloo
 
-SOAK = Path(__file__).resolve().parent / "stress" / "soak.py"
+SOAK = Path(__file__).resolve().parents[1] / "stress" / "soak.py"
 WORLD = 2
 
 pytestmark = [needs_gloo,

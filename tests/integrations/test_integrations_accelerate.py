@@ -217,7 +217,7 @@ def test_accelerates_accumulation_switched_on_during_the_run_is_refused_at_the_n
 
 @pytest.mark.slow
 def test_the_example_runs_and_recovers_in_place():
-    example = Path(__file__).resolve().parent.parent / "examples" / "accelerate_loop.py"
+    example = Path(__file__).resolve().parents[2] / "examples" / "accelerate_loop.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=180, env=env,
                           cwd=example.parent.parent)

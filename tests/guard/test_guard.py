@@ -38,9 +38,7 @@ import autoaccum.guard.guard as guard_module
 import autoaccum.memory.recovery as recovery_module
 import autoaccum.step.accumulate as accumulate_module
 from autoaccum import DoesNotFitError, OOMGuard, OptimizerStepOOMError, Plan, emulated_budget
-from autoaccum.distributed.sync import LocalSync
 from autoaccum.errors import NonFiniteError, TaskError
-from autoaccum.memory import MemoryReading, NullMeter
 
 TOL = {torch.float64: {"rtol": 0.0, "atol": 1e-12}, torch.float32: {"rtol": 1e-5, "atol": 1e-6}}
 DTYPES = pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
@@ -993,38 +991,6 @@ def test_wrap_gives_the_same_result_as_step():
     assert train_step.__wrapped__.__name__ == "train_step"
 
 
-def test_grow_after_calm_steps_never_tries_a_size_that_failed():
-    """A device that holds 40 samples: 64 fails, and each growth is the smallest micro-batch that
-    saves a micro-step, below every size that failed, back down to the last size that worked on
-    an OOM. Throughout, every step is the exact full-batch step."""
-    (model, opt), (ref, ref_opt) = pair(Net())
-    model.trigger.cap = 40
-    guard = OOMGuard(model, opt, target_batch=256, micro_batch=64, grow="double", grow_after=2)
-    micros = []
-    for s in range(14):
-        batch = data(256, seed=s)
-        full_step(ref, ref_opt, batch)
-        micros.append(guard.step(batch, mse).plan.micro_batch)
-    assert [(c.reason, c.old.micro_batch, c.new.micro_batch, c.new.accum_steps) for c in guard.changes] == [
-        ("oom", 64, 32, 8), ("grow", 32, 52, 5),
-        ("oom", 52, 32, 8), ("grow", 32, 43, 6),
-        ("oom", 43, 32, 8), ("grow", 32, 37, 7),
-    ]
-    assert [c.step for c in guard.changes] == [1, 4, 4, 7, 7, 10]
-    assert micros[-1] == 37 and guard.plan == Plan.for_target(256, 37)
-    assert [size for size in model.trigger.sizes if size > 40] == [64, 52, 43]  # each failure once
-    assert max_diff(params_of(model), params_of(ref)) < 1e-12
-
-
-def test_no_growth_by_default():
-    model = Net()
-    model.trigger.arm("forward", 1)
-    guard = OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), target_batch=64, micro_batch=64)
-    for s in range(6):
-        guard.step(data(64, seed=s), mse)
-    assert changes_of(guard) == [(1, "oom", "forward/loss", 64, 32, 2)]
-
-
 def test_invalid_arguments_name_the_value_and_the_range():
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -1038,101 +1004,6 @@ def test_invalid_arguments_name_the_value_and_the_range():
         OOMGuard(model, object(), target_batch=64, micro_batch=8)
     with pytest.raises(ValueError, match="grow_after"):
         OOMGuard(model, opt, target_batch=64, micro_batch=8, grow_after=0)
-
-
-class RetryMeter(NullMeter):
-    """Counts no bytes, only CUDA's allocator retries (num_alloc_retries), set by the test before each
-    step: a CPU cannot cause them."""
-
-    kind = "counted"
-
-    def __init__(self):
-        self.retries = 0
-
-    def read(self):
-        return MemoryReading(0, 0, self.retries)
-
-
-def thrash_run(guard, meter):
-    """``step(retries, oom=False)``: one real step with the allocator's retries at ``retries`` (an OOM in
-    its first attempt where asked), returning the step's thrash changes."""
-    batch = data(64)
-    oom = [False]
-
-    def loss_fn(model, micro):
-        if oom[0]:
-            oom[0] = False
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (test)")
-        return mse(model, micro)
-
-    def step(retries, oom_first=False):
-        meter.retries, oom[0] = retries, oom_first
-        return [c for c in guard.step(batch, loss_fn).changes if c.reason == "thrash"]
-    return step
-
-
-def test_allocator_thrashing_on_consecutive_steps_shrinks_but_an_oom_step_does_not_count():
-    """Retries rising on two clean steps in a row shrink the micro-batch; a step that replayed for an OOM
-    retried by definition and does not count. Negative control: retries that do not rise never shrink."""
-    model = Net()
-    meter = RetryMeter()
-    guard = OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), target_batch=64, micro_batch=32,
-                     meter=meter, grow="off")
-    step = thrash_run(guard, meter)
-    assert step(0) == [] and step(0) == []
-    assert step(1, oom_first=True) == [] and guard.plan.micro_batch == 16  # the OOM's own retry: the replay acted
-    assert step(2) == []  # one step with retries is not thrashing yet
-    (change,) = step(3)  # the second in a row is
-    assert (change.reason, change.old.micro_batch, change.new.micro_batch) == ("thrash", 16, 8)
-    assert step(3) == [] and step(4) == [] and guard.plan.micro_batch == 8
-    calm_model = Net()
-    calm = OOMGuard(calm_model, torch.optim.SGD(calm_model.parameters(), lr=0.1), target_batch=64, micro_batch=32,
-                    meter=RetryMeter(), grow="off")
-    calm_step = thrash_run(calm, calm.meter)
-    assert [calm_step(5) for _ in range(4)] == [[]] * 4 and calm.plan.micro_batch == 32
-    with pytest.raises(TypeError):
-        OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), target_batch=64, micro_batch=32,
-                 thrash_steps=1.5)
-
-
-def test_allocator_thrashing_on_one_of_several_ranks_is_said_first_and_shrunk_for_by_every_rank():
-    """Across ranks a shrink is a collective (agree_plan) and a thrash streak is one rank's own: the
-    streak issues no collective; it is said in the next step's exchange (the row's thrash field), and
-    the step whose rows said it shrinks, on every rank alike (every rank reads the same rows). A step
-    that replayed for an OOM shrank already: it does not shrink again. Negative control: the test
-    above, in one process, shrinks on the streak itself. (Two real ranks: tests/test_distributed_faults.py.)"""
-
-    class OneOfTwo(LocalSync):
-        """Rank 1 of 2, the other rank's row a copy of this one's (its thrash field as the test says)."""
-        world_size, rank = 2, 1
-
-        def __init__(self):
-            self.plans, self.rows, self.other_thrashes = [], [], False
-
-        def gather(self, values):
-            self.rows.append(values)
-            other = values[:4] + (int(self.other_thrashes),)
-            return (other, tuple(values))
-
-        def agree_plan(self, plan):
-            self.plans.append(plan.micro_batch)
-            return plan
-
-    model = Net()
-    sync, meter = OneOfTwo(), RetryMeter()
-    guard = OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), target_batch=128, micro_batch=16,
-                     sync=sync, grow="off", meter=meter)
-    step = thrash_run(guard, meter)
-    assert [step(r) for r in (0, 2, 3)] == [[]] * 3  # the streak reached 2 in the third step: said, not acted on
-    assert [row[4] for row in sync.rows] == [0, 0, 0] and sync.plans == [] and guard.plan.micro_batch == 16
-    (change,) = step(3)  # the next step's exchange says it (this rank's row), and every rank shrinks after it
-    assert sync.rows[-1][4] == 1 and (change.reason, change.old.micro_batch, change.new.micro_batch) == ("thrash", 16, 8)
-    assert "rank 1" in change.describe() and sync.plans == [8]
-    assert step(3) == [] and sync.rows[-1][4] == 0  # said and heard: a new streak from here
-    sync.other_thrashes = True  # rank 0 says so in a step that replays for an OOM: no second shrink
-    assert step(3, oom_first=True) == [] and guard.plan.micro_batch == 4 and sync.plans == [8, 4]
-    (change,) = step(3)  # and in a clean one: every rank shrinks
-    assert "rank 0" in change.describe() and guard.plan.micro_batch == 2
 
 
 # -- on a real device -----------------------------------------------------------------------------

@@ -552,7 +552,7 @@ def test_fit_on_two_ranks_equals_fit_in_one_process(tmp_path: Path) -> None:
 
 def test_example_under_torchrun() -> None:
     """examples/ddp.py, launched the way the README says (torchrun, 2 processes, gloo on CPU)."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(root / "examples" / "ddp.py")], cwd=root, env=env, capture_output=True, text=True,

@@ -1,4 +1,4 @@
-"""Hugging Face models as a new user brings them (issue 11): models built from small configs, dict
+"""Hugging Face models as a new user brings them to ``fit`` and ``OOMGuard`` (not through a trainer): models built from small configs, dict
 batches with padding, the model's own loss, BatchNorm vision models -- against full-batch references.
 
 fp64 throughout the exactness tests, dropout off. GPT-2's loss (``ForCausalLMLoss``) computes the
@@ -23,39 +23,20 @@ from autoaccum.step import losses as losses_module
 from autoaccum.step.losses import default_loss, predicted_tokens
 
 transformers = pytest.importorskip("transformers")
-from helpers import params, rel_diff
+from _token_rows import PAD, SEQ, VOCAB, bert, gpt2  # noqa: E402 - the models the integration tests train
+from helpers import params, rel_diff  # noqa: E402
 from transformers import (  # noqa: E402 - after the skip: these tests need transformers
-    BertConfig,
-    BertForSequenceClassification,
-    GPT2Config,
-    GPT2LMHeadModel,
     ResNetConfig,
     ResNetForImageClassification,
 )
 
 RTOL = 1e-10
-VOCAB, SEQ, PAD = 64, 16, 0
 
 
 @pytest.fixture(autouse=True)
 def _quiet_transformers():
     transformers.logging.set_verbosity_error()  # "loss_type=None ... default loss" is HF's own note
     yield
-
-
-def gpt2(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=1)
-    return GPT2LMHeadModel(config).double()
-
-
-def bert(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    config = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=48, max_position_embeddings=SEQ, num_labels=3, hidden_dropout_prob=0.0,
-                        attention_probs_dropout_prob=0.0, pad_token_id=PAD)
-    return BertForSequenceClassification(config).double()
 
 
 def resnet(seed: int = 0) -> torch.nn.Module:
