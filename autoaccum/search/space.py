@@ -31,7 +31,7 @@ class SearchSpace:
 
     Attributes:
         micro_batches: sizes to try (default: from the probe's memory model, see the module docstring).
-        saver: memory savers, e.g. ``("none", "checkpointing")`` (default: the memory savers for the model and device, ``autoaccum.memory.savers.savers``; ``offload`` on CUDA).
+        saver: memory savers, e.g. ``("none", "checkpointing")`` (default: the memory savers for the model and device, ``autoaccum.memory.savers.allowed_savers``; ``offload`` on CUDA).
         autocast: among ``fp32``, ``bf16``, ``fp16`` (default: what the device supports).
         compile: e.g. ``(False, True)`` (default: on CUDA only; compiling on CPU is slow).
         beyond_fit: with a memory-saving knob in the space, sizes up to this multiple of the

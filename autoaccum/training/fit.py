@@ -4,7 +4,7 @@ The recipe, over components that live apart (the way torchtune separates recipes
 
     options -> FitConfig (training.config)       validated in one place, before any work
     plan    <- checkpoint | given | probe        (training.plans, probe)
-    guard   =  OOMGuard(plan)                    exact accumulation, OOM replay (step.guard)
+    guard   =  OOMGuard(plan)                    exact accumulation, OOM replay (guard.guard)
     loop    :  global batches (plan.data) -> guard.step -> progress (training.loop, training.progress)
                -> evaluation (training.evaluate) -> checkpoint (training.checkpoint, training.resume)
 

@@ -1,4 +1,4 @@
-"""Splitting, sizing and moving batches (autoaccum.batch)."""
+"""Splitting, sizing and moving batches (autoaccum.plan.batch)."""
 
 from __future__ import annotations
 

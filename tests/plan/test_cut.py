@@ -3,7 +3,7 @@
 Ranks that run different numbers of micro-steps deadlock FSDP's collectives (DESIGN.md, Scale), so
 the count is checked over targets 1..512, world sizes 1..8 and micro-batches 1..64, by both rules
 that produce it: the plan (``Plan.micro_sizes``) and the cutter the guard uses
-(``step_micro_sizes``). The same case on real ranks, with FSDP2: ``tests/test_distributed.py``.
+(``step_micro_sizes``). The same case on real ranks, with FSDP2: ``tests/distributed/test_distributed.py``.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def test_every_rank_runs_the_same_micro_steps_exhaustive_up_to_target_128():
     # every combination up to target 128 (about 2 s); the whole range up to 512 exhaustively takes
     # about 9 s on the 2-core test machine, so above 128 the property test below samples it
     for target in range(1, 129):
-        for world in range(1, min(8, target) + 1):  # target < world is rejected (tests/test_plan.py)
+        for world in range(1, min(8, target) + 1):  # target < world is rejected (tests/plan/test_plan.py)
             for micro in range(1, 65):
                 check_same_micro_steps(target, world, micro)
 

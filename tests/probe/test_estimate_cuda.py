@@ -1,4 +1,4 @@
-"""The estimate of a CUDA model runs on fake CUDA tensors (autoaccum/estimate.py).
+"""The estimate of a CUDA model runs on fake CUDA tensors (autoaccum/probe/estimate.py).
 
 On a CPU: which device the fake tensors are on, and that the fake optimizer takes the step torch takes
 for real CUDA parameters (the foreach implementation, whose temporaries the fake step must count). On a

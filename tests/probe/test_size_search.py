@@ -1,4 +1,4 @@
-"""autoaccum.size_search on memory that moves in allocator blocks: the fit keeps its slope, and the
+"""autoaccum.probe.size_search on memory that moves in allocator blocks: the fit keeps its slope, and the
 search stops refining once the plan is settled (a real CUDA probe's readings, then a synthetic meter)."""
 
 import pytest

@@ -439,7 +439,7 @@ def _events(work: Path, world: int) -> list[dict[str, Any]]:
 
 
 def expected_batches(cfg: Config, world: int) -> list[list[list[int]]]:
-    """Per optimizer step, per rank: the sample ids the documented order gives (autoaccum.data)."""
+    """Per optimizer step, per rank: the sample ids the documented order gives (autoaccum.plan.data)."""
     import torch
 
     from autoaccum.plan.plan import rank_share
