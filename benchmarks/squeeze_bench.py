@@ -14,16 +14,19 @@ medians over ``--repeats`` runs, the variants in lockstep.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import bench_main, markdown_table
 
 import autoaccum
 from autoaccum import OOMGuard, TrackedMemory, parse_bytes
@@ -140,14 +143,13 @@ def squeeze_room(args: argparse.Namespace, report: autoaccum.ProbeReport,
             guard.step(batch, classify)
     mem.close()
     micro = guard.plan.micro_batch
-    measured = guard.rises[micro]  # the guard's record of its clean steps at this size
+    measured = guard.policy.rises[micro]  # the guard's record of its clean steps at this size
     slope = report.model.per_sample_bytes if report.model is not None else measured.fwd_bwd_bytes / micro
     opt_rise = measured.step_bytes if measured.step_bytes > measured.fwd_bwd_bytes else 0
     return int(max(measured.fwd_bwd_bytes - slope * micro * (1 - args.squeeze), opt_rise))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--budget", default="4MiB", help="the emulated device's memory")
     parser.add_argument("--target", type=int, default=2048, help="global batch")
@@ -160,13 +162,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="room during the squeeze: for this fraction of the plan's micro-batch")
     parser.add_argument("--after", type=int, default=20, help="timed steps after the squeeze")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--json-only", action="store_true")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+
+
+def run(args: argparse.Namespace) -> dict:
     logging.getLogger("autoaccum.guard").setLevel(logging.ERROR)  # the squeeze's OOMs are expected
     device = torch.device(args.device)
-    started = time.perf_counter()
     probe_model = make_model(device)
     report = autoaccum.probe(model=probe_model, loss_fn=classify, make_batch=lambda b: make_batch(b, b, device),
                              optimizer=torch.optim.AdamW(probe_model.parameters(), lr=1e-3),
@@ -176,8 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     room = squeeze_room(args, report, batches, device)
     runs: dict[str, list[dict]] = {v: [] for v in [*VARIANTS, "control"]}
     for _ in range(args.repeats):
-        for name, run in runs_in_lockstep(args, report, batches, device, room).items():
-            runs[name].append(run)
+        for name, variant_run in runs_in_lockstep(args, report, batches, device, room).items():
+            runs[name].append(variant_run)
     med = statistics.median
     summary = {variant: {
         **{f"ratio_{k}_median": med(r[f"ratio_{k}"] for r in runs[variant])
@@ -185,31 +185,30 @@ def main(argv: list[str] | None = None) -> int:
         **{k: max(r[k] for r in runs[variant]) for k in ("ooms", "ooms_in_squeeze", "ooms_after_squeeze",
                                                           "failed_growths")},
         "micro_batches": runs[variant][0]["micro_batches"]} for variant in VARIANTS}
-    result = {
-        "benchmark": "squeeze", "autoaccum": autoaccum.__version__, "torch": torch.__version__,
-        "python": platform.python_version(), "device": str(device), "threads": torch.get_num_threads(),
+    return {
+        "benchmark": "squeeze", "autoaccum": autoaccum.__version__, "device": str(device),
         "model": "MLP 128-256-256-10 (fp32), AdamW", "target_batch": args.target, "budget": args.budget,
         "plan": autoaccum.Plan.for_target(args.target, args.micro).describe(), "probe_plan": report.plan.describe(),
         "squeeze": args.squeeze, "squeeze_budget_bytes": runs["model"][0]["squeeze_budget_bytes"],
         "steps": {"warmup": args.warmup, "before": args.before, "squeeze": args.squeeze_steps, "after": args.after},
-        "repeats": args.repeats, "summary": summary, "runs": runs, "total_wall_time_s": time.perf_counter() - started,
+        "repeats": args.repeats, "summary": summary, "runs": runs,
     }
-    if not args.json_only:
-        print(f"transient squeeze on {device} ({result['threads']} thread(s)), torch {torch.__version__}; "
-              f"{result['model']}; budget {args.budget}, plan {result['plan']}; the budget drops to "
-              f"{result['squeeze_budget_bytes'] / 2**20:.2f} MiB for {args.squeeze_steps} steps (room for "
-              f"{args.squeeze:g} x the micro-batch); {args.repeats} repeats, medians (OOMs: the most in a repeat)")
-        print(f"{'':30}{'after/before: CPU':>18}{'wall':>7}{'CPU vs control':>16}{'OOMs':>6}{'in squeeze':>11}"
-              f"{'after':>7}{'failed grows':>14}")
-        for variant, v in summary.items():
-            print(f"{LABELS[variant]:30}{v['ratio_cpu_median']:18.3f}{v['ratio_wall_median']:7.3f}"
-                  f"{v['ratio_cpu_vs_control_median']:16.3f}{v['ooms']:6d}{v['ooms_in_squeeze']:11d}"
-                  f"{v['ooms_after_squeeze']:7d}{v['failed_growths']:14d}")
-        for variant, v in summary.items():
-            print(f"  micro-batch per step, {variant}: {v['micro_batches']}")
-    print(json.dumps(result, indent=None if args.json_only else 1))
-    return 0
+
+
+def table(result: dict) -> str:
+    head = ("", "after/before: CPU", "wall", "CPU vs control", "OOMs", "in squeeze", "after", "failed grows")
+    rows = [(LABELS[variant], f"{v['ratio_cpu_median']:.3f}", f"{v['ratio_wall_median']:.3f}",
+             f"{v['ratio_cpu_vs_control_median']:.3f}", *(str(v[k]) for k in (
+                 "ooms", "ooms_in_squeeze", "ooms_after_squeeze", "failed_growths")))
+            for variant, v in result["summary"].items()]
+    return "\n".join([
+        f"transient squeeze on {result['device']} ({result['threads']} thread(s)), torch {result['torch']}; "
+        f"{result['model']}; budget {result['budget']}, plan {result['plan']}; the budget drops to "
+        f"{result['squeeze_budget_bytes'] / 2**20:.2f} MiB for {result['steps']['squeeze']} steps (room for "
+        f"{result['squeeze']:g} x the micro-batch); {result['repeats']} repeats, medians (OOMs: the most in a repeat)",
+        "", markdown_table([head, *rows]), "",
+        *(f"micro-batch per step, {variant}: {v['micro_batches']}" for variant, v in result["summary"].items())])
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(bench_main(__doc__, run, table, options))

@@ -14,19 +14,17 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from types import MappingProxyType
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
-from autoaccum.distributed.sync import ERROR, OK, GradSync, LocalSync, agree_cut
-from autoaccum.errors import AutoAccumError, DoesNotFitError, NonFiniteError
+from autoaccum.distributed.sync import ERROR, OK, Agreed, CutTerms, GradSync, LocalSync, agree_cut
+from autoaccum.errors import DoesNotFitError, NonFiniteError
 from autoaccum.guard.growth import (
     DEFAULT_GROW_AFTER,
     GrowMode,
-    Rise,
     StepStart,
     check_growth_meter,
     check_growth_options,
@@ -43,10 +41,10 @@ from autoaccum.plan.batchnorm import batchnorm_floor
 from autoaccum.plan.cut import Cutter, SampleCut
 from autoaccum.plan.plan import Plan
 from autoaccum.plan.sources import resolve_plan
-from autoaccum.plan.task import LossFn, check_step_args, explain_error, trained_params
+from autoaccum.plan.task import LossFn, check_step_args, trained_params
 from autoaccum.probe.report import check_made_for
 from autoaccum.state import BufferCopies, capture_rng, restore_buffers, restore_rng, state_buffers
-from autoaccum.step.accumulate import Accumulated, Failed, StepTotals, accumulate, reduce_gradients
+from autoaccum.step.accumulate import Accumulated, Failed, StepTotals, accumulate, raise_failure, reduce_gradients
 from autoaccum.step.optim import NONFINITE_POLICIES, NonFinite, step_oom_error, step_optimizer
 from autoaccum.validate import check_choice, check_keywords, check_positive_float, check_positive_int
 
@@ -204,11 +202,6 @@ class OOMGuard:
     failed_growths = property(lambda self: self.policy.failed_growths,
                               doc="Memory-guided growths that ran out of memory (each also in ``ooms``).")
 
-    @property
-    def rises(self) -> Mapping[int, Rise]:
-        """What clean full steps took, per micro-batch size (read-only; ``autoaccum.guard.growth``)."""
-        return MappingProxyType(self.policy.rises)
-
     # -- public ---------------------------------------------------------------------------------
     def step(self, batch: Batch, loss_fn: LossFn, *, partial: bool = False) -> StepResult:
         """Run one optimizer step on ``batch`` (this rank's share of the global batch).
@@ -294,21 +287,11 @@ class OOMGuard:
             attempts += 1
             if callable(begin):
                 begin()
-            agreed = agree_cut(self.sync, num_samples=n, steps=self.cut.steps(batch, n, self.plan),
-                               items=None if items is None else int(items), thrash=policy.thrash_pending)
-            if agreed.error is not None:
-                self._zero_grad()
-                raise agreed.error
-            with apply_saver(self.model, self.plan.saver):  # the memory saver, for the attempt only
-                result = accumulate(self.model, self.cut(batch, n, self.plan, agreed.terms.steps), loss_fn,
-                                    num_samples=agreed.terms.num_samples, device=self.device, sync=self.sync,
-                                    scaler=self.scaler, autocast_dtype=self.autocast_dtype,
-                                    num_items_in_batch=agreed.terms.num_items, copy_inputs=self._copy_inputs)
-            status = self.sync.agree(OK if isinstance(result, Accumulated) else ERROR if result.error else 1)
+            agreed, result, status = self._attempt(batch, n, items, loss_fn)
             if status == OK:
                 break
             if status == ERROR:
-                _raise_error(result, self.model, batch)
+                raise_failure(result, self.model, batch)
             where = result.where if isinstance(result, Failed) else "another rank"
             result = None  # type: ignore[assignment]  # OOM here or elsewhere: replay smaller, from the same start
             policy.failed_attempt(self.meter, start, local=where != "another rank")
@@ -320,16 +303,38 @@ class OOMGuard:
             restore_buffers(buffers)
             changes.append(policy.shrink("oom", where, self.steps + 1, self._does_not_fit,
                                          needed_bytes=self._budget_meter().last_oom_needed_bytes))
-        if not isinstance(result, Accumulated):
-            raise RuntimeError(f"internal: the ranks agreed OK on a failed attempt ({result})")
         fwd_bwd = start.after_passes(self.meter)
-        totals, failed = catch_oom(reduce_gradients, self.params, result, num_samples=agreed.terms.num_samples,
-                                   sync=self.sync, num_items_in_batch=agreed.terms.num_items)
+        totals = self._reduce(result, agreed.terms)
+        return totals, _Attempts(attempts, changes, agreed.terms.steps, start, fwd_bwd, agreed.thrashing)
+
+    def _attempt(self, batch: Batch, n: int, items: Any, loss_fn: LossFn) -> tuple[Agreed, Accumulated | Failed, int]:
+        """One attempt at the plan in force, on every rank: the cut agreed, the micro-batches accumulated
+        with the plan's memory saver, the outcome agreed (OK < OOM < ERROR)."""
+        agreed = agree_cut(self.sync, num_samples=n, steps=self.cut.steps(batch, n, self.plan),
+                           items=None if items is None else int(items), thrash=self.policy.thrash_pending)
+        if agreed.error is not None:
+            self._zero_grad()
+            raise agreed.error
+        with apply_saver(self.model, self.plan.saver):  # the memory saver, for the attempt only
+            result = accumulate(self.model, self.cut(batch, n, self.plan, agreed.terms.steps), loss_fn,
+                                num_samples=agreed.terms.num_samples, device=self.device, sync=self.sync,
+                                scaler=self.scaler, autocast_dtype=self.autocast_dtype,
+                                num_items_in_batch=agreed.terms.num_items, copy_inputs=self._copy_inputs)
+        status = self.sync.agree(OK if isinstance(result, Accumulated) else ERROR if result.error else 1)
+        if status == OK and not isinstance(result, Accumulated):
+            raise RuntimeError(f"internal: the ranks agreed OK on a failed attempt ({result})")
+        return agreed, result, status
+
+    def _reduce(self, result: Accumulated | Failed, terms: CutTerms) -> StepTotals:
+        """The gradients summed over ranks once and normalised; an OOM there is not replayed (``step.optim``)."""
+        assert isinstance(result, Accumulated)
+        totals, failed = catch_oom(reduce_gradients, self.params, result, num_samples=terms.num_samples,
+                                   sync=self.sync, num_items_in_batch=terms.num_items)
         if failed or totals is None:
             self._zero_grad()
             release_memory(self.device)
             raise step_oom_error("gradient reduction", self.steps + 1, self.plan.micro_batch)
-        return totals, _Attempts(attempts, changes, agreed.terms.steps, start, fwd_bwd, agreed.thrashing)
+        return totals
 
     def _begin(self, batch: Batch, loss_fn: LossFn, partial: bool) -> int:
         """Before any work on a step: the arguments checked; at the first step of a model with BatchNorm,
@@ -340,17 +345,7 @@ class OOMGuard:
             floored = batchnorm_floor(unwrap(self.model), self.plan, batch, n, loss_fn,
                                       getattr(self.cut, "split_fn", None), self.device)
             self.plan, self._floor_checked = floored or self.plan, floored is not None
-        expected = self.plan.rank_batch(self.sync.rank)
-        # partial: the epoch's last batch; under torch.distributed a rank's share of it may be empty
-        if n != expected and not (partial and 0 <= n < expected and (n > 0 or self.sync.world_size > 1)):
-            hint = " (pass partial=True for the smaller last batch of an epoch)" if 0 < n < expected else ""
-            raise ValueError(f"batch holds {n} samples; this rank's share of target_batch {self.plan.target_batch} "
-                             f"is {expected}{hint}. The global batch is never changed silently.")
-        if 0 < n < self.plan.min_micro_batch:
-            raise ValueError(f"batch holds {n} sample(s), fewer than the smallest micro-batch this model trains at "
-                             f"({self.plan.min_micro_batch}: its BatchNorm gets one value per channel from one "
-                             f"sample). Drop the epoch's smaller last batch (DataLoader(drop_last=True), or fit(..., "
-                             f"last_batch='drop')) or make it hold at least {self.plan.min_micro_batch} per rank.")
+        self.plan.check_rank_batch(n, self.sync.rank, partial=partial)
         return n
 
     def _finish(self, totals: StepTotals, done: _Attempts, started: float) -> dict[str, Any]:
@@ -401,14 +396,3 @@ def _check_options(plan: Any, max_grad_norm: Any, grow: Any, grow_after: Any, me
     if split_fn is not None and cut is not None:
         raise TypeError("give split_fn= or cut=, not both (a cutter splits batches itself)")
     return prior
-
-
-def _raise_error(result: Accumulated | Failed, model: torch.nn.Module, batch: Batch) -> NoReturn:
-    """An attempt the ranks agreed was an error: this rank's own exception (explained where a known
-    mistake caused it), or, where another rank's caused it, one that says so."""
-    if isinstance(result, Failed) and result.error is not None:
-        explained = explain_error(result.error, model, batch)
-        if explained is None:
-            raise result.error  # the original exception, unchanged
-        raise explained from result.error
-    raise AutoAccumError("another rank failed with an error during this step; see its log")

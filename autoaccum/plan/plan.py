@@ -217,6 +217,25 @@ class Plan:
         bounds = rank_share(self.target_batch, rank, self.world_size)
         return bounds.stop - bounds.start
 
+    def check_rank_batch(self, n: int, rank: int = 0, *, partial: bool = False) -> None:
+        """Refuse a batch of ``n`` samples that is not rank ``rank``'s share of a step (invariant 1: the global
+        batch is never changed silently); ``partial``: the epoch's smaller last batch, of which a rank's
+        share may be empty under torch.distributed.
+
+        Raises:
+            ValueError: ``n`` is not the share (or, partial, more than it), or fewer than the smallest micro-batch.
+        """
+        expected = self.rank_batch(rank)
+        if n != expected and not (partial and 0 <= n < expected and (n > 0 or self.world_size > 1)):
+            hint = " (pass partial=True for the smaller last batch of an epoch)" if 0 < n < expected else ""
+            raise ValueError(f"batch holds {n} samples; this rank's share of target_batch {self.target_batch} "
+                             f"is {expected}{hint}. The global batch is never changed silently.")
+        if 0 < n < self.min_micro_batch:
+            raise ValueError(f"batch holds {n} sample(s), fewer than the smallest micro-batch this model trains at "
+                             f"({self.min_micro_batch}: its BatchNorm gets one value per channel from one "
+                             f"sample). Drop the epoch's smaller last batch (DataLoader(drop_last=True), or fit(..., "
+                             f"last_batch='drop')) or make it hold at least {self.min_micro_batch} per rank.")
+
     def micro_sizes(self, rank: int = 0) -> tuple[int, ...]:
         """Micro-batch sizes of one optimizer step on ``rank``; they sum to ``rank_batch(rank)``.
         Every rank has ``accum_steps`` of them; a rank with one sample fewer than rank 0 may end
@@ -346,7 +365,8 @@ class Plan:
         try:
             fields = {k: data[k] for k in ("micro_batch", "accum_steps", "world_size", "target_batch")}
         except KeyError as exc:
-            raise ValueError(f"a plan needs micro_batch, accum_steps, world_size and target_batch; missing {exc}") from None
+            raise ValueError("a plan needs micro_batch, accum_steps, world_size and target_batch; "
+                             f"missing {exc}") from None
         tokens = data.get("tokens")
         return cls(**fields, min_micro_batch=data.get("min_micro_batch", 1),
                    tokens=None if tokens is None else TokenBudget.from_dict(tokens), saver=data.get("saver", "none"))

@@ -41,11 +41,11 @@ from autoaccum.memory import Meter
 from autoaccum.memory.recovery import catch_oom, release_memory
 from autoaccum.plan.batch import Batch, move_to, own_rows, tensors
 from autoaccum.plan.cut import MicroBatch
-from autoaccum.plan.task import LossFn, explain_error
+from autoaccum.plan.task import LossFn
 from autoaccum.probe.progress_line import ProbeProgress
 from autoaccum.probe.report import Candidate, Status
 from autoaccum.state import WeightsCopy
-from autoaccum.step.accumulate import Failed, accumulate
+from autoaccum.step.accumulate import Failed, accumulate, raise_failure
 from autoaccum.step.optim import step_optimizer
 from autoaccum.units import format_bytes
 
@@ -182,11 +182,7 @@ class Stepper:
         if isinstance(done, Failed):  # the failed pass's frames are gone: raising here holds no activation
             if done.oom:
                 raise torch.OutOfMemoryError(f"micro-batch {size} ran out of memory in {done.where}")
-            assert done.error is not None
-            explained = explain_error(done.error, self.model, batch)  # as the guard explains it
-            if explained is None:
-                raise done.error
-            raise explained from done.error
+            raise_failure(done, self.model, batch)  # as the guard explains it
         del done
         peak = self._peak()
         self._sync()

@@ -27,21 +27,21 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NoReturn
 
 import torch
 
 from autoaccum.distributed.sync import GradSync, LocalSync
-from autoaccum.errors import TaskError
+from autoaccum.errors import AutoAccumError, TaskError
 from autoaccum.memory.oom import is_oom
 from autoaccum.memory.recovery import drop_frames
-from autoaccum.plan.batch import move_to
+from autoaccum.plan.batch import Batch, move_to
 from autoaccum.plan.cut import MicroBatch
-from autoaccum.plan.task import LossFn, check_loss
+from autoaccum.plan.task import LossFn, check_loss, explain_error
 from autoaccum.precision import autocast
 
-__all__ = ["Accumulated", "Failed", "LossKind", "StepTotals", "accumulate", "reduce_gradients", "step_scalars",
-           "sum_dtype"]
+__all__ = ["Accumulated", "Failed", "LossKind", "StepTotals", "accumulate", "raise_failure", "reduce_gradients",
+           "step_scalars", "sum_dtype"]
 
 LossKind = Literal["mean", "sum", "normalized"]
 
@@ -184,6 +184,18 @@ def accumulate(model: torch.nn.Module, micro_batches: Iterable[MicroBatch], loss
             return Failed(oom=True, where=where)
         return Failed(oom=False, where=where, error=exc)
     return Accumulated(loss_sum, items, kind)
+
+
+def raise_failure(result: Accumulated | Failed, model: torch.nn.Module, batch: Batch) -> NoReturn:
+    """Raise for an attempt that failed with an error: this rank's own exception (explained where a known
+    mistake caused it, ``autoaccum.plan.task.explain_error``), or, where another rank's caused it (no
+    error here), one that says so."""
+    if isinstance(result, Failed) and result.error is not None:
+        explained = explain_error(result.error, model, batch)
+        if explained is None:
+            raise result.error  # the original exception, unchanged
+        raise explained from result.error
+    raise AutoAccumError("another rank failed with an error during this step; see its log")
 
 
 def step_scalars(result: Accumulated) -> torch.Tensor:

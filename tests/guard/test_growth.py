@@ -236,7 +236,7 @@ def test_what_a_step_leaves_live_counts_in_the_next_start_not_in_its_rise():
     state = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values())
     assert 0.9 * state < starts[1] - starts[0] <= state  # the moments (AdamW's step counters may sit elsewhere)
     assert rises[0] > rises[1] == rises[2]
-    recorded = guard.rises[4]
+    recorded = guard.policy.rises[4]
     # the later steps' rise (to a scalar or two of bookkeeping), not the first step's
     assert abs(recorded.step_bytes - rises[1]) <= 16 and recorded.step_bytes > recorded.fwd_bwd_bytes
 
@@ -373,7 +373,8 @@ def test_allocator_thrashing_on_one_of_several_ranks_is_said_first_and_shrunk_fo
     streak issues no collective; it is said in the next step's exchange (the row's thrash field), and
     the step whose rows said it shrinks, on every rank alike (every rank reads the same rows). A step
     that replayed for an OOM shrank already: it does not shrink again. Negative control: the test
-    above, in one process, shrinks on the streak itself. (Two real ranks: tests/test_distributed_faults.py.)"""
+    above, in one process, shrinks on the streak itself. (Two real ranks:
+    tests/distributed/test_distributed_faults.py.)"""
 
     class OneOfTwo(LocalSync):
         """Rank 1 of 2, the other rank's row a copy of this one's (its thrash field as the test says)."""
@@ -399,7 +400,8 @@ def test_allocator_thrashing_on_one_of_several_ranks_is_said_first_and_shrunk_fo
     assert [step(r) for r in (0, 2, 3)] == [[]] * 3  # the streak reached 2 in the third step: said, not acted on
     assert [row[4] for row in sync.rows] == [0, 0, 0] and sync.plans == [] and guard.plan.micro_batch == 16
     (change,) = step(3)  # the next step's exchange says it (this rank's row), and every rank shrinks after it
-    assert sync.rows[-1][4] == 1 and (change.reason, change.old.micro_batch, change.new.micro_batch) == ("thrash", 16, 8)
+    assert sync.rows[-1][4] == 1 and (change.reason, change.old.micro_batch,
+                                      change.new.micro_batch) == ("thrash", 16, 8)
     assert "rank 1" in change.describe() and sync.plans == [8]
     assert step(3) == [] and sync.rows[-1][4] == 0  # said and heard: a new streak from here
     sync.other_thrashes = True  # rank 0 says so in a step that replays for an OOM: no second shrink
