@@ -1,5 +1,6 @@
 """Smoke test of the head-to-head benchmark (benchmarks/compare.py, the package
-benchmarks/headtohead/): the autoaccum and hand-written parts, tiny, in-process.
+benchmarks/headtohead/): the autoaccum and hand-written parts, tiny, in-process; and of the hand-written
+step every benchmark compares with (benchmarks/common.py).
 
 Skipped where the peers (the ``bench`` extra: accelerate, lightning, transformers) are not installed:
 the benchmark exists to compare against them, and CI without them must still pass.
@@ -31,6 +32,7 @@ def compare():
         patch.syspath_prepend(str(BENCHMARKS))
         names = ("workloads", "budget", "runner", "report")
         modules = {name: importlib.import_module(f"headtohead.{name}") for name in names}
+        modules["common"] = importlib.import_module("common")
         yield SimpleNamespace(**modules)
     for name in [n for n in sys.modules if n.split(".")[0] in ("headtohead", "common")]:
         del sys.modules[name]
@@ -162,7 +164,7 @@ def _tries(row):
 
 
 @pytest.mark.slow
-def test_one_sample_does_not_fit_without_checkpointing_and_autoaccum_climbs_the_ladder(nofit_doc):
+def test_one_sample_does_not_fit_without_checkpointing_and_autoaccum_turns_to_the_saver(nofit_doc):
     assert nofit_doc["saver"] == "checkpointing" and nofit_doc["fits_without_savers"] == 0
     assert nofit_doc["truly_fits"] >= 1  # with checkpointing
     row = nofit_doc["systems"]["autoaccum"]
@@ -210,7 +212,32 @@ def test_fit_against_the_hand_configured_run_in_one_process(nofit_doc):
 
 
 @pytest.mark.slow
-def test_the_ladder_table_says_what_each_system_did(compare, nofit_doc):
+def test_the_savers_table_says_what_each_system_did(compare, nofit_doc):
     text = compare.report.table([nofit_doc])
     assert "| accelerate | train: 4, 3, 2, 1 | 3 · 1 | 0 | **crashed: RuntimeError: No executable batch size" in text
     assert "| lightning | find: 2; train: 1 |" in text and "fit / hand:" in text
+
+
+def test_the_shared_hand_step_equals_full_batch_training_and_loss_over_accum_steps_does_not(compare):
+    """The benchmarks' one hand-written loop at unequal micro-batches (5 + 5 + 2 samples): token-exact for a
+    (loss_sum, count) loss (the TinyGPT's padded tokens), share-weighted for a per-sample mean (the MLP's);
+    nanoGPT's ``loss / accum_steps`` is the negative control, wrong where the micro-batches differ."""
+    def trained(name, micro, mean, divide="share"):
+        w = compare.workloads.workloads("tiny")[name]
+        data = {k: v.double() if v.is_floating_point() else v for k, v in w.make_data(12).items()}
+        model = w.make_model().double()
+
+        def loss_fn(model, batch):
+            total, count = compare.workloads.loss_sum(model, batch)
+            return total / count if mean else (total, count)
+
+        step = compare.common.hand_step(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                        compare.common.micro_batches(data, micro), loss_fn, divide=divide)
+        return torch.cat([p.detach().flatten() for p in model.parameters()]), float(step)
+
+    for name, mean in (("gpt", False), ("mlp", True)):
+        full, full_loss = trained(name, 12, mean)
+        params, loss = trained(name, 5, mean)
+        assert (params - full).abs().max() < 1e-12 and loss == pytest.approx(full_loss, rel=1e-12), name
+    by_accum, _ = trained("mlp", 5, True, divide="accum_steps")
+    assert (by_accum - trained("mlp", 12, True)[0]).abs().max() > 1e-6

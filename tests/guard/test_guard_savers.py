@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import autoaccum
+import autoaccum.cli
 from autoaccum import DoesNotFitError, OOMGuard, emulated_budget
 from autoaccum.demo import TinyGPT, synthetic_tokens, token_loss
 
@@ -62,7 +63,7 @@ def _guard_run(budgets: list[str | None], **options) -> tuple[dict[str, torch.Te
     return {n: p.detach().clone() for n, p in model.named_parameters()}, guard
 
 
-def test_the_guard_climbs_to_checkpointing_where_one_sample_does_not_fit_and_stays_exact() -> None:
+def test_the_guard_turns_to_to_checkpointing_where_one_sample_does_not_fit_and_stays_exact() -> None:
     """Two steps with memory to spare, then the budget drops below one sample's step: the guard halves
     4 -> 2 -> 1, then turns to checkpointing and replays the same samples; the weights are those of
     full-batch steps."""
@@ -82,7 +83,7 @@ def test_negative_control_without_memory_savers_the_same_run_does_not_fit() -> N
     assert "checkpointed" in str(info.value)  # ... and it says how to get there
 
 
-def test_where_no_rung_fits_every_rung_tried_is_named() -> None:
+def test_where_no_saver_fits_every_saver_tried_is_named() -> None:
     with pytest.raises(DoesNotFitError) as info:
         _guard_run([TOO_SMALL])
     assert [r for r, _ in info.value.savers] == ["none", "checkpointing"]
@@ -123,7 +124,7 @@ def _full_batch_reference() -> torch.nn.Module:
     return ref
 
 
-def test_fit_plans_on_the_rung_where_one_sample_fits_and_trains_exactly() -> None:
+def test_fit_plans_on_the_saver_where_one_sample_fits_and_trains_exactly() -> None:
     """fit's probe finds that micro-batch 1 does not fit without a saver, measures with checkpointing,
     plans there; the run needs no OOM and equals full-batch steps."""
     model = _model()
@@ -154,7 +155,7 @@ def two_rank_fit(rank: int, world_size: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_two_ranks_plan_on_the_same_rung_and_equal_full_batch_steps(tmp_path) -> None:
+def test_two_ranks_plan_on_the_same_saver_and_equal_full_batch_steps(tmp_path) -> None:
     import torch.distributed as dist
     from _spawn import results, spawn
 
@@ -195,7 +196,7 @@ def test_offload_on_cuda_gives_the_same_gradients_and_keeps_less_on_the_device()
 
 
 @pytest.mark.slow
-def test_the_hf_trainer_integration_climbs_through_the_models_own_switch(tmp_path) -> None:
+def test_the_hf_trainer_integration_turns_to_through_the_models_own_switch(tmp_path) -> None:
     """AutoAccumTrainer on a GPT-2 whose one-sample step does not fit 6 MB without checkpointing (about
     9.5 MB) but does with it (3.6 MB): its probe plans on the model's own switch, and the run equals HF's
     own full-batch run without a budget (fp64)."""
@@ -205,7 +206,8 @@ def test_the_hf_trainer_integration_climbs_through_the_models_own_switch(tmp_pat
     transformers.logging.set_verbosity_error()
     config = transformers.GPT2Config(n_layer=4, n_embd=32, n_head=2, vocab_size=64, n_positions=256,
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (8, 256), generator=torch.Generator().manual_seed(3))]
+    rows = [{"input_ids": ids, "labels": ids}
+            for ids in torch.randint(0, 64, (8, 256), generator=torch.Generator().manual_seed(3))]
 
     def run(cls, per_device: int, accum: int, budget: str | None, **options):
         torch.manual_seed(0)

@@ -106,7 +106,7 @@ def test_negative_control_without_the_rng_state_the_dropout_masks_differ(monkeyp
     assert not torch.allclose(grads["blocks.0.lora_a"], want_grads["blocks.0.lora_a"], rtol=1e-6, atol=1e-9)
 
 
-def test_the_rung_is_taken_off_afterwards_and_keeps_no_memory_of_activations() -> None:
+def test_the_saver_is_taken_off_afterwards_and_keeps_no_memory_of_activations() -> None:
     model = _net()
     layers = checkpoint_layers(model)
     assert layers is model.blocks
@@ -150,7 +150,7 @@ def test_a_hugging_face_model_uses_its_own_switch_with_the_same_gradients() -> N
         torch.testing.assert_close(got[name], g, **TIGHT, msg=name)
 
 
-def test_the_ladder_follows_the_model_the_device_and_the_option() -> None:
+def test_the_savers_follows_the_model_the_device_and_the_option() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert allowed_savers(_net(), cpu) == ("none", "checkpointing")
     assert allowed_savers(_net(), cuda) == SAVERS  # offload needs CUDA (host memory is the device on a CPU)
@@ -165,7 +165,7 @@ def test_the_ladder_follows_the_model_the_device_and_the_option() -> None:
         allowed_savers(_net(), cpu, 3)
 
 
-def test_a_compiled_model_takes_no_rung_and_the_error_says_why() -> None:
+def test_a_compiled_model_takes_no_saver_and_the_error_says_why() -> None:
     """torch.compile cannot trace the exact checkpointing (dynamo: "checkpoint not implemented for ...
     context_fn"), so a compiled model's savers is the bottom saver alone, and what DoesNotFitError suggests
     says so; the same model uncompiled keeps its savers (the negative control)."""

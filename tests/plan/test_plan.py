@@ -161,8 +161,9 @@ def test_a_token_budget_in_plain_words():
     assert one.describe() == ("batch 64 cut by length: up to 32 samples per micro-batch, 8 at the longest length "
                               "(512); 2 or more micro-batches, by the lengths")
     two = dataclasses.replace(Plan.for_target(65, 16, 2), tokens=dataclasses.replace(tokens, quadratic=0.002))
-    assert two.describe() == ("batch 65 = 33 on rank 0 + 32 on rank 1, cut by length: up to 11 samples per micro-batch, "
-                              "3 at the longest length (512); 3 or more micro-batches on each rank, by the lengths")
+    assert two.describe() == ("batch 65 = 33 on rank 0 + 32 on rank 1, cut by length: up to 11 samples per "
+                              "micro-batch, 3 at the longest length (512); 3 or more micro-batches on each rank, "
+                              "by the lengths")
     for label in (one.describe(), two.describe()):
         assert "token-units" not in label and "L^2" not in label and "accum" not in label
 

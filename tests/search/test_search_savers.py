@@ -86,7 +86,7 @@ def _trial(saver: str) -> list[tuple[dict[str, torch.Tensor], dict[str, torch.Te
     return optimizer.seen
 
 
-def test_a_trial_on_the_checkpointing_rung_is_the_step_without_it():
+def test_a_trial_on_the_checkpointing_saver_is_the_step_without_it():
     """fp64: the gradients of every optimizer step (dropout included) equal the trial without the saver's,
     and BatchNorm's running statistics are updated once per forward: three micro-batches, three updates."""
     plain, saver = _trial("none"), _trial("checkpointing")
@@ -112,7 +112,7 @@ def test_negative_control_plain_checkpoint_in_a_trial_updates_batchnorm_twice(mo
     assert not torch.allclose(saver[0][1]["blocks.0.norm.running_mean"], plain[0][1]["blocks.0.norm.running_mean"])
 
 
-def _rung_study() -> tuple[optuna.storages.InMemoryStorage, str]:
+def _saver_study() -> tuple[optuna.storages.InMemoryStorage, str]:
     """A study whose first trials are micro 16 on both savers: 16 does not fit without a saver under BUDGET,
     and fits on checkpointing (the enqueued trials run before the search's seeds and sampled trials)."""
     storage = optuna.storages.InMemoryStorage()
@@ -123,17 +123,17 @@ def _rung_study() -> tuple[optuna.storages.InMemoryStorage, str]:
 
 
 @pytest.fixture(scope="module")
-def rung_search():
+def saver_search():
     task = small_task()
-    storage, name = _rung_study()
+    storage, name = _saver_study()
     space = SearchSpace(micro_batches=(8, 16), saver=("none", "checkpointing"), autocast=("fp32",))
     result = search(task, TARGET, n_trials=4, budget=BUDGET, space=space, storage=storage, study_name=name,
                     patience=None, **QUICK)
     return task, result
 
 
-def test_the_search_picks_among_rungs_and_its_plan_carries_the_rung(rung_search):
-    _, result = rung_search
+def test_the_search_picks_among_savers_and_its_plan_carries_the_saver(saver_search):
+    _, result = saver_search
     outcome = {(t.plan.micro_batch, t.knobs.saver): t.status for t in result.trials}
     assert outcome[(16, "checkpointing")] == "ok" and outcome[(16, "none")] == "oom"  # the saver lets 16 fit
     assert outcome[(8, "none")] == "ok"
@@ -148,20 +148,20 @@ def test_the_search_picks_among_rungs_and_its_plan_carries_the_rung(rung_search)
     assert winner_line.startswith(f"winner: {result.plan.describe()} · fp32 · ")  # ends "with checkpointing" there
 
 
-def test_fit_trains_on_the_rung_of_the_search_plan_file(rung_search, tmp_path):
-    task, result = rung_search
-    on_rung = result.plan.with_saver("checkpointing").with_micro_batch(16)  # whatever won: the saver's plan
+def test_fit_trains_on_the_saver_of_the_search_plan_file(saver_search, tmp_path):
+    task, result = saver_search
+    with_saver = result.plan.with_saver("checkpointing").with_micro_batch(16)  # whatever won: the saver's plan
     knobs = {**result.knobs.to_dict(), "saver": "checkpointing"}
-    doc = {**result.plan_file(), "plan": on_rung.to_dict(), "knobs": knobs}
+    doc = {**result.plan_file(), "plan": with_saver.to_dict(), "knobs": knobs}
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(doc))
-    assert read_plan_file(path) == (on_rung, Knobs(saver="checkpointing"))
+    assert read_plan_file(path) == (with_saver, Knobs(saver="checkpointing"))
     fitted = autoaccum.fit(task.model, iter([task.batch(TARGET)]), TARGET, loss_fn=task.loss_fn, plan=path,
                            epochs=None, max_steps=1, progress=False)
-    assert fitted.plan == on_rung and fitted.plan.saver == "checkpointing" and fitted.plan_source == "given"
+    assert fitted.plan == with_saver and fitted.plan.saver == "checkpointing" and fitted.plan_source == "given"
 
 
-def test_compile_is_not_sampled_on_a_rung_and_not_run_with_one():
+def test_compile_is_not_sampled_on_a_saver_and_not_run_with_one():
     space = {"saver": ["none", "checkpointing"], "autocast": ["fp32"], "compile": [False, True]}
     chosen = {"saver": "checkpointing", "autocast": "fp32", "compile": True}
     assert _sample_knobs(optuna.trial.FixedTrial(chosen), space) == Knobs(saver="checkpointing")
@@ -172,8 +172,8 @@ def test_compile_is_not_sampled_on_a_rung_and_not_run_with_one():
 
 # -- the model the plan was made for ------------------------------------------------------------------
 
-def test_a_search_plan_file_of_another_model_is_refused(rung_search, tmp_path):
-    task, result = rung_search
+def test_a_search_plan_file_of_another_model_is_refused(saver_search, tmp_path):
+    task, result = saver_search
     assert result.model_fingerprint == model_fingerprint(task.model)
     path = result.save(tmp_path / "plan.json")
     assert json.loads(path.read_text())["model_fingerprint"] == result.model_fingerprint
