@@ -159,17 +159,7 @@ class Bench:
             with apply_knobs(self.model, knobs) as run_model:
                 device = emulated_device(self.usable_bytes, self.device, run_model)
                 meter = None if device is None else device.track(self.model, self.optimizer)
-                scaler = torch.amp.GradScaler(self.device.type) if knobs.autocast == "fp16" else None
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # BatchNorm advice: once from the guard the user builds
-                    # log_changes=False: the guard's "OOM ... micro 64 -> 32" would read as a rescue; here a
-                    # change ends the trial. The savers ends at the trial's saver (an OOM on it ends the trial,
-                    # never the next saver), and grow_after outlasts the trial's steps: no step down a saver either
-                    # (that waits 4 x grow_after calm steps).
-                    guard = OOMGuard(run_model, self.optimizer, plan=plan, autocast_dtype=knobs.autocast_dtype,
-                                     scaler=scaler, meter=meter, log_changes=False,
-                                     memory_savers="off" if knobs.saver == "none" else (knobs.saver,),
-                                     grow_after=self.warmup_steps + self.measure_steps)
+                guard = self._guard(run_model, plan, knobs, meter)
 
                 def loss_fn(model: torch.nn.Module, micro: Batch, _guard: OOMGuard = guard) -> Any:
                     if _guard.changes:  # the guard caught an OOM and is replaying smaller: stop here
@@ -210,6 +200,19 @@ class Bench:
         logger.info("micro %d %s: %s %s", micro_batch, knobs.describe(), outcome.status,
                     "" if outcome.samples_per_s is None else f"{outcome.samples_per_s:.1f} samples/s")
         return outcome
+
+    def _guard(self, run_model: torch.nn.Module, plan: Plan, knobs: Knobs, meter: Any) -> OOMGuard:
+        """The trial's guard. ``log_changes=False``: the guard's "OOM ... micro 64 -> 32" would read as a
+        rescue; here a change ends the trial. Its savers end at the trial's (an OOM with it ends the trial,
+        never the next saver), and ``grow_after`` outlasts the trial's steps: no step back to a lower
+        saver either (that waits 4 x grow_after calm steps)."""
+        scaler = torch.amp.GradScaler(self.device.type) if knobs.autocast == "fp16" else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # BatchNorm advice: once from the guard the user builds
+            return OOMGuard(run_model, self.optimizer, plan=plan, autocast_dtype=knobs.autocast_dtype, scaler=scaler,
+                            meter=meter, log_changes=False,
+                            memory_savers="off" if knobs.saver == "none" else (knobs.saver,),
+                            grow_after=self.warmup_steps + self.measure_steps)
 
     def _oom_bytes(self) -> int | None:
         if self.device.type == "cuda":
