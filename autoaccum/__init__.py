@@ -22,9 +22,9 @@ from autoaccum.units import format_bytes, parse_bytes
 __version__ = "0.1.0"
 
 __all__ = [
-    "LR_RULES", "AccumulateResult", "AutoAccumError", "Candidate", "DistributedSync", "DoesNotFitError", "FitConfig", "FitResult", "Knobs",
-    "MemoryModel", "NonFiniteError", "OOMGuard", "OptimizerStepOOMError", "Plan", "PlanChange", "ProbeReport", "SearchResult",
-    "SearchSpace", "StepResult", "Task", "TaskError", "TrackedMemory", "broadcast_plan", "emulated_budget", "fit",
-    "format_bytes", "init_from_env", "is_oom", "load_plan_file", "parse_bytes", "probe", "scale_adam_hparams",
-    "scale_lr", "search", "wrap_model",
+    "LR_RULES", "AccumulateResult", "AutoAccumError", "Candidate", "DistributedSync", "DoesNotFitError", "FitConfig",
+    "FitResult", "Knobs", "MemoryModel", "NonFiniteError", "OOMGuard", "OptimizerStepOOMError", "Plan", "PlanChange",
+    "ProbeReport", "SearchResult", "SearchSpace", "StepResult", "Task", "TaskError", "TrackedMemory", "broadcast_plan",
+    "emulated_budget", "fit", "format_bytes", "init_from_env", "is_oom", "load_plan_file", "parse_bytes", "probe",
+    "scale_adam_hparams", "scale_lr", "search", "wrap_model",
 ]

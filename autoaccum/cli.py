@@ -14,7 +14,6 @@ import re
 import sys
 from collections.abc import Sequence
 
-
 from autoaccum.errors import DoesNotFitError
 from autoaccum.plan.task import Task, load_task
 from autoaccum.precision import PRECISIONS
@@ -135,8 +134,8 @@ def format_probe(report: ProbeReport) -> str:
     kind = "ESTIMATE on fake cpu tensors (no step ran; CPU kernels differ from a GPU's)" if report.is_estimate \
         else f"measured by {_METER_WORDS.get(report.meter, report.meter)}"
     lines.append(f"autoaccum probe · {report.device} ({report.device_name}) · {report.precision} · {kind}")
-    lines.append(f"budget {format_bytes(report.budget_bytes)} ({report.budget_source}), {report.headroom:.0%} kept free: "
-                 f"plans for {format_bytes(report.usable_bytes)}"
+    lines.append(f"budget {format_bytes(report.budget_bytes)} ({report.budget_source}), {report.headroom:.0%} kept "
+                 f"free: plans for {format_bytes(report.usable_bytes)}"
                  + (" · from the cache: measured earlier for this model, device and budget (--refresh measures "
                     "again)" if report.source == "cache" else ""))
     lines.append("")

@@ -10,8 +10,9 @@ from typing import Any
 import psutil
 import torch
 
-__all__ = ["BufferCopies", "BufferSnapshot", "RngState", "TrainingSnapshot", "WeightsCopy", "capture", "capture_buffers",
-           "capture_rng", "release_pinned_memory", "restore", "restore_buffers", "restore_rng", "state_buffers"]
+__all__ = ["BufferCopies", "BufferSnapshot", "RngState", "TrainingSnapshot", "WeightsCopy", "capture",
+           "capture_buffers", "capture_rng", "release_pinned_memory", "restore", "restore_buffers", "restore_rng",
+           "state_buffers"]
 
 
 @dataclass(frozen=True)

@@ -127,7 +127,8 @@ def resolve_device(device: object, name: str = "device") -> Any:
                              f"built {'with' if torch.backends.cuda.is_built() else 'without'} CUDA). Use "
                              f"{name}='cpu'")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"Invalid {name}: {device!r}. Allowed range: cuda:0 ~ cuda:{torch.cuda.device_count() - 1}")
+            raise ValueError(f"Invalid {name}: {device!r}. Allowed range: "
+                             f"cuda:0 ~ cuda:{torch.cuda.device_count() - 1}")
     if dev.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError(f"Invalid {name}: {device!r}: MPS is not available here. Use {name}='cpu'")
     if dev.type == "meta":  # accepted by torch, but moving a model there throws its weights away

@@ -67,7 +67,8 @@ class Mlp(nn.Module):
 def mlp_data(num_samples: int, seed: int = 1, dtype: torch.dtype = torch.float32,
              d_in: int = 6, d_out: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(num_samples, d_in, generator=g, dtype=dtype), torch.randint(0, d_out, (num_samples,), generator=g)
+    return (torch.randn(num_samples, d_in, generator=g, dtype=dtype),
+            torch.randint(0, d_out, (num_samples,), generator=g))
 
 
 def reference_fit(model: nn.Module, loss_on: Callable[[nn.Module, torch.Tensor], torch.Tensor], num_samples: int,
@@ -109,7 +110,8 @@ def cross_entropy(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) ->
 RESUME_SAMPLES, RESUME_TARGET, RESUME_EPOCHS = 150, 64, 3
 
 
-def resumable_run(checkpoint_dir: str | Path, loss_fn: Callable[..., Any] | None = None, **overrides: Any) -> tuple[Any, Mlp]:
+def resumable_run(checkpoint_dir: str | Path, loss_fn: Callable[..., Any] | None = None,
+                  **overrides: Any) -> tuple[Any, Mlp]:
     """The run the SIGKILL tests interrupt: called alike by the killed child and the resuming parent."""
     import autoaccum
     from autoaccum.plan.plan import Plan

@@ -38,4 +38,5 @@ def mean_loss(net: torch.nn.Module, batch: dict) -> torch.Tensor:
 def token_loss(net: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """The same loss as a sum over the targets and their count (token-exact across micro-batches)."""
     logits = net(batch["x"]).reshape(-1, 3)
-    return F.cross_entropy(logits, batch["y"].reshape(-1), ignore_index=-100, reduction="sum"), batch["y"].ne(-100).sum()
+    return (F.cross_entropy(logits, batch["y"].reshape(-1), ignore_index=-100, reduction="sum"),
+            batch["y"].ne(-100).sum())

@@ -377,8 +377,9 @@ def test_a_loss_fn_with_swapped_arguments_is_named_before_any_work():
     (lambda: nn.Linear(6, 1), torch.randn(64), r"the model gives 1 output per sample \(output shape \(\d+, 1\)\), and "
      r"cross-entropy over a single class is 0 whatever it predicts.*For regression pass loss_fn=lambda model, batch: "
      r"F.mse_loss"),
-    (lambda: nn.Linear(6, 3), torch.randn(64), r"the targets are torch.float32 of shape \(\d+,\) \(regression values\?\): "
-     r"expected class indices \(an integer tensor of shape \(\d+,\)\) or class probabilities .*F.mse_loss"),
+    (lambda: nn.Linear(6, 3), torch.randn(64), r"the targets are torch.float32 of shape \(\d+,\) "
+     r"\(regression values\?\): expected class indices \(an integer tensor of shape \(\d+,\)\) or class probabilities "
+     r".*F.mse_loss"),
     (lambda: nn.Linear(6, 3), torch.arange(64) % 4, r"Invalid target 3: the default loss is cross-entropy over the "
      r"model's 3 outputs, so targets are class indices in 0 ~ 2 \(or -100, skipped\)\. Give the model one output per "
      r"class \(at least 4\), or map the labels to 0 ~ 2"),

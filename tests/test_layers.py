@@ -1,8 +1,8 @@
 """The import graph follows the data flow (README, Architecture): no circle, nothing imports upward.
 
-Every module of the package sits in one layer (a sub-package is one layer); a module may import its own layer and the layers
-before it, never a later one -- imports inside functions included (a lazy import is a dependency
-too). A new module must be placed here, which is the point: its place in the flow is decided.
+Every module of the package sits in one layer (a sub-package is one layer); a module may import its own layer and the
+layers before it, never a later one -- imports inside functions included (a lazy import is a dependency too). A new
+module must be placed here, which is the point: its place in the flow is decided.
 """
 
 from __future__ import annotations
@@ -122,11 +122,13 @@ def test_the_module_import_graph_has_no_circle():
     assert not cycle, " -> ".join(cycle)
 
 
-@pytest.mark.parametrize("bad", [("memory.model", "probe.run"), ("plan.plan", "guard.guard"), ("distributed.sync", "step.accumulate")])
+@pytest.mark.parametrize("bad", [("memory.model", "probe.run"), ("plan.plan", "guard.guard"),
+                                 ("distributed.sync", "step.accumulate")])
 def test_negative_control_an_upward_import_is_seen(bad, tmp_path, monkeypatch):
     low, high = bad
     path = _modules()[low]
     fake = tmp_path / path.name
-    fake.write_text(path.read_text() + f"\n\ndef _late():\n    from autoaccum.{high} import __name__ as n\n    return n\n")
+    fake.write_text(path.read_text()
+                    + f"\n\ndef _late():\n    from autoaccum.{high} import __name__ as n\n    return n\n")
     assert high in _imports(fake, low)
     assert _layer_of()[high] > _layer_of()[low]

@@ -176,7 +176,8 @@ def _weights_copy_roundtrip(device: str) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     before = {n: p.detach().cpu().clone() for n, p in model.named_parameters(remove_duplicate=False)}
     copy = state.WeightsCopy(model)
-    assert copy.held and len(copy.copies) == 1 and all(c.device == p.device for c, p in zip(copy.copies, copy.parameters))
+    assert copy.held and len(copy.copies) == 1 and all(c.device == p.device
+                                                       for c, p in zip(copy.copies, copy.parameters))
     assert state.WeightsCopy.nbytes(model) == 16 * 8 * 4  # the tied weight once
     assert not copy.written()
     model(torch.arange(4, device=device)).square().mean().backward()

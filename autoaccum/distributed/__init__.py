@@ -24,8 +24,8 @@ agent ends them or the process group's timeout does (``init_from_env`` sets ``DE
 
 The package, by job: ``process_group`` (where this process stands, torchrun's environment, the
 small all-reduces, one plan for every rank), ``models`` (DDP, FSDP2 or plain; wrapping; full state
-for checkpoints), ``ddp`` (``DistributedSync`` and the bucketed gradient all-reduce), ``fsdp2`` (FSDP2's side of the window),
-``settle`` (collectives that return only once gloo's worker thread has let go of their tensors).
+for checkpoints), ``ddp`` (``DistributedSync`` and the bucketed gradient all-reduce), ``fsdp2`` (FSDP2's side of the
+window), ``settle`` (collectives that return only once gloo's worker thread has let go of their tensors).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from autoaccum.distributed.process_group import (
 from autoaccum.distributed.settle import settled
 
 __all__ = [
-    "DEFAULT_TIMEOUT_S", "DistributedSync", "WorldInfo", "broadcast_plan", "full_state_dicts", "gather_to_rank_zero", "init_from_env",
-    "is_distributed", "is_fsdp2", "is_rank_zero", "load_full_state_dicts", "model_kind", "settled", "unwrap_model",
-    "world_info", "wrap_model",
+    "DEFAULT_TIMEOUT_S", "DistributedSync", "WorldInfo", "broadcast_plan", "full_state_dicts", "gather_to_rank_zero",
+    "init_from_env", "is_distributed", "is_fsdp2", "is_rank_zero", "load_full_state_dicts", "model_kind", "settled",
+    "unwrap_model", "world_info", "wrap_model",
 ]

@@ -25,8 +25,8 @@ if dist.is_available():
     # threads then live into interpreter shutdown, where a late one aborts the process.
     import torch.distributed.nn  # noqa: F401
 
-__all__ = ["DEFAULT_TIMEOUT_S", "WorldInfo", "broadcast_plan", "gather_to_rank_zero", "init_from_env", "is_distributed", "is_rank_zero",
-           "world_info"]
+__all__ = ["DEFAULT_TIMEOUT_S", "WorldInfo", "broadcast_plan", "gather_to_rank_zero", "init_from_env", "is_distributed",
+           "is_rank_zero", "world_info"]
 
 logger = logging.getLogger(__name__)
 

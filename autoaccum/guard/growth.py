@@ -28,7 +28,8 @@ from autoaccum.plan.plan import Plan, micro_step_count
 from autoaccum.validate import check_choice, check_headroom, check_positive_int
 
 __all__ = ["DEFAULT_GROW_AFTER", "DEFAULT_HEADROOM", "FailedGrowth", "GrowMode", "Rise", "StepStart",
-           "check_growth_meter", "check_growth_options", "fits", "fitting_plan", "memory_limit", "predicted_rise", "prior_of"]
+           "check_growth_meter", "check_growth_options", "fits", "fitting_plan", "memory_limit", "predicted_rise",
+           "prior_of"]
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,8 @@ def check_growth_options(grow: object, grow_after: object, memory_model: object 
                         f"{type(memory_model).__name__}")
 
 
-def prior_of(plan: object, memory_model: MemoryModel | None, headroom: float | None) -> tuple[MemoryModel | None, float]:
+def prior_of(plan: object, memory_model: MemoryModel | None,
+             headroom: float | None) -> tuple[MemoryModel | None, float]:
     """The memory model and headroom growth uses: those given, else a probe report's (``plan``), else
     no model and ``DEFAULT_HEADROOM``."""
     report_model = getattr(plan, "model", None)

@@ -48,7 +48,8 @@ try:
     from accelerate import Accelerator
     from accelerate.utils import DistributedType
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError("autoaccum.integrations.accelerate needs Accelerate: pip install 'autoaccum[accelerate]'") from exc
+    raise ImportError("autoaccum.integrations.accelerate needs Accelerate: "
+                      "pip install 'autoaccum[accelerate]'") from exc
 
 __all__ = ["guard_for"]
 

@@ -253,8 +253,8 @@ class AutoAccumTrainer(Trainer):
         optimizer step (``num_items_in_batch``, HF's count, is counted again per rank and summed)."""
         if self.args.gradient_accumulation_steps != 1:  # changed during the run (a callback's args are these)
             raise ValueError(f"AutoAccumTrainer: args.gradient_accumulation_steps became "
-                             f"{self.args.gradient_accumulation_steps} at step {self.state.global_step}; it must stay 1 "
-                             f"in trainer.args (HF would step once per that many global batches, each from the "
+                             f"{self.args.gradient_accumulation_steps} at step {self.state.global_step}; it must stay "
+                             f"1 in trainer.args (HF would step once per that many global batches, each from the "
                              f"gradients the guard cleared: the last batch's alone). The global batch is fixed for a "
                              f"run: set gradient_accumulation_steps in the arguments the trainer is made with.")
         model.train()

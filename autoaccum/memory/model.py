@@ -63,7 +63,8 @@ class MemoryModel:
                 p.micro_batch, max(old.fwd_bwd_peak_bytes, p.fwd_bwd_peak_bytes),
                 max(old.opt_peak_bytes, p.opt_peak_bytes))
         if len(by_size) < 2:
-            raise ValueError(f"fitting the memory model needs at least 2 distinct micro-batch sizes, got {sorted(by_size)}")
+            raise ValueError(f"fitting the memory model needs at least 2 distinct micro-batch sizes, "
+                             f"got {sorted(by_size)}")
         xs = [float(b) for b in by_size]
         ys = [float(p.fwd_bwd_peak_bytes) for p in by_size.values()]
         n = len(xs)

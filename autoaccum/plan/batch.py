@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["Batch", "Samples", "SplitFn", "batch_size", "describe_batch", "like", "map_tensors", "move_to", "own_rows", "split_batch", "tensors"]
+__all__ = ["Batch", "Samples", "SplitFn", "batch_size", "describe_batch", "like", "map_tensors", "move_to", "own_rows",
+           "split_batch", "tensors"]
 
 Batch = Any  # a tensor, or a tuple/list/dict (nested) whose tensors share dim 0
 SplitFn = Callable[[Batch, Sequence[int]], Sequence[Batch]]

@@ -18,8 +18,8 @@ import torch
 from autoaccum.errors import TaskError
 from autoaccum.plan.batch import Batch, batch_size
 
-__all__ = ["Task", "LossFn", "LossOutput", "check_loss", "check_loss_fn", "check_optimizer", "check_step_args", "trained_params",
-           "default_optimizer", "load_task", "resolve_task", "trainable_parameters"]
+__all__ = ["Task", "LossFn", "LossOutput", "check_loss", "check_loss_fn", "check_optimizer", "check_step_args",
+           "trained_params", "default_optimizer", "load_task", "resolve_task", "trainable_parameters"]
 
 LossOutput = Union[torch.Tensor, tuple[torch.Tensor, Union[torch.Tensor, int]]]
 LossFn = Callable[[torch.nn.Module, Batch], LossOutput]
@@ -215,7 +215,8 @@ def check_loss_fn(loss_fn: Any, name: str = "loss_fn") -> None:
     names = [p.name for p in signature.parameters.values()][:2]
     if len(names) == 2 and names[0].lower() in _BATCH_NAMES and names[1].lower() in _MODEL_NAMES:
         raise TypeError(f"{name} takes ({names[0]}, {names[1]}), but it is called as {name}(model, batch): the "
-                        f"arguments are swapped. Write it as lambda {names[1]}, {names[0]}: ... (the model comes first)")
+                        f"arguments are swapped. Write it as lambda {names[1]}, {names[0]}: ... "
+                        "(the model comes first)")
 
 
 #: first-parameter names that say "the batch" and second-parameter names that say "the model": a loss_fn whose

@@ -94,7 +94,8 @@ def store(report: ProbeReport, cache_dir: str | os.PathLike | None = None) -> Pr
     try:
         write_json_atomic(path, report.to_dict())
     except OSError as exc:
-        warnings.warn(f"could not write the probe cache {path}: {exc}; the result is not cached", stacklevel=user_stacklevel())
+        warnings.warn(f"could not write the probe cache {path}: {exc}; the result is not cached",
+                      stacklevel=user_stacklevel())
     return report
 
 
@@ -109,7 +110,8 @@ def load(fp: str, cache_dir: str | os.PathLike | None = None) -> ProbeReport | N
         warnings.warn(f"ignoring probe cache {path}: {exc}", stacklevel=user_stacklevel())
         return None
     if report.fingerprint != fp:
-        warnings.warn(f"ignoring probe cache {path}: it was written for another task or device", stacklevel=user_stacklevel())
+        warnings.warn(f"ignoring probe cache {path}: it was written for another task or device",
+                      stacklevel=user_stacklevel())
         return None
     logger.log(rank_level(logging.INFO), "probe: reusing the result measured earlier for this model, device and "
                "budget (%s)", path)

@@ -44,7 +44,8 @@ def plot_probe(report: ProbeReport, path: str) -> None:
     plt = _pyplot()
     gib = 2**30
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for status, marker, color in (("ok", "o", "tab:green"), ("over_budget", "s", "tab:orange"), ("oom", "x", "tab:red")):
+    for status, marker, color in (("ok", "o", "tab:green"), ("over_budget", "s", "tab:orange"),
+                                  ("oom", "x", "tab:red")):
         pts = [c for c in report.candidates if c.status == status and c.peak_bytes is not None]
         if pts:
             ax.scatter([c.micro_batch for c in pts], [c.peak_bytes / gib for c in pts], marker=marker,
@@ -57,7 +58,8 @@ def plot_probe(report: ProbeReport, path: str) -> None:
                 label="model: max(opt_peak, base + per_sample x b)")
     ax.axhline(report.budget_bytes / gib, color="black", linestyle="--", label="budget")
     ax.axhline(report.usable_bytes / gib, color="gray", linestyle=":", label=f"budget - {report.headroom:.0%} headroom")
-    ax.axvline(report.plan.micro_batch, color="tab:purple", alpha=0.4, label=f"plan: micro-batches of up to {report.plan.micro_batch}")
+    ax.axvline(report.plan.micro_batch, color="tab:purple", alpha=0.4,
+               label=f"plan: micro-batches of up to {report.plan.micro_batch}")
     ax.set_xlabel("micro-batch size")
     ax.set_ylabel("peak memory (GiB)")
     ax.set_title(f"autoaccum probe · {report.device_name}" + (" (estimate)" if report.is_estimate else ""))

@@ -171,7 +171,8 @@ class ProbeReport:
         if not isinstance(data, dict) or data.get("kind") != "autoaccum.probe":
             raise ValueError("not an autoaccum probe report (missing kind 'autoaccum.probe')")
         if data.get("version") != REPORT_VERSION:
-            raise ValueError(f"probe report version {data.get('version')!r} is not supported (expected {REPORT_VERSION})")
+            raise ValueError(f"probe report version {data.get('version')!r} is not supported "
+                             f"(expected {REPORT_VERSION})")
         try:
             fields = {"micro_batch", "status", "peak_bytes", "fwd_bwd_peak_bytes", "opt_peak_bytes", "step_time_s",
                       "micro_step_time_s", "length"}
@@ -185,7 +186,8 @@ class ProbeReport:
                 probe_steps=int(data["probe_steps"]), probe_ooms=int(data["probe_ooms"]),
                 wall_time_s=float(data["wall_time_s"]), fit_note=str(data["fit_note"]),
                 precision=str(data["precision"]), optimizer_steps=int(data["optimizer_steps"]),
-                token_model=None if data.get("token_model") is None else TokenMemoryModel.from_dict(data["token_model"]),
+                token_model=(None if data.get("token_model") is None
+                             else TokenMemoryModel.from_dict(data["token_model"])),
                 lengths=None if data.get("lengths") is None else LengthProfile.from_dict(data["lengths"]),
                 fingerprint=str(data["fingerprint"]), source=str(data["source"]),
                 torch_version=str(data["torch_version"]),

@@ -2,9 +2,9 @@
 
 The optimizer phase is measured once, in a warm-up of two complete steps at the model's smallest size; every
 further size runs forward/backward passes only, as an accumulation's micro-batches do (``autoaccum.probe.passes``).
-Sizes are chosen, not stepped through (``autoaccum.probe.size_search``): the smallest, a safe second size, then the limit
-the fitted model predicts, verified, and bisected where the model does not hold. Among the sizes that fit, the plan
-measured fastest wins (ties to fewer passes); sizes are timed again only where the choice hangs on it. Every pass
+Sizes are chosen, not stepped through (``autoaccum.probe.size_search``): the smallest, a safe second size, then the
+limit the fitted model predicts, verified, and bisected where the model does not hold. Among the sizes that fit, the
+plan measured fastest wins (ties to fewer passes); sizes are timed again only where the choice hangs on it. Every pass
 runs under the run's precision. Afterwards the model, optimizer and RNG are exactly as before (invariant 4); a
 caller's optimizer is not even stepped where a ``StandIn`` can step for it.
 """
@@ -128,8 +128,9 @@ def probe(
         lengths: variable-length data: the samples' lengths (instead of ``Task.lengths``); ``make_batch(b, length)``
             then makes ``b`` samples padded to ``length``, and the plan is cut by a token budget.
         lengths_source: where ``lengths`` were read, for the report (e.g. "1,000 of 50,000 samples").
-        memory_savers: where even the smallest micro-batch does not fit, measure again on the next memory saver (``autoaccum.memory.savers``) and plan with the first saver with which it fits: ``"auto"``
-            (default), ``"off"``, or a tuple of savers.
+        memory_savers: where even the smallest micro-batch does not fit, measure again on the next memory saver
+            (``autoaccum.memory.savers``) and plan with the first saver with which it fits: ``"auto"`` (default),
+            ``"off"``, or a tuple of savers.
         progress: on a terminal, show the sizes measured so far on one line of stderr (cleared at the end;
             off a terminal nothing is written).
 
@@ -205,7 +206,8 @@ def probe(
 
 def _first_fitting(savers: tuple[str, ...], measure: Callable[[str], _Measured], line: ProbeProgress
            ) -> tuple[_Measured, list[tuple[str, int | None]]]:
-    """Measure with each memory saver in turn, up to the first with which the smallest micro-batch fits; that saver's measurement and the (saver, bytes needed) of those below it."""
+    """Measure with each memory saver in turn, up to the first with which the smallest micro-batch fits; that saver's
+    measurement and the (saver, bytes needed) of those below it."""
     tried: list[tuple[str, int | None]] = []
     for saver in savers:
         line.measuring_with(saver)

@@ -105,7 +105,8 @@ class Knobs:
         """From ``to_dict``'s output; a key it does not write is refused, not dropped."""
         unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
-            raise ValueError(f"unknown knobs {unknown} in a plan file; the knobs are {[f.name for f in dataclasses.fields(cls)]}. "
+            raise ValueError(f"unknown knobs {unknown} in a plan file; the knobs are "
+                             f"{[f.name for f in dataclasses.fields(cls)]}. "
                              f"Write the file again with this version (autoaccum search or probe --save).")
         return cls(**data)
 

@@ -3,8 +3,9 @@
 Micro-batches come from the probe's memory model: for every accumulation count ``k`` the balanced
 size ``ceil(share / k)`` (fewest passes, lowest peak for that ``k``; 86 for a share of 256 in 3
 passes, not only powers of two), the powers of two and the multiples of 8, up to the largest size
-predicted to fit -- and up to ``beyond_fit`` times that when a memory-saving knob (a memory saver above ``none``, bf16/fp16) is searched, since those sizes may fit with it. The study
-samples the sizes as an ordered index (``micro_batch_index``), so TPE can learn which region is fast.
+predicted to fit -- and up to ``beyond_fit`` times that when a memory-saving knob (a memory saver above ``none``,
+bf16/fp16) is searched, since those sizes may fit with it. The study samples the sizes as an ordered index
+(``micro_batch_index``), so TPE can learn which region is fast.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ class SearchSpace:
 
     Attributes:
         micro_batches: sizes to try (default: from the probe's memory model, see the module docstring).
-        saver: memory savers, e.g. ``("none", "checkpointing")`` (default: the memory savers for the model and device, ``autoaccum.memory.savers.allowed_savers``; ``offload`` on CUDA).
+        saver: memory savers, e.g. ``("none", "checkpointing")`` (default: the memory savers for the model and device,
+            ``autoaccum.memory.savers.allowed_savers``; ``offload`` on CUDA).
         autocast: among ``fp32``, ``bf16``, ``fp16`` (default: what the device supports).
         compile: e.g. ``(False, True)`` (default: on CUDA only; compiling on CPU is slow).
         beyond_fit: with a memory-saving knob in the space, sizes up to this multiple of the

@@ -36,7 +36,8 @@ from autoaccum.errors import TaskError
 from autoaccum.plan.batch import Batch
 from autoaccum.plan.task import LossOutput
 
-__all__ = ["IGNORE_INDEX", "DefaultLoss", "check_targets", "default_loss", "loss_shifts_labels", "model_loss", "predicted_tokens"]
+__all__ = ["IGNORE_INDEX", "DefaultLoss", "check_targets", "default_loss", "loss_shifts_labels", "model_loss",
+           "predicted_tokens"]
 
 #: the label value Hugging Face (and torch's cross_entropy) leave out of a loss
 IGNORE_INDEX = -100
@@ -254,8 +255,8 @@ def model_loss(model: torch.nn.Module, batch: Mapping[str, Any], num_items_in_ba
     """
     if "labels" not in batch:
         raise TaskError(f"the default loss for dict batches is the model's own (model(**batch).loss), which needs "
-                        f"'labels' in the batch (keys: {', '.join(map(repr, batch))}); add them (a data collator does), "
-                        f"or pass loss_fn=")
+                        f"'labels' in the batch (keys: {', '.join(map(repr, batch))}); add them "
+                        f"(a data collator does), or pass loss_fn=")
     _check_keys(model, batch)
     if not _per_token(batch):
         return _loss_of(model(**batch), model)
@@ -272,6 +273,6 @@ def model_loss(model: torch.nn.Module, batch: Mapping[str, Any], num_items_in_ba
 def _loss_of(output: Any, model: torch.nn.Module) -> torch.Tensor:
     loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
     if loss is None:
-        raise TaskError(f"model(**batch) on {type(getattr(model, 'module', model)).__name__} returned no .loss although "
-                        f"the batch holds 'labels'; pass loss_fn=lambda model, batch: ... computing the loss")
+        raise TaskError(f"model(**batch) on {type(getattr(model, 'module', model)).__name__} returned no .loss "
+                        f"although the batch holds 'labels'; pass loss_fn=lambda model, batch: ... computing the loss")
     return loss

@@ -89,10 +89,11 @@ def evaluate(model: torch.nn.Module, batches: GlobalBatches, loss_fn: LossFn, mi
                 if micro_batch == 1:
                     emulated = budget if budget is not None else active_budget()  # the emulated device, if any
                     raise DoesNotFitError(None if emulated is None else emulated.last_oom_needed_bytes,
-                                          None if emulated is None else emulated.budget_bytes, at_least=True, suggestions=(
-                        "evaluate on shorter sequences or a smaller model",
-                        "evaluate under bf16 autocast (precision='bf16')",
-                        "pass eval_data=None and evaluate separately on a larger device"))
+                                          None if emulated is None else emulated.budget_bytes, at_least=True,
+                                          suggestions=(
+                                              "evaluate on shorter sequences or a smaller model",
+                                              "evaluate under bf16 autocast (precision='bf16')",
+                                              "pass eval_data=None and evaluate separately on a larger device"))
                 old, micro_batch = micro_batch, micro_batch // 2
                 logger.log(rank_level(logging.WARNING, sync.rank), "OOM in evaluation: eval micro-batch %d -> %d "
                            "(training plan unchanged)", old, micro_batch)

@@ -354,7 +354,8 @@ def _run_settings(run: Run, plan: Plan, source: str) -> dict[str, Any]:
 def _banner(run: Run, plan: Plan, source: str, *, emulated: bool, resumed: bool) -> str:
     """The one line a run starts with: device, budget, plan and where it came from, learning rate."""
     cfg, budget_bytes, base_batch = run.config, run.config.memory.budget_bytes, run.config.lr.base_batch
-    budget = "" if budget_bytes is None else f" · budget {format_bytes(budget_bytes)}{' (emulated)' if emulated else ''}"
+    budget = ("" if budget_bytes is None
+              else f" · budget {format_bytes(budget_bytes)}{' (emulated)' if emulated else ''}")
     rule = "" if base_batch in (None, run.target_batch) else f" ({cfg.lr.rule} rule from base batch {base_batch})"
     return (f"autoaccum fit · {run.device}{budget} · {plan.describe()}, {source_words(source)} · lr {run.lr:.4g}{rule}"
             + (f" · resuming at step {run.position.steps}" if resumed else ""))

@@ -103,7 +103,8 @@ def train(run: Run, batches: GlobalBatches, eval_batches: GlobalBatches | None, 
             if result.peak_bytes is not None:
                 peak = max(peak or 0, result.peak_bytes)
             record = _record(result, pos)
-            if eval_batches is not None and cfg.output.eval_every is not None and pos.steps % cfg.output.eval_every == 0:
+            if (eval_batches is not None and cfg.output.eval_every is not None
+                    and pos.steps % cfg.output.eval_every == 0):
                 record["eval_loss"] = run_eval()  # in the step's metrics: each step reported once
             progress.step(record, result.plan)
             if cfg.checkpoint.every is not None and pos.steps % cfg.checkpoint.every == 0:

@@ -298,7 +298,8 @@ def test_two_ranks_equal_one_full_batch_step(kind: str, suite_runs: dict[str, An
     under no_sync, OOMs on rank 1 in a non-final and in the final backward, a token-level step, a
     parameter used in some micro-batches only and one never used, an empty share in the last step."""
     if kind == "fsdp2" and not fsdp2_supported():
-        pytest.skip(f"FSDP2 under autoaccum needs torch >= 2.13 (FSDPModule.reset_iter_state); this is {torch.__version__}")
+        pytest.skip("FSDP2 under autoaccum needs torch >= 2.13 (FSDPModule.reset_iter_state); "
+                    f"this is {torch.__version__}")
     _check_suite([r[kind] for r in suite_runs["out"]])
 
 
@@ -378,13 +379,14 @@ def uneven_reference() -> dict[str, torch.Tensor]:
 
 
 def test_fsdp2_uneven_shares_run_the_same_micro_steps_on_every_rank(tmp_path: Path) -> None:
-    """Target 9 on two ranks at micro-batch 1 (the negative control of tests/test_cut.py, on real ranks):
+    """Target 9 on two ranks at micro-batch 1 (the negative control of tests/plan/test_cut.py, on real ranks):
     rank 0 cuts its 5 samples into 5 micro-steps, rank 1 its 4 into 4 and one empty one (which runs no
     forward); the parameters equal one process's full-batch steps in fp64. The counts are what tell
     the cutters apart here: the window holds no FSDP2 collective, so with the old per-rank cut (5 and
     4 micro-steps) this run still ends, with the same parameters."""
     if not fsdp2_supported():
-        pytest.skip(f"FSDP2 under autoaccum needs torch >= 2.13 (FSDPModule.reset_iter_state); this is {torch.__version__}")
+        pytest.skip("FSDP2 under autoaccum needs torch >= 2.13 (FSDPModule.reset_iter_state); "
+                    f"this is {torch.__version__}")
     codes, _ = spawn(uneven_fsdp2, tmp_path)  # bounded by TIMEOUT_S: a hang fails
     out = results(tmp_path, codes)
     assert [r["cut_sizes"] for r in out] == [[[1, 1, 1, 1, 1]] * UNEVEN_STEPS, [[1, 1, 1, 1, 0]] * UNEVEN_STEPS]

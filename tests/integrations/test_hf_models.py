@@ -1,5 +1,6 @@
-"""Hugging Face models as a new user brings them to ``fit`` and ``OOMGuard`` (not through a trainer): models built from small configs, dict
-batches with padding, the model's own loss, BatchNorm vision models -- against full-batch references.
+"""Hugging Face models as a new user brings them to ``fit`` and ``OOMGuard`` (not through a trainer): models built from
+small configs, dict batches with padding, the model's own loss, BatchNorm vision models -- against full-batch
+references.
 
 fp64 throughout the exactness tests, dropout off. GPT-2's loss (``ForCausalLMLoss``) computes the
 cross-entropy in float32 even for a float64 model; the guard passes the step's token count up
@@ -25,10 +26,7 @@ from autoaccum.step.losses import default_loss, predicted_tokens
 transformers = pytest.importorskip("transformers")
 from _token_rows import PAD, SEQ, VOCAB, bert, gpt2  # noqa: E402 - the models the integration tests train
 from helpers import params, rel_diff  # noqa: E402
-from transformers import (  # noqa: E402 - after the skip: these tests need transformers
-    ResNetConfig,
-    ResNetForImageClassification,
-)
+from transformers import ResNetConfig, ResNetForImageClassification  # noqa: E402 - after the skip: these tests need transformers
 
 RTOL = 1e-10
 
@@ -80,7 +78,8 @@ class OOMAt:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB (injected by the test)")
 
 
-@pytest.mark.parametrize("make_model, labels", [(gpt2, "tokens"), (bert, "samples")], ids=["gpt2-causal-lm", "bert-cls"])
+@pytest.mark.parametrize("make_model, labels", [(gpt2, "tokens"), (bert, "samples")],
+                         ids=["gpt2-causal-lm", "bert-cls"])
 def test_the_models_own_loss_on_padded_dict_batches_equals_the_full_batch_step(make_model, labels):
     target = 10  # micro 4: 4 + 3 + 3, uneven; the OOM at the 5th forward (step 2) replays it at micro 2
     batches = [padded_tokens(target, seed=s, labels=labels) for s in range(4)]
@@ -272,7 +271,8 @@ def test_the_probe_of_gpt2_with_tied_weights_and_of_a_batchnorm_resnet_leaves_no
     assert gpt.lm_head.weight is gpt.transformer.wte.weight
     _probe_leaves_no_trace(gpt, lambda b: padded_tokens(b, seed=b), device, budget)
     g = torch.Generator().manual_seed(0)
-    images = {"pixel_values": torch.randn(64, 3, 32, 32, generator=g), "labels": torch.randint(0, 10, (64,), generator=g)}
+    images = {"pixel_values": torch.randn(64, 3, 32, 32, generator=g),
+              "labels": torch.randint(0, 10, (64,), generator=g)}
     _probe_leaves_no_trace(resnet(), lambda b: {k: v[:b] for k, v in images.items()}, device, budget)
 
 

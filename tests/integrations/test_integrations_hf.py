@@ -394,5 +394,6 @@ def test_two_processes_hfs_token_count_over_all_ranks_equals_one_process_full_ba
             return Order()
 
     model = gpt2()  # HF's own run in one process, one forward/backward per global batch of those samples
-    InOrder(model=model, args=arguments(str(tmp_path / "ref"), 8, 1), train_dataset=Rows(), data_collator=collate).train()
+    InOrder(model=model, args=arguments(str(tmp_path / "ref"), 8, 1), train_dataset=Rows(),
+            data_collator=collate).train()
     assert rel_diff(ranks[0]["params"], params(model)) <= RTOL

@@ -18,12 +18,11 @@ import torch
 from _audit import IdAudit
 from _mlp_rows import N, mean_loss, mlp, samples
 from _mlp_rows import token_loss as summed
+from helpers import params, rel_diff
 
 from autoaccum import emulated_budget, parse_bytes
 
 pl = pytest.importorskip("lightning.pytorch")
-
-from helpers import params, rel_diff
 
 from autoaccum.integrations.lightning import AutoAccum  # noqa: E402 - after the skip
 

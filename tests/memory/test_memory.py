@@ -168,7 +168,8 @@ def test_the_same_budget_with_room_to_spare_runs_the_whole_step():
 def test_emulated_budget_takes_strings_and_rejects_bad_budgets():
     with emulated_budget("1 KiB") as mem:
         torch.empty(256)  # exactly 1 KiB: fits
-        with pytest.raises(torch.OutOfMemoryError, match=r"Tried to allocate 4 B. \[emulated by autoaccum: 1 KiB in use of a budget of 1 KiB"):
+        with pytest.raises(torch.OutOfMemoryError, match=r"Tried to allocate 4 B. \[emulated by autoaccum: "
+                                                         r"1 KiB in use of a budget of 1 KiB"):
             torch.empty(256), torch.empty(1)  # noqa: B018 -- the second crosses
     assert mem.budget_bytes == 1024
     with pytest.raises(ValueError, match="Invalid budget"):

@@ -134,7 +134,8 @@ def test_an_attention_models_estimate_on_fake_cuda_matches_the_card():
     assert estimate_device(CUDA) == CUDA
     measured = autoaccum.probe(**kwargs)
     estimated = autoaccum.probe(**kwargs, estimate=True)
-    with unittest.mock.patch.object(importlib.import_module("autoaccum.probe.run"), "estimate_device", lambda d: torch.device("cpu")):
+    with unittest.mock.patch.object(importlib.import_module("autoaccum.probe.run"), "estimate_device",
+                                    lambda d: torch.device("cpu")):
         on_cpu = autoaccum.probe(**kwargs, estimate=True)
     real = {c.micro_batch: c.peak_bytes for c in measured.candidates if c.status == "ok"}
     assert estimated.is_estimate and len(real) >= 2, real

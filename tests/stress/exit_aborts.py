@@ -233,7 +233,8 @@ def overhead(count: int) -> dict[str, Any]:
 
 # -- output ----------------------------------------------------------------------------------------------
 def table(result: dict[str, Any]) -> str:
-    head = "| variant | runs | processes | aborts | runs with an abort | other failures | hangs | abort rate | 95% upper bound |"
+    head = ("| variant | runs | processes | aborts | runs with an abort | other failures | hangs | abort rate "
+            "| 95% upper bound |")
     lines = [head, "|" + "---|" * 9]
     for v, r in result["rows"].items():
         lines.append(f"| {v} | {r['runs']} | {r['processes']} | {r['aborts']} | {r['runs_with_abort']} | "

@@ -171,7 +171,8 @@ class Injector:
             at, count = self.eval_key
             at, count = (at, count) if at == self.step - 1 else (self.step - 1, 0)
             self.eval_key = (at, count + 1)
-            phase = "eval" if n >= 2 and self._rng("eval", at, count, self.rank).random() < self.cfg.p_eval_oom else None
+            phase = ("eval" if n >= 2 and self._rng("eval", at, count, self.rank).random() < self.cfg.p_eval_oom
+                     else None)
             k = count
         if phase is not None:
             self.log(type="oom", phase=phase, step=self.step, forward=k, size=n)
