@@ -3,7 +3,7 @@ CUDA, the memory it is held to -- each step runs on an emulated device of that s
 it raises a real ``torch.OutOfMemoryError`` that the guard replays on the same samples.
 
 Every run here gives ``budget=`` alone, with no ``autoaccum.emulated_budget`` around the training, and is
-compared with its framework's own full-batch run (the harnesses of tests/test_integrations_hf.py,
+compared with its framework's own full-batch run (the harnesses of tests/integrations/test_integrations_hf.py,
 test_integrations_lightning.py and test_integrations_accelerate.py). Negative controls: the same micro-batch
 without ``budget=`` runs whole, with no OOM (before, ``budget=`` only sized the probe's plan, so nothing
 held a given micro-batch). ``budget=`` inside an ``emulated_budget(...)`` block is refused: two budgets.
