@@ -15,11 +15,6 @@ question (no run B), and fit runs against a hand-configured run in one process. 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
-
-BENCHMARKS = str(Path(__file__).resolve().parent)
-if BENCHMARKS not in sys.path:
-    sys.path.insert(0, BENCHMARKS)
 
 from headtohead.cli import main
 

@@ -14,13 +14,11 @@ backward saves at most T_allreduce / (k * T_fwd_bwd + T_allreduce).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import gc
 import json
 import multiprocessing
 import os
-import platform
 import random
 import socket
 import statistics
@@ -32,31 +30,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from common import bench_main, classify, hand_step, markdown_table, mlp, vectors
 
 MODES = ("hand", "autoaccum")
-
-
-def _model(hidden: int) -> torch.nn.Module:
-    """The MLP 64 -> hidden -> hidden -> 10 with GELUs."""
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, hidden),
-                               torch.nn.GELU(), torch.nn.Linear(hidden, 10))
-
-
-def _loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
-    return F.cross_entropy(model(batch[0]), batch[1])
-
-
-def _hand_step(model: Any, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, accum: int,
-               micro: int) -> None:
-    """``accum`` micro-batches, all but the last under ``no_sync``; each loss weighted by its share."""
-    opt.zero_grad(set_to_none=True)
-    for i in range(accum):
-        part = slice(i * micro, (i + 1) * micro)
-        with model.no_sync() if i < accum - 1 else contextlib.nullcontext():
-            (_loss(model, (x[part], y[part])) / accum).backward()
-    opt.step()
 
 
 def _setup(mode: str, rank: int, world_size: int, device: torch.device, args: argparse.Namespace) -> Any:
@@ -65,16 +41,17 @@ def _setup(mode: str, rank: int, world_size: int, device: torch.device, args: ar
     from autoaccum.distributed import DistributedSync
 
     ids = [device.index] if device.type == "cuda" else None
-    model = torch.nn.parallel.DistributedDataParallel(_model(args.hidden).to(device), device_ids=ids)
+    model = torch.nn.parallel.DistributedDataParallel(mlp(64, args.hidden, act=torch.nn.GELU).to(device),
+                                                      device_ids=ids)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     share = args.micro * args.accum
-    g = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(share, 64, generator=g).to(device), torch.randint(0, 10, (share,), generator=g).to(device)
-    if mode == "hand":
-        return lambda: _hand_step(model, opt, x, y, args.accum, args.micro)
+    x, y = (t.to(device) for t in vectors(share, 64, seed=rank))
+    if mode == "hand":  # nanoGPT's DDP loop: all but the last micro-batch under no_sync, each loss / accum
+        parts = list(zip(x.split(args.micro), y.split(args.micro)))
+        return lambda: hand_step(model, opt, parts, classify, divide="accum_steps", no_sync=True)
     guard = autoaccum.OOMGuard(model, opt, target_batch=share * world_size, micro_batch=args.micro,
                                sync=DistributedSync(model), grow="off")
-    return lambda: guard.step((x, y), _loss)
+    return lambda: guard.step((x, y), classify)
 
 
 def _worker(rank: int, world_size: int, port: int, out: str, args: argparse.Namespace) -> None:
@@ -134,8 +111,7 @@ def _median_interval(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), medians[25], medians[974]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -144,40 +120,38 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024, help="MLP width (gradient size ~ hidden^2 floats)")
     parser.add_argument("--interleaved", type=int, default=150, help="turns of one step per mode")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
-    parser.add_argument("--json-only", action="store_true")
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> dict:
     for name in ("world_size", "accum", "micro", "hidden", "interleaved", "threads"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+            raise SystemExit(f"ddp_bench.py: --{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.backend == "nccl" and args.device != "cuda":
-        parser.error("--backend nccl needs --device cuda")
+        raise SystemExit("ddp_bench.py: --backend nccl needs --device cuda")
     if args.device == "cuda" and args.world_size > torch.cuda.device_count():
-        parser.error(f"--world-size {args.world_size} needs as many GPUs; this machine has {torch.cuda.device_count()}")
-
+        raise SystemExit(f"ddp_bench.py: --world-size {args.world_size} needs as many GPUs; this machine has "
+                         f"{torch.cuda.device_count()}")
     times = _run(args)
-    params = sum(p.numel() for p in _model(args.hidden).parameters())
+    params = sum(p.numel() for p in mlp(64, args.hidden, act=torch.nn.GELU).parameters())
     results = []
     for mode in MODES:
         ratio, low, high = _median_interval([h / m for h, m in zip(times["hand"], times[mode])])
         results.append({"mode": mode, "median_step_ms": statistics.median(times[mode]) * 1e3,
                         "vs_hand": ratio, "low": low, "high": high})
-    device = torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU ({os.cpu_count()} cores)"
-    report = {"benchmark": "ddp_bench", "backend": args.backend, "device": device, "world_size": args.world_size,
-              "accum_steps": args.accum, "micro_batch": args.micro, "params": params, "grad_bytes": params * 4,
-              "turns": args.interleaved, "torch": torch.__version__, "python": platform.python_version(),
-              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-              "command": "python benchmarks/ddp_bench.py " + " ".join(sys.argv[1:]), "results": results}
-    if not args.json_only:
-        print(f"{args.world_size} rank(s), {args.backend} on {device}, {params:,} parameters "
-              f"({params * 4 / 2**20:.1f} MiB of fp32 gradients), {args.accum} micro-batches of {args.micro} per rank "
-              f"and step; {args.interleaved} turns, one step of each mode a turn")
-        print(f"{'mode':<16}{'median step ms':>16}{'vs hand loop':>14}{'95% interval':>16}")
-        for r in results:
-            print(f"{r['mode']:<16}{r['median_step_ms']:>16.2f}{r['vs_hand']:>13.3f}x{r['low']:>9.3f}-{r['high']:.3f}")
-        print()
-    print(json.dumps(report, indent=2))
+    return {"benchmark": "ddp_bench", "backend": args.backend, "world_size": args.world_size,
+            "device": torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU ({os.cpu_count()} cores)",
+            "accum_steps": args.accum, "micro_batch": args.micro, "params": params, "grad_bytes": params * 4,
+            "turns": args.interleaved, "results": results}
+
+
+def table(r: dict) -> str:
+    return (f"{r['world_size']} rank(s), {r['backend']} on {r['device']}, {r['params']:,} parameters "
+            f"({r['grad_bytes'] / 2**20:.1f} MiB of fp32 gradients), {r['accum_steps']} micro-batches of "
+            f"{r['micro_batch']} per rank and step; {r['turns']} turns, one step of each mode a turn\n\n"
+            + markdown_table([("mode", "median step ms", "vs hand loop", "95% interval"), *(
+                (m["mode"], f"{m['median_step_ms']:.2f}", f"{m['vs_hand']:.3f}x", f"{m['low']:.3f}-{m['high']:.3f}")
+                for m in r["results"])]))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(bench_main(__doc__, run, table, options))

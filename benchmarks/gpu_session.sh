@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a lent GPU, from the repository root: the GPU tests, ddp_bench on NCCL in a world of one,
-# then the real-model table (benchmarks/real_gpu.py --rows issue40) row by row.
+# then the real-model table (benchmarks/real_gpu.py) row by row.
 #
 #   bash benchmarks/gpu_session.sh [--prev DIR_OR_TGZ] [--steps LIST] [--seconds N] [--dry-run] [--cpu]
 #
@@ -33,7 +33,7 @@ cd "$ROOT" || exit 2
 PY=$(command -v python3 || command -v python || echo python3)
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT=$(mkdir -p "$OUT" 2>/dev/null; cd "$OUT" 2>/dev/null && pwd || echo "$OUT")
-ROWS_DIR=$(mktemp -d 2>/dev/null || echo /tmp/rows40)  # outside $OUT: only the packed rows.tgz comes back
+ROWS_DIR=$(mktemp -d 2>/dev/null || echo /tmp/real_gpu_rows)  # outside $OUT: only the packed rows.tgz comes back
 FAILED=0
 if [ "$CPU" = 1 ]; then
   SIZE=(--size cpu --device cpu)
@@ -113,10 +113,10 @@ step ddp_gpu 110 "$OUT/ddp_gpu.txt" bash -c '"$0" benchmarks/ddp_bench.py "$@" &
   --hidden 8192 --accum 1 --micro 256' "$PY" "${DDP[@]}"
 for row in gpt2_355m_bf16:75 llama_1b_lora_bf16:90 vit_b16_bf16:55 resnet50_bf16:55 vit_b16_fp32:55 \
            resnet50_fp32:55; do
-  step "row_${row%%:*}" "${row##*:}" /dev/null "$PY" benchmarks/real_gpu.py --rows issue40 "${SIZE[@]}" \
+  step "row_${row%%:*}" "${row##*:}" /dev/null "$PY" benchmarks/real_gpu.py "${SIZE[@]}" \
     --models "${row%%:*}" --out "$ROWS_DIR" --json-only
 done
-step report 30 "$OUT/report.txt" "$PY" benchmarks/real_gpu.py --rows issue40 "${SIZE[@]}" --report-only \
+step report 30 "$OUT/report.txt" "$PY" benchmarks/real_gpu.py "${SIZE[@]}" --report-only \
   --out "$ROWS_DIR"
 
 echo "done in $SECONDS s; steps in $OUT/steps.tsv"

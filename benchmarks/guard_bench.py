@@ -1,9 +1,9 @@
 """Guard benchmark: what ``OOMGuard.step`` costs over a hand-written accumulation loop, and what one
 OOM recovery costs.
 
-1. Overhead: the same TinyGPT, AdamW, micro-batch and global batches, stepped by the hand-written
-   loop (zero_grad; per micro-batch loss * share, backward; step; the loss as a float) and by
-   ``guard.step``, in alternating blocks; the median of the per-repeat ratios guard / hand.
+1. Overhead: the same TinyGPT, AdamW, micro-batch and global batches, stepped by the benchmarks'
+   hand-written step (``common.hand_step``: per micro-batch loss * share, backward; step; the loss as a
+   float) and by ``guard.step``, in alternating blocks; the median of the per-repeat ratios guard / hand.
 2. Recovery: an OOM injected in the loss of the first micro-batch (no work lost) or of the last one
    (almost a whole step lost); the guard halves the micro-batch and replays. The extra time of that
    step over a normal one, in step-times.
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import logging
 import platform
 import statistics
@@ -24,6 +23,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from common import bench_main, hand_step, sync
 
 import autoaccum
 from autoaccum import OOMGuard, Plan
@@ -32,30 +32,11 @@ from autoaccum.demo import TinyGPT, synthetic_tokens, token_loss
 _clock = time.perf_counter  # ``--clock cpu``: this process's CPU time (a shared machine's waits left out)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def hand_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor, micro: int) -> float:
-    """The accumulation loop one writes by hand (nanoGPT's, with an exact share per micro-batch)."""
-    optimizer.zero_grad(set_to_none=True)
-    n = batch.shape[0]
-    loss_sum = torch.zeros((), device=batch.device)
-    for part in batch.split(micro):
-        loss = token_loss(model, part)
-        (loss * (part.shape[0] / n)).backward()  # each .backward() adds to .grad: weight by the share
-        loss_sum += loss.detach() * part.shape[0]
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return float(loss_sum.item()) / n
-
-
 def _timed(step: Callable[[], object], device: torch.device) -> float:
-    _sync(device)
+    sync(device)
     started = _clock()
     step()
-    _sync(device)
+    sync(device)
     return _clock() - started
 
 
@@ -71,7 +52,7 @@ def overhead(args: argparse.Namespace, device: torch.device) -> dict:
     guard = OOMGuard(model, torch.optim.AdamW(model.parameters(), lr=1e-4), target_batch=args.target,
                      micro_batch=args.micro)
     batches = [synthetic_tokens(args.target, seq_len=args.seq_len, seed=i).to(device) for i in range(args.steps)]
-    variants = {"hand": lambda b: hand_step(hand_model, hand_opt, b, args.micro),
+    variants = {"hand": lambda b: float(hand_step(hand_model, hand_opt, b.split(args.micro), token_loss)),
                 "guard": lambda b: guard.step(b, token_loss).loss}
 
     def block(name: str, batches: list[torch.Tensor]) -> float:
@@ -126,8 +107,7 @@ def recovery(args: argparse.Namespace, device: torch.device) -> dict:
             "extra_step_times": {case: med[f"oom_{case}"] / med["normal_micro"] - 1 for case in cases}}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--target", type=int, default=32, help="global batch")
     parser.add_argument("--micro", type=int, default=8, help="micro-batch of both variants")
@@ -138,42 +118,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="steps per timed block")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU)")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="time by wall clock or by this process's CPU time (CPU device, one thread)")
-    parser.add_argument("--json-only", action="store_true")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict:
     if args.clock == "cpu":
         if args.device != "cpu":
-            parser.error("--clock cpu measures the CPU device only")
+            raise SystemExit("guard_bench.py: --clock cpu measures the CPU device only")
         global _clock
         _clock = time.process_time
-    torch.set_num_threads(args.threads)
     logging.getLogger("autoaccum").setLevel(logging.ERROR)  # the injected OOMs are expected
     device = torch.device(args.device)
-    ov, rec = overhead(args, device), recovery(args, device)
-    result = {
-        "benchmark": "guard", "autoaccum": autoaccum.__version__, "torch": torch.__version__,
-        "python": platform.python_version(), "device": str(device),
+    return {
+        "benchmark": "guard", "autoaccum": autoaccum.__version__, "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "threads": torch.get_num_threads(), "clock": args.clock, "model": f"TinyGPT dim {args.dim} x {args.layers} layers, seq {args.seq_len}",
-        "plan": Plan.for_target(args.target, args.micro).describe(), "repeats": args.repeats,
-        "overhead": ov, "recovery": rec,
+        "clock": args.clock, "model": f"TinyGPT dim {args.dim} x {args.layers} layers, seq {args.seq_len}",
+        "plan": Plan.for_target(args.target, args.micro).describe(), "micro": args.micro, "repeats": args.repeats,
+        "steps": args.steps, "overhead": overhead(args, device), "recovery": recovery(args, device),
     }
-    if not args.json_only:
-        m = ov["medians_s"]
-        print(f"guard on {result['device_name']} ({device}, {result['threads']} thread(s)), torch {torch.__version__}; "
-              f"{result['model']}; {result['plan']}; {args.clock} clock; AdamW; {args.repeats} repeats x {args.steps} steps")
-        print(f"hand loop {m['hand'] * 1e3:.2f} ms/step, guard.step {m['guard'] * 1e3:.2f} ms/step; guard / hand "
-              f"paired median {ov['paired_ratio_median']:.3f} (range {min(ov['paired_ratios']):.3f}-"
-              f"{max(ov['paired_ratios']):.3f})")
-        r = rec["medians_s"]
-        print(f"OOM recovery, micro {args.micro} -> {args.micro // 2}: normal step {r['normal_micro'] * 1e3:.2f} ms, at "
-              f"the half {r['normal_half'] * 1e3:.2f} ms; extra step-times with one OOM: " + ", ".join(
-                  f"at the {case} {x:+.2f}" for case, x in rec["extra_step_times"].items()))
-    print(json.dumps(result, indent=None if args.json_only else 1))
-    return 0
+
+
+def table(result: dict) -> str:
+    ov, rec = result["overhead"], result["recovery"]
+    m, r = ov["medians_s"], rec["medians_s"]
+    return "\n".join([
+        f"guard on {result['device_name']} ({result['device']}, {result['threads']} thread(s)), torch "
+        f"{result['torch']}; {result['model']}; {result['plan']}; {result['clock']} clock; AdamW; "
+        f"{result['repeats']} repeats x {result['steps']} steps",
+        f"hand loop {m['hand'] * 1e3:.2f} ms/step, guard.step {m['guard'] * 1e3:.2f} ms/step; guard / hand paired "
+        f"median {ov['paired_ratio_median']:.3f} (range {min(ov['paired_ratios']):.3f}-{max(ov['paired_ratios']):.3f})",
+        f"OOM recovery, micro {result['micro']} -> {result['micro'] // 2}: normal step {r['normal_micro'] * 1e3:.2f} "
+        f"ms, at the half {r['normal_half'] * 1e3:.2f} ms; extra step-times with one OOM: " + ", ".join(
+            f"at the {case} {x:+.2f}" for case, x in rec["extra_step_times"].items())])
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(bench_main(__doc__, run, table, options))

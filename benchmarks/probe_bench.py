@@ -18,8 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from common import bench_main, markdown_table
+from common import bench_main, classify, hand_step, largest_fitting, markdown_table, mlp, vectors
 from torch import nn
 
 import autoaccum
@@ -43,16 +42,6 @@ class Shape:
     budgets: tuple[tuple[str, int], ...]  # (budget, target batch)
 
 
-def _mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
-
-
-def _mlp_batch(b: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(b)
-    return torch.randn(b, 256, generator=g), torch.randint(0, 10, (b,), generator=g)
-
-
 def _cnn() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
@@ -66,66 +55,43 @@ def _image_batch(b: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(b, 3, 32, 32, generator=g), torch.randint(0, 10, (b,), generator=g)
 
 
-def _classify(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    x, y = batch
-    return F.cross_entropy(model(x), y)
-
-
 def _gpt() -> nn.Module:
     torch.manual_seed(0)
     return TinyGPT()  # the demo's model: 2 layers, dim 128, 64 tokens
 
 
 SHAPES = (
-    Shape("mlp 256-512-512-10", _mlp, _mlp_batch, _classify, (("16MiB", 4096), ("40MiB", 16384))),
+    Shape("mlp 256-512-512-10", lambda: mlp(256, 512), lambda b: vectors(b, 256, seed=b), classify,
+          (("16MiB", 4096), ("40MiB", 16384))),
     Shape("tinygpt (demo)", _gpt, lambda b: synthetic_tokens(b, seed=b), token_loss, (("32MiB", 96), ("64MiB", 256))),
-    Shape("cnn 32x32 + batchnorm", _cnn, _image_batch, _classify, (("16MiB", 256), ("64MiB", 1024))),
+    Shape("cnn 32x32 + batchnorm", _cnn, _image_batch, classify, (("16MiB", 256), ("64MiB", 1024))),
 )
 
 
 def _runs_under(shape: Shape, b: int, budget_bytes: int) -> bool:
-    """Two accumulation steps at micro-batch ``b`` of a fresh model: two forward/backward passes
-    summing into the gradients (the second runs with the first's in memory), then the AdamW step."""
+    """Two accumulation steps at micro-batch ``b`` of a fresh model (the benchmarks' hand-written step over
+    the same batch twice: the second forward/backward runs with the first's gradients in memory), each
+    ending in the AdamW step."""
     model = shape.make_model()
     optimizer = torch.optim.AdamW(model.parameters())
     try:
         with emulated_budget(budget_bytes, model, optimizer):
             batch = shape.make_batch(b)
             for _ in range(2):
-                optimizer.zero_grad(set_to_none=True)
-                for _micro in range(2):
-                    loss = shape.loss_fn(model, batch)
-                    loss.backward()
-                    del loss
-                optimizer.step()
+                hand_step(model, optimizer, [batch, batch], shape.loss_fn)
     except torch.OutOfMemoryError:
         return False
     return True
 
 
-def brute_force(shape: Shape, usable_bytes: int, smallest: int = 1) -> tuple[int, int]:
-    """(largest micro-batch that runs under ``usable_bytes``, runs spent finding it): doubling from
-    ``smallest``, then bisection, checked at ``b`` and ``b + 1``; 0 if none runs."""
-    runs = 0
-
-    def ok(b: int) -> bool:
-        nonlocal runs
-        runs += 1
-        return _runs_under(shape, b, usable_bytes)
-
-    if not ok(smallest):
-        return 0, runs
-    lo, hi = smallest, 2 * smallest
-    while hi <= UPPER and ok(hi):
-        lo, hi = hi, 2 * hi
-    if hi > UPPER:
-        return min(lo, UPPER), runs
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    if not (ok(lo) and not ok(lo + 1)):
-        raise RuntimeError(f"{shape.name}: memory is not monotone in the micro-batch near {lo}")
-    return lo, runs
+def brute_force(shape: Shape, usable_bytes: int) -> tuple[int, int]:
+    """(largest micro-batch that runs under ``usable_bytes``, runs spent finding it): doubling up to
+    ``UPPER``, then bisection, checked at ``b`` and ``b + 1``; 0 if none runs."""
+    best, runs = largest_fitting(lambda b: _runs_under(shape, b, usable_bytes), UPPER)
+    if best and best < UPPER and not (_runs_under(shape, best, usable_bytes)
+                                      and not _runs_under(shape, best + 1, usable_bytes)):
+        raise RuntimeError(f"{shape.name}: memory is not monotone in the micro-batch near {best}")
+    return best, runs + (2 if best and best < UPPER else 0)
 
 
 def _probe(shape: Shape, budget_bytes: int, target: int) -> dict:
@@ -146,14 +112,17 @@ def _step(shape: Shape, budget_bytes: int, target: int, micro: int) -> dict:
         m = measure(task, target, micro, budget=budget_bytes, headroom=HEADROOM, warmup_steps=2, measure_steps=3,
                     clock=clock)
         if not m.ok:
-            raise RuntimeError(f"{shape.name}: the plan's micro-batch {micro} did not run as a guarded step: {m.status}")
+            raise RuntimeError(f"{shape.name}: the plan's micro-batch {micro} did not run as a guarded step: "
+                               f"{m.status}")
         out[f"{clock}_s"] = m.step_time_s
     return out
 
 
-def run() -> dict:
+def run(args: object = None) -> dict:
     # one-time costs (the dispatch mode's first use, kernel set-up) must not land on the first row
-    autoaccum.probe(model=_mlp(), loss_fn=_classify, make_batch=_mlp_batch, target_batch=4, budget="1GiB")
+    warm = SHAPES[0]
+    autoaccum.probe(model=warm.make_model(), loss_fn=warm.loss_fn, make_batch=warm.make_batch, target_batch=4,
+                    budget="1GiB")
     rows = []
     for shape in SHAPES:
         for budget, target in shape.budgets:

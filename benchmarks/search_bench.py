@@ -14,11 +14,8 @@ times steps by this process's CPU time, which other processes on a shared machin
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -26,8 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from common import markdown_table
+from common import bench_main, classify, markdown_table, mlp, vectors
 from torch import nn
 
 import autoaccum
@@ -59,15 +55,8 @@ def _gpt_task() -> Task:
 
 
 def _mlp_task() -> Task:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 4096), nn.GELU(), nn.Linear(4096, 10))  # wide: activations dominate
-
-    def make_batch(b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(b)
-        return torch.randn(b, 64, generator=g), torch.randint(0, 10, (b,), generator=g)
-
-    return Task(model=model, loss_fn=lambda m, batch: F.cross_entropy(m(batch[0]), batch[1]),
-                make_batch=make_batch, name="mlp")
+    model = mlp(64, 4096, depth=1, act=nn.GELU)  # wide: activations dominate
+    return Task(model=model, loss_fn=classify, make_batch=lambda b: vectors(b, 64, seed=b), name="mlp")
 
 
 WORKLOADS = (
@@ -163,7 +152,32 @@ def run_workload(w: Workload, n_trials: int, rounds: int, sweep_top: int) -> dic
     }
 
 
-def _table(runs: list[list[dict]]) -> str:
+def options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="cpu",
+                        help="time steps by wall clock or by this process's CPU time (default cpu: a shared "
+                             "machine's other processes do not count; needs --threads 1)")
+    parser.add_argument("--n-trials", type=int, default=20, help="search trials (default 20)")
+    parser.add_argument("--rounds", type=int, default=7, help="verification rounds per configuration (7)")
+    parser.add_argument("--sweep-top", type=int, default=5, help="sweep plans measured again (5)")
+    parser.add_argument("--runs", type=int, default=1, help="repeat the whole benchmark this many times (1)")
+
+
+def run(args: argparse.Namespace) -> dict:
+    if args.clock == "cpu" and args.threads != 1:
+        raise SystemExit("search_bench.py: --clock cpu equals elapsed time only with --threads 1")
+    MEASURE["clock"] = args.clock
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    runs = [[run_workload(w, args.n_trials, args.rounds, args.sweep_top) for w in WORKLOADS] for _ in range(args.runs)]
+    return {"benchmark": "search", "autoaccum": autoaccum.__version__, "optuna": optuna.__version__,
+            "clock": args.clock, "n_trials": args.n_trials, "rounds": args.rounds, "sweep_top": args.sweep_top,
+            "runs": runs, "goal_met": sum(r["goal_met"] for results in runs for r in results),
+            "workload_runs": len(WORKLOADS) * args.runs, "load_average_after": os.getloadavg()[0]}
+
+
+def table(doc: dict) -> str:
+    runs = doc["runs"]
     rows = [("run", "workload", "config", "micro", "accum", "knobs", "samples/s", "spread", "vs sweep",
              "paired ± noise", "wall s")]
     for i, results in enumerate(runs, 1):
@@ -178,51 +192,10 @@ def _table(runs: list[list[dict]]) -> str:
                              str(c["accum_steps"]), c["knobs"], f"{c['samples_per_s']:,.0f}", f"{c['spread']:.2f}",
                              f"{c['vs_sweep_best']:.3f}",
                              f"{c['paired_vs_sweep_best']:.3f} ± {c['paired_noise']:.3f}", walls.get(name, "-")))
-    return markdown_table(rows)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steady timings)")
-    parser.add_argument("--clock", choices=("wall", "cpu"), default="cpu",
-                        help="time steps by wall clock or by this process's CPU time (default cpu: a shared "
-                             "machine's other processes do not count; needs --threads 1)")
-    parser.add_argument("--n-trials", type=int, default=20, help="search trials (default 20)")
-    parser.add_argument("--rounds", type=int, default=7, help="verification rounds per configuration (7)")
-    parser.add_argument("--sweep-top", type=int, default=5, help="sweep plans measured again (5)")
-    parser.add_argument("--runs", type=int, default=1, help="repeat the whole benchmark this many times (1)")
-    parser.add_argument("--json-only", action="store_true")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    if args.clock == "cpu" and args.threads != 1:
-        parser.error("--clock cpu equals elapsed time only with --threads 1")
-    MEASURE["clock"] = args.clock
-    import optuna
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    started, load_before = time.perf_counter(), os.getloadavg()
-    runs = [[run_workload(w, args.n_trials, args.rounds, args.sweep_top) for w in WORKLOADS] for _ in range(args.runs)]
-    met = sum(r["goal_met"] for results in runs for r in results)
-    doc = {"benchmark": "search", "autoaccum": autoaccum.__version__, "torch": torch.__version__,
-           "optuna": optuna.__version__, "python": platform.python_version(), "machine": platform.machine(),
-           "threads": args.threads, "clock": args.clock, "n_trials": args.n_trials, "rounds": args.rounds,
-           "sweep_top": args.sweep_top, "runs": runs, "goal_met": met, "workload_runs": len(WORKLOADS) * args.runs,
-           "total_wall_time_s": time.perf_counter() - started, "load_average_before": load_before,
-           "load_average_after": os.getloadavg(),
-           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
-    if not args.json_only:
-        print(_table(runs))
-        print()
-        for i, results in enumerate(runs, 1):
-            for r in results:
-                print(f"run {i} · {r['workload']}: search {r['search_micro_only']['wall_time_s']:.1f} s "
-                      f"({r['search_micro_only']['trials']} trials) vs sweep {r['sweep']['wall_time_s']:.1f} s "
-                      f"({r['sweep']['plans_measured']} plans); winner at >= 0.97 of the sweep's best: {r['goal_met']}")
-        print(f"goal met in {met} of {len(WORKLOADS) * args.runs} workload-runs")
-        print()
-    json.dump(doc, sys.stdout, indent=1)
-    print()
+    met = [f"run {i} {r['workload']}: {r['goal_met']}" for i, results in enumerate(runs, 1) for r in results]
+    return (markdown_table(rows) + f"\n\nThe micro-batch winner >= 0.97 of the sweep's best: {'; '.join(met)} (met in "
+            f"{doc['goal_met']} of {doc['workload_runs']} workload-runs).")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(bench_main(__doc__, run, table, options))

@@ -18,15 +18,10 @@ import logging
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+from common import bench_main, classify, markdown_table, mlp, vectors
 from torch import nn
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import bench_main, markdown_table
 
 import autoaccum
 from autoaccum import OOMGuard, TrackedMemory, parse_bytes
@@ -45,19 +40,12 @@ LABELS = {
 
 def make_model(device: torch.device) -> nn.Module:
     """An MLP whose activations, not AdamW's step, set the peak at the micro-batches used here."""
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
-                         nn.Linear(256, 10)).to(device)
+    return mlp(128, 256).to(device)
 
 
 def make_batch(n: int, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 128, generator=g).to(device), torch.randint(0, 10, (n,), generator=g).to(device)
-
-
-def classify(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    x, y = batch
-    return F.cross_entropy(model(x), y)
+    x, y = vectors(n, 128, seed)
+    return x.to(device), y.to(device)
 
 
 def _phase(args: argparse.Namespace, i: int) -> str:

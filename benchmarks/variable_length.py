@@ -143,7 +143,7 @@ def plans(model: torch.nn.Module, rows: list[dict], first: list[dict]) -> tuple[
              "token_model": tokens.token_model.to_dict() if tokens.token_model else None})
 
 
-def run() -> dict:
+def run(args: object = None) -> dict:
     torch.manual_seed(0)
     rows = make_rows(TARGET * STEPS, seed=1)
     lengths = sorted(length_of(r) for r in rows)

@@ -10,9 +10,11 @@ import contextlib
 import copy
 import gc
 import time
+from functools import partial
 from typing import Any
 
 import torch
+from common import hand_step, largest_fitting, micro_batches
 
 from autoaccum import TrackedMemory
 from autoaccum.memory.savers import apply_saver
@@ -85,10 +87,10 @@ def make_budget(budget_bytes: int, device: torch.device) -> EmulatedBudget | Cud
 
 def accumulated_steps(ctx: Context, micro: int, budget: Any, steps: int = 2, accumulate: bool = True,
                       saver: str | None = None) -> None:
-    """Two AdamW steps, each accumulating two micro-batches of ``micro`` (one when ``micro`` is the target,
-    or without ``accumulate``). The second micro-batch's forward runs with the first one's gradients
-    alive: an accumulation step needs more memory than a lone step of the same micro-batch. The model
-    runs on ``saver`` of the memory savers (default: the workload's)."""
+    """Two AdamW steps of the hand-written step, each accumulating two micro-batches of ``micro`` (one when
+    ``micro`` is the target, or without ``accumulate``). The second micro-batch's forward runs with the first
+    one's gradients alive: an accumulation step needs more memory than a lone step of the same micro-batch.
+    The model runs on ``saver`` of the memory savers (default: the workload's)."""
     target = ctx.workload.target_batch
     model = copy.deepcopy(ctx.base).to(ctx.device)
     optimizer = make_optimizer(model)
@@ -96,13 +98,9 @@ def accumulated_steps(ctx: Context, micro: int, budget: Any, steps: int = 2, acc
     parts = 1 if micro >= target or not accumulate else 2
     with budget, apply_saver(model, ctx.workload.saver if saver is None else saver):
         for step in range(steps):
-            for a in range(parts):
-                start = (step * parts + a) * micro
-                total, count = loss_sum(model, on_device(slice_batch(ctx.data, start, start + micro), ctx.device))
-                (total / count / parts).backward()
-                del total
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            hand_step(model, optimizer, micro_batches(slice_batch(ctx.data, step * parts * micro,
+                                                                  (step + 1) * parts * micro), micro),
+                      loss_sum, prepare=partial(on_device, device=ctx.device))
 
 
 class _NoBudget(contextlib.nullcontext):
@@ -146,21 +144,4 @@ def brute_force(ctx: Context, budget_bytes: int, accumulate: bool = True, saver:
     """The largest micro-batch that runs two accumulated AdamW steps under the budget (doubling, then
     bisection), and how many sizes were tried; 0 where one sample does not fit. ``accumulate=False``: two
     lone steps of that size. ``saver``: the memory saver the steps run on (default: the workload's)."""
-    target = ctx.workload.target_batch
-    tried = 0
-    lo, hi = 0, None
-    size = 1
-    while hi is None:
-        tried += 1
-        if fits(ctx, size, budget_bytes, accumulate, saver):
-            lo = size
-            if size >= target:
-                return target, tried
-            size = min(size * 2, target)
-        else:
-            hi = size
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        tried += 1
-        lo, hi = (mid, hi) if fits(ctx, mid, budget_bytes, accumulate, saver) else (lo, mid)
-    return lo, tried
+    return largest_fitting(lambda b: fits(ctx, b, budget_bytes, accumulate, saver), ctx.workload.target_batch)

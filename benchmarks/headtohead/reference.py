@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+from functools import partial
 
+from common import hand_step, micro_batches
 from torch import nn
 
 from .context import Context
@@ -11,7 +13,8 @@ from .workloads import loss_sum, make_optimizer, on_device, slice_batch
 
 
 def reference(ctx: Context) -> nn.Module:
-    """Full-batch training: one forward/backward on all ``target`` samples per step (item-weighted mean).
+    """Full-batch training: the hand-written step with one micro-batch of all ``target`` samples (the
+    loss sum over the step's items).
 
     On CUDA the full batch of the ``gpu`` models does not fit even the whole device: there the loss sums
     of chunks are accumulated and divided once by the step's item count (exact, but for BatchNorm)."""
@@ -20,14 +23,9 @@ def reference(ctx: Context) -> nn.Module:
     model = copy.deepcopy(ctx.base).to(ctx.device)
     optimizer = make_optimizer(model)
     for step in range(ctx.steps):
-        count = int(ctx.data["labels"][step * target:(step + 1) * target].ne(-100).sum())
-        for start in range(step * target, (step + 1) * target, chunk):
-            total, _ = loss_sum(model, on_device(slice_batch(ctx.data, start, min(start + chunk, (step + 1) * target)),
-                                                 ctx.device))
-            (total / count).backward()
-            del total
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        hand_step(model, optimizer, micro_batches(slice_batch(ctx.data, step * target, (step + 1) * target), chunk),
+                  loss_sum, prepare=partial(on_device, device=ctx.device))
+    optimizer.zero_grad(set_to_none=True)
     return model
 
 

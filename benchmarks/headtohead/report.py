@@ -103,10 +103,10 @@ def _global(row: dict[str, Any]) -> str:
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    """The comparison's table; a workload where one sample does not fit gets its own (``ladder_table``)."""
+    """The comparison's table; a workload where one sample does not fit gets its own (``savers_table``)."""
     plain = [res for res in results if res.get("saver", "none") == "none"]
     return "\n\n".join([_plain_table(plain)] * bool(plain)
-                       + [ladder_table(res) for res in results if res.get("saver", "none") != "none"])
+                       + [savers_table(res) for res in results if res.get("saver", "none") != "none"])
 
 
 def _plain_table(results: list[dict[str, Any]]) -> str:
@@ -152,7 +152,7 @@ def _tries(tries: list[list[Any]] | None) -> str:
     return "; ".join(f"{phase}: {', '.join(sizes)}" for phase, sizes in parts) or "–"
 
 
-def ladder_table(res: dict[str, Any]) -> str:
+def savers_table(res: dict[str, Any]) -> str:
     """Where one sample does not fit: what each system did, then fit against the hand-configured run."""
     title = (f"{res['model']}: {res['describe']}; target {res['target_batch']}; budget "
              f"{autoaccum.format_bytes(res['budget_bytes'])}: micro-batches of up to {res['truly_fits']} fit with "

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import quiet
 from torch import nn
 
 import autoaccum
@@ -24,10 +25,10 @@ from autoaccum.jsonio import write_json_atomic
 
 from .budget import brute_force, budget_for, make_budget
 from .context import Context, RunResult
-from .ladder import PAIR, measure, quiet
 from .recorder import Recorder
 from .reference import reference
 from .report import BENCHMARKS, machine, num, summarise, summarise_drop, versions
+from .savers import PAIR, measure
 from .systems import REGISTRY, SYSTEMS
 from .workloads import Batch, Workload, describe_model, workloads
 

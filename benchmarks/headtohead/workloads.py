@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from common import mlp
 from torch import nn
 
 from autoaccum.demo import TinyGPT
@@ -36,18 +37,6 @@ class Workload:
     #: the memory saver (``autoaccum.memory.savers``) a plain loop needs under the budget:
     #: ``"checkpointing"`` where one sample does not fit without it (``micro_target`` is then counted with it)
     saver: str = "none"
-
-
-class MLP(nn.Module):
-    def __init__(self, in_dim: int, width: int, depth: int) -> None:
-        super().__init__()
-        layers: list[nn.Module] = [nn.Linear(in_dim, width), nn.ReLU()]
-        for _ in range(depth - 1):
-            layers += [nn.Linear(width, width), nn.ReLU()]
-        self.net = nn.Sequential(*layers, nn.Linear(width, 10))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
 
 
 class ConvBN(nn.Module):
@@ -107,7 +96,7 @@ def workloads(size: str) -> dict[str, Workload]:
 
     if size == "tiny":
         return {
-            "mlp": Workload("mlp", seeded(lambda: MLP(32, 16, 4)), _classification_data((32,)), 64, 19),
+            "mlp": Workload("mlp", seeded(lambda: mlp(32, 16, 4)), _classification_data((32,)), 64, 19),
             "gpt": Workload("gpt", seeded(lambda: TinyGPT(vocab_size=32, seq_len=16, dim=16, layers=1, heads=2)),
                             _token_data(16, 32), 32, 7, token_level=True),
             "cnn": Workload("cnn", seeded(lambda: ConvBN(4, 8)), _classification_data((3, 8, 8)), 32, 7,
@@ -118,7 +107,7 @@ def workloads(size: str) -> dict[str, Workload]:
         }
     if size == "cpu":
         return {
-            "mlp": Workload("mlp", seeded(lambda: MLP(256, 128, 6)), _classification_data((256,)), 1024, 230,
+            "mlp": Workload("mlp", seeded(lambda: mlp(256, 128, 6)), _classification_data((256,)), 1024, 230,
                             note="256-128x6-10, ReLU"),
             "gpt": Workload("gpt", seeded(lambda: TinyGPT(vocab_size=256, seq_len=32, dim=64, layers=2, heads=4)),
                             _token_data(32, 256), 64, 13, token_level=True,
@@ -133,7 +122,7 @@ def workloads(size: str) -> dict[str, Workload]:
         }
     if size == "gpu":  # not exercised on the CPU-only machines this was written on
         return {
-            "mlp": Workload("mlp", seeded(lambda: MLP(4096, 4096, 8)), _classification_data((4096,)), 16384, 3600),
+            "mlp": Workload("mlp", seeded(lambda: mlp(4096, 4096, 8)), _classification_data((4096,)), 16384, 3600),
             "gpt": Workload("gpt", seeded(lambda: TinyGPT(vocab_size=32000, seq_len=1024, dim=1024, layers=12,
                                                           heads=16)),
                             _token_data(1024, 32000), 256, 23, token_level=True),

@@ -1,8 +1,8 @@
 """Real GPU: the code of ``benchmarks/real_gpu.py``.
 
-The data flows through the modules in this order: ``models`` (the models, their data and budgets) ->
-``squeeze`` (the three squeezes) -> ``brute`` (real accumulated steps, brute-force searches) -> ``loops``
-(fit against a hand-written loop) -> ``parts`` (estimate, probe, brute force and fit under a squeeze, the
-sweep, the optional search) -> ``runner`` (one model's parts in order, saved as they finish) -> ``report``
-(the default rows' table and targets) and ``table40`` (the issue40 rows') -> ``cli``.
+The data flows through the modules in this order: ``models`` (the rows' models, their data and budgets)
+-> ``squeeze`` (the memory left to this process) -> ``brute`` (real accumulated steps, the brute-force
+search) -> ``loops`` (fit against the hand-written loop) -> ``parts`` (the estimate; the probe, brute force
+and fit under the squeeze; the sweep) -> ``runner`` (one model's parts in order, saved as they finish) ->
+``table`` (the table and targets) -> ``cli``.
 """

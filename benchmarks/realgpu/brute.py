@@ -1,31 +1,32 @@
 """Brute force: the largest micro-batch whose real accumulated training steps fit, found by trying.
 
-A try runs, on a fresh copy of the model (an on-device row: the model itself) with a fresh AdamW, two
-optimizer steps of two forward/backward passes each, under the row's precision. It fits when it ran
-without an OOM and its peak (the allocator's on CUDA, the tracked counter on a CPU) stayed under
-``budget x (1 - headroom)``. :func:`brute_force` doubles, bisects and checks ``b`` and ``b + 1``;
+A try runs, on the row's model with a fresh AdamW, two optimizer steps of two forward/backward passes
+each (the shared hand-written step), under the row's precision. It fits when it ran without an OOM and
+its peak (the allocator's on CUDA, the tracked counter on a CPU) stayed under ``budget x (1 - headroom)``.
 :func:`brute_around` searches outward from a start (the probe's answer), so a right start costs two tries.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+from common import hand_step
 
 from autoaccum import emulated_budget
 from autoaccum.memory.recovery import catch_oom
 from autoaccum.plan.batch import move_to
-from autoaccum.plan.task import LossFn, check_loss, default_optimizer
-from autoaccum.precision import autocast, autocast_dtype
+from autoaccum.plan.task import LossFn, default_optimizer
+from autoaccum.precision import autocast_dtype
 
-from .models import Built, fresh_model
+from .models import Built
 from .squeeze import release
 
-__all__ = ["BruteForce", "Try", "brute_around", "brute_force", "run_try"]
+__all__ = ["BruteForce", "Try", "brute_around", "run_try"]
 
 
 @dataclass(frozen=True)
@@ -47,31 +48,14 @@ class BruteForce:
     limit: int
     tries: list[Try] = field(default_factory=list)
     capped: bool = False  # stopped at max_tries: ``limit`` is the largest size seen to fit
-    confirmed: bool = True  # the final check at b and b + 1 agreed with the search
 
     def to_dict(self) -> dict[str, Any]:
-        return {"limit": self.limit, "capped": self.capped, "confirmed": self.confirmed,
-                "tries": [asdict(t) for t in self.tries]}
-
-
-def accumulated_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, batch: Any,
-                      steps: int = 2, passes: int = 2, dtype: torch.dtype | None = None) -> None:
-    """``steps`` optimizer steps of ``passes`` forward/backward passes each, summed into the gradients;
-    forward and loss under autocast to ``dtype`` (None: none)."""
-    device = next(model.parameters()).device
-    for _ in range(steps):
-        optimizer.zero_grad(set_to_none=True)
-        for _ in range(passes):
-            with autocast(device, dtype):
-                loss, items = check_loss(loss_fn(model, batch))
-            (loss / passes if items is None else loss / items / passes).backward()
-            del loss
-        optimizer.step()
+        return {"limit": self.limit, "capped": self.capped, "tries": [asdict(t) for t in self.tries]}
 
 
 def run_try(built: Built, loss_fn: LossFn, b: int, device: torch.device, usable_bytes: int, emulate: bool) -> Try:
-    """One try at ``b`` (see the module docstring); the model (unless the workload's own), its state and the
-    batch are gone afterwards."""
+    """One try at ``b`` (see the module docstring); the optimizer's state, the gradients and the batch are
+    gone afterwards."""
     release(device, collect=False)  # the last try's tensors died with it; an OOM's were collected after it
     start = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     if device.type == "cuda":
@@ -81,26 +65,22 @@ def run_try(built: Built, loss_fn: LossFn, b: int, device: torch.device, usable_
     dtype = autocast_dtype(built.workload.precision)  # type: ignore[arg-type] - a workload's precision
 
     def attempt() -> None:
-        model = fresh_model(built, device)
+        model = built.model
         optimizer = default_optimizer([p for p in model.parameters() if p.requires_grad])
-        if emulate:
-            with emulated_budget(usable_bytes, model, optimizer) as mem:
-                counter.append(mem)
-                accumulated_steps(model, optimizer, loss_fn, move_to(built.workload.make_batch(b, b), device),
-                                  dtype=dtype)
-        else:
-            accumulated_steps(model, optimizer, loss_fn, move_to(built.workload.make_batch(b, b), device), dtype=dtype)
+        with emulated_budget(usable_bytes, model, optimizer) if emulate else contextlib.nullcontext() as mem:
+            counter.append(mem)
+            batch = move_to(built.workload.make_batch(b, b), device)
+            for _ in range(2):  # two steps of two passes: the second pass runs with the first one's gradients
+                hand_step(model, optimizer, [batch, batch], loss_fn, dtype=dtype)
 
     started = time.perf_counter()
     _, oom = catch_oom(attempt)
     seconds = time.perf_counter() - started
-    if built.workload.on_device:  # the model itself: its gradients (an OOM's partial ones too) go with the try
-        for p in built.base.parameters():
-            p.grad = None
+    built.clear_grads()
     if device.type == "cuda":
         peak, reserved = int(torch.cuda.max_memory_allocated(device)), int(torch.cuda.max_memory_reserved(device))
     else:
-        peak, reserved = (counter[0].peak_bytes if counter else None), None
+        peak, reserved = (counter[0].peak_bytes if counter and counter[0] is not None else None), None
     # outside the except block; a collection only where memory did not come back (frames in reference cycles)
     release(device, collect=oom or (device.type == "cuda" and torch.cuda.memory_allocated(device) > start))
     fits = not oom and peak is not None and peak <= usable_bytes
@@ -109,35 +89,6 @@ def run_try(built: Built, loss_fn: LossFn, b: int, device: torch.device, usable_
 
 class _Capped(Exception):
     pass
-
-
-def brute_force(attempt: Callable[[int], Try], smallest: int, upper: int, max_tries: int) -> BruteForce:
-    """The largest size in ``[smallest, upper]`` for which ``attempt`` fits (0 if none), by doubling from
-    ``smallest``, bisection, and a final check at ``b`` and ``b + 1``; at most ``max_tries`` tries."""
-    result = BruteForce(0)
-
-    def fits(b: int) -> bool:
-        if len(result.tries) >= max_tries:
-            raise _Capped
-        result.tries.append(attempt(b))
-        return result.tries[-1].fits
-
-    lo = 0
-    try:
-        if not fits(smallest):
-            return result
-        lo, hi = smallest, None
-        while hi is None and lo < upper:
-            size = min(2 * lo, upper)
-            lo, hi = (size, None) if fits(size) else (lo, size)
-        while hi is not None and hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        result.limit = lo
-        result.confirmed = fits(lo) and (lo >= upper or not fits(lo + 1))
-    except _Capped:
-        result.limit, result.capped = lo, True
-    return result
 
 
 def brute_around(attempt: Callable[[int], Try], start: int, smallest: int, upper: int, max_tries: int) -> BruteForce:
@@ -184,7 +135,7 @@ def brute_around(attempt: Callable[[int], Try], start: int, smallest: int, upper
         while hi is not None and hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        result.limit = lo  # each size tried once: no second check of b and b + 1 (brute_force's), so confirmed stays
+        result.limit = lo
     except _Capped:
         result.limit, result.capped = best(), True
     return result

@@ -1,7 +1,7 @@
 """One model's parts in order, each saved to ``<out>/<model>.json`` as soon as it is done (resumable).
 
 A rerun keeps the parts already measured (a part that raised keeps its error; ``--redo`` measures
-everything again) and runs the rest; a part that cannot run here is recorded as skipped with its reason
+everything again) and runs the rest; a part that cannot run yet is recorded as skipped with its reason
 and looked at again next time. A file written under other settings is not reused.
 """
 
@@ -22,21 +22,14 @@ from autoaccum.jsonio import write_json_atomic
 
 from . import parts
 from .models import Built, Workload, build, missing_dependency
-from .squeeze import SQUEEZES, release, skip_reason
+from .squeeze import release
 
 __all__ = ["PARTS", "run_model"]
 
 logger = logging.getLogger("real_gpu")
 
-KIND, VERSION = "autoaccum.bench.real_gpu.model", 1
-PARTS = ("estimate", *(f"squeeze:{k}" for k in SQUEEZES), "sweep", "search")
-
-
-def parts_of(settings: parts.Settings) -> tuple[str, ...]:
-    """The parts a model's row measures, in order."""
-    if settings.rows == "issue40":
-        return (*(f"squeeze:{k}" for k in settings.squeezes), "estimate", "sweep")
-    return PARTS
+KIND, VERSION = "autoaccum.bench.real_gpu.model", 2
+PARTS = ("squeeze", "estimate", "sweep")  # in this order: the sweep times plans up to the brute-force limit
 
 
 def _header(w: Workload, device: torch.device, settings: parts.Settings, size: str) -> dict[str, Any]:
@@ -58,38 +51,13 @@ def _load(path: Path, header: dict[str, Any], redo: bool) -> dict[str, Any]:
     return {**header, "parts": {}}
 
 
-def _why_not(part: str, doc: dict[str, Any], device: torch.device, search: bool,
-             settings: parts.Settings | None = None) -> str | None:
-    """Why ``part`` cannot run now, or None."""
-    if part.startswith("squeeze:"):
-        return skip_reason(part.split(":", 1)[1], device)  # type: ignore[arg-type]
-    if part == "sweep":
-        measured = [p for k, p in doc["parts"].items() if k.startswith("squeeze:") and "brute_force" in p]
-        return None if measured else "skipped: no squeeze was measured"
-    if part == "search":
-        if not search:
-            return "skipped: --no-search"
-        try:
-            import optuna
-        except ImportError:
-            return "skipped: optuna is not installed (pip install 'autoaccum[search]')"
-        budget = doc["parts"].get("squeeze:budget", {})
-        if "plan" not in budget.get("probe", {}):
-            return "skipped: squeeze (iii) has no probe report to search from"
-    return None
-
-
 def _run_part(part: str, built: Built, device: torch.device, settings: parts.Settings,
               doc: dict[str, Any]) -> dict[str, Any]:
+    if part == "squeeze":
+        return parts.squeezed(built, device, settings)
     if part == "estimate":
         return parts.estimate(built, device, settings)
-    if part.startswith("squeeze:"):
-        return parts.squeezed(built, part.split(":", 1)[1], device, settings)  # type: ignore[arg-type]
-    squeezes = {k.split(":", 1)[1]: p for k, p in doc["parts"].items() if k.startswith("squeeze:")
-                and "brute_force" in p}
-    if part == "sweep":
-        return parts.sweep(built, device, squeezes, settings)
-    return parts.search(built, device, squeezes["budget"], settings)
+    return parts.sweep(built, device, doc["parts"]["squeeze"], settings)
 
 
 def _measured(part: str, built: Built, device: torch.device, settings: parts.Settings,
@@ -109,24 +77,21 @@ def _measured(part: str, built: Built, device: torch.device, settings: parts.Set
 
 
 def run_model(w: Workload, device: torch.device, settings: parts.Settings, size: str, out: Path, *,
-              redo: bool = False, search: bool = True, measure: bool = True,
-              log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+              redo: bool = False, measure: bool = True, log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Measure what is missing of ``w``'s parts (``measure=False``: nothing, only read what is saved);
     returns the model's document (also saved under ``out``)."""
     path = out / f"{w.name}.json"
     doc = _load(path, _header(w, device, settings, size), redo)
     missing = missing_dependency(w) if measure else None
-    names = parts_of(settings)
     if missing is not None:
-        doc["parts"] = {p: {"skipped": f"skipped: {missing}"} for p in names}
+        doc["parts"] = {p: {"skipped": f"skipped: {missing}"} for p in PARTS}
     if not measure or missing is not None:
         return doc
     built: Built | None = None
-    for part in (p for p in names if p not in doc["parts"] or "skipped" in doc["parts"][p]):
-        reason = _why_not(part, doc, device, search, settings)
-        if reason is not None:
-            doc["parts"][part] = {"skipped": reason}
-            log(f"{w.name} {part}: {reason}")
+    for part in (p for p in PARTS if p not in doc["parts"] or "skipped" in doc["parts"][p]):
+        if part == "sweep" and "brute_force" not in doc["parts"]["squeeze"]:
+            doc["parts"][part] = {"skipped": "skipped: no brute-force limit (the squeeze part failed)"}
+            log(f"{w.name} {part}: {doc['parts'][part]['skipped']}")
             continue
         if built is None:
             started = time.perf_counter()
@@ -135,7 +100,7 @@ def run_model(w: Workload, device: torch.device, settings: parts.Settings, size:
         doc.update(describe=w.describe, params=built.params, target_batch=w.target_batch,
                    budget_bytes=w.budget_bytes, smallest=built.smallest,
                    device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
-        # Trials and failed tries release memory with a full collection: what lives on (the imports, the host
+        # Trials and failed tries release memory with a full collection: what lives on (the imports, the
         # model) is frozen first, so that a collection does not walk it every time (0.1-0.6 s each else).
         gc.collect()
         gc.freeze()

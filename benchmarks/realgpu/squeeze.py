@@ -1,14 +1,9 @@
-"""The three squeezes a row runs under, each leaving this process ``budget_bytes`` to use.
+"""The squeeze a row runs under, leaving this process ``budget_bytes`` to use.
 
-- ``process`` (i): a second process holds the rest of the card, as another job would; autoaccum is
-  given no budget and reads its default (what is free to it). CUDA only.
-- ``fraction`` (ii): ``torch.cuda.set_per_process_memory_fraction(budget / total)``: the caching
-  allocator refuses to reserve more; autoaccum is given no budget. CUDA only.
-- ``budget`` (iii): an explicit ``budget=`` (``--budget``). On CUDA nothing enforces it: the plan is
-  made for it, and a run is judged by its allocator peak. On the CPU the tracked counter enforces it
-  (an emulated OOM at the crossing), which is the only squeeze a CPU has.
-
-A squeeze that cannot run here is skipped with its reason (:func:`skip_reason`), never imitated.
+- ``process`` (on CUDA): a second process holds the rest of the card, as another job would; autoaccum
+  is given no budget and reads its default (what is free to it).
+- ``budget`` (the CPU smoke run): an explicit ``budget=``, enforced by the tracked counter (an emulated
+  OOM at the crossing), the only squeeze a CPU has.
 """
 
 from __future__ import annotations
@@ -23,10 +18,9 @@ from typing import Literal
 
 import torch
 
-__all__ = ["SQUEEZES", "SqueezeKind", "Squeezed", "release", "skip_reason", "squeeze"]
+__all__ = ["SqueezeKind", "Squeezed", "release", "squeeze"]
 
-SqueezeKind = Literal["process", "fraction", "budget"]
-SQUEEZES: tuple[SqueezeKind, ...] = ("process", "fraction", "budget")
+SqueezeKind = Literal["process", "budget"]
 
 #: the other process: takes its CUDA context, then holds the bytes it is told until its stdin closes
 _HOLDER = """
@@ -45,7 +39,7 @@ class Squeezed:
     """What a squeeze gives the runs inside it.
 
     Attributes:
-        kind: ``process``, ``fraction`` or ``budget``.
+        kind: ``process`` or ``budget``.
         true_budget_bytes: what this process can really use (the reference's budget).
         probe_budget: the ``budget=`` autoaccum is given (None: its default).
         emulate: the tracked counter enforces ``true_budget_bytes`` (CPU).
@@ -57,15 +51,6 @@ class Squeezed:
     probe_budget: int | None
     emulate: bool
     enforced_by: str
-
-
-def skip_reason(kind: SqueezeKind, device: torch.device) -> str | None:
-    """Why ``kind`` cannot run on ``device``, or None."""
-    if device.type == "cuda" or kind == "budget":
-        return None
-    what = "a second process holding device memory" if kind == "process" else \
-        "torch.cuda.set_per_process_memory_fraction"
-    return f"skipped: needs CUDA ({what}); a CPU has only squeeze (iii), an emulated --budget"
 
 
 def release(device: torch.device, collect: bool = True) -> None:
@@ -115,34 +100,16 @@ def _other_process(device: torch.device, budget_bytes: int) -> Iterator[int]:
 
 
 @contextlib.contextmanager
-def _fraction(device: torch.device, budget_bytes: int) -> Iterator[int]:
-    release(device)  # blocks reserved before the cap would stay above it
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(budget_bytes / total, device)
-    try:
-        yield int(budget_bytes / total * total)  # the allocator's cap: int(fraction * total)
-    finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
-        release(device)
-
-
-@contextlib.contextmanager
 def squeeze(kind: SqueezeKind, budget_bytes: int, device: torch.device) -> Iterator[Squeezed]:
     """Run the block under squeeze ``kind`` leaving ``budget_bytes`` (see the module docstring)."""
-    reason = skip_reason(kind, device)
-    if reason is not None:
-        raise ValueError(reason)
+    if (kind == "process") != (device.type == "cuda"):
+        raise ValueError(f"Invalid squeeze {kind!r} on {device.type}: the other process needs CUDA, and on CUDA "
+                         f"nothing enforces a budget (use 'process')")
     if kind == "process":
         with _other_process(device, budget_bytes) as left:
             yield Squeezed(kind, left, None, False, "a real OOM (another process holds the rest of the card)")
-    elif kind == "fraction":
-        with _fraction(device, budget_bytes) as cap:
-            yield Squeezed(kind, cap, None, False, "a real OOM (the allocator's per-process fraction)")
     else:
-        cuda = device.type == "cuda"
         try:
-            yield Squeezed(kind, budget_bytes, budget_bytes, not cuda,
-                           "only the allocator peak (nothing enforces a budget on CUDA)" if cuda
-                           else "an emulated OOM (the tracked counter)")
+            yield Squeezed(kind, budget_bytes, budget_bytes, True, "an emulated OOM (the tracked counter)")
         finally:
             release(device)

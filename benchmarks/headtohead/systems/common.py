@@ -75,7 +75,8 @@ def finder_cost(result: RunResult, recorder: Recorder, budget: Any) -> None:
     result.find_ooms = sum(1 for t in budget.oom_times if t < final_start) if budget.oom_times else failed_attempts
 
 
-def pair_loss(recorder: Recorder, device: torch.device) -> Callable[[nn.Module, Batch], tuple[torch.Tensor, torch.Tensor]]:
+def pair_loss(recorder: Recorder,
+              device: torch.device) -> Callable[[nn.Module, Batch], tuple[torch.Tensor, torch.Tensor]]:
     """``(loss_sum, count)`` of a micro-batch, recording its sample ids: what autoaccum's loss_fn takes
     (token-exact: the step is divided once by all its items). On CPU the micro-batch is copied, as the
     peers' loaders copy theirs (a slice of the data is a view and would cost the emulated device nothing)."""

@@ -4,9 +4,11 @@ workload's memory saver (checkpointing on, where one sample does not fit without
 from __future__ import annotations
 
 import copy
+from functools import partial
 from typing import Any
 
 import torch
+from common import hand_step, micro_batches
 
 from autoaccum.memory.savers import apply_saver
 
@@ -17,7 +19,8 @@ from .common import mean_loss
 
 
 def run(ctx: Context, recorder: Recorder, budget: Any) -> RunResult:
-    """nanoGPT-style: ``loss / accum_steps``; a fixed micro-batch chosen by an informed user."""
+    """The hand-written step with nanoGPT's ``loss / accum_steps``; a fixed micro-batch chosen by an informed
+    user."""
     target = ctx.workload.target_batch
     micro = max(m for m in (2 ** k for k in range(20)) if m <= ctx.truly_fits and target % m == 0)
     accum = target // micro
@@ -33,14 +36,10 @@ def run(ctx: Context, recorder: Recorder, budget: Any) -> RunResult:
     try:
         with budget, apply_saver(model, ctx.workload.saver):
             for step in range(ctx.steps):
-                for a in range(accum):
-                    start = step * target + a * micro
-                    loss = loss_fn(model, on_device(slice_batch(ctx.data, start, start + micro),
-                                                    ctx.device)) / accum
-                    loss.backward()
-                    del loss
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                hand_step(model, optimizer, micro_batches(slice_batch(ctx.data, step * target, (step + 1) * target),
+                                                          micro), loss_fn, divide="accum_steps",
+                          prepare=partial(on_device, device=ctx.device))
+            optimizer.zero_grad(set_to_none=True)
     except torch.OutOfMemoryError as exc:
         result.error = f"crashed: {type(exc).__name__}: {str(exc)[:60]}"
     result.notes.append(f"micro {micro} x accum {accum} fixed (largest power of two that fits and divides "

@@ -6,8 +6,8 @@ alternating in one process.
   does; on a CPU the training runs under fit's own emulated budget of that size, so an OOM in training
   would be real.
 - ``hand``: what a user would configure by hand: the workload's saver on (``apply_saver``), the largest
-  micro-batch whose steps fit with the probe's headroom kept free (brute force on fresh models), and a plain
-  accumulation loop at that micro-batch (each micro-batch's loss sum over the step's token count).
+  micro-batch whose steps fit with the probe's headroom kept free (brute force on fresh models), and the
+  benchmarks' hand-written loop at that micro-batch (``common.hand_step``: token-exact).
 
 Rounds alternate which of the two goes first. Both are timed by the same ``Recorder`` (optimizer steps
 after the first), and both are compared with the same full-batch reference.
@@ -18,16 +18,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
-import io
-import logging
 import statistics
 import time
-import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import torch
-from common import HEADROOM_KEPT
+from common import HEADROOM_KEPT, hand_step, micro_batches, quiet
 
 import autoaccum
 from autoaccum.memory.savers import apply_saver
@@ -43,20 +39,6 @@ from .workloads import make_optimizer, slice_batch
 
 #: the name a child process is started with to run this comparison (``compare.py --child``)
 PAIR = "fit_vs_hand"
-
-
-@contextlib.contextmanager
-def quiet() -> Iterator[None]:
-    """autoaccum's plan changes (they are in the notes), warnings and printing held back during a run."""
-    logger = logging.getLogger("autoaccum")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        logger.setLevel(level)
 
 
 def _start(ctx: Context, recorder: Recorder) -> tuple[Any, Any]:
@@ -93,21 +75,16 @@ def run_fit(ctx: Context, recorder: Recorder, budget: Any) -> RunResult:
 
 
 def run_hand(ctx: Context, recorder: Recorder, budget: Any, micro: int) -> RunResult:
-    """A plain accumulation loop at ``micro`` on the workload's saver, token-exact, under ``budget``."""
+    """The hand-written loop at ``micro`` on the workload's saver, token-exact, under ``budget``."""
     model, optimizer = _start(ctx, recorder)
     target = ctx.workload.target_batch
     loss = pair_loss(recorder, ctx.device)
     budget.track(model, optimizer)
     with budget, apply_saver(model, ctx.workload.saver):
         for step in range(ctx.steps):
-            first, end = step * target, (step + 1) * target
-            count = ctx.data["labels"][first:end].ne(-100).sum()  # the step's tokens: its loss is their mean
-            for start in range(first, end, micro):
-                total, _ = loss(model, slice_batch(ctx.data, start, min(start + micro, end)))
-                (total / count).backward()
-                del total
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            hand_step(model, optimizer, micro_batches(slice_batch(ctx.data, step * target, (step + 1) * target),
+                                                      micro), loss)
+        optimizer.zero_grad(set_to_none=True)
     return RunResult(micro_batch=micro, find_steps=0, find_time_s=0.0, find_ooms=0, model=model,
                      saver=ctx.workload.saver)
 
@@ -144,27 +121,22 @@ def measure(ctx: Context, rounds: int) -> dict[str, Any]:
             with quiet():
                 row = summarise(_timed(ctx, variant, micro), ref, ctx.base, ctx.workload.target_batch)
             runs[variant].append(row)
-    ratios = [f["samples_per_s"] / h["samples_per_s"] for f, h in zip(runs["fit"], runs["hand"], strict=True)
-              if f["samples_per_s"] and h["samples_per_s"]]
-    cpu_ratios = [f["samples_per_cpu_s"] / h["samples_per_cpu_s"]
-                  for f, h in zip(runs["fit"], runs["hand"], strict=True)
-                  if f["samples_per_cpu_s"] and h["samples_per_cpu_s"]]
 
-    def median(variant: str, key: str) -> float | None:
-        values = [r[key] for r in runs[variant] if r[key] is not None]
+    def paired(key: str) -> list[float]:  # fit / hand, round by round
+        return [f[key] / h[key] for f, h in zip(runs["fit"], runs["hand"], strict=True) if f[key] and h[key]]
+
+    def of(variant: str, key: str) -> list[Any]:
+        return [r[key] for r in runs[variant] if r[key] is not None]
+
+    def median(values: list[float]) -> float | None:
         return statistics.median(values) if values else None
 
+    wall, cpu = paired("samples_per_s"), paired("samples_per_cpu_s")
     return {
         "rounds": rounds, "headroom_kept": HEADROOM_KEPT, "hand_micro": micro, "hand_brute_force_sizes_tried": tried,
         "hand_brute_force_s": brute_s, "runs": runs,
-        "fit_samples_per_s": median("fit", "samples_per_s"), "hand_samples_per_s": median("hand", "samples_per_s"),
-        "fit_samples_per_cpu_s": median("fit", "samples_per_cpu_s"),
-        "hand_samples_per_cpu_s": median("hand", "samples_per_cpu_s"),
-        "ratio_median": statistics.median(ratios) if ratios else None, "ratios": ratios,
-        "cpu_ratio_median": statistics.median(cpu_ratios) if cpu_ratios else None, "cpu_ratios": cpu_ratios,
+        **{f"{v}_{key}": median(of(v, key)) for v in ("fit", "hand") for key in ("samples_per_s", "samples_per_cpu_s")},
+        "ratio_median": median(wall), "ratios": wall, "cpu_ratio_median": median(cpu), "cpu_ratios": cpu,
         "fit_train_ooms": sum(r["train_ooms"] or 0 for r in runs["fit"]),
-        "fit_max_rel_diff": max((r["max_rel_diff"] for r in runs["fit"] if r["max_rel_diff"] is not None),
-                                default=None),
-        "hand_max_rel_diff": max((r["max_rel_diff"] for r in runs["hand"] if r["max_rel_diff"] is not None),
-                                 default=None),
+        **{f"{v}_max_rel_diff": max(of(v, "max_rel_diff"), default=None) for v in ("fit", "hand")},
     }
