@@ -328,6 +328,17 @@ def _measure(task: Task, optimizer: Any, precision: Precision, budget_bytes: int
         return measured
 
 
+def _weights_copy(model: torch.nn.Module, meter: Any, device: torch.device) -> tuple[WeightsCopy, int]:
+    """The weights copied on the device, inside the meter (it counts against the budget as it would on the
+    device), and its bytes."""
+    before = meter.read().current_bytes
+    weights_copy, failed = catch_oom(WeightsCopy, model)
+    if failed or weights_copy is None:  # the room was not there after all (fragmentation, another process)
+        release_memory(device)
+        raise HostSnapshotNeeded("no device memory for the weights' copy")
+    return weights_copy, meter.read().current_bytes - before
+
+
 def _measure_once(task: Task, optimizer: Any, precision: Precision, budget_bytes: int, headroom: float, *,
                   copy_weights: bool, estimate: bool, share: int, smallest: int, upper: int, passes: int,
                   max_candidates: int, profile: LengthProfile | None, saver: str,
@@ -358,14 +369,7 @@ def _measure_once(task: Task, optimizer: Any, precision: Precision, budget_bytes
             if isinstance(meter, TrackedMemory):
                 meter.track(run_model, run_optimizer)
             with meter, apply_saver(run_model, saver):
-                copy_bytes = 0
-                if copy_weights:  # inside the meter: it counts against the budget as it would on the device
-                    before = meter.read().current_bytes
-                    weights_copy, failed = catch_oom(WeightsCopy, task.model)
-                    if failed:  # the room was not there after all (fragmentation, another process): from the host
-                        release_memory(device)
-                        raise HostSnapshotNeeded("no device memory for the weights' copy")
-                    copy_bytes = meter.read().current_bytes - before
+                weights_copy, copy_bytes = _weights_copy(task.model, meter, device) if copy_weights else (None, 0)
                 stepper = Stepper(run_model, run_optimizer, task.loss_fn, task.batch, device, meter, usable,
                                   share=share, passes=passes, autocast_dtype=autocast_dtype(precision),
                                   scaler=None if estimate else make_scaler(precision, device), own_inputs=estimate,

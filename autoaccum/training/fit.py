@@ -206,21 +206,7 @@ def _fit(model: torch.nn.Module, data: Any, target_batch: int, loss_fn: LossFn |
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_lambda(cfg.lr.warmup_steps)) \
         if cfg.lr.warmup_steps else None
     scaler = make_scaler(cfg.memory.precision, dev)
-    # the module itself, not a DDP wrapper: each rank measures on its own, with no collective
-    # the probe's passes also read the labels' range (one device synchronisation each: before training only)
-    task = Task(model=inner, loss_fn=DefaultLoss(check_range=True) if loss_fn is default_loss else loss_fn,
-                make_batch=batches.sample_at if batches.by_length else batches.sample,
-                name="fit")
-    lengths = batches.lengths() if batches.by_length else None
-    start_plan, plan_source, report = choose_plan(
-        saved=None if state is None else state["guard"], given=cfg.memory.plan, micro_batch=None,
-        target_batch=target_batch, sync=sync, model=inner, precision=cfg.memory.precision,
-        probe=lambda: probe(task, optimizer=optimizer, target_batch=target_batch, world_size=sync.world_size,
-                            budget=cfg.memory.budget, headroom=cfg.memory.headroom, precision=cfg.memory.precision,
-                            cache=cfg.memory.probe_cache, lengths=None if lengths is None else lengths[0],
-                            lengths_source="" if lengths is None else lengths[2],
-                            memory_savers=cfg.memory.memory_savers,
-                            progress=cfg.output.progress and cfg.output.verbose and sync.rank == 0))
+    start_plan, plan_source, report = _start_plan(inner, optimizer, loss_fn, batches, target_batch, cfg, sync, state)
     cut = TokenCut() if batches.by_length else SampleCut()
     # growth after an OOM reads the probe's memory model (a given probe report's too) and plans with its headroom
     given_model = getattr(cfg.memory.plan, "model", None)
@@ -248,15 +234,7 @@ def _fit(model: torch.nn.Module, data: Any, target_batch: int, loss_fn: LossFn |
         if meter is not None:
             meter.close()
             meter = None
-        result = FitResult(
-            plan=start_plan, final_plan=guard.plan, plan_source=plan_source, plan_changes=tuple(guard.changes),
-            optimizer_steps=position.steps, samples_seen=position.samples, oom_events=guard.ooms,
-            eval_ooms=summary["eval_ooms"], final_loss=position.last_loss, losses=tuple(position.losses),
-            eval_loss=summary["eval_loss"], lr=run_lr, samples_per_s=summary["samples_per_s"],
-            peak_bytes=summary["peak_bytes"], wall_time_s=time.perf_counter() - started,
-            probe_time_s=0.0 if report is None else report.wall_time_s, probe=report,
-            micro_steps=tuple(summary["micro_steps"]), skipped_steps=position.skipped,
-        )
+        result = _result(run, summary, start_plan, plan_source, report, started)
         reporter.end(result)  # the callbacks' on_end, while a W&B or MLflow run of this fit is still open
         failed = False
     finally:
@@ -264,6 +242,41 @@ def _fit(model: torch.nn.Module, data: Any, target_batch: int, loss_fn: LossFn |
             meter.close()
         progress.close(failed)
     return result
+
+
+def _start_plan(inner: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, batches: GlobalBatches,
+                target_batch: int, cfg: FitConfig, sync: Any, state: dict[str, Any] | None
+                ) -> tuple[Plan, str, ProbeReport | None]:
+    """The plan the run starts with (``choose_plan``: the checkpoint's, the one given, or the probe's)."""
+    # the module itself, not a DDP wrapper: each rank measures on its own, with no collective
+    # the probe's passes also read the labels' range (one device synchronisation each: before training only)
+    task = Task(model=inner, loss_fn=DefaultLoss(check_range=True) if loss_fn is default_loss else loss_fn,
+                make_batch=batches.sample_at if batches.by_length else batches.sample,
+                name="fit")
+    lengths = batches.lengths() if batches.by_length else None
+    return choose_plan(
+        saved=None if state is None else state["guard"], given=cfg.memory.plan, micro_batch=None,
+        target_batch=target_batch, sync=sync, model=inner, precision=cfg.memory.precision,
+        probe=lambda: probe(task, optimizer=optimizer, target_batch=target_batch, world_size=sync.world_size,
+                            budget=cfg.memory.budget, headroom=cfg.memory.headroom, precision=cfg.memory.precision,
+                            cache=cfg.memory.probe_cache, lengths=None if lengths is None else lengths[0],
+                            lengths_source="" if lengths is None else lengths[2],
+                            memory_savers=cfg.memory.memory_savers,
+                            progress=cfg.output.progress and cfg.output.verbose and sync.rank == 0))
+
+
+def _result(run: Run, summary: dict[str, Any], start_plan: Plan, plan_source: str, report: ProbeReport | None,
+            started: float) -> FitResult:
+    guard, position = run.guard, run.position
+    return FitResult(
+        plan=start_plan, final_plan=guard.plan, plan_source=plan_source, plan_changes=tuple(guard.changes),
+        optimizer_steps=position.steps, samples_seen=position.samples, oom_events=guard.ooms,
+        eval_ooms=summary["eval_ooms"], final_loss=position.last_loss, losses=tuple(position.losses),
+        eval_loss=summary["eval_loss"], lr=run.lr, samples_per_s=summary["samples_per_s"],
+        peak_bytes=summary["peak_bytes"], wall_time_s=time.perf_counter() - started,
+        probe_time_s=0.0 if report is None else report.wall_time_s, probe=report,
+        micro_steps=tuple(summary["micro_steps"]), skipped_steps=position.skipped,
+    )
 
 
 def _check_call(data: Any, target_batch: Any, loss_fn: Any) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,35 +52,53 @@ class Run:
     position: RunPosition
 
 
+@dataclass
+class _Tally:
+    """What the loop adds up over the run's steps (for its summary)."""
+
+    first_samples: int
+    train_time: float = 0.0
+    peak: int | None = None
+    skipped_streak: int = 0
+    micro_steps: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Evaluation:
+    """Evaluation on ``eval_batches`` (at ``eval_every`` and at the end), its micro-batch carried from one
+    to the next: no activations are kept for backward, so it usually fits twice the training's."""
+
+    run: Run
+    batches: GlobalBatches
+    budget: TrackedMemory | None
+    micro: int
+    loss: float | None = None
+    ooms: int = 0
+    at: int | None = None  # the step last evaluated after
+
+    def __call__(self, progress: Progress) -> float:
+        # the emulated device counts each attempt's forwards, not the host's drawing of the eval batches
+        guard = self.run.guard
+        result = evaluate(self.run.model, self.batches, self.run.loss_fn, self.micro, sync=self.run.sync,
+                          device=self.run.device, autocast_dtype=guard.autocast_dtype, cut=guard.cut,
+                          budget=self.budget)
+        self.loss, self.micro, self.ooms, self.at = result.loss, result.micro_batch, self.ooms + result.ooms, \
+            self.run.position.steps
+        progress.say(f"step {self.at}: eval loss {self.loss:.4g}")
+        return self.loss
+
+
 def train(run: Run, batches: GlobalBatches, eval_batches: GlobalBatches | None, progress: Progress,
-           meter: Meter | None) -> dict[str, Any]:
+          meter: Meter | None) -> dict[str, Any]:
     """The loop: epochs of global batches, each one guarded optimizer step; evaluation and checkpoints."""
     pos, cfg, guard = run.position, run.config, run.guard
-    first_samples, train_time, peak, skipped_streak = pos.samples, 0.0, None, 0
-    micro_steps: list[int] = []
-    eval_micro = 2 * guard.plan.micro_batch  # no activations are kept for backward: usually fits twice as many
-    eval_loss, eval_ooms, evaluated_at = None, 0, None
-    epochs, max_steps = cfg.stop.epochs, cfg.stop.max_steps
+    tally = _Tally(pos.samples)
+    evaluation = None if eval_batches is None else _Evaluation(
+        run, eval_batches, meter if isinstance(meter, TrackedMemory) else None, 2 * guard.plan.micro_batch)
+    epochs, max_steps, eval_every = cfg.stop.epochs, cfg.stop.max_steps, cfg.output.eval_every
     # Under an emulated budget the meter is entered around each step and evaluation attempt only: a real
     # device holds the micro-batches it is sent (the guard copies them in), not the host's batches.
     device_region = meter if meter is not None else contextlib.nullcontext()
-
-    def run_eval() -> float:
-        nonlocal eval_loss, eval_micro, eval_ooms, evaluated_at
-        # the emulated device counts each attempt's forwards, not the host's drawing of the eval batches
-        result = evaluate(run.model, eval_batches, run.loss_fn, eval_micro, sync=run.sync,  # type: ignore[arg-type]
-                          device=run.device, autocast_dtype=guard.autocast_dtype, cut=guard.cut,
-                          budget=meter if isinstance(meter, TrackedMemory) else None)
-        eval_loss, eval_micro, eval_ooms, evaluated_at = result.loss, result.micro_batch, eval_ooms + result.ooms, \
-            pos.steps
-        progress.say(f"step {pos.steps}: eval loss {eval_loss:.4g}")
-        return eval_loss
-
-    def save() -> None:
-        save_run(run.ckpt_dir, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler, scaler=run.scaler,
-                 guard=guard, position=pos, seed=cfg.data.seed, target_batch=run.target_batch, lr=run.lr,
-                 rank=run.sync.rank)
-
     done = max_steps is not None and pos.steps >= max_steps
     while not done and (epochs is None or pos.epoch < epochs):
         fresh_epoch, drawn = pos.index == 0, False
@@ -91,24 +109,12 @@ def train(run: Run, batches: GlobalBatches, eval_batches: GlobalBatches | None, 
                     result = guard.step(rb.batch, run.loss_fn, partial=rb.partial or rb.global_size < run.target_batch)
             except NonFiniteError as exc:
                 raise _stopped(exc, run, pos, rb.index) from None
-            pos.steps += 1
-            pos.skipped += result.skipped
-            pos.samples += result.num_samples
-            pos.index = rb.index + 1
-            train_time += result.step_time_s
-            skipped_streak = _check_step(result, run, pos, skipped_streak)
-            pos.losses.append(result.loss)
-            pos.last_loss = result.loss
-            micro_steps.append(result.micro_steps)
-            if result.peak_bytes is not None:
-                peak = max(peak or 0, result.peak_bytes)
-            record = _record(result, pos)
-            if (eval_batches is not None and cfg.output.eval_every is not None
-                    and pos.steps % cfg.output.eval_every == 0):
-                record["eval_loss"] = run_eval()  # in the step's metrics: each step reported once
+            record = _count(result, run, pos, tally, rb.index)
+            if evaluation is not None and eval_every is not None and pos.steps % eval_every == 0:
+                record["eval_loss"] = evaluation(progress)  # in the step's metrics: each step reported once
             progress.step(record, result.plan)
             if cfg.checkpoint.every is not None and pos.steps % cfg.checkpoint.every == 0:
-                save()
+                _save(run)
             if max_steps is not None and pos.steps >= max_steps:
                 done = True
                 break
@@ -119,18 +125,47 @@ def train(run: Run, batches: GlobalBatches, eval_batches: GlobalBatches | None, 
                                "stopping after %d steps", pos.epoch, pos.steps)
                 break
             pos.epoch, pos.index = pos.epoch + 1, 0
-    if eval_batches is not None and evaluated_at != pos.steps:  # the end, unless just evaluated
-        progress.evaluated(pos.steps, run_eval())
-    save()
+    if evaluation is not None and evaluation.at != pos.steps:  # the end, unless just evaluated
+        progress.evaluated(pos.steps, evaluation(progress))
+    _save(run)
+    return _summary(run, tally, evaluation, progress)
+
+
+def _count(result: StepResult, run: Run, pos: RunPosition, tally: _Tally, batch_index: int) -> dict[str, Any]:
+    """A step done: the run's position and tally moved on; the step's line of the metrics file."""
+    pos.steps += 1
+    pos.skipped += result.skipped
+    pos.samples += result.num_samples
+    pos.index = batch_index + 1
+    tally.train_time += result.step_time_s
+    tally.skipped_streak = _check_step(result, run, pos, tally.skipped_streak)
+    pos.losses.append(result.loss)
+    pos.last_loss = result.loss
+    tally.micro_steps.append(result.micro_steps)
+    if result.peak_bytes is not None:
+        tally.peak = max(tally.peak or 0, result.peak_bytes)
+    return _record(result, pos)
+
+
+def _save(run: Run) -> None:
+    save_run(run.ckpt_dir, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler, scaler=run.scaler,
+             guard=run.guard, position=run.position, seed=run.config.data.seed, target_batch=run.target_batch,
+             lr=run.lr, rank=run.sync.rank)
+
+
+def _summary(run: Run, tally: _Tally, evaluation: _Evaluation | None, progress: Progress) -> dict[str, Any]:
+    """The run's last line and the figures ``fit``'s result takes from the loop."""
+    pos, guard = run.position, run.guard
     if pos.last_loss is None:
         raise AutoAccumError("no optimizer step ran: the data yielded no batch")
-    rate = (pos.samples - first_samples) / train_time if train_time > 0 else 0.0
+    rate = (pos.samples - tally.first_samples) / tally.train_time if tally.train_time > 0 else 0.0
+    eval_loss = None if evaluation is None else evaluation.loss
     progress.say(f"autoaccum fit done · {counted(pos.steps, 'step')}, {counted(pos.samples, 'sample')} · final loss "
                  f"{pos.last_loss:.4g}" + ("" if eval_loss is None else f" · eval loss {eval_loss:.4g}")
                  + f" · {rate:,.0f} samples/s · {counted(guard.ooms, 'OOM')} recovered · {guard.plan.describe()}"
-                 + ("" if peak is None else f" · peak {format_bytes(peak)}"))
-    return {"eval_loss": eval_loss, "eval_ooms": eval_ooms, "samples_per_s": rate, "peak_bytes": peak,
-            "micro_steps": micro_steps}
+                 + ("" if tally.peak is None else f" · peak {format_bytes(tally.peak)}"))
+    return {"eval_loss": eval_loss, "eval_ooms": 0 if evaluation is None else evaluation.ooms,
+            "samples_per_s": rate, "peak_bytes": tally.peak, "micro_steps": tally.micro_steps}
 
 
 def _stopped(exc: NonFiniteError, run: Run, pos: RunPosition, batch_index: int) -> NonFiniteError:
