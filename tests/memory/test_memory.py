@@ -322,8 +322,8 @@ def test_other_libraries_take_the_emulated_oom_for_a_real_one():
 
 
 def test_the_default_cuda_budget_respects_the_per_process_memory_fraction(monkeypatch):
-    """A process capped with torch.cuda.set_per_process_memory_fraction was planned for the whole card
-    (issue 16). The allocator's numbers are stubbed: the rule is arithmetic, testable without a GPU."""
+    """A process capped with torch.cuda.set_per_process_memory_fraction was planned for the whole card.
+    The allocator's numbers are stubbed: the rule is arithmetic, testable without a GPU."""
     import autoaccum.memory.capacity as capacity
 
     gib = 2**30

@@ -124,7 +124,7 @@ def _lm_batch(b: int) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.gpu
 def test_an_attention_models_estimate_on_fake_cuda_matches_the_card():
     """bf16 autocast, 1024 tokens: the estimate on fake cuda tensors against the allocated peaks the card
-    measures at every size the real probe measured, to issue 40's goal (median error <= 5%, worst <= 10%);
+    measures at every size the real probe measured, to the estimate's goal (median error <= 5%, worst <= 10%);
     on fake cpu (SDPA's math path, as before) it is far above (negative control: the estimate was not simply
     on cpu)."""
     torch.manual_seed(0)

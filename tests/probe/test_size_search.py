@@ -11,8 +11,9 @@ from autoaccum.probe.size_search import LIMIT_TOLERANCE, _next_size, fit_sizes, 
 
 MIB = 2**20
 
-# The 134M MLP (4096 -> 4096 x 8 -> 10) probed on an H200 under a 4 GiB budget (benchmarks/real_gpu.py
-# --models mlp, 2026-11-26): (micro-batch, forward/backward peak). The CUDA allocator rounds blocks to
+# The 134M MLP (4096 -> 4096 x 8 -> 10) probed on an H200 under a 4 GiB budget (benchmarks/real_gpu.py at
+# commit 7e4e770, --models mlp, 2026-11-26; that row has since left the benchmark): (micro-batch,
+# forward/backward peak). The CUDA allocator rounds blocks to
 # 2 MiB, so the peaks of 8773, 8783 and 8804 are the same bytes though ~160 KB a sample is real.
 H200_MLP = [(1, 2284113408), (24, 2287881728), (192, 2315407872), (1536, 2585951744), (6364, 3470988800),
             (8467, 3809662976), (8697, 3848494592), (8804, 3869467136), (8783, 3869467136), (8773, 3869467136),
