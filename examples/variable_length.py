@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import autoaccum
-from autoaccum.cli import TinyGPT
+from autoaccum.demo import TinyGPT
 
 VOCAB, LONGEST, PAD = 128, 192, 0
 
