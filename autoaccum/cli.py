@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from autoaccum.errors import DoesNotFitError
+from autoaccum.memory.savers import describe_saver
 from autoaccum.plan.task import Task, load_task
 from autoaccum.precision import PRECISIONS
 from autoaccum.probe.choice import plan_step_times
@@ -165,7 +166,7 @@ def format_probe(report: ProbeReport) -> str:
     plan = report.plan
     for saver, needed in report.savers_tried:
         lines.append(f"micro-batch {plan.min_micro_batch} did not fit "
-                     f"{'without a memory saver' if saver == 'none' else f'with {saver}'} (needs "
+                     f"{'without a memory saver' if saver == 'none' else f'with {describe_saver(saver)}'} (needs "
                      f"{'?' if needed is None else 'at least ' + format_bytes(needed)}); measured again with the next "
                      f"memory saver")
     # the plan is cut evenly from the size it was chosen at: the smallest measured size that covers it

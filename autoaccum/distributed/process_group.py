@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from autoaccum.distributed.settle import settled
-from autoaccum.memory.savers import SAVERS, saver_index
+from autoaccum.memory.savers import saver_code, saver_from_code
 from autoaccum.plan.plan import Plan
 
 if dist.is_available():
@@ -179,14 +179,14 @@ def broadcast_plan(plan: Plan | None, group: Any = None) -> Plan:
         values = [big] * 7  # no opinion: MIN ignores it
     else:
         values = [plan.micro_batch, plan.target_batch, -plan.target_batch, plan.world_size, -plan.world_size,
-                  -plan.min_micro_batch, -saver_index(plan.saver)]
+                  -plan.min_micro_batch, -saver_code(plan.saver)]
     micro, target_min, neg_target_max, world_min, neg_world_max, neg_smallest, neg_saver = _all_reduce(
         torch.tensor(values, dtype=torch.int64), dist.ReduceOp.MIN, group).tolist()
     if target_min != -neg_target_max or world_min != -neg_world_max:
         raise ValueError(f"the ranks' plans disagree: target_batch {target_min}..{-neg_target_max}, world_size "
                          f"{world_min}..{-neg_world_max}; every rank must plan the same target_batch and world_size")
     smallest = -neg_smallest  # the largest of the ranks' smallest micro-batches: every rank can train at it
-    saver = SAVERS[-neg_saver]  # the highest saver any rank needs
+    saver = saver_from_code(-neg_saver)  # the highest saver any rank needs
     if plan is not None and (plan.micro_batch, plan.min_micro_batch, plan.saver) == (micro, smallest, saver):
         return plan
     # the smallest micro-batch wins (never below what every rank can train at), with the highest saver

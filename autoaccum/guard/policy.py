@@ -30,7 +30,7 @@ from autoaccum.guard.growth import FailedGrowth, GrowMode, Rise, StepStart, fits
 from autoaccum.log import rank_level
 from autoaccum.memory import MemoryReading, Meter
 from autoaccum.memory.model import MemoryModel
-from autoaccum.memory.savers import next_saver, saver_index
+from autoaccum.memory.savers import describe_saver, next_saver, saver_rank
 from autoaccum.plan.batchnorm import warn_batchnorm
 from autoaccum.plan.plan import Plan
 
@@ -72,7 +72,8 @@ class PlanChange:
         what = {"oom": f"OOM in {self.where}", "thrash": f"allocator retries rising{where}",
                 "grow": f"no OOM for a while{where}"}[self.reason]
         old, new = self.old, self.new
-        saver = f", memory saver {old.saver} -> {new.saver}" if old.saver != new.saver else ""
+        saver = f", memory saver {describe_saver(old.saver)} -> {describe_saver(new.saver)}" \
+            if old.saver != new.saver else ""
         if old.tokens is not None and new.tokens is not None:
             cut = new.length_words() if old.length_words() == new.length_words() else \
                 f"{old.length_words().split(';')[0]} -> {new.length_words()}"
@@ -85,7 +86,7 @@ class PlanChange:
     @property
     def stepped_down(self) -> bool:
         """The change stepped a memory saver down (after calm steps at the smallest micro-batch)."""
-        return saver_index(self.new.saver) < saver_index(self.old.saver)
+        return saver_rank(self.new.saver) < saver_rank(self.old.saver)
 
 
 def shrunk_plan(plan: Plan, floor: int | None = None) -> Plan:
@@ -314,7 +315,7 @@ class PlanPolicy:
     def _step_down(self, step: int) -> list[PlanChange]:
         """Calm steps at the smallest micro-batch on a memory saver: one saver down (the memory taken by
         another process may have come back); an OOM there turns to the next saver again."""
-        lower = [s for s in self.savers if saver_index(s) < saver_index(self.plan.saver)]
+        lower = [s for s in self.savers if saver_rank(s) < saver_rank(self.plan.saver)]
         if not lower:
             return []
         old, calm = self.plan, self.calm

@@ -4,9 +4,17 @@ Taken cheapest first, each adds to the one before and changes nothing but memory
 (invariant 8):
 
 - ``"none"``: the step as written;
-- ``"checkpointing"``: the model's blocks recompute their activations in backward instead of keeping
-  them. Through the model's own switch where it has one (Hugging Face's
-  ``gradient_checkpointing_enable``), else every block of its first ``nn.ModuleList`` under
+- ``"checkpointing:k/N"`` (``k`` of the ``N`` blocks of the model's first ``nn.ModuleList``, for ``k``
+  = 1, 2, 4, ... below ``N``): the first ``k`` blocks recompute their activations in backward instead
+  of keeping them. The first, because backward reaches them last: by the time one is recomputed, the
+  activations of every later block have been freed, so the recomputation adds nothing to the step's
+  peak (checkpointing the last blocks would recompute one block's activations beside all the others').
+  The counts double so that the probe and the guard need at most ``log2(N)`` tries to find how many
+  blocks a step needs, not ``N``;
+- ``"checkpointing"``: every block recomputes its activations in backward. Through the model's own
+  switch where it has one (Hugging Face's ``gradient_checkpointing_enable``, all or nothing: its blocks
+  are not wrapped one by one, because a layer that updates a key/value cache in its forward would
+  update it again in the recomputation), else every block of its first ``nn.ModuleList`` under
   non-reentrant ``torch.utils.checkpoint``. Dropout draws the same masks in the recomputation (the RNG
   state is kept for it), and the buffers a forward updates (BatchNorm running statistics) are put back
   after the recomputation, so they are updated once per forward, not twice;
@@ -20,6 +28,7 @@ A further saver that stays exact (optimizer state or parameters offloaded with F
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, get_args
 
@@ -30,7 +39,8 @@ from autoaccum.modules import is_compiled, unwrap
 from autoaccum.state import capture_buffers, restore_buffers, state_buffers
 
 __all__ = ["SAVERS", "MemorySaver", "MemorySavers", "allowed_savers", "apply_saver", "check_memory_savers",
-           "checkpoint_layers", "has_own_switch", "next_saver", "saver_index", "suggestions"]
+           "check_saver", "checkpoint_layers", "describe_saver", "has_own_switch", "next_saver", "partial_blocks",
+           "saver_code", "saver_from_code", "saver_rank", "suggestions"]
 
 #: the memory savers, cheapest first (the order they are taken in)
 MemorySaver = Literal["none", "checkpointing", "offload"]
@@ -39,8 +49,52 @@ SAVERS: tuple[MemorySaver, ...] = get_args(MemorySaver)
 MemorySavers = Literal["auto", "off"] | Sequence[MemorySaver]
 
 
-def saver_index(saver: str) -> int:
-    return SAVERS.index(saver)  # type: ignore[arg-type]
+_PARTIAL = re.compile(r"checkpointing:(\d+)/(\d+)")
+
+
+def partial_blocks(saver: str) -> tuple[int, int] | None:
+    """``(k, N)`` for ``"checkpointing:k/N"``; None for the other savers."""
+    match = _PARTIAL.fullmatch(saver)
+    return None if match is None else (int(match.group(1)), int(match.group(2)))
+
+
+def check_saver(saver: Any) -> str:
+    """``saver`` if it names a memory saver (one of ``SAVERS``, or ``"checkpointing:k/N"`` with 1 <= k < N).
+
+    Raises:
+        ValueError: it names none.
+    """
+    blocks = partial_blocks(saver) if isinstance(saver, str) else None
+    if saver in SAVERS or (blocks is not None and 1 <= blocks[0] < blocks[1]):
+        return saver
+    raise ValueError(f"Invalid saver: {saver!r}. Allowed: {', '.join(SAVERS)}, or 'checkpointing:k/N' "
+                     f"(the first k of N blocks, 1 <= k < N)")
+
+
+def saver_rank(saver: str) -> float:
+    """Where ``saver`` stands among the savers, cheapest first: ``none`` 0, ``k`` of ``N`` blocks ``k/N``,
+    ``checkpointing`` 1, ``offload`` 2."""
+    blocks = partial_blocks(saver)
+    return blocks[0] / blocks[1] if blocks is not None else float(SAVERS.index(saver))  # type: ignore[arg-type]
+
+
+def saver_code(saver: str) -> int:
+    """``saver`` as one integer that orders as ``saver_rank`` (for a MIN/MAX across ranks, whose models
+    have the same blocks); ``saver_from_code`` reads it back."""
+    blocks = partial_blocks(saver)
+    return (blocks[0] << 20 | blocks[1]) if blocks is not None else SAVERS.index(saver) << 40  # type: ignore[arg-type]
+
+
+def saver_from_code(code: int) -> str:
+    if 0 < code < 1 << 40:
+        return f"checkpointing:{code >> 20}/{code & ((1 << 20) - 1)}"
+    return SAVERS[code >> 40]
+
+
+def describe_saver(saver: str) -> str:
+    """In words: ``checkpointing 2 of 8 blocks``, ``checkpointing``, ``offload``."""
+    blocks = partial_blocks(saver)
+    return saver if blocks is None else f"checkpointing {blocks[0]} of {blocks[1]} blocks"
 
 
 def checkpoint_layers(model: nn.Module) -> nn.ModuleList | None:
@@ -65,7 +119,8 @@ def has_own_switch(model: nn.Module) -> bool:
 
 
 def check_memory_savers(savers: Any) -> tuple[str, ...]:
-    """The savers ``memory_savers`` allows, ``"none"`` first.
+    """The savers ``memory_savers`` allows, ``"none"`` first (``"checkpointing"`` allows checkpointing
+    some of the blocks too; a ``"checkpointing:k/N"`` allows that one).
 
     Raises:
         ValueError, TypeError: ``savers`` is not ``"auto"``, ``"off"`` or a sequence of saver names.
@@ -74,25 +129,37 @@ def check_memory_savers(savers: Any) -> tuple[str, ...]:
         if savers not in ("auto", "off"):
             raise ValueError(f"Invalid memory_savers: {savers!r}. Allowed: 'auto', 'off', or a tuple of savers "
                              f"from {SAVERS} (e.g. ('checkpointing',))")
-        wanted: tuple[str, ...] = SAVERS if savers == "auto" else ("none",)
-    elif isinstance(savers, (tuple, list)) and all(isinstance(r, str) for r in savers):
-        unknown = [r for r in savers if r not in SAVERS]
+        return SAVERS if savers == "auto" else ("none",)
+    if isinstance(savers, (tuple, list)) and all(isinstance(r, str) for r in savers):
+        unknown = []
+        for r in savers:
+            try:
+                check_saver(r)
+            except ValueError:
+                unknown.append(r)
         if unknown:
-            raise ValueError(f"Invalid memory_savers: {tuple(savers)!r}; unknown saver(s) {unknown}. Allowed: {SAVERS}")
-        wanted = ("none", *savers)
-    else:
-        raise TypeError(f"memory_savers must be 'auto', 'off' or a tuple of saver names from {SAVERS}, got {savers!r}")
-    return wanted
+            raise ValueError(f"Invalid memory_savers: {tuple(savers)!r}; unknown saver(s) {unknown}. Allowed: "
+                             f"{SAVERS}, or 'checkpointing:k/N'")
+        return ("none", *savers)
+    raise TypeError(f"memory_savers must be 'auto', 'off' or a tuple of saver names from {SAVERS}, got {savers!r}")
 
 
-def allowed_savers(model: nn.Module, device: torch.device, savers: Any = "auto") -> tuple[MemorySaver, ...]:
-    """The savers a step may turn to for ``model`` on ``device``, starting with ``"none"`` (``savers``
-    as ``check_memory_savers`` takes it)."""
+def allowed_savers(model: nn.Module, device: torch.device, savers: Any = "auto") -> tuple[str, ...]:
+    """The savers a step may turn to for ``model`` on ``device``, cheapest first, starting with ``"none"``
+    (``savers`` as ``check_memory_savers`` takes it)."""
     wanted = check_memory_savers(savers)
+    own = has_own_switch(model)
+    layers = None if own else checkpoint_layers(unwrap(model))
     # a torch.compile'd model takes no saver: dynamo cannot trace the exact checkpointing's context_fn
-    blocks = not is_compiled(model) and (has_own_switch(model) or checkpoint_layers(unwrap(model)) is not None)
-    possible = {"none": True, "checkpointing": blocks, "offload": blocks and device.type == "cuda"}
-    return tuple(r for r in SAVERS if r in wanted and possible[r])
+    blocks = not is_compiled(model) and (own or layers is not None)
+    possible: list[str] = ["none"]
+    if blocks:
+        n, k = (0, 1) if layers is None else (len(layers), 1)
+        while k < n:  # the first k of N blocks, k doubling: the fewest that fit in log2(N) tries
+            possible.append(f"checkpointing:{k}/{n}")
+            k *= 2
+        possible += ["checkpointing", "offload"] if device.type == "cuda" else ["checkpointing"]
+    return tuple(r for r in possible if r in wanted or (partial_blocks(r) is not None and "checkpointing" in wanted))
 
 
 def suggestions(savers: Sequence[str]) -> tuple[str, ...]:
@@ -106,9 +173,9 @@ def suggestions(savers: Sequence[str]) -> tuple[str, ...]:
             "more devices (FSDP)", "free memory held by other processes, or raise the budget")
 
 
-def next_saver(savers: Sequence[MemorySaver], saver: str) -> MemorySaver | None:
+def next_saver(savers: Sequence[str], saver: str) -> str | None:
     """The saver after ``saver`` in ``savers``, or None at its top."""
-    later = [r for r in savers if saver_index(r) > saver_index(saver)]
+    later = [r for r in savers if saver_rank(r) > saver_rank(saver)]
     return later[0] if later else None
 
 
@@ -129,9 +196,13 @@ def _context_fn(module: nn.Module) -> Callable[[], tuple[Any, Any]]:
 
 
 @contextlib.contextmanager
-def _checkpointed(model: nn.Module) -> Iterator[None]:
+def _checkpointed(model: nn.Module, blocks: tuple[int, int] | None = None) -> Iterator[None]:
+    """Every block checkpointed, or (``blocks``: ``(k, N)``) the first ``k`` of the ``N``."""
     inner = unwrap(model)
     switch = _switch(inner) if has_own_switch(inner) else None
+    if switch is not None and blocks is not None:
+        raise ValueError(f"{type(inner).__name__} checkpoints through its own switch (gradient_checkpointing_enable): "
+                         f"all of its blocks or none, not {blocks[0]} of {blocks[1]}; plan with 'checkpointing'")
     if switch is not None:
         enable, disable, state = switch
         if getattr(inner, state, False):  # the user's own checkpointing: kept as it is
@@ -147,11 +218,14 @@ def _checkpointed(model: nn.Module) -> Iterator[None]:
     if layers is None:
         raise ValueError(f"{type(inner).__name__} has no nn.ModuleList of blocks to checkpoint and no "
                          f"gradient_checkpointing_enable()")
+    if blocks is not None and blocks[1] != len(layers):
+        raise ValueError(f"the plan checkpoints {blocks[0]} of {blocks[1]} blocks, but {type(inner).__name__} has "
+                         f"{len(layers)}: the plan was made for another model; plan again for this one")
     from torch.utils.checkpoint import checkpoint
 
     patched: list[tuple[nn.Module, Any]] = []
     try:
-        for layer in layers:
+        for layer in layers if blocks is None else list(layers)[:blocks[0]]:
             original = layer.forward  # the bound method (or an instance attribute someone set)
 
             def forward(*args: Any, _original: Any = original, _layer: nn.Module = layer, **kwargs: Any) -> Any:
@@ -195,12 +269,11 @@ def _offloaded(model: nn.Module) -> Iterator[None]:
 
 @contextlib.contextmanager
 def apply_saver(model: nn.Module, saver: str) -> Iterator[None]:
-    """``model`` runs on ``saver`` inside the block; as it was afterwards."""
-    if saver not in SAVERS:
-        raise ValueError(f"Invalid saver: {saver!r}. Allowed: {SAVERS}")
+    """``model`` runs with ``saver`` inside the block; as it was afterwards."""
+    check_saver(saver)
     with contextlib.ExitStack() as stack:
-        if saver in ("checkpointing", "offload"):
-            stack.enter_context(_checkpointed(model))
+        if saver != "none":
+            stack.enter_context(_checkpointed(model, partial_blocks(saver)))
         if saver == "offload":
             stack.enter_context(_offloaded(model))
         yield

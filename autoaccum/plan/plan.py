@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from autoaccum.memory.savers import SAVERS
+from autoaccum.memory.savers import check_saver, describe_saver
 from autoaccum.validate import check_positive_int
 
 __all__ = ["Plan", "TokenBudget", "micro_sizes", "micro_step_count", "rank_share"]
@@ -155,8 +155,8 @@ class Plan:
             (``autoaccum.plan.cut.TokenCut``); ``micro_batch`` is then the most samples a micro-batch may
             hold (at the shortest lengths) and ``accum_steps`` the fewest micro-steps a step takes:
             how many it takes depends on the lengths of its samples.
-        saver: the memory saver a step runs on (``autoaccum.memory.savers``):
-            ``"none"``, ``"checkpointing"`` or ``"offload"``.
+        saver: the memory saver a step runs with (``autoaccum.memory.savers``): ``"none"``,
+            ``"checkpointing:k/N"`` (the first ``k`` of ``N`` blocks), ``"checkpointing"`` or ``"offload"``.
     """
 
     micro_batch: int
@@ -170,8 +170,7 @@ class Plan:
     def __post_init__(self) -> None:
         for name in ("micro_batch", "accum_steps", "world_size", "target_batch", "min_micro_batch"):
             check_positive_int(getattr(self, name), name)
-        if self.saver not in SAVERS:
-            raise ValueError(f"Invalid saver: {self.saver!r}. Allowed: {', '.join(SAVERS)}")
+        check_saver(self.saver)
         if self.micro_batch < min(self.min_micro_batch, self.rank_batch(0)):
             raise ValueError(f"Invalid micro_batch: {self.micro_batch} is below the smallest micro-batch this model "
                              f"trains at ({self.min_micro_batch}). Allowed range: {self.min_micro_batch} ~ any")
@@ -303,7 +302,7 @@ class Plan:
         length: up to 32 samples per micro-batch, 5 at the longest length (512); 2 or more
         micro-batches``. A memory saver ends it (``with checkpointing``).
         """
-        saver = "" if self.saver == "none" else f" with {self.saver}"
+        saver = "" if self.saver == "none" else f" with {describe_saver(self.saver)}"
         if self.tokens is not None:
             return f"batch {self.target_batch}{self._ranks_by_length()} cut by length: {self.length_words()}{saver}"
         return f"batch {self.target_batch} = {self.cut_sum()} ({self.count_words()}){saver}"

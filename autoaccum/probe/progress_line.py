@@ -12,6 +12,7 @@ import sys
 import time
 from typing import Any, TextIO
 
+from autoaccum.memory.savers import describe_saver
 from autoaccum.probe.report import Candidate
 
 __all__ = ["ProbeProgress"]
@@ -60,7 +61,7 @@ class ProbeProgress:
     def _show(self, now: str | None) -> None:
         if not self.on:
             return
-        head = "autoaccum probe" + ("" if self.saver == "none" else f" (with {self.saver})")
+        head = "autoaccum probe" + ("" if self.saver == "none" else f" (with {describe_saver(self.saver)})")
         tail = f" · measuring {now}" if now else ""
         tail += f" · {time.perf_counter() - self.started:.0f} s"
         width = max(shutil.get_terminal_size().columns - 1, 40)

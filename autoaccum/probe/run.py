@@ -35,7 +35,7 @@ from autoaccum.memory import (
 )
 from autoaccum.memory.model import MemoryModel, TokenMemoryModel
 from autoaccum.memory.recovery import catch_oom, release_memory
-from autoaccum.memory.savers import allowed_savers, apply_saver, suggestions
+from autoaccum.memory.savers import allowed_savers, apply_saver, describe_saver, suggestions
 from autoaccum.modules import is_compiled
 from autoaccum.plan.batch import Batch, move_to
 from autoaccum.plan.batchnorm import smallest_micro_batch
@@ -218,9 +218,9 @@ def _first_fitting(savers: tuple[str, ...], measure: Callable[[str], _Measured],
             if saver == savers[-1]:
                 raise DoesNotFitError(exc.needed_bytes, exc.available_bytes, suggestions(savers),
                                       at_least=exc.at_least, micro_batch=exc.micro_batch, savers=tried) from None
+            said = "without a memory saver" if saver == "none" else f"with {describe_saver(saver)}"
             logger.log(rank_level(logging.INFO), "probe: even micro-batch %d does not fit %s; measuring again "
-                       "with %s", exc.micro_batch, "without a memory saver" if saver == "none" else f"with {saver}",
-                       savers[savers.index(saver) + 1])
+                       "with %s", exc.micro_batch, said, describe_saver(savers[savers.index(saver) + 1]))
     raise RuntimeError("internal: no memory saver to measure with")  # allowed_savers() starts with "none"
 
 

@@ -36,7 +36,7 @@ from typing import Any, get_args
 import torch
 from torch import nn
 
-from autoaccum.memory.savers import SAVERS, allowed_savers, saver_index
+from autoaccum.memory.savers import allowed_savers, check_saver, describe_saver, saver_rank
 from autoaccum.precision import AUTOCAST_DTYPES, Precision, autocast_dtype
 
 __all__ = ["Autocast", "COMPILE_WITH_SAVER", "Knobs", "apply_knobs", "available_knobs", "AUTOCAST_DTYPES",
@@ -72,8 +72,7 @@ class Knobs:
     def __post_init__(self) -> None:
         if not isinstance(self.compile, bool):
             raise TypeError(f"Knobs.compile must be a bool, got {self.compile!r}")
-        if self.saver not in SAVERS:
-            raise ValueError(f"Invalid saver: {self.saver!r}. Allowed: {', '.join(SAVERS)} (the memory savers)")
+        check_saver(self.saver)
         if self.autocast not in get_args(Autocast):
             raise ValueError(f"Invalid autocast: {self.autocast!r}. Allowed: {', '.join(get_args(Autocast))}")
 
@@ -87,13 +86,13 @@ class Knobs:
         return self.saver != "none" or self.autocast != "fp32"
 
     @property
-    def switched_on(self) -> int:
+    def switched_on(self) -> float:
         """How far from the step as written: the saver's height (offload is checkpointing and more),
         plus one for autocast and one for compile. A tie between finalists goes to the fewest."""
-        return saver_index(self.saver) + int(self.autocast != "fp32") + int(self.compile)
+        return saver_rank(self.saver) + int(self.autocast != "fp32") + int(self.compile)
 
     def describe(self) -> str:
-        parts = [self.autocast] + ([self.saver] if self.saver != "none" else []) + \
+        parts = [self.autocast] + ([describe_saver(self.saver)] if self.saver != "none" else []) + \
             (["compile"] if self.compile else [])
         return " + ".join(parts)
 

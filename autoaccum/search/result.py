@@ -18,6 +18,7 @@ from typing import Any, Literal
 import torch
 
 from autoaccum.jsonio import write_json_atomic
+from autoaccum.memory.savers import describe_saver
 from autoaccum.plan.plan import Plan
 from autoaccum.plan.sources import read_plan_document
 from autoaccum.search.knobs import Knobs
@@ -250,7 +251,7 @@ def format_search(result: SearchResult) -> str:
     knobs = replace(result.knobs, saver="none").describe()  # the plan names the saver
     lines.append(f"winner: {result.plan.describe()} · {knobs} · {speed}"
                  + ("" if result.peak_bytes is None else f" · peak {format_bytes(result.peak_bytes)}"))
-    saver = "" if result.probe_plan.saver == "none" else f" with {result.probe_plan.saver}"
+    saver = "" if result.probe_plan.saver == "none" else f" with {describe_saver(result.probe_plan.saver)}"
     if result.probe_samples_per_s:
         lines.append(f"probe pick: micro {result.probe_plan.micro_batch}{saver} · {result.probe_samples_per_s:,.1f} "
                      f"samples/s -> winner x{result.speedup_over_probe:.2f}")

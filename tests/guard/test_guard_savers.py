@@ -1,6 +1,6 @@
 """The memory savers in use: a transformer whose one-sample step does not fit the (emulated) budget
-trains to the end on the next saver (activation checkpointing), with the probe and the guard turning to
-to it, and its weights equal an unconstrained run's (fp64, 1e-12). Negative controls: with
+trains to the end on the next saver (activation checkpointing of as few blocks as fit, then of all), with the
+probe and the guard turning to it, and its weights equal an unconstrained run's (fp64, 1e-12). Negative controls: with
 ``memory_savers="off"`` the same run ends in ``DoesNotFitError``; under a budget no saver fits, the
 error lists every saver tried.
 
@@ -22,7 +22,8 @@ from autoaccum.demo import TinyGPT, synthetic_tokens, token_loss
 
 TIGHT = {"rtol": 1e-10, "atol": 1e-12}
 SEQ, TARGET, STEPS = 128, 4, 4
-LADDER_ONLY = "2900KB"  # micro-batch 1 fits only with checkpointing
+LADDER_ONLY = "2900KB"  # micro-batch 1 fits only with every block checkpointed
+HALF_BLOCKS = "3500KB"  # micro-batch 1 fits with 2 of the 4 blocks checkpointed, not with 1
 TOO_SMALL = "1MB"  # not even with checkpointing
 
 
@@ -63,16 +64,20 @@ def _guard_run(budgets: list[str | None], **options) -> tuple[dict[str, torch.Te
     return {n: p.detach().clone() for n, p in model.named_parameters()}, guard
 
 
-def test_the_guard_turns_to_to_checkpointing_where_one_sample_does_not_fit_and_stays_exact() -> None:
+@pytest.mark.parametrize(("budget", "savers"), [
+    (HALF_BLOCKS, ["checkpointing:1/4", "checkpointing:2/4"]),
+    (LADDER_ONLY, ["checkpointing:1/4", "checkpointing:2/4", "checkpointing"])])
+def test_the_guard_checkpoints_as_few_blocks_as_fit_where_one_sample_does_not_fit_and_stays_exact(budget,
+                                                                                                  savers) -> None:
     """Two steps with memory to spare, then the budget drops below one sample's step: the guard halves
-    4 -> 2 -> 1, then turns to checkpointing and replays the same samples; the weights are those of
-    full-batch steps."""
-    params, guard = _guard_run([None, None, LADDER_ONLY, LADDER_ONLY])
+    4 -> 2 -> 1, then checkpoints 1 block, then 2 (the count doubles), then all, as far as the budget needs,
+    replaying the same samples each time; the weights are those of full-batch steps."""
+    params, guard = _guard_run([None, None, budget, budget])
     changes = [(c.step, c.old.micro_batch, c.new.micro_batch, c.old.saver, c.new.saver) for c in guard.changes]
-    assert changes == [(3, 4, 2, "none", "none"), (3, 2, 1, "none", "none"),
-                       (3, 1, 1, "none", "checkpointing")], changes
-    assert guard.plan.saver == "checkpointing" and guard.ooms == 3
-    assert "memory saver none -> checkpointing" in guard.changes[-1].describe()
+    climbs = [(3, 1, 1, old, new) for old, new in zip(["none", *savers], savers)]
+    assert changes == [(3, 4, 2, "none", "none"), (3, 2, 1, "none", "none"), *climbs], changes
+    assert guard.plan.saver == savers[-1] and guard.ooms == 2 + len(savers)
+    assert "memory saver none -> checkpointing 1 of 4 blocks" in guard.changes[2].describe()
     for name, p in _reference().items():
         torch.testing.assert_close(params[name], p, **TIGHT, msg=name)
 
@@ -86,16 +91,16 @@ def test_negative_control_without_memory_savers_the_same_run_does_not_fit() -> N
 def test_where_no_saver_fits_every_saver_tried_is_named() -> None:
     with pytest.raises(DoesNotFitError) as info:
         _guard_run([TOO_SMALL])
-    assert [r for r, _ in info.value.savers] == ["none", "checkpointing"]
+    assert [r for r, _ in info.value.savers] == ["none", "checkpointing:1/4", "checkpointing:2/4", "checkpointing"]
     assert all(b is not None and b > 1e6 for _, b in info.value.savers)
     assert "Memory savers tried" in str(info.value) and "CPUOffloadPolicy" in str(info.value)
 
 
 @pytest.mark.slow
 def test_after_calm_steps_at_the_smallest_micro_batch_the_guard_steps_back_down() -> None:
-    """Memory comes back: after enough calm steps at micro-batch 1 on checkpointing the guard tries the
-    saver below; it fits, and the run goes on there, exact."""
-    budgets = [LADDER_ONLY] + [None] * 9
+    """Memory comes back: after enough calm steps at micro-batch 1 with checkpointing the guard tries the
+    saver below (2 of the 4 blocks, then 1, then none), one at a time; each fits, and the run goes on."""
+    budgets = [None, LADDER_ONLY] + [None] * 16  # the first step makes AdamW's state: the budget counts it
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     guard = OOMGuard(model, opt, target_batch=TARGET, micro_batch=TARGET, grow="off", grow_after=1)
@@ -106,9 +111,11 @@ def test_after_calm_steps_at_the_smallest_micro_batch_the_guard_steps_back_down(
         with emulated_budget(budget, model, opt) if budget else contextlib.nullcontext():
             guard.step(batch, token_loss)
         savers.append(guard.plan.saver)
-    assert savers[0] == "checkpointing" and savers[-1] == "none", savers
-    down = [c for c in guard.changes if c.old.saver == "checkpointing" and c.new.saver == "none"]
-    assert len(down) == 1 and "calm steps" in down[0].describe()
+    assert savers[1] == "checkpointing" and savers[-1] == "none", savers
+    down = [(c.old.saver, c.new.saver) for c in guard.changes if c.stepped_down]
+    assert down == [("checkpointing", "checkpointing:2/4"), ("checkpointing:2/4", "checkpointing:1/4"),
+                    ("checkpointing:1/4", "none")], down
+    assert all("calm steps" in c.describe() for c in guard.changes if c.stepped_down)
 
 
 def _full_batch_reference() -> torch.nn.Module:
@@ -124,17 +131,19 @@ def _full_batch_reference() -> torch.nn.Module:
     return ref
 
 
-def test_fit_plans_on_the_saver_where_one_sample_fits_and_trains_exactly() -> None:
-    """fit's probe finds that micro-batch 1 does not fit without a saver, measures with checkpointing,
-    plans there; the run needs no OOM and equals full-batch steps."""
+@pytest.mark.parametrize(("budget", "saver"), [(LADDER_ONLY, "checkpointing"), (HALF_BLOCKS, "checkpointing:2/4")])
+def test_fit_plans_on_the_saver_where_one_sample_fits_and_trains_exactly(budget, saver) -> None:
+    """fit's probe finds that micro-batch 1 does not fit without a saver, measures with 1 block checkpointed,
+    then 2, then all, as far as it must, and plans there; the run needs no OOM and equals full-batch steps."""
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     result = autoaccum.fit(model, _data(), target_batch=TARGET, loss_fn=token_loss, optimizer=opt, epochs=1,
-                           budget=LADDER_ONLY, headroom=0.0, progress=False, verbose=False, seed=0,
+                           budget=budget, headroom=0.0, progress=False, verbose=False, seed=0,
                            last_batch="drop")
-    assert result.plan.saver == "checkpointing" and result.oom_events == 0
-    assert [r for r, _ in result.probe.savers_tried] == ["none"]
-    assert result.probe.to_dict()["plan"]["saver"] == "checkpointing"
+    assert result.plan.saver == saver and result.oom_events == 0
+    below = ["none", "checkpointing:1/4", "checkpointing:2/4", "checkpointing"]
+    assert [r for r, _ in result.probe.savers_tried] == below[:below.index(saver)]
+    assert result.probe.to_dict()["plan"]["saver"] == saver
     # the bytes a saver reached before it ran out are a lower bound, and printed as one
     assert "did not fit without a memory saver (needs at least " in autoaccum.cli.format_probe(result.probe)
     got = {n: p.detach() for n, p in model.named_parameters()}

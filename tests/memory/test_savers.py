@@ -71,9 +71,11 @@ def _step(model: nn.Module, saver: str, seed: int = 5) -> tuple[dict[str, torch.
     return grads, {n: b.detach().clone() for n, b in model.named_buffers()}
 
 
-def test_checkpointing_gives_the_same_gradients_masks_and_statistics() -> None:
+@pytest.mark.parametrize("saver", ["checkpointing:1/3", "checkpointing:2/3", "checkpointing"])
+def test_checkpointing_gives_the_same_gradients_masks_and_statistics(saver: str) -> None:
+    """For every count of blocks checkpointed (1 and 2 of 3, and all)."""
     want_grads, want_buffers = _step(_net(), "none")
-    grads, buffers = _step(_net(), "checkpointing")
+    grads, buffers = _step(_net(), saver)
     assert grads.keys() == want_grads.keys() and "blocks.0.base.weight" not in grads  # frozen stays frozen
     assert "embed.weight" in grads  # tied: one gradient, from the embedding and the head
     for name, g in want_grads.items():
@@ -85,7 +87,8 @@ def test_checkpointing_gives_the_same_gradients_masks_and_statistics() -> None:
 
 def test_negative_control_plain_checkpoint_updates_batchnorm_twice(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the buffers put back around the recomputation (plain ``torch.utils.checkpoint``), the
-    running statistics are updated again in backward: the comparison above would fail."""
+    running statistics are updated again in backward: the comparison above would fail. With 1 of 3 blocks
+    checkpointed, only the first block's statistics are updated twice: the others run as written."""
     import autoaccum.memory.savers as savers
 
     monkeypatch.setattr(savers, "_context_fn", lambda module: (lambda: (contextlib.nullcontext(),
@@ -94,6 +97,8 @@ def test_negative_control_plain_checkpoint_updates_batchnorm_twice(monkeypatch: 
     _, buffers = _step(_net(), "checkpointing")
     assert int(buffers["blocks.0.norm.num_batches_tracked"]) == 2
     assert not torch.allclose(buffers["blocks.0.norm.running_mean"], want_buffers["blocks.0.norm.running_mean"])
+    _, buffers = _step(_net(), "checkpointing:1/3")
+    assert [int(buffers[f"blocks.{i}.norm.num_batches_tracked"]) for i in range(3)] == [2, 1, 1]
 
 
 def test_negative_control_without_the_rng_state_the_dropout_masks_differ(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -127,6 +132,40 @@ def test_the_saver_is_taken_off_afterwards_and_keeps_no_memory_of_activations() 
     assert peaks["checkpointing"] < 0.6 * peaks["none"], peaks
 
 
+def test_partial_checkpointing_wraps_the_first_blocks_and_saves_in_proportion() -> None:
+    """``checkpointing:k/N`` wraps the first ``k`` blocks (backward reaches them last, so their recomputation
+    adds nothing to the peak) and keeps their activations out of memory: the live bytes at the end of the
+    forward fall by about the same amount for each block checkpointed."""
+    model = _net()
+    with apply_saver(model, "checkpointing:2/3"):
+        assert ["forward" in block.__dict__ for block in model.blocks] == [True, True, False]
+    assert all("forward" not in block.__dict__ for block in model.blocks)
+    from autoaccum.memory import TrackedMemory
+
+    live = {}
+    for k in (0, 1, 2, 4, 8):
+        m = Net(dim=64, depth=8).double()
+        ids = torch.randint(0, 11, (16, 64))
+        saver = "none" if k == 0 else "checkpointing" if k == 8 else f"checkpointing:{k}/8"
+        with TrackedMemory().track(m) as mem, apply_saver(m, saver):
+            loss = m(ids).sum()
+            live[k] = mem.current_bytes
+            loss.backward()
+    per_block = (live[0] - live[8]) / 8
+    for k in (1, 2, 4):
+        assert abs((live[0] - live[k]) - k * per_block) < 0.05 * per_block * k, (k, live)
+
+
+def test_a_partial_saver_names_its_blocks_and_refuses_another_model() -> None:
+    with pytest.raises(ValueError, match="checkpoints 2 of 4 blocks, but Net has 3"):
+        with apply_saver(_net(), "checkpointing:2/4"):
+            pass
+    for bad in ("checkpointing:0/3", "checkpointing:3/3", "checkpointing:x/3"):
+        with pytest.raises(ValueError, match="Invalid saver"):
+            with apply_saver(_net(), bad):
+                pass
+
+
 def test_a_hugging_face_model_uses_its_own_switch_with_the_same_gradients() -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=31, n_positions=16,
@@ -148,16 +187,26 @@ def test_a_hugging_face_model_uses_its_own_switch_with_the_same_gradients() -> N
     want, got = run("none"), run("checkpointing")
     for name, g in want.items():
         torch.testing.assert_close(got[name], g, **TIGHT, msg=name)
+    # its own switch is all or nothing: no partial saver is offered, and one given is refused
+    model = transformers.GPT2LMHeadModel(config)
+    assert allowed_savers(model, torch.device("cpu")) == ("none", "checkpointing")
+    with pytest.raises(ValueError, match="own switch"):
+        with apply_saver(model, "checkpointing:1/2"):
+            pass
 
 
 def test_the_savers_follows_the_model_the_device_and_the_option() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert allowed_savers(_net(), cpu) == ("none", "checkpointing")
-    assert allowed_savers(_net(), cuda) == SAVERS  # offload needs CUDA (host memory is the device on a CPU)
+    partial = ("checkpointing:1/3", "checkpointing:2/3")  # k doubling below N
+    assert allowed_savers(_net(), cpu) == ("none", *partial, "checkpointing")
+    assert allowed_savers(_net(), cuda) == ("none", *partial, "checkpointing", "offload")  # offload needs CUDA
     assert allowed_savers(_net(), cuda, "off") == ("none",)
-    assert allowed_savers(_net(), cuda, ("checkpointing",)) == ("none", "checkpointing")
+    assert allowed_savers(_net(), cuda, ("checkpointing",)) == ("none", *partial, "checkpointing")
+    assert allowed_savers(_net(), cuda, ("checkpointing:2/3",)) == ("none", "checkpointing:2/3")
     assert allowed_savers(nn.Sequential(nn.Linear(2, 2)), cuda) == ("none",)  # no blocks, no switch: nothing to save
     assert next_saver(SAVERS, "none") == "checkpointing" and next_saver(SAVERS, "offload") is None
+    assert next_saver(allowed_savers(_net(), cpu), "none") == "checkpointing:1/3"
+    assert next_saver(allowed_savers(_net(), cpu), "checkpointing:2/3") == "checkpointing"
     for bad in ("sometimes", ("checkpointing", "swap")):
         with pytest.raises(ValueError, match="memory_savers"):
             allowed_savers(_net(), cpu, bad)
@@ -170,7 +219,8 @@ def test_a_compiled_model_takes_no_saver_and_the_error_says_why() -> None:
     context_fn"), so a compiled model's savers is the bottom saver alone, and what DoesNotFitError suggests
     says so; the same model uncompiled keeps its savers (the negative control)."""
     net = _net()
-    assert allowed_savers(net, torch.device("cpu")) == ("none", "checkpointing")
+    assert allowed_savers(net, torch.device("cpu")) == ("none", "checkpointing:1/3", "checkpointing:2/3",
+                                                        "checkpointing")
     assert allowed_savers(torch.compile(net), torch.device("cpu")) == ("none",)
     net.compile()  # compiled in place
     assert allowed_savers(net, torch.device("cuda")) == ("none",)

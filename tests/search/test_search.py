@@ -97,7 +97,7 @@ def test_knobs_offered_where_they_apply():
     mlp = torch.nn.Sequential(torch.nn.Linear(4, 4))
     cpu = torch.device("cpu")
     # the saver knob is the memory savers (offload only on CUDA)
-    assert available_knobs(small_task().model, cpu)["saver"] == ("none", "checkpointing")  # blocks: a ModuleList
+    assert available_knobs(small_task().model, cpu)["saver"] == ("none", "checkpointing:1/2", "checkpointing")
     assert available_knobs(mlp, cpu)["saver"] == ("none",)  # nothing to checkpoint
     assert available_knobs(mlp, cpu)["compile"] == (False,)  # compiling on CPU: only when asked
     assert "fp16" not in available_knobs(mlp, cpu)["autocast"]
