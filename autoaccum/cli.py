@@ -169,6 +169,12 @@ def format_probe(report: ProbeReport) -> str:
                      f"{'without a memory saver' if saver == 'none' else f'with {describe_saver(saver)}'} (needs "
                      f"{'?' if needed is None else 'at least ' + format_bytes(needed)}); measured again with the next "
                      f"memory saver")
+    if len(report.savers_weighed) > 1:
+        share = plan.rank_batch(0)
+        lines.append("weighed: " + "; ".join(
+            f"{'no memory saver' if saver == 'none' else describe_saver(saver)} at micro-batch {micro}"
+            + ("" if not seconds else f" · {share / seconds:,.0f} samples/s")
+            for saver, micro, seconds in report.savers_weighed))
     # the plan is cut evenly from the size it was chosen at: the smallest measured size that covers it
     chosen = min((c for c in report.candidates if c.status == "ok" and c.micro_batch >= plan.micro_batch),
                  key=lambda c: c.micro_batch, default=None)

@@ -23,7 +23,7 @@ from autoaccum.plan.sources import read_plan_document
 __all__ = ["Candidate", "ProbeReport", "REPORT_VERSION", "Status", "check_made_for", "model_fingerprint",
            "model_summary"]
 
-REPORT_VERSION = 2
+REPORT_VERSION = 3
 Status = Literal["ok", "over_budget", "oom"]
 
 
@@ -109,6 +109,11 @@ class ProbeReport:
         savers_tried: each memory saver on which the smallest micro-batch did not fit,
             with the bytes it needed, before the plan's saver (``plan.saver``): a lower bound, what the
             step reached before it ran out of memory.
+        savers_weighed: each memory saver whose plan was timed against the others (the first saver the
+            smallest micro-batch fits with, and each higher one while it stepped faster): the saver, its
+            plan's micro-batch and that plan's measured step time (seconds; None where not timed). The plan
+            is the fastest of them. Empty for an estimate, for variable-length data, and off CUDA where the step
+            fits without a saver.
         model_fingerprint: a hash of the model measured (``model_fingerprint``): a run refuses the
             report for another model (``check_made_for``).
         model_summary: that model in words (``model_summary``).
@@ -136,6 +141,7 @@ class ProbeReport:
     source: str = "probe"
     torch_version: str = field(default_factory=lambda: torch.__version__)
     savers_tried: tuple[tuple[str, int | None], ...] = ()
+    savers_weighed: tuple[tuple[str, int, float | None], ...] = ()
     model_fingerprint: str = ""
     model_summary: str = ""
 
@@ -162,6 +168,7 @@ class ProbeReport:
             "token_model": None if self.token_model is None else self.token_model.to_dict(),
             "lengths": None if self.lengths is None else self.lengths.to_dict(),
             "savers_tried": [list(t) for t in self.savers_tried],
+            "savers_weighed": [list(t) for t in self.savers_weighed],
             "model_fingerprint": self.model_fingerprint, "model_summary": self.model_summary,
         }
 
@@ -192,6 +199,8 @@ class ProbeReport:
                 fingerprint=str(data["fingerprint"]), source=str(data["source"]),
                 torch_version=str(data["torch_version"]),
                 savers_tried=tuple((str(s), None if b is None else int(b)) for s, b in data["savers_tried"]),
+                savers_weighed=tuple((str(s), int(b), None if t is None else float(t))
+                                     for s, b, t in data["savers_weighed"]),
                 model_fingerprint=str(data["model_fingerprint"]), model_summary=str(data["model_summary"]),
             )
         except (KeyError, TypeError) as exc:

@@ -16,14 +16,11 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from autoaccum import state as training_state
-from autoaccum.errors import DoesNotFitError
-from autoaccum.log import rank_level
 from autoaccum.memory import (
     CudaMeter,
     TrackedMemory,
@@ -35,7 +32,7 @@ from autoaccum.memory import (
 )
 from autoaccum.memory.model import MemoryModel, TokenMemoryModel
 from autoaccum.memory.recovery import catch_oom, release_memory
-from autoaccum.memory.savers import allowed_savers, apply_saver, describe_saver, suggestions
+from autoaccum.memory.savers import allowed_savers, apply_saver
 from autoaccum.modules import is_compiled
 from autoaccum.plan.batch import Batch, move_to
 from autoaccum.plan.batchnorm import smallest_micro_batch
@@ -50,6 +47,7 @@ from autoaccum.probe.length_search import search_lengths
 from autoaccum.probe.passes import HostSnapshotNeeded, StandIn, Stepper
 from autoaccum.probe.progress_line import ProbeProgress
 from autoaccum.probe.report import Candidate, ProbeReport, model_fingerprint, model_summary
+from autoaccum.probe.saver_choice import Measured, choose_saver
 from autoaccum.probe.size_search import search_sizes
 from autoaccum.state import WeightsCopy
 from autoaccum.validate import check_positive_int
@@ -175,14 +173,10 @@ def probe(
     profile = None if task.lengths is None else LengthProfile.of(task.lengths, source=lengths_source)
     library = cuda_library_bytes(device) if estimate and device.type == "cuda" else 0
     passes = steps_per_size if steps_per_size is not None else 2 if is_compiled(task.model) else 1
-    line = ProbeProgress(progress)
-    try:
-        measured, tried = _first_fitting(savers, lambda saver: _measure(
-            task, optimizer, precision, plan_budget.budget_bytes - library, plan_budget.headroom, estimate=estimate,
-            share=share, smallest=smallest, upper=upper, passes=passes, max_candidates=max_candidates,
-            profile=profile, saver=saver, progress=line), line)
-    finally:
-        line.close()
+    measured, tried, weighed = _measure_savers(task, optimizer, precision, plan_budget.budget_bytes - library,
+                                               plan_budget.headroom, savers, device, progress, estimate=estimate,
+                                               share=share, smallest=smallest, upper=upper, passes=passes,
+                                               max_candidates=max_candidates, profile=profile)
     stepper = measured.stepper
     candidates, model_fit, token_model, note = _with_library(measured, library, device)
     plan = Plan.for_target(target_batch, measured.best, world_size, smallest).with_saver(measured.saver)
@@ -196,7 +190,7 @@ def probe(
         budget_bytes=plan_budget.budget_bytes, budget_source=plan_budget.source, headroom=plan_budget.headroom,
         probe_steps=stepper.steps, probe_ooms=stepper.ooms, wall_time_s=time.perf_counter() - started,
         fit_note=note, precision=precision, optimizer_steps=stepper.optimizer_steps, fingerprint=fingerprint,
-        token_model=token_model, lengths=profile, savers_tried=tuple(tried),
+        token_model=token_model, lengths=profile, savers_tried=tuple(tried), savers_weighed=tuple(weighed),
         model_fingerprint=model_fingerprint(task.model), model_summary=model_summary(task.model),
     )
     if cache:
@@ -204,27 +198,26 @@ def probe(
     return report
 
 
-def _first_fitting(savers: tuple[str, ...], measure: Callable[[str], _Measured], line: ProbeProgress
-           ) -> tuple[_Measured, list[tuple[str, int | None]]]:
-    """Measure with each memory saver in turn, up to the first with which the smallest micro-batch fits; that saver's
-    measurement and the (saver, bytes needed) of those below it."""
-    tried: list[tuple[str, int | None]] = []
-    for saver in savers:
-        line.measuring_with(saver)
-        try:
-            return measure(saver), tried
-        except DoesNotFitError as exc:
-            tried.append((saver, exc.needed_bytes))
-            if saver == savers[-1]:
-                raise DoesNotFitError(exc.needed_bytes, exc.available_bytes, suggestions(savers),
-                                      at_least=exc.at_least, micro_batch=exc.micro_batch, savers=tried) from None
-            said = "without a memory saver" if saver == "none" else f"with {describe_saver(saver)}"
-            logger.log(rank_level(logging.INFO), "probe: even micro-batch %d does not fit %s; measuring again "
-                       "with %s", exc.micro_batch, said, describe_saver(savers[savers.index(saver) + 1]))
-    raise RuntimeError("internal: no memory saver to measure with")  # allowed_savers() starts with "none"
+def _measure_savers(task: Task, optimizer: Any, precision: Precision, budget_bytes: int, headroom: float,
+                    savers: tuple[str, ...], device: torch.device, progress: bool, *, estimate: bool, share: int,
+                    smallest: int, upper: int, passes: int, max_candidates: int, profile: LengthProfile | None
+                    ) -> tuple[Measured, list[tuple[str, int | None]], list[tuple[str, int, float | None]]]:
+    """The measurements with each saver the plan's choice needs (``choose_saver``), the terminal line
+    showing them."""
+    line = ProbeProgress(progress)
+    try:
+        def measure(saver: str) -> Measured:
+            return _measure(task, optimizer, precision, budget_bytes, headroom, estimate=estimate, share=share,
+                            smallest=smallest, upper=upper, passes=passes, max_candidates=max_candidates,
+                            profile=profile, saver=saver, progress=line)
+
+        # fake steps take no time, and a token plan is cut by memory: no speed to weigh savers by
+        return choose_saver(savers, measure, line, share, smallest, device, weigh=not estimate and profile is None)
+    finally:
+        line.close()
 
 
-def _with_library(measured: _Measured, library: int, device: torch.device
+def _with_library(measured: Measured, library: int, device: torch.device
                   ) -> tuple[tuple[Candidate, ...], MemoryModel | None, TokenMemoryModel | None, str]:
     """The candidates, memory models and note, with the bytes the CUDA libraries keep added to every
     peak where an estimate ran on fake CUDA tensors (``library`` > 0)."""
@@ -238,16 +231,6 @@ def _with_library(measured: _Measured, library: int, device: torch.device
         token_model, base_bytes=token_model.base_bytes + library, opt_peak_bytes=token_model.opt_peak_bytes + library)
     return (with_offset(candidates, library), model_fit, token_model,
             f"{note}; peaks include {library} bytes the CUDA libraries keep (measured on {device})")
-
-
-@dataclass(frozen=True)
-class _Measured:
-    stepper: Stepper
-    model: MemoryModel | None
-    token_model: TokenMemoryModel | None
-    note: str
-    best: int  # the micro-batch chosen (for variable-length data: at the longest length)
-    saver: str = "none"  # the memory saver it was measured on
 
 
 #: a pass's fixed cost, in the share of a full micro-batch's cost, where the probe's timings cannot tell
@@ -308,7 +291,7 @@ def _room_for_weights_copy(model: torch.nn.Module, optimizer: torch.optim.Optimi
 
 def _measure(task: Task, optimizer: Any, precision: Precision, budget_bytes: int, headroom: float, *,
              estimate: bool, share: int, smallest: int, upper: int, passes: int, max_candidates: int,
-             profile: LengthProfile | None, saver: str = "none", progress: ProbeProgress | None = None) -> _Measured:
+             profile: LengthProfile | None, saver: str = "none", progress: ProbeProgress | None = None) -> Measured:
     """Run the measurements (on fake tensors for an estimate) and choose the size; the task's state is restored
     after both. Where the weights' copy on the device did not do (``HostSnapshotNeeded``), everything is measured
     again with them copied to host memory; the first try's passes and OOMs count in the report."""
@@ -342,7 +325,7 @@ def _weights_copy(model: torch.nn.Module, meter: Any, device: torch.device) -> t
 def _measure_once(task: Task, optimizer: Any, precision: Precision, budget_bytes: int, headroom: float, *,
                   copy_weights: bool, estimate: bool, share: int, smallest: int, upper: int, passes: int,
                   max_candidates: int, profile: LengthProfile | None, saver: str,
-                  progress: ProbeProgress | None = None) -> _Measured:
+                  progress: ProbeProgress | None = None) -> Measured:
     device = trainable_parameters(task.model)[0].device
     run_model, make_optimizer = task.model, task.make_optimizer
     user_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
@@ -396,4 +379,4 @@ def _measure_once(task: Task, optimizer: Any, precision: Precision, budget_bytes
                 stand_in.put_back()
             del snapshot  # its page-locked host copies go back
             training_state.release_pinned_memory()
-    return _Measured(stepper, model_fit, token_model, note, best, saver)
+    return Measured(stepper, model_fit, token_model, note, best, saver)

@@ -11,6 +11,7 @@ import torch
 
 import autoaccum
 from autoaccum.cli import EXIT_DOES_NOT_FIT, EXIT_OK, EXIT_USAGE, main
+from autoaccum.probe.report import REPORT_VERSION
 
 TESTS = Path(__file__).resolve().parents[1]
 TINY = ["probe", "--task", "_cli_tasks:tiny", "--budget", "400000", "--target-batch", "64"]
@@ -33,7 +34,7 @@ def test_json_is_one_document_on_stdout(capsys):
     code, out, _ = run(capsys, *TINY, "--json", "--no-cache", "-v")
     assert code == EXIT_OK
     doc = json.loads(out)  # nothing but the document on stdout
-    assert doc["version"] == 2 and doc["kind"] == "autoaccum.probe"
+    assert doc["version"] == REPORT_VERSION == 3 and doc["kind"] == "autoaccum.probe"
     assert doc["device"] == "cpu" and doc["budget_bytes"] == 400_000 and doc["meter"] == "tracked"
     assert doc["is_estimate"] is False and doc["source"] == "probe"
     assert doc["candidates"] and {"micro_batch", "status", "peak_bytes", "step_time_s", "samples_per_s"} <= set(
@@ -98,7 +99,7 @@ def test_does_not_fit_exits_3_with_needed_and_available_bytes(capsys):
     code, out, err = run(capsys, *TINY, "--no-cache", "--budget", "10KiB", "--json")
     assert code == EXIT_DOES_NOT_FIT
     doc = json.loads(out)
-    assert doc["error"] == "does_not_fit" and doc["version"] == 2
+    assert doc["error"] == "does_not_fit" and doc["version"] == REPORT_VERSION
     assert doc["needed_bytes"] > doc["available_bytes"] == 9216
     assert doc["suggestions"]
 
