@@ -31,7 +31,7 @@ from autoaccum.log import rank_level
 from autoaccum.memory import MemoryReading, Meter
 from autoaccum.memory.model import MemoryModel
 from autoaccum.memory.savers import describe_saver, next_saver, saver_rank
-from autoaccum.plan.batchnorm import warn_batchnorm
+from autoaccum.plan.batchnorm import trains_batchnorm, warn_batchnorm
 from autoaccum.plan.plan import Plan
 
 __all__ = ["PlanChange", "PlanPolicy", "Reason", "grown_plan", "shrunk_plan"]
@@ -218,14 +218,19 @@ class PlanPolicy:
         the last one, ``does_not_fit()`` is raised (``needed_bytes``: what the OOM asked)."""
         old = self.plan
         self.ooms += reason == "oom"
-        if old.can_shrink:
+        higher = next_saver(self.savers, old.saver)
+        if old.can_shrink and not (higher is not None and self._keeps_micro_batch()):
             self.ceiling = old.micro_batch if self.ceiling is None else min(self.ceiling, old.micro_batch)
             self.plan = self.sync.agree_plan(shrunk_plan(old, self.floor))
             return self._record(reason, where, old, step)
         self.savers_tried.append((old.saver, needed_bytes))
-        higher = next_saver(self.savers, old.saver)
         if higher is None:
             raise does_not_fit()
+        if old.can_shrink:  # BatchNorm: the next saver before a smaller micro-batch
+            logger.log(rank_level(logging.WARNING, self.sync.rank) if self.log_changes else logging.DEBUG,
+                       "BatchNorm layers in training mode: their statistics depend on the micro-batch, so the guard "
+                       "takes the next memory saver (%s) before it halves micro-batch %d", describe_saver(higher),
+                       old.micro_batch)
         if self._last_change_was(lambda c: c.stepped_down):  # the lighter saver did not fit: wait twice as long
             self._down_after *= 2
         self.plan = self.sync.agree_plan(old.with_saver(higher))
@@ -259,7 +264,8 @@ class PlanPolicy:
                 return [self._thrash(start, f"on rank{'s' if len(thrashing) > 1 else ''} {ranks}", step,
                                      does_not_fit)]
         self.calm = self.calm + 1 if clean else 0
-        if self.plan.saver != "none" and not self.plan.can_shrink and self.calm >= self._down_after:
+        if self.plan.saver != "none" and (not self.plan.can_shrink or self._keeps_micro_batch()) \
+                and self.calm >= self._down_after:
             return self._step_down(step)
         if not self._doubles() or self.calm < self.grow_after:
             return []
@@ -324,6 +330,11 @@ class PlanPolicy:
             return []
         self._forget_memory()
         return [self._record("grow", f"{calm} calm steps at the smallest micro-batch", old, step)]
+
+    def _keeps_micro_batch(self) -> bool:
+        """A BatchNorm layer trains: a smaller micro-batch changes its statistics and a memory saver does not,
+        so the savers come first and a step down is tried after calm steps at any micro-batch."""
+        return trains_batchnorm(self._model)
 
     def _forget_memory(self) -> None:
         """Another memory saver: what steps took, and the probe's memory model, were measured without it."""

@@ -30,6 +30,11 @@ def _training_batchnorms(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training]
 
 
+def trains_batchnorm(model: torch.nn.Module) -> bool:
+    """``model`` has a BatchNorm layer in training mode: its statistics depend on the micro-batch."""
+    return bool(_training_batchnorms(model))
+
+
 def trains_on_one_sample(model: torch.nn.Module, run_one: Callable[[], Any]) -> bool | None:
     """Whether ``model`` trains on one sample, as far as its BatchNorm layers are concerned, found by trying.
 

@@ -88,7 +88,7 @@ class _PausingGPT(TinyGPT):
     """TinyGPT with a fixed cost per forward pass (as a GPU's launches are at small micro-batches)."""
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        time.sleep(0.03)
+        time.sleep(0.1)
         return super().forward(tokens)
 
 
@@ -292,3 +292,70 @@ def test_the_integrations_check_memory_savers_where_they_are_built() -> None:
         guard_for(accelerate.Accelerator(cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.1),
                   memory_savers="sometimes")
     assert AutoAccum(memory_savers=("checkpointing",)).options["memory_savers"] == ("checkpointing",)
+
+
+# -- BatchNorm: a saver before a smaller micro-batch ---------------------------------------------------
+
+class _NormBlock(torch.nn.Module):
+    def __init__(self, dim: int, batchnorm: bool) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(dim, dim)
+        self.norm = torch.nn.BatchNorm1d(dim) if batchnorm else torch.nn.LayerNorm(dim)
+        self.batchnorm = batchnorm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x)
+        h = self.norm(h.transpose(1, 2)).transpose(1, 2) if self.batchnorm else self.norm(h)
+        return x + torch.tanh(h)
+
+
+class _NormNet(torch.nn.Module):
+    def __init__(self, batchnorm: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(16, 8)
+        self.blocks = torch.nn.ModuleList(_NormBlock(8, batchnorm) for _ in range(4))
+        self.head = torch.nn.Linear(8, 16)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def _norm_run(batchnorm: bool, oom_at: int | None) -> tuple[dict[str, torch.Tensor], OOMGuard]:
+    """Three guarded steps at micro-batch 8 of 8; at step ``oom_at`` a forward without checkpointing runs out
+    of memory (injected: a real torch.OutOfMemoryError), as a device with less memory would."""
+    model = _NormNet(batchnorm).double()
+    guard = OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), target_batch=8, micro_batch=8,
+                     grow="off")
+    data = torch.randint(0, 16, (24, 6), generator=torch.Generator().manual_seed(3))
+    step = [0]
+
+    def loss_fn(m: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        if step[0] == oom_at and "forward" not in m.blocks[0].__dict__:  # the first block not checkpointed
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected)")
+        logits = m(ids[:, :-1])
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 16), ids[:, 1:].reshape(-1))
+
+    for s in range(3):
+        step[0] = s
+        guard.step(data[8 * s:8 * (s + 1)], loss_fn)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, guard
+
+
+def test_a_batchnorm_model_takes_a_saver_before_it_halves_its_micro_batch(caplog) -> None:
+    """With BatchNorm in training mode a smaller micro-batch would change the statistics; checkpointing does
+    not: the guard replays the step at micro-batch 8 with the first block checkpointed, says why, and the
+    weights equal the run without any OOM (fp64). Negative control: the same model with LayerNorm halves."""
+    want, _ = _norm_run(True, None)
+    with caplog.at_level("WARNING", logger="autoaccum.guard"):
+        got, guard = _norm_run(True, 1)
+    assert [(c.step, c.old.micro_batch, c.new.micro_batch, c.new.saver) for c in guard.changes] == [
+        (2, 8, 8, "checkpointing:1/4")]
+    assert "BatchNorm layers in training mode" in caplog.text
+    for name, p in want.items():
+        torch.testing.assert_close(got[name], p, rtol=1e-12, atol=1e-14, msg=name)
+    _, layer_norm = _norm_run(False, 1)
+    assert [(c.old.micro_batch, c.new.micro_batch, c.new.saver) for c in layer_norm.changes][0] == (8, 4, "none")
