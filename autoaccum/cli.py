@@ -14,6 +14,9 @@ import re
 import sys
 from collections.abc import Sequence
 
+import torch
+
+from autoaccum import __version__
 from autoaccum.errors import DoesNotFitError
 from autoaccum.memory.savers import describe_saver
 from autoaccum.plan.task import Task, load_task
@@ -246,6 +249,8 @@ def _cmd_search(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autoaccum", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version",
+                        version=f"autoaccum {__version__} (torch {torch.__version__})")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("probe", help="measure training steps, fit the memory model, print the plan")
     add_task_arguments(p)

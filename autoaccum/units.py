@@ -34,6 +34,10 @@ def parse_bytes(value: int | float | str, *, name: str = "budget") -> int:
                 f"Invalid {name} {value!r}: expected a number of bytes with an optional unit "
                 f"(B, kB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '8GiB' or '8589934592'"
             )
+        written = match.group(2)
+        if len(written) > 1 and written[0].isupper() and written[-1] == "b":  # Gb, Mb: the symbols of bits
+            raise ValueError(f"Invalid {name} {value!r}: {written!r} is a unit of bits, not bytes. Write "
+                             f"{written[:-1]}B (powers of 1000) or {written[0]}iB (powers of 1024), e.g. '8GiB'")
         number = float(match.group(1)) * _UNITS[unit]
     else:
         number = float(value)

@@ -69,3 +69,11 @@ def test_counted_says_one_and_many():
     assert [counted(1, "step"), counted(2, "step"), counted(0, "OOM"), counted(1_000, "sample")] == \
         ["1 step", "2 steps", "0 OOMs", "1,000 samples"]
     assert counted(1, "pass", "passes") == "1 pass" and counted(3, "pass", "passes") == "3 passes"
+
+
+@pytest.mark.parametrize("text", ["64Gb", "8 Mb", "1Tb", "512Kb"])
+def test_a_unit_of_bits_is_refused_not_read_as_bytes(text):
+    """``Gb`` is gigabits: it used to be read as gigabytes. ``8 gb`` (all lower case) stays gigabytes."""
+    with pytest.raises(ValueError, match=r"is a unit of bits, not bytes. Write .B \(powers of 1000\) or .iB"):
+        parse_bytes(text)
+

@@ -89,7 +89,12 @@ def truncate_metrics(path: str | os.PathLike[str], step: int) -> int:
     """Cut the metrics file back to ``step``: drop the lines at its end of steps after ``step`` (and a
     last line a kill cut short), atomically (the file is rewritten whole: temp file, fsync, rename).
     Lines before them (e.g. an earlier run's, appended to the same file) are kept. Returns the
-    number of lines dropped; a missing file is left missing."""
+    number of lines dropped; a missing file is left missing.
+
+    Raises:
+        ValueError: a whole line at the end of the file is not JSON (the file is not a metrics file: a
+            user's notes), which cutting would delete; the file is left as it is.
+    """
     path = Path(path)
     if not path.exists():
         return 0
@@ -99,8 +104,13 @@ def truncate_metrics(path: str | os.PathLike[str], step: int) -> int:
         line = lines[keep - 1]
         try:
             record = json.loads(line)
-        except ValueError:  # torn by a kill mid-write (a complete line ends in a newline and parses)
-            keep -= 1
+        except ValueError:
+            if line.endswith(b"\n"):  # a whole line that is not JSON: not ours, and not to be lost
+                raise ValueError(
+                    f"log_file {str(path)!r} holds a line that is not one of autoaccum's metrics (line {keep}: "
+                    f"{line[:60].decode(errors='replace').rstrip()!r}); resuming cuts the file back to step {step}, "
+                    f"which would delete it. Give log_file= a file of its own, or move that text out") from None
+            keep -= 1  # the last line, torn by a kill mid-write (a complete line ends in a newline)
             continue
         if not line.endswith(b"\n") or isinstance(record, dict) and isinstance(record.get("step"), int) \
                 and record["step"] > step:

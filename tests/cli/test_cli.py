@@ -297,3 +297,11 @@ def test_a_task_drawing_from_a_dataloaders_data_is_probed_on_it_and_its_json_is_
     result = autoaccum.fit(_cli_tasks.mlp(), (x.repeat(4, 1), y.repeat(4)), 64, loss_fn=_cli_tasks.mlp_loss,
                            plan=str(plan_file), max_steps=1, progress=False, verbose=False)
     assert result.plan_source == "given" and result.plan.micro_batch == doc["plan"]["micro_batch"]
+
+
+def test_version_names_autoaccum_and_torch(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"autoaccum {autoaccum.__version__} (torch ") and torch.__version__ in out

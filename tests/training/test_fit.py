@@ -316,6 +316,22 @@ def test_truncate_metrics_cuts_only_the_tail(tmp_path):
     assert truncate_metrics(log, 3) == 2 and log.read_text() == "".join(lines[:3])
     log.write_text("".join(lines[:3]) + '{"step": 2}')  # a parseable last line without its newline: torn
     assert truncate_metrics(log, 3) == 1 and log.read_text() == "".join(lines[:3])
+    log.write_text("".join(lines[:3]) + '{"st')  # torn mid-line: not JSON, no newline
+    assert truncate_metrics(log, 3) == 1 and log.read_text() == "".join(lines[:3])
+
+
+def test_resuming_onto_a_file_that_is_not_a_metrics_file_is_refused_and_the_file_kept(tmp_path):
+    """A user's notes given as log_file=: resuming would cut the file back to the checkpoint's step, which
+    used to delete every line of it (none parses as a step). It is refused, naming the file, and kept."""
+    ckpt = tmp_path / "ckpt"
+    autoaccum.fit(Mlp(p=0.0, hidden=4), mlp_data(64), 8, plan=Plan.for_target(8, 8), epochs=None, max_steps=2,
+                  checkpoint_dir=ckpt, progress=False, verbose=False)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\nkeep these\n")
+    with pytest.raises(ValueError, match=r"log_file '.*notes.txt' holds a line that is not one of autoaccum's"):
+        autoaccum.fit(Mlp(p=0.0, hidden=4), mlp_data(64), 8, plan=Plan.for_target(8, 8), epochs=None, max_steps=4,
+                      checkpoint_dir=ckpt, resume=True, log_file=notes, progress=False, verbose=False)
+    assert notes.read_text() == "my notes\nkeep these\n"
 
 
 def test_checkpoint_size_does_not_grow_with_the_run(tmp_path):
