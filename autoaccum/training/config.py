@@ -65,6 +65,9 @@ class LRConfig:
             lambda: self.base_batch is None or check_positive_int(
                 self.base_batch, "base_batch", hint=" (the global batch the lr was tuned for)"),
             lambda: check_choice(self.rule, "lr_rule", LR_RULES),
+            lambda: _require(self.base_batch is not None or self.rule in ("linear", "none"),
+                             f"lr_rule={self.rule!r} rescales the lr from the batch it was tuned for: give "
+                             f"base_batch= (that batch), or leave lr_rule out to train at lr as given"),
             lambda: check_non_negative_int(self.warmup_steps, "warmup_steps"),
         )
 
@@ -197,6 +200,9 @@ class CheckpointConfig:
     def problems(self) -> list[Exception]:
         return _collect(
             lambda: self.every is None or check_positive_int(self.every, "checkpoint_every"),
+            lambda: _require(self.every is None or self.directory is not None,
+                             f"checkpoint_every={self.every!r} needs checkpoint_dir= (where the checkpoints are "
+                             f"written); without it no checkpoint would be written"),
             lambda: _require(isinstance(self.resume, bool) or self.resume == "auto",
                              f"Invalid resume: {self.resume!r}. Allowed values: True, False, 'auto'"),
             lambda: _require(not self.resume or self.directory is not None,

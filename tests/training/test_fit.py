@@ -654,6 +654,8 @@ def _fit_bad(data=None, target=64, **kwargs):
     (dict(plan=Plan.for_target(32, 16)), ValueError, "plan is for target_batch 32, this run's is 64"),
     (dict(precision="fp8"), ValueError, "Invalid precision"),
     (dict(resume=True), ValueError, "resume=True needs checkpoint_dir"),
+    (dict(checkpoint_every=1), ValueError, "checkpoint_every=1 needs checkpoint_dir="),
+    (dict(lr_rule="sqrt"), ValueError, "lr_rule='sqrt' rescales the lr .* give base_batch="),
     (dict(eval_data=(torch.zeros(10, 6), torch.zeros(9))), ValueError, "disagree in dim 0"),
     (dict(eval_data=(torch.zeros(10, 6), torch.zeros(9)), plan=None, budget="64MiB"), ValueError, "disagree"),
     (dict(optimizer="adam"), TypeError, "optimizer must be a torch.optim.Optimizer"),
