@@ -145,6 +145,9 @@ def probe(
     task = resolve_task(task, model=model, loss_fn=loss_fn, make_batch=make_batch, make_optimizer=factory,
                         lengths=lengths)
     _check_args(target_batch, world_size, steps_per_size, max_candidates)
+    if refresh and not cache:
+        raise ValueError("refresh=True (--refresh) measures again and replaces the cached report, but cache=False "
+                         "(--no-cache) neither reads nor writes the cache: give one of them")
     check_loss_fn(task.loss_fn, "loss_fn")
     check_precision(precision)
     share = Plan.for_target(target_batch, 1, world_size).rank_batch(0)

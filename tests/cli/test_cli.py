@@ -305,3 +305,11 @@ def test_version_names_autoaccum_and_torch(capsys):
     assert info.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith(f"autoaccum {autoaccum.__version__} (torch ") and torch.__version__ in out
+
+
+def test_no_cache_with_refresh_is_refused_before_any_measurement(capsys, tmp_path):
+    code, out, err = run(capsys, *TINY, "--no-cache", "--refresh", "--cache-dir", str(tmp_path))
+    assert code == EXIT_USAGE and out == "" and "--refresh" in err and "--no-cache" in err
+    assert not any(tmp_path.iterdir())
+    code, _, _ = run(capsys, *TINY, "--refresh", "--cache-dir", str(tmp_path))  # control: --refresh alone runs
+    assert code == EXIT_OK
