@@ -113,13 +113,16 @@ def resolve_plan(plan: Any = None, *, target_batch: int | None = None, micro_bat
             micro-batch stay); otherwise that is an error.
 
     Raises:
-        TypeError: neither a plan nor target_batch and micro_batch.
+        TypeError: neither a plan nor target_batch and micro_batch, or a plan and micro_batch.
         ValueError: the plan is for another target batch (or, without ``adapt_world_size``, another world size).
     """
     if plan is None:
         if target_batch is None or micro_batch is None:
             raise TypeError("give plan=, or target_batch= and micro_batch=")
         return Plan.for_target(target_batch, micro_batch, world_size)
+    if micro_batch is not None:  # which one would win is not the user's to guess
+        raise TypeError(f"give plan= or micro_batch=, not both (micro_batch={micro_batch!r}); to cut a plan at "
+                        f"another micro-batch, pass plan.with_micro_batch({micro_batch!r})")
     plan = read_plan(plan)
     if target_batch is not None and target_batch != plan.target_batch:
         raise ValueError(f"the plan is for target_batch {plan.target_batch}, this run's is {target_batch}; the "

@@ -998,6 +998,8 @@ def test_invalid_arguments_name_the_value_and_the_range():
         OOMGuard(model, opt, target_batch=64, micro_batch=8, max_grad_norm=-1)
     with pytest.raises(TypeError, match="plan=, or target_batch= and micro_batch="):
         OOMGuard(model, opt, target_batch=64)
+    with pytest.raises(TypeError, match=r"give plan= or micro_batch=, not both \(micro_batch=16\)"):
+        OOMGuard(model, opt, plan=Plan.for_target(64, 8), micro_batch=16)  # the plan used to win silently
     with pytest.raises(ValueError, match="plan is for target_batch 64, this run.s is 32"):
         OOMGuard(model, opt, target_batch=32, plan=Plan.for_target(64, 8))
     with pytest.raises(TypeError, match="torch.optim.Optimizer"):
