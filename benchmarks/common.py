@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import importlib
 import io
 import json
 import logging
@@ -41,6 +42,14 @@ def mlp(in_dim: int, width: int, depth: int = 2, act: type[nn.Module] = nn.ReLU)
     for _ in range(depth - 1):
         layers += [nn.Linear(width, width), act()]
     return nn.Sequential(*layers, nn.Linear(width, 10))
+
+
+def seeded(factory: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    """``factory`` after ``torch.manual_seed(0)``: the same weights every call."""
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return factory()
+    return make
 
 
 def vectors(n: int, width: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,6 +155,14 @@ def sync(device: torch.device) -> None:
     """Wait for the device's queued work (CUDA), so that a clock read after it times the work."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def version_of(module: str) -> str:
+    """``module.__version__``, or ``not installed``."""
+    try:
+        return importlib.import_module(module).__version__
+    except Exception:
+        return "not installed"
 
 
 def context() -> dict:

@@ -111,10 +111,8 @@ def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--target", type=int, default=32, help="global batch")
     parser.add_argument("--micro", type=int, default=8, help="micro-batch of both variants")
-    parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=64)
+    for name, default in (("--dim", 128), ("--layers", 2), ("--heads", 4), ("--seq-len", 64)):  # the TinyGPT
+        parser.add_argument(name, type=int, default=default)
     parser.add_argument("--steps", type=int, default=5, help="steps per timed block")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=9)

@@ -18,7 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from common import bench_main, classify, hand_step, largest_fitting, markdown_table, mlp, vectors
+from common import bench_main, classify, hand_step, largest_fitting, markdown_table, mlp, seeded, vectors
+from headtohead.workloads import ConvBN
 from torch import nn
 
 import autoaccum
@@ -42,29 +43,18 @@ class Shape:
     budgets: tuple[tuple[str, int], ...]  # (budget, target batch)
 
 
-def _cnn() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(32 * 8 * 8, 10))
-
-
 def _image_batch(b: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(b)
     return torch.randn(b, 3, 32, 32, generator=g), torch.randint(0, 10, (b,), generator=g)
 
 
-def _gpt() -> nn.Module:
-    torch.manual_seed(0)
-    return TinyGPT()  # the demo's model: 2 layers, dim 128, 64 tokens
-
-
 SHAPES = (
     Shape("mlp 256-512-512-10", lambda: mlp(256, 512), lambda b: vectors(b, 256, seed=b), classify,
           (("16MiB", 4096), ("40MiB", 16384))),
-    Shape("tinygpt (demo)", _gpt, lambda b: synthetic_tokens(b, seed=b), token_loss, (("32MiB", 96), ("64MiB", 256))),
-    Shape("cnn 32x32 + batchnorm", _cnn, _image_batch, classify, (("16MiB", 256), ("64MiB", 1024))),
+    Shape("tinygpt (demo)", seeded(TinyGPT), lambda b: synthetic_tokens(b, seed=b), token_loss,  # 2 x 128, 64 tok
+          (("32MiB", 96), ("64MiB", 256))),
+    Shape("cnn 32x32 + batchnorm", seeded(lambda: ConvBN(16, 32)), _image_batch, classify,
+          (("16MiB", 256), ("64MiB", 1024))),
 )
 
 

@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from common import bench_main, classify, markdown_table, mlp, vectors
@@ -107,6 +108,11 @@ def _paired(runs: list[float], reference: list[float]) -> tuple[float, float]:
     return ratio, math.sqrt(math.pi / 2) * 1.4826 * mad / math.sqrt(len(ratios))
 
 
+def _searched(result: Any) -> dict:
+    return {"wall_time_s": result.wall_time_s, "trials": result.n_trials_run, "stopped": result.stopped,
+            "samples_per_s": result.samples_per_s, "comparison": [c.to_dict() for c in result.comparison]}
+
+
 def run_workload(w: Workload, n_trials: int, rounds: int, sweep_top: int) -> dict:
     task = w.make_task()
     usable = int(w.budget * (1 - HEADROOM))
@@ -138,14 +144,9 @@ def run_workload(w: Workload, n_trials: int, rounds: int, sweep_top: int) -> dic
                            "vs_sweep_best": median[c] / median[sweep], "paired_vs_sweep_best": paired[c][0],
                            "paired_noise": paired[c][1]}
                     for name, c in named.items()},
-        "search_micro_only": {"wall_time_s": micro_only.wall_time_s, "trials": micro_only.n_trials_run,
-                              "stopped": micro_only.stopped, "samples_per_s": micro_only.samples_per_s,
-                              "probe_wall_time_s": micro_only.probe_wall_time_s,
-                              "comparison": [c.to_dict() for c in micro_only.comparison],
+        "search_micro_only": {**_searched(micro_only), "probe_wall_time_s": micro_only.probe_wall_time_s,
                               "finalists": [{"trial": n, "runs": list(r)} for n, r in micro_only.confirmed]},
-        "search_default_space": {"wall_time_s": full.wall_time_s, "trials": full.n_trials_run,
-                                 "stopped": full.stopped, "samples_per_s": full.samples_per_s,
-                                 "comparison": [c.to_dict() for c in full.comparison]},
+        "search_default_space": _searched(full),
         "sweep": {"wall_time_s": sweep_s, "plans_measured": len(sweep_rows), "top_plans_verified": sweep_top_sizes,
                   "rows": sweep_rows},
         "goal_met": median[named["search (micro only)"]] >= 0.97 * median[sweep],
@@ -182,11 +183,9 @@ def table(doc: dict) -> str:
              "paired ± noise", "wall s")]
     for i, results in enumerate(runs, 1):
         for r in results:
-            walls = {"search (micro only)": f"{r['search_micro_only']['wall_time_s']:.1f} "
-                                            f"({r['search_micro_only']['trials']} trials)",
-                     "search (default space)": f"{r['search_default_space']['wall_time_s']:.1f} "
-                                               f"({r['search_default_space']['trials']} trials)",
-                     "sweep best": f"{r['sweep']['wall_time_s']:.1f} ({r['sweep']['plans_measured']} plans)"}
+            walls = {f"search ({label})": f"{r[key]['wall_time_s']:.1f} ({r[key]['trials']} trials)"
+                     for label, key in (("micro only", "search_micro_only"), ("default space", "search_default_space"))}
+            walls["sweep best"] = f"{r['sweep']['wall_time_s']:.1f} ({r['sweep']['plans_measured']} plans)"
             for j, (name, c) in enumerate(r["configs"].items()):
                 rows.append((str(i) if j == 0 else "", r["workload"] if j == 0 else "", name, str(c["micro_batch"]),
                              str(c["accum_steps"]), c["knobs"], f"{c['samples_per_s']:,.0f}", f"{c['spread']:.2f}",

@@ -26,16 +26,8 @@ from torch import nn
 import autoaccum
 from autoaccum import OOMGuard, TrackedMemory, parse_bytes
 
-VARIANTS = {
-    "model": {"grow": "auto"},
-    "double": {"grow": "double", "grow_after": 2},
-    "off": {"grow": "off"},
-}
-LABELS = {
-    "model": "grow='auto' (default)",
-    "double": "grow='double', grow_after=2",
-    "off": "grow='off'",
-}
+VARIANTS = {"model": {"grow": "auto"}, "double": {"grow": "double", "grow_after": 2}, "off": {"grow": "off"}}
+LABELS = {"model": "grow='auto' (default)", "double": "grow='double', grow_after=2", "off": "grow='off'"}
 
 
 def make_model(device: torch.device) -> nn.Module:
@@ -104,11 +96,10 @@ def runs_in_lockstep(args: argparse.Namespace, report: autoaccum.ProbeReport,
                "ooms_after_squeeze": sum(x["ooms"] for x in steps if x["phase"] == "after"),
                "ooms_in_squeeze": sum(x["ooms"] for x in steps if x["phase"] == "squeeze"),
                "micro_batches": [x["micro_batch"] for x in steps]}
-        for key in ("wall_s", "cpu_s"):
-            kind = key.removesuffix("_s")
-            run[f"before_samples_per_s_{kind}"] = rate("before", key)
-            run[f"after_samples_per_s_{kind}"] = rate("after", key)
-            run[f"ratio_{kind}"] = run[f"after_samples_per_s_{kind}"] / run[f"before_samples_per_s_{kind}"]
+        for kind in ("wall", "cpu"):
+            before, after = rate("before", f"{kind}_s"), rate("after", f"{kind}_s")
+            run.update({f"before_samples_per_s_{kind}": before, f"after_samples_per_s_{kind}": after,
+                        f"ratio_{kind}": after / before})
         out[name] = run
     for name in VARIANTS:  # the machine's drift over the same steps, measured by the control, divided out
         for kind in ("wall", "cpu"):

@@ -162,8 +162,7 @@ def run(args: object = None) -> dict:
     return {"benchmark": "variable_length", "variants": result, "probes": probes, "torch": torch.__version__,
             "data": {"sequences": len(rows), "median": lengths[len(lengths) // 2], "longest": lengths[-1],
                      "shortest": lengths[0], "steps": STEPS, "target": TARGET, "order_seed": order_seed},
-            "budget": BUDGET,
-            "headroom": HEADROOM}
+            "budget": BUDGET, "headroom": HEADROOM}
 
 
 def table(result: dict) -> str:

@@ -6,7 +6,6 @@ detectors react to it), recording when each OOM struck; on CUDA the real device 
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import gc
 import time
@@ -14,10 +13,10 @@ from functools import partial
 from typing import Any
 
 import torch
-from common import hand_step, largest_fitting, micro_batches
+from common import HEADROOM_KEPT, hand_step, largest_fitting, micro_batches
 
 from autoaccum import TrackedMemory
-from autoaccum.memory.savers import apply_saver
+from autoaccum.memory.savers import allowed_savers, apply_saver, saver_rank
 
 from .context import Context
 from .workloads import loss_sum, make_optimizer, on_device, slice_batch
@@ -103,21 +102,26 @@ def accumulated_steps(ctx: Context, micro: int, budget: Any, steps: int = 2, acc
                       loss_sum, prepare=partial(on_device, device=ctx.device))
 
 
-class _NoBudget(contextlib.nullcontext):
-    def track(self, *objs: Any) -> _NoBudget:
-        return self
-
-
-def peak_bytes(ctx: Context, micro: int) -> int:
+def peak_bytes(ctx: Context, micro: int, saver: str | None = None) -> int:
     if ctx.device.type == "cuda":
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(ctx.device)
-        accumulated_steps(ctx, micro, _NoBudget())
+        accumulated_steps(ctx, micro, CudaBudget(2**62, ctx.device), saver=saver)  # the fraction stays 1
         return int(torch.cuda.max_memory_reserved(ctx.device))  # the fraction caps reserved memory
     meter = TrackedMemory()
-    accumulated_steps(ctx, micro, meter)
+    accumulated_steps(ctx, micro, meter, saver=saver)
     return meter.peak_bytes
+
+
+def blocks_budget(ctx: Context, share: float) -> tuple[int, str]:
+    """A budget at which one sample (two accumulated steps, the probe's headroom kept free) fits with the
+    first saver that checkpoints at least ``share`` of the blocks, but not with the saver below it: midway
+    between their peaks, over ``HEADROOM_KEPT``. Returns the bytes and that saver."""
+    savers = allowed_savers(ctx.base, ctx.device, ("checkpointing",))  # none, k of N blocks, all; no offload
+    index = next(i for i, s in enumerate(savers) if i and saver_rank(s) >= share)
+    low, high = peak_bytes(ctx, 1, savers[index]), peak_bytes(ctx, 1, savers[index - 1])
+    return int((low + high) / 2 / HEADROOM_KEPT), savers[index]
 
 
 def budget_for(ctx: Context, micro: int) -> int:

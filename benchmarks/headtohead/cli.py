@@ -34,13 +34,12 @@ def main(argv: list[str] | None = None) -> int:
                              "a GPU); default: calibrated per model so a plain loop fits about a fifth of the target")
     parser.add_argument("--in-process", action="store_true", help="run every system in this process")
     parser.add_argument("--out", default=None, metavar="DIR",
-                        help="save each model's results in DIR as it finishes and read back those already there "
-                             "(made under the same settings): a run that stops keeps what it finished (--size gpu "
-                             "on a machine held for a limited time)")
+                        help="save each model's results in DIR as it finishes and read back those made under the same "
+                             "settings: a run that stops keeps what it finished (a GPU held for a limited time)")
     parser.add_argument("--redo", action="store_true", help="with --out: run again the models saved there")
     parser.add_argument("--rounds", type=int, default=5,
-                        help="gpt_long (one sample does not fit): rounds of fit against the hand-configured run, "
-                             "alternating in one process (default 5; 0: none)")
+                        help="gpt_long, gpt_blocks (one sample does not fit): rounds of fit against the "
+                             "hand-configured runs, alternating in one process (default 5; gpt_long 0: none)")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: one system's runs, JSON out
     args, rest = parser.parse_known_args(argv)
     if args.child is not None:

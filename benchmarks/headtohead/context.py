@@ -33,6 +33,8 @@ class RunResult:
     train_ooms: int = 0
     budget_ooms: int = 0  # every OOM the run's budget raised, caught or not (not the probe's own counter's)
     saver: str | None = None  # the memory saver autoaccum trained on (``autoaccum.memory.savers``)
+    planned_saver: str | None = None  # the one the finder chose, where it differs
+    weighed: list[tuple[str, int, float | None]] = field(default_factory=list)  # the probe's savers_weighed
     error: str | None = None
     model: nn.Module | None = None
     notes: list[str] = field(default_factory=list)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import os
 import platform
 import statistics
@@ -11,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import markdown_table, version_of
 from torch import nn
 
 import autoaccum
@@ -30,7 +30,7 @@ def summarise(r: RunResult, ref: nn.Module, init: nn.Module, target: int) -> dic
         "find_ooms": r.find_ooms, "train_ooms": r.train_ooms, "global_batches": integrity.get("global_batches"),
         "target_batch": target, "samples_per_s": rec.steady_rate() if rec and r.error is None else None,
         "samples_per_cpu_s": rec.steady_rate(cpu=True) if rec and r.error is None else None,
-        "planned_micro_batch": r.planned_micro,
+        "planned_micro_batch": r.planned_micro, "planned_saver": r.planned_saver, "weighed": r.weighed,
         "optimizer_steps": integrity.get("steps"), "repeated_samples": integrity.get("repeated_samples"),
         "lost_samples": integrity.get("lost_samples"), "inconsistent_steps": integrity.get("inconsistent_steps"),
         "max_rel_diff": None if diff is None else diff[0], "diff_vs_update": None if diff is None else diff[1],
@@ -84,9 +84,7 @@ def num(value: Any, fmt: str) -> str:
 
 def _seconds(value: float | None) -> str:
     """Time lost to the OOM; differences under 10 ms are within the noise of one step."""
-    if value is None:
-        return ""
-    return "<0.01 s · " if value < 0.01 else f"{value:.2f} s · "
+    return "" if value is None else "<0.01 s · " if value < 0.01 else f"{value:.2f} s · "
 
 
 def _global(row: dict[str, Any]) -> str:
@@ -103,10 +101,12 @@ def _global(row: dict[str, Any]) -> str:
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    """The comparison's table; a workload where one sample does not fit gets its own (``savers_table``)."""
-    plain = [res for res in results if res.get("saver", "none") == "none"]
+    """The comparison's table; a workload where one sample does not fit gets its own (``savers_table``,
+    ``blocks_table``)."""
+    plain = [res for res in results if res.get("saver", "none") == "none" and "blocks" not in res]
     return "\n\n".join([_plain_table(plain)] * bool(plain)
-                       + [savers_table(res) for res in results if res.get("saver", "none") != "none"])
+                       + [blocks_table(res) if "blocks" in res else savers_table(res) for res in results
+                          if res.get("saver", "none") != "none" or "blocks" in res])
 
 
 def _plain_table(results: list[dict[str, Any]]) -> str:
@@ -173,28 +173,53 @@ def savers_table(res: dict[str, Any]) -> str:
                      f"{row.get('all_optimizer_steps')} | {ended} | {saver} | {rate} | "
                      f"{num(row['max_rel_diff'], '.1e')} |")
     pair = res.get("fit_vs_hand")
-    return "\n".join(lines + ([] if pair is None else ["", *_pair_lines(pair)]))
+    if pair is None or "error" in pair:
+        return "\n".join(lines + ([] if pair is None else ["", f"fit against the hand-configured run: {pair['error']}"
+                                                             ]))
+    rounds = ", ".join(format(r, ".3f") for r in pair["ratios"])
+    return "\n".join([*lines, "", f"fit against the hand-configured run, {pair['rounds']} rounds alternating in one "
+                       "process:", "", markdown_table([PAIRS_HEAD, _pairs_row(autoaccum.format_bytes(
+                           res["budget_bytes"]), pair)]), "", f"fit / hand: {num(pair['ratio_median'], '.3f')} by wall "
+                       f"time (median of rounds: {rounds}), {num(pair['cpu_ratio_median'], '.3f')} by CPU time"])
 
 
-def _pair_lines(pair: dict[str, Any]) -> list[str]:
-    """fit against the hand-configured run (``savers.measure``): a small table and the ratio."""
-    if "error" in pair:
-        return [f"fit against the hand-configured run: {pair['error']}"]
-    lines = [f"fit against the hand-configured run, {pair['rounds']} rounds alternating in one process:", "",
-             "| run | saver · micro | samples/s: wall · CPU (median) | OOMs in training | rel. diff (max) |",
-             "|---|---|---|---|---|"]
-    kept_free = f"brute force, {1 - pair['headroom_kept']:.0%} kept free"
-    for variant, how in (("fit", "the probe's plan"), ("hand", kept_free)):
-        runs = pair["runs"][variant]
-        savers = sorted({f"{r.get('saver') or 'none'} · {r['micro_batch']}" for r in runs})
-        ooms = sum(r["train_ooms"] or 0 for r in runs)
-        lines.append(f"| {variant} | {', '.join(savers)} ({how}) | {num(pair[f'{variant}_samples_per_s'], '.2f')} · "
-                     f"{num(pair[f'{variant}_samples_per_cpu_s'], '.2f')} | {ooms} | "
-                     f"{num(pair[f'{variant}_max_rel_diff'], '.1e')} |")
-    ratio = (f"fit / hand: {num(pair['ratio_median'], '.3f')} by wall time (median of rounds: "
-             f"{', '.join(format(r, '.3f') for r in pair['ratios'])}), {num(pair['cpu_ratio_median'], '.3f')} "
-             f"by CPU time")
-    return [*lines, "", ratio]
+def _pair(saver: str | None, micro: int | None) -> str:
+    """``2/8 x 1``: the blocks checkpointed (of all) and the micro-batch."""
+    return f"{ {'none': '0', 'checkpointing': 'all'}.get(saver or 'none', (saver or '').partition(':')[2])} x {micro}"
+
+
+PAIRS_HEAD = ("budget", "fit: plan · samples/s · OOMs in training", "best pair · samples/s",
+              "hand: all blocks · samples/s", "fit / best", "fit / hand", "best / hand", "probe: steps eq. · passes",
+              "rel. diff: fit · control")
+
+
+def _pairs_row(head: str, row: dict[str, Any]) -> tuple[str, ...]:
+    """fit against the best pair and the hand-configured run (``savers.measure``), one table row."""
+    if "error" in row:
+        return (head, row["error"], *[""] * 7)
+    plans = [_pair(*p[:2]) + ("" if p[:2] == p[2:] else f" → {_pair(*p[2:])}") for p in row["fit_plans"]]
+    best, hand = row["pairs"][row["best"]], row["pairs"]["hand"]
+    ratio = {k: f"{num(row[f'{k}ratio_median'], '.3f')} ({num(row[f'cpu_{k}ratio_median'], '.3f')})"
+             for k in ("best_", "")}
+    return (head, f"{', '.join(plans)} · {num(row['fit_samples_per_s'], '.2f')} · {row['fit_train_ooms']}",
+            f"{_pair(best['saver'], best['micro'])} · {num(best['samples_per_s'], '.2f')}",
+            f"{_pair(hand['saver'], hand['micro'])} · {num(hand['samples_per_s'], '.2f')}", ratio["best_"], ratio[""],
+            num(row["best_over_hand"], ".3f"), f"{num(row['probe_steps_equivalent'], '.2f')} · "
+            f"{num(row['probe_passes'], '.0f')}", f"{num(row['fit_max_rel_diff'], '.1e')} · "
+            f"{num(row['control_max_rel_diff'], '.1e')}")
+
+
+def blocks_table(res: dict[str, Any]) -> str:
+    """fit against the brute force's best pair and the hand-configured run at each budget (``savers.measure``)."""
+    heads = [f"{autoaccum.format_bytes(row['budget_bytes'])}: one sample needs {_pair(row['needed'], 1)[:-4]} of the "
+             f"blocks" for row in res["blocks"]]
+    return "\n".join([
+        f"{res['model']}: {res['describe']}; target {res['target_batch']}; {res['dtype']}. Pairs: blocks checkpointed "
+        "x micro-batch; samples/s by wall time, median of the rounds; ratios: median of the paired rounds by wall "
+        "(CPU) time", "", markdown_table([PAIRS_HEAD, *(_pairs_row(h, r) for h, r in zip(heads, res["blocks"]))]), "",
+        f"Every pair, samples/s (median of {res['blocks'][0].get('rounds')} rounds):",
+        *(f"- {h}: " + ", ".join(f"{_pair(p['saver'], p['micro'])} {num(p['samples_per_s'], '.2f')}"
+                                 for p in row.get("pairs", {}).values()) for h, row in zip(heads, res["blocks"]))])
 
 
 def _git_head() -> str:
@@ -209,25 +234,12 @@ def _git_head() -> str:
 
 
 def versions() -> dict[str, str]:
-    out = {"python": platform.python_version(), "torch": torch.__version__,
-           "autoaccum": f"{autoaccum.__version__} ({_git_head()})"}
-    for name in ("accelerate", "lightning", "transformers"):
-        try:
-            out[name] = importlib.import_module(name).__version__
-        except Exception:
-            out[name] = "not installed"
-    return out
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "autoaccum": f"{autoaccum.__version__} ({_git_head()})",
+            **{name: version_of(name) for name in ("accelerate", "lightning", "transformers")}}
 
 
 def machine(device: torch.device) -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        import psutil
-
-        cores = f"{psutil.cpu_count(logical=False)} cores / {psutil.cpu_count()} threads"
-        mem = f", {psutil.virtual_memory().total / 2**30:.0f} GiB RAM"
-    except Exception:
-        cores, mem = "", ""
-    gpu = f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ", no GPU"
-    load = f"; load average {os.getloadavg()[0]:.1f} at the start" if hasattr(os, "getloadavg") else ""
-    return f"{platform.system()} {cpu}, {cores}{mem}{gpu}; torch threads {torch.get_num_threads()}{load}"
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "no GPU"
+    return (f"{platform.system()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {gpu}; torch "
+            f"threads {torch.get_num_threads()}; load average {os.getloadavg()[0]:.1f} at the start")

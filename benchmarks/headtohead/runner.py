@@ -23,12 +23,12 @@ from torch import nn
 import autoaccum
 from autoaccum.jsonio import write_json_atomic
 
-from .budget import brute_force, budget_for, make_budget
+from .budget import blocks_budget, brute_force, budget_for, make_budget
 from .context import Context, RunResult
 from .recorder import Recorder
 from .reference import reference
 from .report import BENCHMARKS, machine, num, summarise, summarise_drop, versions
-from .savers import PAIR, measure
+from .savers import BLOCKS, PAIR, measure
 from .systems import REGISTRY, SYSTEMS
 from .workloads import Batch, Workload, describe_model, workloads
 
@@ -76,11 +76,9 @@ class Setup:
 
 def available(system: str) -> str | None:
     """None when the system can run, else why not."""
-    module = REGISTRY[system].requires
-    if module is None:
-        return None
     try:
-        importlib.import_module(module)
+        if (module := REGISTRY[system].requires) is not None:
+            importlib.import_module(module)
     except Exception as exc:
         return f"not installed or not importable ({type(exc).__name__}: {str(exc)[:80]})"
     return None
@@ -138,14 +136,16 @@ def run_pair(system: str, setup: Setup, freeze_gc: bool = False) -> dict[str, An
 
 
 def run_child(system: str, setup: Setup, freeze_gc: bool = False) -> dict[str, Any]:
-    """What one process runs: a system's runs A and B, or (``PAIR``) fit against the hand-configured run."""
-    if system != PAIR:
+    """What one process runs: a system's runs A and B, or fit against the hand-configured run (``PAIR``) or
+    against every pair a brute force finds (``BLOCKS``)."""
+    if system not in (PAIR, BLOCKS):
         return run_pair(system, setup, freeze_gc)
     w, data, base, device = _build(setup)
     gc.collect()
     if freeze_gc:
         gc.freeze()  # as in run_pair: the recoveries' gc.collect() should not walk what the imports made
-    return measure(Context(w, data, base, setup.budget_bytes, setup.steps, device, setup.truly_fits), setup.rounds)
+    ctx = Context(w, data, base, setup.budget_bytes, setup.steps, device, setup.truly_fits)
+    return measure(ctx, setup.rounds, every_pair=system == BLOCKS)
 
 
 def run_isolated(system: str, setup: Setup) -> dict[str, Any]:
@@ -167,6 +167,8 @@ def run_workload(name: str, w: Workload, config: Config, log: Callable[[str], No
                         config.threads)
     _, data, base, _ = _build(probe_setup)
     ctx = Context(w, data, base, 0, config.steps, device, 0)
+    if w.block_shares:
+        return run_blocks(name, ctx, config, log)
     budget_bytes = int(config.budget_gib * 2**30) if config.budget_gib else budget_for(ctx, w.micro_target)
     t0 = time.perf_counter()
     truly, tried = brute_force(ctx, budget_bytes)
@@ -190,14 +192,9 @@ def run_workload(name: str, w: Workload, config: Config, log: Callable[[str], No
         "note": w.note, "saver": w.saver, "fits_without_savers": bare, "systems": {},
     }
     for system in config.systems:
-        why = available(system)
-        if why is not None:
-            out["systems"][system] = {"error": why}
-            log(f"  {system}: {why}")
-            continue
-        t0 = time.perf_counter()
-        row = run_isolated(system, setup) if config.isolate else run_pair(system, setup)
-        out["systems"][system] = row
+        t0, why = time.perf_counter(), available(system)
+        row = out["systems"][system] = {"error": why} if why is not None else \
+            run_isolated(system, setup) if config.isolate else run_pair(system, setup)
         if "micro_batch" not in row:
             log(f"  {system}: {row.get('error')}")
             continue
@@ -215,6 +212,23 @@ def run_workload(name: str, w: Workload, config: Config, log: Callable[[str], No
             + (pair["error"] if "error" in pair else
                f"{num(pair['fit_samples_per_s'], '.2f')} against {num(pair['hand_samples_per_s'], '.2f')} samples/s, "
                f"ratio {num(pair['ratio_median'], '.3f')} (median of {len(pair['ratios'])} rounds)"))
+    return out
+
+
+def run_blocks(name: str, ctx: Context, config: Config, log: Callable[[str], None]) -> dict[str, Any]:
+    """At each of the workload's budgets (``blocks_budget``), fit against the brute force's pairs in one process
+    (``measure(every_pair=True)``). No peers: what their finders do where one sample does not fit is ``gpt_long``'s."""
+    out = {"model": name, "describe": describe_model(ctx.base), "target_batch": ctx.workload.target_batch,
+           "note": ctx.workload.note, "dtype": config.dtype, "blocks": []}
+    for share in ctx.workload.block_shares:
+        t0, (budget_bytes, needed) = time.perf_counter(), blocks_budget(ctx, share)
+        setup = Setup(config.size, name, config.dtype, config.device, config.steps, budget_bytes, 1, 0, 0, False,
+                      config.threads, config.rounds)
+        row = run_isolated(BLOCKS, setup) if config.isolate else run_child(BLOCKS, setup)
+        out["blocks"].append({"share": share, "needed": needed, "budget_bytes": budget_bytes, **row})
+        log(f"{name} at {share:.0%} ({autoaccum.format_bytes(budget_bytes)}, {needed}; {time.perf_counter() - t0:.0f}"
+            f"s): " + row.get("error", f"fit / best {num(row.get('best_ratio_median'), '.3f')} ({row.get('best')}), "
+                                       f"fit / hand {num(row.get('ratio_median'), '.3f')}"))
     return out
 
 

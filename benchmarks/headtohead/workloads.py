@@ -4,15 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from common import mlp
+from common import mlp, seeded
 from torch import nn
 
 from autoaccum.demo import TinyGPT
 
 LR = 1e-3
+#: the shares of the blocks that must be checkpointed for one sample at ``gpt_blocks``' three budgets
+SHARES = (0.25, 0.5, 1.0)
 
 Batch = dict[str, torch.Tensor]
 
@@ -37,6 +40,8 @@ class Workload:
     #: the memory saver (``autoaccum.memory.savers``) a plain loop needs under the budget:
     #: ``"checkpointing"`` where one sample does not fit without it (``micro_target`` is then counted with it)
     saver: str = "none"
+    #: one budget each (``budget.blocks_budget``): this share of the blocks must be checkpointed for one sample
+    block_shares: tuple[float, ...] = ()
 
 
 class ConvBN(nn.Module):
@@ -83,56 +88,47 @@ def loss_sum(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor
     return total, labels.ne(-100).sum()
 
 
+def _gpt(name: str, vocab: int, seq: int, dim: int, layers: int, heads: int, target: int, micro: int,
+         **kwargs: Any) -> Workload:
+    """A seeded TinyGPT on padded token sequences (a token-level loss)."""
+    return Workload(name, seeded(lambda: TinyGPT(vocab_size=vocab, seq_len=seq, dim=dim, layers=layers, heads=heads)),
+                    _token_data(seq, vocab), target, micro, token_level=True, **kwargs)
+
+
 def workloads(size: str) -> dict[str, Workload]:
     """``tiny`` (the smoke test), ``cpu`` (default: a few minutes on 2 cores) or ``gpu`` (real memory).
 
-    ``gpt_long`` is the workload where one sample does not fit without activation checkpointing; it runs
-    only when named (``--models gpt_long``)."""
-    def seeded(factory: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
-        def make() -> nn.Module:
-            torch.manual_seed(0)
-            return factory()
-        return make
-
+    ``gpt_long`` is the workload where one sample does not fit without activation checkpointing, ``gpt_blocks``
+    the one whose budgets need a quarter, half and all of its blocks checkpointed for one sample; they run
+    only when named (``--models gpt_long gpt_blocks``)."""
+    long, blocks = {"saver": "checkpointing"}, {"saver": "checkpointing", "block_shares": SHARES}
     if size == "tiny":
-        return {
-            "mlp": Workload("mlp", seeded(lambda: mlp(32, 16, 4)), _classification_data((32,)), 64, 19),
-            "gpt": Workload("gpt", seeded(lambda: TinyGPT(vocab_size=32, seq_len=16, dim=16, layers=1, heads=2)),
-                            _token_data(16, 32), 32, 7, token_level=True),
-            "cnn": Workload("cnn", seeded(lambda: ConvBN(4, 8)), _classification_data((3, 8, 8)), 32, 7,
-                            batchnorm=True),
-            "gpt_long": Workload("gpt_long", seeded(lambda: TinyGPT(vocab_size=32, seq_len=128, dim=16, layers=8,
-                                                                    heads=2)),
-                                 _token_data(128, 32), 4, 2, token_level=True, saver="checkpointing"),
-        }
-    if size == "cpu":
-        return {
-            "mlp": Workload("mlp", seeded(lambda: mlp(256, 128, 6)), _classification_data((256,)), 1024, 230,
-                            note="256-128x6-10, ReLU"),
-            "gpt": Workload("gpt", seeded(lambda: TinyGPT(vocab_size=256, seq_len=32, dim=64, layers=2, heads=4)),
-                            _token_data(32, 256), 64, 13, token_level=True,
-                            note="TinyGPT 2 layers x 64, 32 tokens, lengths 8..32 padded; token-level loss"),
-            "cnn": Workload("cnn", seeded(lambda: ConvBN(16, 16)), _classification_data((3, 16, 16)), 128, 27,
-                            batchnorm=True, note="2 conv+BatchNorm blocks, 16x16 images"),
-            "gpt_long": Workload("gpt_long", seeded(lambda: TinyGPT(vocab_size=64, seq_len=384, dim=32, layers=6,
-                                                                    heads=2)),
-                                 _token_data(384, 64), 8, 2, token_level=True, saver="checkpointing",
-                                 note="TinyGPT 6 layers x 32, 384 tokens, lengths 96..384 padded; one sample "
-                                      "does not fit without checkpointing"),
-        }
-    if size == "gpu":  # not exercised on the CPU-only machines this was written on
-        return {
-            "mlp": Workload("mlp", seeded(lambda: mlp(4096, 4096, 8)), _classification_data((4096,)), 16384, 3600),
-            "gpt": Workload("gpt", seeded(lambda: TinyGPT(vocab_size=32000, seq_len=1024, dim=1024, layers=12,
-                                                          heads=16)),
-                            _token_data(1024, 32000), 256, 23, token_level=True),
-            "cnn": Workload("cnn", seeded(lambda: ConvBN(128, 32)), _classification_data((3, 32, 32)), 4096, 900,
-                            batchnorm=True),
-            "gpt_long": Workload("gpt_long", seeded(lambda: TinyGPT(vocab_size=8192, seq_len=4096, dim=768, layers=12,
-                                                                    heads=12)),
-                                 _token_data(4096, 8192), 16, 3, token_level=True, saver="checkpointing"),
-        }
-    raise ValueError(f"Invalid size: {size!r}. Allowed values: tiny, cpu, gpu")
+        named = [Workload("mlp", seeded(lambda: mlp(32, 16, 4)), _classification_data((32,)), 64, 19),
+                 _gpt("gpt", 32, 16, 16, 1, 2, 32, 7),
+                 Workload("cnn", seeded(lambda: ConvBN(4, 8)), _classification_data((3, 8, 8)), 32, 7, batchnorm=True),
+                 _gpt("gpt_long", 32, 128, 16, 8, 2, 4, 2, **long),
+                 _gpt("gpt_blocks", 32, 128, 16, 8, 2, 4, 1, **blocks)]
+    elif size == "cpu":
+        named = [Workload("mlp", seeded(lambda: mlp(256, 128, 6)), _classification_data((256,)), 1024, 230,
+                          note="256-128x6-10, ReLU"),
+                 _gpt("gpt", 256, 32, 64, 2, 4, 64, 13,
+                      note="TinyGPT 2 layers x 64, 32 tokens, lengths 8..32 padded; token-level loss"),
+                 Workload("cnn", seeded(lambda: ConvBN(16, 16)), _classification_data((3, 16, 16)), 128, 27,
+                          batchnorm=True, note="2 conv+BatchNorm blocks, 16x16 images"),
+                 _gpt("gpt_long", 64, 384, 32, 6, 2, 8, 2, **long, note="TinyGPT 6 layers x 32, 384 tokens, lengths "
+                      "96..384 padded; one sample does not fit without checkpointing"),
+                 _gpt("gpt_blocks", 64, 384, 32, 8, 2, 8, 1, **blocks,
+                      note="TinyGPT 8 layers x 32, 384 tokens, lengths 96..384 padded")]
+    elif size == "gpu":  # not exercised on the CPU-only machines this was written on
+        named = [Workload("mlp", seeded(lambda: mlp(4096, 4096, 8)), _classification_data((4096,)), 16384, 3600),
+                 _gpt("gpt", 32000, 1024, 1024, 12, 16, 256, 23),
+                 Workload("cnn", seeded(lambda: ConvBN(128, 32)), _classification_data((3, 32, 32)), 4096, 900,
+                          batchnorm=True),
+                 _gpt("gpt_long", 8192, 4096, 768, 12, 12, 16, 3, **long),
+                 _gpt("gpt_blocks", 8192, 4096, 768, 12, 12, 16, 1, **blocks)]
+    else:
+        raise ValueError(f"Invalid size: {size!r}. Allowed values: tiny, cpu, gpu")
+    return {w.name: w for w in named}
 
 
 def describe_model(model: nn.Module) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import sys
@@ -12,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import context
+from common import context, version_of
 
 from . import table
 from .models import rows
@@ -57,25 +56,18 @@ def run(args: argparse.Namespace, log: Any = lambda s: None) -> dict[str, Any]:
     started = time.perf_counter()
     docs = [run_model(all_rows[n], device, settings, args.size, out, redo=args.redo and not args.report_only,
                       measure=not args.report_only, log=log) for n in names]
-    measured = table.rows(docs)
+    measured = [table.row(doc) for doc in docs]
     measured_on = sorted({d["device_name"] for d in docs if d.get("device_name")})
     return {
         "version": 2, "kind": "autoaccum.bench.real_gpu", **context(), "size": args.size, "device": str(device),
         # --report-only may run where the files were not made (no CUDA here): the card the files name
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" and torch.cuda.is_available()
         else " and ".join(measured_on) if args.report_only and measured_on else device.type,
-        "transformers": _version("transformers"),
+        "transformers": version_of("transformers"),
         "out": str(out), "settings": settings.to_dict(), "cpu_smoke": device.type != "cuda",
         "note": CPU_NOTE if device.type != "cuda" else "", "targets": table.targets(measured),
         "rows": measured, "models": docs, "total_wall_time_s": time.perf_counter() - started,
     }
-
-
-def _version(module: str) -> str:
-    try:
-        return importlib.import_module(module).__version__
-    except ImportError:
-        return "not installed"
 
 
 def main(doc: str, argv: list[str] | None = None) -> int:

@@ -133,8 +133,7 @@ def compare(built: Built, device: torch.device, report: dict[str, Any], rounds: 
     fits = [r["fit"] for r in runs]
     return {
         "micro_batch": plan["micro_batch"], "accum_steps": plan["accum_steps"], "steps": steps, "rounds": rounds,
-        "skip": SKIP, "runs": runs,
-        "ratio": statistics.median(ratios) if ratios else None,
+        "skip": SKIP, "runs": runs, "ratio": statistics.median(ratios) if ratios else None,
         "ratio_min": min(ratios, default=None), "ratio_max": max(ratios, default=None),
         "fit_samples_per_s": statistics.median([r["fit"]["rate"] for r in runs if r["fit"]["rate"]] or [0.0]),
         "hand_samples_per_s": statistics.median([r["hand"]["rate"] for r in runs if r["hand"]["rate"]] or [0.0]),

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from common import seeded
 from torch import nn
 
 from autoaccum.plan.batchnorm import smallest_micro_batch
@@ -28,38 +29,19 @@ Batch = dict[str, torch.Tensor]  # a Hugging Face model's inputs and labels
 
 @dataclass(frozen=True)
 class Workload:
-    """One model at one size.
+    """One model at one size."""
 
-    Attributes:
-        name: the row's name (``resnet50_fp32``, ..., ``llama_1b_lora_bf16``).
-        describe: what the model is, for the table.
-        make_model: ``make_model()`` -> a fresh model, the same weights every call.
-        make_batch: ``make_batch(b, seed)`` -> ``b`` samples on the host.
-        target_batch: the global batch every plan covers exactly.
-        budget_bytes: the memory the squeeze leaves this process.
-        needs: the module the model needs beyond torch (``transformers``), or None.
-        precision: the run's precision (``fp32``, or ``bf16`` autocast), for the probe, brute force,
-            fit, the hand-written loop and the sweep alike.
-        loop_steps: optimizer steps of each run of fit and of the hand-written loop in their
-            comparison (the first two of each run are left out of its rate).
-    """
-
-    name: str
-    describe: str
-    make_model: Callable[[], nn.Module]
-    make_batch: Callable[[int, int], Batch]
-    target_batch: int
-    budget_bytes: int
-    needs: str | None = "transformers"
+    name: str  # the row's name (``resnet50_fp32``, ..., ``llama_1b_lora_bf16``)
+    describe: str  # what the model is, for the table
+    make_model: Callable[[], nn.Module]  # a fresh model, the same weights every call
+    make_batch: Callable[[int, int], Batch]  # ``make_batch(b, seed)``: ``b`` samples on the host
+    target_batch: int  # the global batch every plan covers exactly
+    budget_bytes: int  # the memory the squeeze leaves this process
+    needs: str | None = "transformers"  # the module the model needs beyond torch, or None
+    #: the run's precision (``fp32``, or ``bf16`` autocast) for the probe, brute force, fit, the hand loop, the sweep
     precision: str = "fp32"
+    #: optimizer steps of each run of fit and of the hand loop in their comparison (the first two not timed)
     loop_steps: int = 8
-
-
-def _seeded(factory: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
-    def make() -> nn.Module:
-        torch.manual_seed(0)
-        return factory()
-    return make
 
 
 def _tokens(seq_len: int, vocab: int, pad: int, full: bool = False) -> Callable[[int, int], Batch]:
@@ -92,7 +74,7 @@ def _hf(config_name: str, model_name: str, **config: Any) -> Callable[[], nn.Mod
 
         transformers.logging.set_verbosity_error()  # the note that the config names no loss_type
         return getattr(transformers, model_name)(getattr(transformers, config_name)(**config))
-    return _seeded(make)
+    return seeded(make)
 
 
 def _lora(dtype: torch.dtype, **config: Any) -> Callable[[], nn.Module]:
@@ -107,7 +89,7 @@ def _lora(dtype: torch.dtype, **config: Any) -> Callable[[], nn.Module]:
         lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, task_type="CAUSAL_LM",
                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
         return get_peft_model(base, lora)
-    return _seeded(make)
+    return seeded(make)
 
 
 def rows(size: str) -> dict[str, Workload]:
@@ -128,27 +110,23 @@ def rows(size: str) -> dict[str, Workload]:
         side, classes, gpt_len, llama_len, gib = 32, 10, 32, 32, MIB
     elif size != "gpu":
         raise ValueError(f"Invalid size: {size!r}. Allowed values: gpu, cpu")
-    # gpu budgets: sized from each model's bytes a sample (fake-tensor estimates and the 2026-11 H200 runs) so
-    # that the target takes 2 to 5 micro-steps; at cpu size a few MiB, under the emulated budget.
-    budgets = {"resnet50": 4, "vit_b16": 6, "gpt2_355m": 16, "llama": 20} if size == "gpu" else \
-        {"resnet50": 3, "vit_b16": 2, "gpt2_355m": 2, "llama": 1}
-    targets = {"resnet50": 128, "vit_b16": 128, "gpt2_355m": 16, "llama": 8} if size == "gpu" else \
-        {"resnet50": 64, "vit_b16": 64, "gpt2_355m": 16, "llama": 8}
-    out = []
-    for precision in ("fp32", "bf16"):
-        out.append(Workload(f"resnet50_{precision}", f"ResNet-50, {side} px, BatchNorm, {precision}",
-                            _hf("ResNetConfig", "ResNetForImageClassification", **resnet), _images(side, classes),
-                            targets["resnet50"], budgets["resnet50"] * gib, precision=precision))
-        out.append(Workload(f"vit_b16_{precision}", f"ViT-B/16, {side} px, {precision}",
-                            _hf("ViTConfig", "ViTForImageClassification", **vit), _images(side, classes),
-                            targets["vit_b16"], budgets["vit_b16"] * gib, precision=precision))
+    # (target, budget) a row; gpu budgets sized from each model's bytes a sample (fake-tensor estimates and the
+    # 2026-11 H200 runs) so that the target takes 2 to 5 micro-steps; at cpu size a few MiB, emulated
+    resnet_at, vit_at, gpt2_at, llama_at = ((128, 4), (128, 6), (16, 16), (8, 20)) if size == "gpu" else \
+        ((64, 3), (64, 2), (16, 2), (8, 1))
+    vocab = gpt2.get("vocab_size", 50257)
+    out = [Workload(f"{name}_{precision}", f"{label}, {side} px{', BatchNorm' * (kind == 'ResNet')}, {precision}",
+                    _hf(f"{kind}Config", f"{kind}ForImageClassification", **config), _images(side, classes), at[0],
+                    at[1] * gib, precision=precision)
+           for precision in ("fp32", "bf16")
+           for name, label, kind, config, at in (("resnet50", "ResNet-50", "ResNet", resnet, resnet_at),
+                                                 ("vit_b16", "ViT-B/16", "ViT", vit, vit_at))]
     out.append(Workload("gpt2_355m_bf16", f"GPT-2 355M, {gpt_len} tokens (padded), token-level loss, bf16",
-                        _hf("GPT2Config", "GPT2LMHeadModel", **gpt2), _tokens(gpt_len, gpt2.get("vocab_size", 50257),
-                                                                             gpt2.get("vocab_size", 50257) - 1),
-                        targets["gpt2_355m"], budgets["gpt2_355m"] * gib, precision="bf16"))
+                        _hf("GPT2Config", "GPT2LMHeadModel", **gpt2), _tokens(gpt_len, vocab, vocab - 1),
+                        gpt2_at[0], gpt2_at[1] * gib, precision="bf16"))
     out.append(Workload("llama_1b_lora_bf16", f"Llama-style 1.1B, bf16 weights, LoRA r16, {llama_len} tokens, bf16",
                         _lora(torch.bfloat16, **llama), _tokens(llama_len, llama["vocab_size"], 0, full=True),
-                        targets["llama"], budgets["llama"] * gib, needs="peft", precision="bf16", loop_steps=6))
+                        llama_at[0], llama_at[1] * gib, needs="peft", precision="bf16", loop_steps=6))
     return {w.name: w for w in out}
 
 

@@ -51,21 +51,13 @@ def _load(path: Path, header: dict[str, Any], redo: bool) -> dict[str, Any]:
     return {**header, "parts": {}}
 
 
-def _run_part(part: str, built: Built, device: torch.device, settings: parts.Settings,
-              doc: dict[str, Any]) -> dict[str, Any]:
-    if part == "squeeze":
-        return parts.squeezed(built, device, settings)
-    if part == "estimate":
-        return parts.estimate(built, device, settings)
-    return parts.sweep(built, device, doc["parts"]["squeeze"], settings)
-
-
 def _measured(part: str, built: Built, device: torch.device, settings: parts.Settings,
               doc: dict[str, Any]) -> dict[str, Any]:
     """``part``'s result, or the error it raised (a part that crashes is a finding: kept, and the row goes on)."""
     started = time.perf_counter()
     try:
-        result = _run_part(part, built, device, settings, doc)
+        result = parts.sweep(built, device, doc["parts"]["squeeze"], settings) if part == "sweep" else \
+            (parts.squeezed if part == "squeeze" else parts.estimate)(built, device, settings)
     except Exception as exc:
         logger.error("%s %s failed:\n%s", built.workload.name, part, traceback.format_exc())
         result = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]}

@@ -36,21 +36,13 @@ sys.stdin.read()
 
 @dataclass(frozen=True)
 class Squeezed:
-    """What a squeeze gives the runs inside it.
+    """What a squeeze gives the runs inside it."""
 
-    Attributes:
-        kind: ``process`` or ``budget``.
-        true_budget_bytes: what this process can really use (the reference's budget).
-        probe_budget: the ``budget=`` autoaccum is given (None: its default).
-        emulate: the tracked counter enforces ``true_budget_bytes`` (CPU).
-        enforced_by: how an overrun shows (a real OOM, an emulated one, or only the peak).
-    """
-
-    kind: SqueezeKind
-    true_budget_bytes: int
-    probe_budget: int | None
-    emulate: bool
-    enforced_by: str
+    kind: SqueezeKind  # ``process`` or ``budget``
+    true_budget_bytes: int  # what this process can really use (the reference's budget)
+    probe_budget: int | None  # the ``budget=`` autoaccum is given (None: its default)
+    emulate: bool  # the tracked counter enforces ``true_budget_bytes`` (CPU)
+    enforced_by: str  # how an overrun shows (a real OOM, an emulated one, or only the peak)
 
 
 def release(device: torch.device, collect: bool = True) -> None:

@@ -14,7 +14,7 @@ from autoaccum.units import format_bytes
 
 from .parts import found
 
-__all__ = ["TARGETS", "row", "rows", "table", "targets"]
+__all__ = ["TARGETS", "row", "table", "targets"]
 
 TARGETS = {"found_vs_brute": 0.95, "pick_vs_sweep": 0.97, "fit_vs_hand": 0.99, "estimate_median": 0.05,
            "estimate_worst": 0.10}
@@ -86,17 +86,12 @@ def row(doc: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def rows(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [row(doc) for doc in docs]
-
-
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value:.1%}"
 
 
 def _errors(e: dict[str, Any], key: str) -> str:
-    err = e.get(key)
-    return "-" if err is None else f"{err['median_abs']:.1%} / {err['worst_abs']:.1%}"
+    return "-" if (err := e.get(key)) is None else f"{err['median_abs']:.1%} / {err['worst_abs']:.1%}"
 
 
 def _cells(r: dict[str, Any]) -> tuple[str, ...]:

@@ -5,8 +5,6 @@ global batches (``batch_size = target``, ``accumulate_grad_batches = 1``). The t
 from __future__ import annotations
 
 import copy
-import logging
-import tempfile
 from typing import Any
 
 import torch
@@ -16,6 +14,7 @@ from ..context import Context, RunResult
 from ..recorder import Recorder
 from ..workloads import Batch, make_optimizer, on_device
 from .common import GlobalRows, batched, guard_outcome, mean_loss, pair_loss, record_probe
+from .lightning_system import trainer as lightning_trainer
 
 
 def run(ctx: Context, recorder: Recorder, budget: Any) -> RunResult:
@@ -23,8 +22,6 @@ def run(ctx: Context, recorder: Recorder, budget: Any) -> RunResult:
 
     from autoaccum.integrations.lightning import AutoAccum
 
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.ERROR)
     target = ctx.workload.target_batch
     loss_fn = mean_loss(recorder)
     result = RunResult()
@@ -52,10 +49,8 @@ def run(ctx: Context, recorder: Recorder, budget: Any) -> RunResult:
 
     module = Module(recorder.watch_model(copy.deepcopy(ctx.base)))
     loader = torch.utils.data.DataLoader(GlobalRows(ctx.data), batch_size=target, shuffle=False, collate_fn=batched)
-    trainer = pl.Trainer(accelerator="gpu" if ctx.device.type == "cuda" else "cpu", devices=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         default_root_dir=tempfile.mkdtemp(prefix="compare-autoaccum-lightning-"),
-                         max_steps=ctx.steps, callbacks=[callback, RecordProbe()])
+    trainer = lightning_trainer(ctx, "compare-autoaccum-lightning-", max_steps=ctx.steps,
+                                callbacks=[callback, RecordProbe()])
     result.model = module.model
     budget.track(module)
     with budget:

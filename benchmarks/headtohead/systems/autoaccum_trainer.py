@@ -5,7 +5,6 @@ target`` and ``gradient_accumulation_steps = 1`` (the global batch the user conf
 from __future__ import annotations
 
 import copy
-import tempfile
 from typing import Any
 
 import torch
@@ -13,14 +12,13 @@ from torch import nn
 
 from ..context import Context, RunResult
 from ..recorder import Recorder
-from ..workloads import LR, Batch, on_device
+from ..workloads import Batch, on_device
 from .common import GlobalRows, batched, guard_outcome, record_probe
-from .transformers_system import token_loss
+from .transformers_system import token_loss, training_args
 
 
 def run(ctx: Context, recorder: Recorder, budget: Any) -> RunResult:
     import transformers
-    from transformers import TrainingArguments
 
     from autoaccum.integrations.transformers import AutoAccumTrainer
 
@@ -53,14 +51,8 @@ def run(ctx: Context, recorder: Recorder, budget: Any) -> RunResult:
             return (loss, outputs) if return_outputs else loss
 
     model = recorder.watch_model(copy.deepcopy(ctx.base))
-    args = TrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix="compare-autoaccum-trainer-"), per_device_train_batch_size=target,
-        gradient_accumulation_steps=1, max_steps=ctx.steps, learning_rate=LR, weight_decay=0.0, max_grad_norm=0.0,
-        lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch", report_to="none", logging_strategy="no",
-        save_strategy="no", disable_tqdm=True, remove_unused_columns=False, dataloader_num_workers=0,
-        use_cpu=ctx.device.type == "cpu", seed=0)
-    trainer = BenchTrainer(model=model, args=args, train_dataset=GlobalRows(ctx.data), data_collator=batched,
-                           compute_loss_func=token_loss)
+    trainer = BenchTrainer(model=model, args=training_args(ctx, "compare-autoaccum-trainer-"), data_collator=batched,
+                           train_dataset=GlobalRows(ctx.data), compute_loss_func=token_loss)
     result.model = model
     budget.track(model)
     with budget:  # an OOM the guard cannot replay (in optimizer.step) ends the run: the runner reports it

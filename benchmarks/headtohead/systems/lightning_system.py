@@ -19,12 +19,20 @@ from ..workloads import Batch, make_optimizer
 from .common import Rows, batched, mean_loss
 
 
-def run(ctx: Context, recorder: Recorder, budget: Any) -> RunResult:
+def trainer(ctx: Context, prefix: str, **kwargs: Any) -> Any:
+    """A quiet ``pl.Trainer`` on the run's device: no logger, checkpoints, progress bar or summary."""
     import lightning.pytorch as pl
-    from lightning.pytorch.tuner import Tuner
 
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    return pl.Trainer(accelerator="gpu" if ctx.device.type == "cuda" else "cpu", devices=1, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      default_root_dir=tempfile.mkdtemp(prefix=prefix), **kwargs)
+
+
+def run(ctx: Context, recorder: Recorder, budget: Any) -> RunResult:
+    import lightning.pytorch as pl
+    from lightning.pytorch.tuner import Tuner
     target = ctx.workload.target_batch
     dataset = Rows(ctx.data)
     loss_fn = mean_loss(recorder)
@@ -47,17 +55,13 @@ def run(ctx: Context, recorder: Recorder, budget: Any) -> RunResult:
             return torch.utils.data.DataLoader(dataset, batch_size=self.batch_size, shuffle=False,
                                                collate_fn=batched)
 
-    def trainer(**kwargs: Any) -> pl.Trainer:
-        return pl.Trainer(accelerator="gpu" if ctx.device.type == "cuda" else "cpu", devices=1, logger=False,
-                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                          default_root_dir=tempfile.mkdtemp(prefix="compare-lightning-"), **kwargs)
-
     module = Module(recorder.watch_model(copy.deepcopy(ctx.base)))
     result = RunResult()
     budget.track(module)
     started = time.perf_counter()
     with budget:
-        found = Tuner(trainer(max_steps=ctx.steps)).scale_batch_size(module, mode="binsearch", max_val=target)
+        tuner = Tuner(trainer(ctx, "compare-lightning-", max_steps=ctx.steps))
+        found = tuner.scale_batch_size(module, mode="binsearch", max_val=target)
         result.find_time_s = time.perf_counter() - started
         result.find_ooms = budget.ooms
         result.find_steps = len([s for s in recorder.steps if s.phase == "find"]) + budget.ooms
@@ -68,7 +72,7 @@ def run(ctx: Context, recorder: Recorder, budget: Any) -> RunResult:
         recorder.new_attempt()
         recorder.watch_model(module.model)  # restored from the tuner's checkpoint: training starts here
         try:
-            trainer(max_steps=ctx.steps, accumulate_grad_batches=accum).fit(module)
+            trainer(ctx, "compare-lightning-", max_steps=ctx.steps, accumulate_grad_batches=accum).fit(module)
         except Exception as exc:
             result.error = f"crashed: {type(exc).__name__}: {str(exc)[:60]}"
     result.micro_batch, result.planned_micro, result.model = micro, found, module.model

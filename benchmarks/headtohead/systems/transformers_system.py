@@ -24,9 +24,22 @@ def token_loss(outputs: torch.Tensor, labels: torch.Tensor, num_items_in_batch: 
     return total / (num_items_in_batch if num_items_in_batch is not None else labels.ne(-100).sum())
 
 
+def training_args(ctx: Context, prefix: str, **kwargs: Any) -> Any:
+    """The ``TrainingArguments`` of both Trainer rows: the global batch of ``per_device_train_batch_size = target``
+    and ``gradient_accumulation_steps = 1``, AdamW at the shared LR, clipping off, a constant LR, no logging."""
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=tempfile.mkdtemp(prefix=prefix), per_device_train_batch_size=ctx.workload.target_batch,
+        gradient_accumulation_steps=1, max_steps=ctx.steps, learning_rate=LR, weight_decay=0.0, max_grad_norm=0.0,
+        lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch", report_to="none", logging_strategy="no",
+        save_strategy="no", disable_tqdm=True, remove_unused_columns=False, dataloader_num_workers=0,
+        use_cpu=ctx.device.type == "cpu", seed=0, **kwargs)
+
+
 def run(ctx: Context, recorder: Recorder, budget: Any) -> RunResult:
     import transformers
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
 
     transformers.logging.set_verbosity_error()
     target = ctx.workload.target_batch
@@ -54,13 +67,7 @@ def run(ctx: Context, recorder: Recorder, budget: Any) -> RunResult:
 
     holder: dict[str, Any] = {}
     model = recorder.watch_model(copy.deepcopy(ctx.base))
-    out_dir = tempfile.mkdtemp(prefix="compare-transformers-")
-    args = TrainingArguments(
-        output_dir=out_dir, per_device_train_batch_size=target, gradient_accumulation_steps=1,
-        auto_find_batch_size=True, max_steps=ctx.steps, learning_rate=LR, weight_decay=0.0, max_grad_norm=0.0,
-        lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch", report_to="none",
-        logging_strategy="no", save_strategy="no", disable_tqdm=True, remove_unused_columns=False,
-        dataloader_num_workers=0, use_cpu=ctx.device.type == "cpu", seed=0)
+    args = training_args(ctx, "compare-transformers-", auto_find_batch_size=True)
     result = RunResult(model=model)
     recorder.phase = "train"
     budget.track(model)
