@@ -89,9 +89,21 @@ def read_plan_document(source: Any, *, kinds: tuple[str, ...] | None = None) -> 
             plan = Plan.from_dict(plan)
         except TypeError as exc:
             raise ValueError(f"malformed plan: {exc}") from None
+        _check_written(plan)
     knobs = document.get("knobs")
     return PlanDocument(plan, dict(knobs) if isinstance(knobs, dict) else None, kind,
                         str(document.get("model_fingerprint") or ""), str(document.get("model_summary") or ""))
+
+
+def _check_written(plan: Plan) -> None:
+    """A plan read from a dict or a file (written by hand, perhaps) whose micro-batch is above a rank's share of the
+    step: ``Plan.for_target`` never cuts one, and running it would quietly train at the share instead."""
+    share = plan.rank_batch(0)
+    if plan.tokens is None and plan.micro_batch > share:
+        raise ValueError(f"Invalid plan: micro_batch {plan.micro_batch} is more than a rank's share of target_batch "
+                         f"{plan.target_batch} over {plan.world_size} rank(s) ({share}); a micro-batch never holds more "
+                         f"than a step. Allowed range: 1 ~ {share}; write micro_batch {share} with accum_steps 1, or "
+                         f"build it with autoaccum.Plan.for_target({plan.target_batch}, {plan.micro_batch})")
 
 
 def read_plan(source: Any) -> Plan:

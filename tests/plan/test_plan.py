@@ -249,3 +249,29 @@ def test_read_plan_accepts_what_the_tools_write(tmp_path):
         read_plan(tmp_path / "bad.json")
     with pytest.raises(ValueError, match="missing"):
         read_plan({"plan": {"micro_batch": 4}})
+
+
+def test_a_written_plan_with_a_micro_batch_above_the_step_is_refused(tmp_path):
+    """A hand-written plan file of micro-batch 512 for target 256 trained at 256 and said 512 (issue 45)."""
+    import json
+
+    import torch
+
+    import autoaccum
+    from autoaccum.plan.sources import read_plan
+
+    written = {"micro_batch": 512, "accum_steps": 1, "world_size": 1, "target_batch": 256}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"plan": written}))
+    for source in (written, path):
+        with pytest.raises(ValueError, match=r"micro_batch 512 is more than a rank's share .* \(256\).* 1 ~ 256"):
+            read_plan(source)
+    model = torch.nn.Linear(4, 2)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="micro_batch 512"):
+        autoaccum.fit(model, (torch.randn(256, 4), torch.randint(0, 2, (256,))), 256, plan=str(path), progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # before any work
+    # the same cut for two ranks is a rank share of 128: a plan written for it names that share
+    with pytest.raises(ValueError, match=r"\(128\)"):
+        read_plan({**written, "micro_batch": 200, "world_size": 2})
+    assert read_plan({**written, "micro_batch": 256}) == Plan.for_target(256, 256)
