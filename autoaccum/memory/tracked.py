@@ -20,6 +20,7 @@ back as the stack unwinds.
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections.abc import Iterable
@@ -256,4 +257,18 @@ def emulated_device(budget: int | str | None, device: torch.device, model: torch
         return None
     if model is not None:
         refuse_compiled(model, "train it under an emulated budget (budget= off CUDA)")
+    host = host_memory_bytes()
+    if host is not None and budget_bytes > host:
+        raise ValueError(f"Invalid budget: {format_bytes(budget_bytes)} is more than this machine's memory "
+                         f"({format_bytes(host)}); off CUDA the budget is an emulated device inside the host's memory, "
+                         f"which would run out first. Allowed range: up to {format_bytes(host)}; give the memory of "
+                         f"the device you plan for, if it is smaller")
     return TrackedMemory(budget_bytes=budget_bytes)
+
+
+def host_memory_bytes() -> int | None:
+    """The machine's physical memory in bytes, None where the platform does not say."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, OSError, ValueError):
+        return None

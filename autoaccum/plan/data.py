@@ -97,7 +97,7 @@ class GlobalBatches:
         self.iterable: Iterable[Batch] | None = None
         self._head: list[Batch] = []  # the first batch of a one-shot iterator, taken by sample()
         self._head_pending = False  # ... and not yet yielded by epoch()
-        columns = _tensor_columns(data)
+        columns, self._bare = _tensor_columns(data), isinstance(data, torch.Tensor)
         if columns is not None:
             tensors = list(columns.values()) if isinstance(columns, Mapping) else list(columns)
             sizes = {t.shape[0] if t.dim() else None for t in tensors}
@@ -120,6 +120,11 @@ class GlobalBatches:
             raise ValueError("data is empty: there is nothing to train on")
         if self.iterable is None and self.num_samples is not None and self.num_samples < world_size:
             raise ValueError(f"data holds {self.num_samples} samples, fewer than the {world_size} ranks")
+
+    @property
+    def one_shot(self) -> bool:
+        """An iterator (a generator): its batches run out after one pass."""
+        return isinstance(self.iterable, Iterator)
 
     @property
     def is_indexed(self) -> bool:
@@ -150,7 +155,8 @@ class GlobalBatches:
         if isinstance(self.columns, Mapping):
             return like(self.columns, ((k, t[indices]) for k, t in self.columns.items()))
         if self.columns is not None:
-            return tuple(t[indices] for t in self.columns) if len(self.columns) > 1 else self.columns[0][indices]
+            # a bare tensor comes back bare, a tuple (a 1-tuple too) as a tuple: the loss reads what it was given
+            return self.columns[0][indices] if self._bare else tuple(t[indices] for t in self.columns)
         items = [self.dataset[int(i)] for i in indices]
         if self.by_length:  # collated per micro-batch, by the cutter
             return Samples(tuple(items), tuple(self.length_fn(item) for item in items), self.collate_fn)
@@ -232,8 +238,7 @@ class GlobalBatches:
             index += 1
 
     def _size_message(self, n: int, what: str) -> str:
-        default = " (fit's default)" if self.target_batch == 256 else ""
-        return (f"the data yielded {what} of {n} samples, but target_batch is {self.target_batch}{default} over "
+        return (f"the data yielded {what} of {n} samples, but target_batch is {self.target_batch} over "
                 f"{self.world_size} rank(s), so every batch but the last must hold this rank's share "
                 f"({self.share}). The global batch is never changed silently: pass target_batch={n * self.world_size} "
                 f"to train on batches of {n}, batch the loader at {self.share}, or give fit the dataset (not a "

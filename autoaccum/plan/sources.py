@@ -101,9 +101,9 @@ def _check_written(plan: Plan) -> None:
     share = plan.rank_batch(0)
     if plan.tokens is None and plan.micro_batch > share:
         raise ValueError(f"Invalid plan: micro_batch {plan.micro_batch} is more than a rank's share of target_batch "
-                         f"{plan.target_batch} over {plan.world_size} rank(s) ({share}); a micro-batch never holds more "
-                         f"than a step. Allowed range: 1 ~ {share}; write micro_batch {share} with accum_steps 1, or "
-                         f"build it with autoaccum.Plan.for_target({plan.target_batch}, {plan.micro_batch})")
+                         f"{plan.target_batch} over {plan.world_size} rank(s) ({share}); a micro-batch never holds "
+                         f"more than a step. Allowed range: 1 ~ {share}; write micro_batch {share} with accum_steps "
+                         f"1, or build it with autoaccum.Plan.for_target({plan.target_batch}, {plan.micro_batch})")
 
 
 def read_plan(source: Any) -> Plan:

@@ -243,7 +243,7 @@ class OutputConfig:
             lambda: self.log_file is None or _check_log_file(self.log_file),
             lambda: check_report_to(self.report_to),
             lambda: check_callbacks(self.callbacks),
-            lambda: self.report_dir is None or _require_path(self.report_dir, "report_dir"),
+            lambda: self.report_dir is None or _check_report_dir(self.report_dir),
         )
 
 
@@ -314,6 +314,15 @@ def _check_log_file(log_file: Any) -> None:
         raise ValueError(f"Invalid log_file {str(log_file)!r}: its directory {str(folder)!r} does not exist. Allowed: "
                          f"a file path in an existing directory; create it first (os.makedirs({str(folder)!r}, "
                          f"exist_ok=True)) or choose another path")
+
+
+def _check_report_dir(value: object) -> None:
+    _require_path(value, "report_dir")
+    path = Path(value).expanduser()  # type: ignore[arg-type]
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"Invalid report_dir {str(value)!r}: it is a file, and TensorBoard writes a folder of event "
+                         f"files there. Allowed: a folder (made where it does not exist); choose another path, e.g. "
+                         f"{str(path.with_suffix('')) + '_runs'!r}")
 
 
 def _require_path(value: object, name: str) -> None:

@@ -113,6 +113,11 @@ def _placed(model: torch.nn.Module, device: Any) -> tuple[torch.nn.Module, GradS
     dev = resolve_device(device)  # before any process group: a bad device fails before any work
     distributed.init_from_env()
     trainable_parameters(model)
+    meta = next((name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
+    if meta is not None:
+        raise ValueError(f"{type(model).__name__}'s {meta!r} is on the meta device: it has a shape but no values, so "
+                         f"there is nothing to train. Load the weights first (model.to_empty(device=...) then "
+                         f"load_state_dict(...), or build the model outside torch.device('meta'))")
     model.to(dev)
     model.train()
     if not distributed.is_distributed() or distributed.world_info().world_size == 1:
@@ -126,12 +131,15 @@ def _optimizer(model: torch.nn.Module, optimizer: Any, lr: float | None) -> torc
         return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr if lr is not None else 1e-3)
     check_optimizer(model, optimizer)
     if lr is not None:
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        other = next((i for i, group in enumerate(optimizer.param_groups) if group["lr"] != lr), None)
+        if other is not None:  # which one was meant is not fit's to guess
+            raise ValueError(f"lr={lr!r} and the optimizer's lr {optimizer.param_groups[other]['lr']!r} (param group "
+                             f"{other}) disagree; fit would overwrite the optimizer's. Give the learning rate once: "
+                             f"build the optimizer with lr={lr!r}, or leave lr= out")
     return optimizer
 
 
-def fit(model: torch.nn.Module, data: Any, target_batch: int = 256, *, loss_fn: LossFn | None = None,
+def fit(model: torch.nn.Module, data: Any, target_batch: int | None = None, *, loss_fn: LossFn | None = None,
         optimizer: torch.optim.Optimizer | None = None, eval_data: Any = None, config: FitConfig | None = None,
         **options: Any) -> FitResult:
     """Train ``model`` on ``data`` with exactly ``target_batch`` samples per optimizer step.
@@ -175,6 +183,9 @@ def fit(model: torch.nn.Module, data: Any, target_batch: int = 256, *, loss_fn: 
     started = time.perf_counter()
     _check_call(data, target_batch, loss_fn)
     cfg = FitConfig.from_options(config, **options).check()
+    if cfg.output.eval_every is not None and eval_data is None:
+        raise ValueError(f"eval_every={cfg.output.eval_every!r} evaluates eval_data= every that many steps, and no "
+                         f"eval_data was given; pass eval_data=..., or leave eval_every out")
     check_backends(cfg.output.report_to)  # a missing extra fails here, not after the probe
     if cfg.output.verbose:
         ensure_visible()  # before the probe: its messages show alike in a process's first run and in later ones
@@ -285,6 +296,9 @@ def _check_call(data: Any, target_batch: Any, loss_fn: Any) -> None:
         raise TypeError(f"data must be a tuple or dict of tensors, a Dataset or an iterable of batches, got a "
                         f"{type(data).__name__}; the arguments look swapped: fit(model, data, target_batch, "
                         f"loss_fn=...) takes the loss by keyword")
+    if target_batch is None:
+        raise TypeError("fit needs target_batch: the samples of one optimizer step over all ranks, the batch the "
+                        "model learns at (e.g. fit(model, data, target_batch=256)); it is never changed")
     if isinstance(target_batch, bool) or not isinstance(target_batch, int):
         raise TypeError(f"target_batch must be an int (samples per optimizer step), got a {type(target_batch).__name__}"
                         f"; fit's arguments are (model, data, target_batch, loss_fn=..., ...)")
@@ -303,6 +317,11 @@ def _global_batches(data: Any, eval_data: Any, target_batch: int, cfg: FitConfig
         raise ValueError(f"data holds {batches.num_samples} samples, fewer than one global batch of {target_batch}; "
                          f"lower target_batch or add data (the global batch is never shrunk silently)")
     batches.check()
+    epochs = cfg.stop.epochs
+    if batches.one_shot and epochs is not None and epochs > 1:
+        raise ValueError(f"data is a one-shot iterator ({type(data).__name__}): it runs out after one pass, so "
+                         f"epochs={epochs!r} would train one epoch only. Pass something that can be iterated again "
+                         f"(a DataLoader, a list of batches, a Dataset), or epochs=1")
     batches.by_length = _by_length(batches, cfg)
     eval_batches = None if eval_data is None else \
         GlobalBatches(eval_data, target_batch, by_length=batches.by_length, **kwargs)

@@ -181,7 +181,18 @@ def apply_lr_rule(optimizer: torch.optim.Optimizer, base_batch: int | None, batc
     Each group's ``lr`` (and for ``adam_sde`` its ``betas`` and ``eps``, where it has them) was tuned
     at ``base_batch``; nothing changes when ``base_batch`` is None or equals ``batch``. Invariant
     5: this depends on the global batch only. Returns the first group's learning rate.
+
+    Raises:
+        ValueError: ``adam_sde`` for an optimizer whose groups have no ``betas`` and ``eps`` (SGD: the rule would
+            scale its lr only, silently less than asked), checked before any group changes.
     """
+    if rule == "adam_sde" and base_batch is not None:
+        plain = next((i for i, group in enumerate(optimizer.param_groups)
+                      if "betas" not in group or "eps" not in group), None)
+        if plain is not None:  # before any group changes
+            raise ValueError(f"lr_rule='adam_sde' scales Adam's betas and eps, and {type(optimizer).__name__}'s param "
+                             f"group {plain} has none; use lr_rule='sqrt' (the same lr rule) or 'linear' for "
+                             f"{type(optimizer).__name__}, or an Adam-family optimizer (Adam, AdamW)")
     if base_batch is not None and base_batch != batch:
         for group in optimizer.param_groups:
             if rule == "adam_sde" and "betas" in group and "eps" in group:

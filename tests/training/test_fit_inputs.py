@@ -1,0 +1,121 @@
+"""fit's answers to a new user's mistakes (issue 45): each was accepted silently or met a raw torch error.
+
+Every refusal comes before any work: the loss is never called and the weights are unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _fit_models import Mlp, cross_entropy, mlp_data
+from helpers import full_batch_steps, params, rel_diff
+
+import autoaccum
+from autoaccum.plan.plan import Plan
+
+
+class _Spy:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, model, batch):
+        self.calls += 1
+        return cross_entropy(model, batch)
+
+
+def _refused(error, match, *, model=None, data=None, target=64, **kwargs):
+    """fit raises ``error`` matching ``match`` with the loss never called and the weights as they were."""
+    spy, model = _Spy(), model if model is not None else Mlp(p=0.0)
+    before = params(model) if not any(p.is_meta for p in model.parameters()) else None
+    kwargs.setdefault("plan", Plan.for_target(target, 16))
+    with pytest.raises(error, match=match):
+        autoaccum.fit(model, mlp_data(128) if data is None else data, target, loss_fn=spy, progress=False, **kwargs)
+    assert spy.calls == 0
+    if before is not None:
+        assert rel_diff(params(model), before) == 0.0
+
+
+def test_a_one_tuple_of_data_reaches_the_loss_as_a_tuple_and_trains_on_every_row():
+    """``(X,)`` reached the loss as a bare tensor: ``b[0]`` was one sample, trained on one row per micro-batch."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 4, dtype=torch.float64)
+    model = torch.nn.Linear(4, 2).double()
+    reference = torch.nn.Linear(4, 2).double()
+    reference.load_state_dict(model.state_dict())
+    seen = []
+
+    def loss(m, b):  # an autoencoder-like loss on the only column
+        seen.append(type(b))
+        return m(b[0]).pow(2).mean()
+
+    autoaccum.fit(model, (x,), 64, loss_fn=loss, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+                  plan=Plan.for_target(64, 16), last_batch="drop", seed=0, progress=False, verbose=False)
+    assert seen and all(t is tuple for t in seen)
+    full_batch_steps(reference, loss, [(x,)], torch.optim.SGD(reference.parameters(), lr=0.5))
+    assert rel_diff(params(model), params(reference)) <= 1e-12  # fp64: the same sum, cut in four
+    control = torch.nn.Linear(4, 2).double()  # the negative control: one row per micro-batch, as before
+    control.load_state_dict(reference.state_dict())
+    full_batch_steps(control, lambda m, b: m(b[0][:1]).pow(2).mean(), [(x,)], torch.optim.SGD(control.parameters(),
+                                                                                             lr=0.5))
+    assert rel_diff(params(control), params(reference)) > 1e-3
+
+
+def test_target_batch_is_required():
+    with pytest.raises(TypeError, match=r"fit needs target_batch: .* \(e\.g\. fit\(model, data, target_batch=256\)"):
+        autoaccum.fit(Mlp(p=0.0), mlp_data(128), progress=False)
+
+
+def test_eval_every_without_eval_data_is_refused():
+    _refused(ValueError, r"eval_every=2 evaluates eval_data= .* no eval_data was given", eval_every=2)
+
+
+def test_a_one_shot_iterator_with_more_than_one_epoch_is_refused():
+    x, y = mlp_data(128)
+    batches = ((x[i:i + 64], y[i:i + 64]) for i in (0, 64))
+    _refused(ValueError, r"one-shot iterator \(generator\).* epochs=2 would train one epoch only", data=batches,
+             epochs=2)
+    # a DataLoader is iterated again each epoch: two epochs of two steps
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=64)
+    result = autoaccum.fit(Mlp(p=0.0), loader, 64, plan=Plan.for_target(64, 16), epochs=2, progress=False,
+                           verbose=False)
+    assert result.optimizer_steps == 4
+
+
+def test_an_optimizer_lr_and_a_different_lr_option_are_refused():
+    model = Mlp(p=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _refused(ValueError, r"lr=0.01 and the optimizer's lr 0.1 \(param group 0\) disagree", model=model,
+             optimizer=optimizer, lr=0.01)
+    assert optimizer.param_groups[0]["lr"] == 0.1
+    result = autoaccum.fit(model, mlp_data(128), 64, optimizer=optimizer, lr=0.1, plan=Plan.for_target(64, 16),
+                           progress=False, verbose=False)  # the same lr twice is no conflict
+    assert result.lr == 0.1
+
+
+def test_adam_sde_with_an_optimizer_without_betas_is_refused():
+    model = Mlp(p=0.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    _refused(ValueError, r"lr_rule='adam_sde' scales Adam's betas and eps, and SGD's param group 0 has none; use "
+                         r"lr_rule='sqrt'", model=model, optimizer=optimizer, lr_rule="adam_sde", base_batch=32)
+    assert optimizer.param_groups[0]["lr"] == 0.1  # no group changed
+
+
+def test_a_report_dir_that_is_a_file_is_refused(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("mine")
+    _refused(ValueError, r"Invalid report_dir .*notes.txt': it is a file", report_dir=path)
+    assert path.read_text() == "mine"
+
+
+def test_a_model_on_the_meta_device_is_refused():
+    with torch.device("meta"):
+        model = Mlp(p=0.0)
+    _refused(ValueError, r"Mlp's 'net.0.weight' is on the meta device: .* \(model.to_empty", model=model)
+
+
+def test_an_emulated_budget_larger_than_the_host_is_refused():
+    from autoaccum.memory.tracked import host_memory_bytes
+
+    host = host_memory_bytes()
+    assert host is not None and host > 2**30  # Linux says
+    _refused(ValueError, r"Invalid budget: .* is more than this machine's memory .* Allowed range: up to",
+             budget=4 * host, plan=None)
