@@ -182,8 +182,8 @@ def test_a_dict_of_tensors_is_data():
 
 
 @pytest.mark.parametrize("loader_batch, target, says", [
-    (64, None, r"batches \(DataLoader batch_size\) of 64 samples, but target_batch is 256 \(fit's default\).*"
-               r"pass target_batch=64"),
+    (64, 256, r"batches \(DataLoader batch_size\) of 64 samples, but target_batch is 256 (?!\(fit's default\)).*"
+              r"pass target_batch=64"),  # no default: fit needs target_batch (tests/training/test_fit_inputs.py)
     (32, 64, r"of 32 samples, but target_batch is 64 over 1 rank\(s\).*pass target_batch=32"),
 ])
 def test_a_dataloader_of_other_sized_batches_names_target_batch_before_any_work(loader_batch, target, says):
