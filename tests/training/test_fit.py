@@ -360,7 +360,7 @@ def _small(n: int = 128, seed: int = 0):
 @pytest.mark.parametrize(("rule", "expected"), [("linear", 0.02), ("sqrt", 0.01 * math.sqrt(2)), ("none", 0.01)])
 def test_lr_rules(rule, expected, tmp_path):
     model, data = _small()
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)  # lr= agrees: a different one is refused
     log = tmp_path / "log.jsonl"
     result = autoaccum.fit(model, data, 64, optimizer=opt, lr=0.01, base_batch=32, lr_rule=rule,
                            plan=Plan.for_target(64, 16), progress=False, log_file=log)
