@@ -41,7 +41,8 @@ from typing import Any
 
 import torch
 
-from autoaccum.integrations.lazy_guard import LazyGuard
+from autoaccum import distributed
+from autoaccum.integrations.lazy_guard import LazyGuard, check_guard_keywords
 from autoaccum.precision import Precision
 
 try:
@@ -57,6 +58,22 @@ _PRECISION: dict[str, Precision] = {"bf16": "bf16", "fp16": "fp16"}
 #: distributed types whose engine owns backward (XLA was TPU before Accelerate 0.26)
 _OWN_BACKWARD = {getattr(DistributedType, name) for name in ("DEEPSPEED", "MEGATRON_LM", "XLA", "TPU")
                  if hasattr(DistributedType, name)}
+
+
+def _processes_differ(accelerator: Accelerator) -> str | None:
+    """What is wrong where Accelerate counts other processes than the process group: plain ``torchrun`` on CPU,
+    where ``Accelerator()`` reports one (``DistributedType.NO``: no loader sharded, no model wrapped) while the
+    guard would take the group and count every rank's share of samples that are in fact the same."""
+    world = distributed.world_info().world_size if distributed.is_distributed() else 1
+    processes = accelerator.num_processes
+    if processes == world:
+        return None
+    kind = getattr(accelerator.distributed_type, "value", accelerator.distributed_type)
+    return (f"accelerator.num_processes={processes} (distributed type {kind}) under a torch.distributed process "
+            f"group of {world} ranks: Accelerate did not take the group, so it shards no loader and wraps no model, "
+            f"and every rank would train on the same samples while the guard counted {world} ranks' shares. They "
+            f"must be equal: launch with `accelerate launch`, or, with torchrun on CPU, set ACCELERATE_USE_CPU=1 "
+            f"(or Accelerator(cpu=True)) so that Accelerate takes the group")
 
 
 def guard_for(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -86,15 +103,23 @@ def guard_for(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch
         (the guard steps).
 
     Raises:
-        ValueError: gradient accumulation configured in Accelerate, or a distributed type whose
-            engine owns backward (DeepSpeed, Megatron-LM, XLA).
+        ValueError: gradient accumulation configured in Accelerate, a distributed type whose engine owns
+            backward (DeepSpeed, Megatron-LM, XLA), or ``accelerator.num_processes`` other than the
+            ``torch.distributed`` process group's world size (plain ``torchrun`` on CPU without
+            ``ACCELERATE_USE_CPU=1``: Accelerate runs one process and shards nothing).
+        TypeError: a keyword neither ``guard_for`` nor the guard takes (named with the closest known one).
     """
+    check_guard_keywords(guard_options, "guard_for", own=("accelerator", "model", "optimizer", "target_batch", "plan",
+                                                          "micro_batch", "budget", "headroom"))
     problems = []
     if accelerator.gradient_accumulation_steps != 1:
         problems.append(f"gradient_accumulation_steps={accelerator.gradient_accumulation_steps} (the guard "
                         f"accumulates: Accelerator(gradient_accumulation_steps=1), no accelerator.accumulate)")
     if accelerator.distributed_type in _OWN_BACKWARD:
         problems.append(f"distributed type {accelerator.distributed_type} (its engine owns backward)")
+    mismatch = _processes_differ(accelerator)
+    if mismatch is not None:
+        problems.append(mismatch)
     if problems:
         raise ValueError("guard_for cannot drive " + "; ".join(problems))
     inner = optimizer

@@ -31,8 +31,9 @@ refused: two budgets for one run.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -54,9 +55,9 @@ from autoaccum.probe.report import ProbeReport, check_made_for
 from autoaccum.probe.run import probe
 from autoaccum.training.plans import choose_plan
 from autoaccum.units import counted, format_bytes, parse_bytes
-from autoaccum.validate import check_headroom, check_positive_int
+from autoaccum.validate import check_headroom, check_keywords, check_positive_int
 
-__all__ = ["LazyGuard", "check_options", "sync_for"]
+__all__ = ["LazyGuard", "check_guard_keywords", "check_options", "sync_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +129,24 @@ def check_options(*, budget: Any = None, headroom: Any = 0.1, plan: Any = None, 
             check_made_for(plan, model)
 
 
+def _keywords(fn: Callable[..., Any]) -> list[str]:
+    """The names ``fn`` takes as keywords."""
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [name for name, p in inspect.signature(fn).parameters.items() if p.kind in kinds]
+
+
+def check_guard_keywords(given: Mapping[str, Any], where: str, own: Iterable[str] = ()) -> None:
+    """Refuse, where the guard is built, a keyword that neither ``where`` (its ``own`` names), ``LazyGuard`` nor
+    ``OOMGuard`` takes -- a misspelled ``budgett=`` -- naming the closest known one (``check_keywords``).
+    ``OOMGuard`` would refuse it too, but only at the first step, after the probe.
+
+    Raises:
+        TypeError: the first such keyword.
+    """
+    known = {*own, *_keywords(LazyGuard), *_keywords(OOMGuard)}
+    check_keywords({name: value for name, value in given.items() if name not in known}, known, where)
+
+
 def _skips_probe(plan: Any, micro_batch: Any) -> str | None:
     """The option given that skips the probe, as a user wrote it."""
     return "plan=" if plan is not None else "micro_batch=" if micro_batch is not None else None
@@ -142,7 +161,8 @@ class LazyGuard:
             gradients in ``accumulate``).
         target_batch: samples per optimizer step over all ranks; default the first batch's size
             times the world size.
-        plan: a ``Plan``, probe report or plan file; or ``micro_batch``; else probed.
+        plan: a ``Plan``, probe report or plan file (kept as ``given_plan``; ``.plan`` is the plan in force);
+            or ``micro_batch``; else probed.
         sync: how ranks agree (default ``sync_for(model)``).
         probe_model: the module the probe runs (default: ``model`` unwrapped from DDP: a probe runs
             no collective).
@@ -160,6 +180,7 @@ class LazyGuard:
                  plan: Any = None, micro_batch: int | None = None, sync: GradSync | None = None,
                  probe_model: torch.nn.Module | None = None, budget: int | str | None = None, headroom: float = 0.1,
                  precision: Precision = "fp32", check: Callable[[], None] | None = None, **guard_options: Any) -> None:
+        check_guard_keywords(guard_options, "LazyGuard")
         self.probe_model = probe_model if probe_model is not None else distributed.unwrap_model(model)
         device = next((p.device for p in self.probe_model.parameters()), None)
         check_options(budget=budget, headroom=headroom, plan=plan, micro_batch=micro_batch, target_batch=target_batch,
@@ -173,7 +194,7 @@ class LazyGuard:
                             "would be another: give one")
         self.model, self.optimizer = model, optimizer
         self.sync = sync if sync is not None else sync_for(model)
-        self.target_batch, self.plan, self.micro_batch = target_batch, plan, micro_batch
+        self.target_batch, self.given_plan, self.micro_batch = target_batch, plan, micro_batch
         self.budget, self.headroom, self.precision = budget, headroom, precision
         self.guard_options = guard_options
         self.check = check
@@ -182,6 +203,13 @@ class LazyGuard:
         self.report: ProbeReport | None = None  # the probe's, when it probed
         self._saved: dict[str, Any] | None = None
         self._closed = False
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan in force: the guard's (``OOMGuard.plan``, which follows every change after an OOM or a regrowth)
+        from the first step on; None before it, when no plan is made yet (``plan=`` given is ``given_plan``, and
+        the plan made from it may differ: a checkpoint's guard state takes precedence)."""
+        return self.guard.plan if self.guard is not None else None
 
     def accumulate(self, batch: Batch, loss_fn: LossFn, *, partial: bool | None = None) -> AccumulateResult:
         """``autoaccum.guard.guard.OOMGuard.accumulate``, planning first at the first batch. ``partial``
@@ -282,7 +310,7 @@ class LazyGuard:
         if target is None:  # the first batch is this rank's share of a full global batch
             target = int(self.sync.sum_items(torch.tensor(size)).item()) if world > 1 else size
         plan, self.plan_source, self.report = choose_plan(
-            saved=self._saved, given=self.plan, micro_batch=self.micro_batch, target_batch=target, sync=self.sync,
+            saved=self._saved, given=self.given_plan, micro_batch=self.micro_batch, target_batch=target, sync=self.sync,
             model=self.probe_model, precision=self.precision, probe=lambda: self._probe(batch, loss_fn, target, size))
         return plan
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +29,7 @@ pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
 
 from _token_rows import N, Rows, collate, gpt2, ids_of  # noqa: E402
-from helpers import params, rel_diff  # noqa: E402
+from helpers import needs_gloo, params, rel_diff  # noqa: E402
 
 from autoaccum.integrations.accelerate import guard_for  # noqa: E402
 
@@ -258,3 +259,52 @@ def test_two_processes_on_the_ddp_model_accelerate_prepared(tmp_path):
         optimizer.zero_grad()
     got, want = ranks[0]["params"], [p.detach() for p in net.parameters()]
     assert max(float((a - b).abs().max()) for a, b in zip(got, want)) / max(float(b.abs().max()) for b in want) <= RTOL
+
+
+@needs_gloo
+@pytest.mark.slow  # two spawned processes
+def test_plain_torchrun_on_cpu_where_accelerate_sees_one_process_of_two_is_refused(tmp_path):
+    """Plain ``torchrun`` on CPU: ``Accelerator()`` reports one process (``DistributedType.NO``) and leaves the
+    loader unsharded, while the process group holds two ranks. The guard would take the group and announce
+    ``... per rank x 2 ranks`` while both ranks train on the same samples: refused, naming both numbers and the
+    remedies. Control: with ``ACCELERATE_USE_CPU=1`` (the remedy named) Accelerate shards the loader and it runs."""
+    from _accelerate_torchrun import torchrun_loop
+    from _spawn import results, spawn
+
+    ranks = results(tmp_path, spawn(torchrun_loop, tmp_path)[0])
+    for r in ranks:
+        plain = r["plain"]
+        assert (plain["distributed_type"], plain["num_processes"]) == ("DistributedType.NO", 1)
+        assert plain["refused"] is not None and re.search(
+            r"accelerator.num_processes=1 \(distributed type NO\) under a torch.distributed process group of 2 "
+            r"ranks: .*the same samples.*`accelerate launch`.*ACCELERATE_USE_CPU=1", plain["refused"]), plain["refused"]
+        assert r["use_cpu"]["refused"] is None and r["use_cpu"]["world_size"] == 2
+    a, b = (r["use_cpu"]["seen"] for r in ranks)
+    assert len(a) == len(b) > 0 and all(not set(x) & set(y) for x, y in zip(a, b))  # each rank its own samples
+
+
+def test_a_misspelled_keyword_is_refused_where_the_guard_is_built_naming_the_closest():
+    """``guard_for(..., budgett="2MiB")`` used to pass into the guard options and fail only at the first step,
+    after the probe; it is refused at once, naming the keyword meant. Control: the right spelling is taken."""
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = gpt2()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with pytest.raises(TypeError, match=r"budgett.*budget"):
+        guard_for(accelerator, model, optimizer, budgett="2MiB")
+    with pytest.raises(TypeError, match=r"max_grad_nrom.*max_grad_norm"):
+        guard_for(accelerator, model, optimizer, max_grad_nrom=1.0)
+    assert guard_for(accelerator, model, optimizer, budget="2MiB", max_grad_norm=1.0).guard is None
+
+
+def test_plan_is_the_plan_in_force_after_the_first_step():
+    """``guard_for(...).plan`` is None before the first batch (nothing planned yet) and the guard's plan after it;
+    the plan given stays ``given_plan``."""
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = gpt2()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    loader = torch.utils.data.DataLoader(Rows(), batch_size=GLOBAL, collate_fn=collate)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    guard = guard_for(accelerator, model, optimizer, micro_batch=4)
+    assert guard.plan is None and guard.given_plan is None
+    guard.accumulate(next(iter(loader)), default_loss)
+    assert guard.plan is guard.guard.plan and (guard.plan.micro_batch, guard.plan.accum_steps) == (4, 2)
