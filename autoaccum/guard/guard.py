@@ -7,11 +7,14 @@ micro-batch (invariant 3): outside the ``except`` block, with the gradients clea
 and the RNG state and the buffers a forward updates put back. How the plan changes is
 ``autoaccum.guard.policy``'s.
 
-``OOMGuard.step`` adds the optimizer step; ``OOMGuard.accumulate`` stops at the gradient.
+``OOMGuard.step`` adds the optimizer step; ``OOMGuard.accumulate`` stops at the gradient; ``OOMGuard.evaluate``
+is the loss of a batch without gradients (``autoaccum.guard.evaluate``). With ``budget=`` (off CUDA) each of them
+runs on an emulated device of that size (``autoaccum.guard.options``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from collections.abc import Callable
@@ -22,16 +25,12 @@ import torch
 
 from autoaccum.distributed.sync import ERROR, OK, Agreed, CutTerms, GradSync, LocalSync, agree_cut
 from autoaccum.errors import DoesNotFitError, NonFiniteError
-from autoaccum.guard.growth import (
-    DEFAULT_GROW_AFTER,
-    GrowMode,
-    StepStart,
-    check_growth_meter,
-    check_growth_options,
-    prior_of,
-)
+from autoaccum.guard.evaluate import evaluate_batch
+from autoaccum.guard.growth import DEFAULT_GROW_AFTER, GrowMode, StepStart, check_growth_meter
+from autoaccum.guard.options import check_options, emulated_for_guard
 from autoaccum.guard.policy import PlanChange, PlanPolicy
-from autoaccum.memory import MemoryReading, Meter, TrackedMemory, active_budget, default_meter
+from autoaccum.guard.results import AccumulateResult, StepResult
+from autoaccum.memory import MemoryReading, Meter, TrackedMemory, active_budget, default_meter, refuse_two_budgets
 from autoaccum.memory.model import MemoryModel
 from autoaccum.memory.recovery import catch_oom, release_memory
 from autoaccum.memory.savers import MemorySavers, allowed_savers, apply_saver, suggestions
@@ -41,58 +40,14 @@ from autoaccum.plan.batchnorm import batchnorm_floor
 from autoaccum.plan.cut import Cutter, SampleCut
 from autoaccum.plan.plan import Plan
 from autoaccum.plan.sources import resolve_plan
-from autoaccum.plan.task import LossFn, check_step_args, trained_params
+from autoaccum.plan.task import ItemWatch, LossFn, check_step_args, trained_params
 from autoaccum.probe.report import check_made_for
 from autoaccum.state import BufferCopies, capture_rng, restore_buffers, restore_rng, state_buffers
 from autoaccum.step.accumulate import Accumulated, Failed, StepTotals, accumulate, raise_failure, reduce_gradients
-from autoaccum.step.optim import NONFINITE_POLICIES, NonFinite, step_oom_error, step_optimizer
-from autoaccum.validate import check_choice, check_keywords, check_positive_float, check_positive_int
+from autoaccum.step.optim import NonFinite, step_oom_error, step_optimizer
+from autoaccum.validate import check_keywords
 
 __all__ = ["AccumulateResult", "OOMGuard", "PlanChange", "StepResult"]
-
-
-@dataclass(frozen=True)
-class AccumulateResult:
-    """What one ``OOMGuard.accumulate`` did; the parameters' ``.grad`` hold the global batch's gradient.
-
-    Attributes:
-        loss: the step's loss, weighted by samples (or items) exactly as a full-batch step's.
-        num_samples: samples in the step over all ranks.
-        num_items: items (e.g. tokens) over all ranks for token-level losses, else None.
-        plan: the plan in force after the step.
-        changes: plan changes during the step (OOM replays, thrash, growth).
-        attempts: forward/backward passes over the batch (1 + OOM replays).
-        step_time_s: wall time of the whole step, replays included.
-        peak_bytes: peak memory of the step (the meter's), else None.
-        micro_steps: micro-steps of the attempt that succeeded (on every rank; with a token budget
-            it depends on the step's lengths).
-    """
-
-    loss: float
-    num_samples: int
-    num_items: int | None
-    plan: Plan
-    changes: tuple[PlanChange, ...]
-    attempts: int
-    step_time_s: float
-    peak_bytes: int | None
-    micro_steps: int = 0
-
-
-@dataclass(frozen=True)
-class StepResult(AccumulateResult):
-    """What one ``OOMGuard.step`` did: ``AccumulateResult``, and the optimizer step.
-
-    Attributes:
-        grad_norm: total gradient norm before clipping (when clipping), else None.
-        skipped: the optimizer step was skipped for inf/NaN gradients: by the GradScaler (fp16), or
-            under ``nonfinite="skip"`` (the weights, optimizer state and scheduler are unchanged).
-        lr: learning rate of the first parameter group used by the step.
-    """
-
-    grad_norm: float | None = None
-    skipped: bool = False
-    lr: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -124,7 +79,8 @@ class OOMGuard:
         target_batch: samples per optimizer step (over all ranks). With ``micro_batch``, or give ``plan``.
         micro_batch: the largest micro-batch to start with.
         plan: a ``Plan``, a probe report, a search result or a plan file, instead of target/micro.
-        scheduler: stepped once per optimizer step, not when the step is skipped.
+        scheduler: a ``torch.optim.lr_scheduler.LRScheduler`` (or an object with ``step()``), stepped once per
+            optimizer step, not when the step is skipped.
         scaler: a ``torch.amp.GradScaler`` (fp16); unscaled exactly once per step, before clipping.
         max_grad_norm: clip the total gradient norm once per step, after accumulation.
         autocast_dtype: run forward and loss under ``torch.autocast`` with this dtype.
@@ -147,6 +103,10 @@ class OOMGuard:
             ``None`` does not check. With a GradScaler its own check applies.
         memory_savers: at an OOM at the smallest micro-batch, the next memory saver
             (``autoaccum.memory.savers``), each exact: ``"auto"`` (default), ``"off"``, or a tuple of them.
+        budget: off CUDA, an emulated device of this size (``"64MiB"``) that ``step``, ``accumulate`` and
+            ``evaluate`` run on and read memory from: the weights, gradients, optimizer state and the micro-batches
+            copied in count, and the allocation past it raises a real ``torch.OutOfMemoryError``. Refused on CUDA
+            (only a probe plans for a budget there) and with ``meter=``.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, target_batch: int | None = None,
@@ -157,20 +117,22 @@ class OOMGuard:
                  grow: GrowMode = "auto", grow_after: int = DEFAULT_GROW_AFTER, memory_model: MemoryModel | None = None,
                  headroom: float | None = None, thrash_steps: int = 2, meter: Meter | None = None,
                  log_changes: bool = True, nonfinite: NonFinite | None = "stop", memory_savers: MemorySavers = "auto",
-                 **unknown: Any) -> None:
+                 budget: int | str | None = None, **unknown: Any) -> None:
         check_keywords(unknown, inspect.signature(OOMGuard).parameters, "OOMGuard")
         self.params = trained_params(model, optimizer)
         self.sync: GradSync = sync if sync is not None else LocalSync()
         if plan is not None:
             check_made_for(plan, model)
         start = resolve_plan(plan, target_batch=target_batch, micro_batch=micro_batch, world_size=self.sync.world_size)
-        memory_model, headroom = _check_options(plan, max_grad_norm, grow, grow_after, memory_model, headroom,
-                                                thrash_steps, nonfinite, split_fn, cut)
+        memory_model, headroom = check_options(plan, scheduler, max_grad_norm, grow, grow_after, memory_model,
+                                               headroom, thrash_steps, nonfinite, split_fn, cut)
+        #: off CUDA, ``budget=``'s emulated device: entered around each call (``_on_device``)
+        self.budget, self.emulated = budget, emulated_for_guard(budget, self.device, model, meter, plan)
         self.model, self.optimizer = model, optimizer
         self.scheduler, self.scaler, self.max_grad_norm, self.nonfinite = scheduler, scaler, max_grad_norm, nonfinite
         self.autocast_dtype, self.size_fn = autocast_dtype, size_fn
         self.cut: Cutter = cut if cut is not None else SampleCut(split_fn)
-        self.meter: Meter = meter if meter is not None else default_meter(self.device)
+        self.meter: Meter = meter if meter is not None else self.emulated or default_meter(self.device)
         check_growth_meter(grow, self.meter)
         # an emulated device (a counter with a budget): micro-batches are copied in, as to a GPU
         self._copy_inputs = isinstance(self.meter, TrackedMemory) and self.meter.budget_bytes is not None
@@ -184,6 +146,8 @@ class OOMGuard:
                                  log_changes=log_changes)
         self._buffer_copies = BufferCopies(state_buffers(model))
         self._floor_checked = False  # BatchNorm's smallest micro-batch, found at the first non-empty step
+        self._items = ItemWatch(size_fn)  # (loss_sum, num_items) counts that are likely not counts
+        self._eval_micro: int | None = None  # the evaluation micro-batch after an OOM in evaluate
         self.steps = 0  # optimizer steps (or accumulations) completed
 
     # -- what the run is at (the policy's record) --------------------------------------------------------
@@ -210,8 +174,9 @@ class OOMGuard:
             batch: ``plan.rank_batch(rank)`` samples; fewer only with ``partial=True`` (the last
                 batch of an epoch), which is then one exact step on the samples it holds.
             loss_fn: ``loss_fn(model, micro_batch)`` -> mean loss over the micro-batch, or
-                ``(loss_sum, num_items)`` for token-level losses; its ``begin_attempt()``, where it has
-                one, is called before each attempt (to put back side effects: a trainer's metrics).
+                ``(loss_sum, num_items)`` for token-level losses (the loss summed over the micro-batch's items
+                and their count: see ``wrap``); its ``begin_attempt()``, where it has one, is called before
+                each attempt (to put back side effects: a trainer's metrics).
             partial: the batch is the epoch's smaller last one.
 
         Returns:
@@ -222,7 +187,12 @@ class OOMGuard:
             OptimizerStepOOMError: out of memory in gradient reduction, clipping or ``optimizer.step()``.
             NonFiniteError: inf/NaN gradients or loss under ``nonfinite="stop"`` (nothing was stepped).
             ValueError: the batch holds the wrong number of samples.
+            TaskError: the step's ``num_items`` add up to a fraction or below 0 (they are not counts).
         """
+        with self._on_device():
+            return self._step(batch, loss_fn, partial)
+
+    def _step(self, batch: Batch, loss_fn: LossFn, partial: bool) -> StepResult:
         started = time.perf_counter()
         lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this step uses (the scheduler moves it after)
         totals, fields = self._accumulate(batch, loss_fn, partial)
@@ -252,11 +222,43 @@ class OOMGuard:
         cleared first. Arguments and errors as ``step``.
         """
         started = time.perf_counter()
-        return AccumulateResult(**self._finish(*self._accumulate(batch, loss_fn, partial), started))
+        with self._on_device():
+            return AccumulateResult(**self._finish(*self._accumulate(batch, loss_fn, partial), started))
+
+    def evaluate(self, batch: Batch, loss_fn: LossFn) -> float:
+        """The loss of ``batch`` without gradients, in eval mode (the model's mode is put back), with OOM recovery.
+
+        In micro-batches of the plan's at most; an OOM halves the evaluation micro-batch (kept for the next call;
+        the training plan is unchanged) and evaluates the batch again. The loss is a full-batch evaluation's:
+        weighted by samples (or items), over every rank (each calls it and gets the same value).
+
+        Args:
+            batch: this rank's samples, any number of them.
+            loss_fn: as ``step``'s: ``loss_fn(model, micro_batch)`` -> mean loss, or ``(loss_sum, num_items)``.
+
+        Raises:
+            DoesNotFitError: a micro-batch of 1 ran out of memory.
+        """
+        micro = self.plan.micro_batch if self._eval_micro is None else min(self._eval_micro, self.plan.micro_batch)
+        with self._on_device():
+            done = evaluate_batch(self.model, batch, loss_fn, micro, sync=self.sync, device=self.device, cut=self.cut,
+                                  size_fn=self.size_fn, autocast_dtype=self.autocast_dtype,
+                                  copy_inputs=self._copy_inputs, meter=self._budget_meter(),
+                                  log_changes=self.policy.log_changes)
+        if done.ooms:
+            self._eval_micro = done.micro_batch
+        return done.loss
 
     def wrap(self, fn: Callable[[Batch], Any]) -> Callable[..., StepResult]:
         """Turn ``fn(batch) -> loss`` (your forward and loss code) into a guarded step over global batches:
-        ``train_step = guard.wrap(fn)``, then ``train_step(global_batch)`` (see ``docs/guard.md``)."""
+        ``train_step = guard.wrap(fn)``, then ``train_step(global_batch)`` (see ``docs/guard.md``).
+
+        ``fn`` returns the mean loss of its micro-batch, or ``(loss_sum, num_items)``: the loss summed over the
+        micro-batch's items (e.g. tokens) and their count, the step dividing once by the counts' total. A pair
+        is always read so: ``(loss, 5)`` divides by 5 per micro-batch. Counts that add up to a fraction or
+        below 0 raise ``TaskError`` before the optimizer step; a Python ``int`` that stays the same while the
+        micro-batch changes (likely not a count) is warned about once.
+        """
         def train_step(batch: Batch, *, partial: bool = False) -> StepResult:
             return self.step(batch, lambda _model, micro: fn(micro), partial=partial)
 
@@ -316,7 +318,8 @@ class OOMGuard:
             self._zero_grad()
             raise agreed.error
         with apply_saver(self.model, self.plan.saver):  # the memory saver, for the attempt only
-            result = accumulate(self.model, self.cut(batch, n, self.plan, agreed.terms.steps), loss_fn,
+            micro_batches = self.cut(batch, n, self.plan, agreed.terms.steps)
+            result = accumulate(self.model, micro_batches, self._items.watch(loss_fn),
                                 num_samples=agreed.terms.num_samples, device=self.device, sync=self.sync,
                                 scaler=self.scaler, autocast_dtype=self.autocast_dtype,
                                 num_items_in_batch=agreed.terms.num_items, copy_inputs=self._copy_inputs)
@@ -374,6 +377,14 @@ class OOMGuard:
         for p in self.params:
             p.grad = None
 
+    def _on_device(self) -> contextlib.AbstractContextManager[Any]:
+        """Where a call runs: ``budget=``'s emulated device (the weights, gradients and optimizer state on it
+        counted), else as the caller runs it."""
+        if self.emulated is None:
+            return contextlib.nullcontext()
+        refuse_two_budgets(self.budget)  # an emulated_budget(...) entered around the call: two budgets
+        return self.emulated.track(self.model, self.optimizer)
+
     def _budget_meter(self) -> Meter:  # the meter that knows the budget: this guard's, or an emulated budget's
         return self.meter if self.meter.budget_bytes is not None else (active_budget() or self.meter)
 
@@ -382,17 +393,3 @@ class OOMGuard:
         return DoesNotFitError(meter.last_oom_needed_bytes, meter.budget_bytes, suggestions(self.policy.savers),
                                at_least=True, micro_batch=self.plan.micro_batch, savers=self.policy.savers_tried)
 
-
-def _check_options(plan: Any, max_grad_norm: Any, grow: Any, grow_after: Any, memory_model: Any, headroom: Any,
-                   thrash_steps: Any, nonfinite: Any, split_fn: Any, cut: Any) -> tuple[MemoryModel | None, float]:
-    """The guard's options, in the order of its arguments (invariant 7: before it holds any state); the
-    memory model and headroom growth uses."""
-    if max_grad_norm is not None:
-        check_positive_float(max_grad_norm, "max_grad_norm", hint=", or None for no clipping")
-    check_growth_options(grow, grow_after, memory_model)
-    prior = prior_of(plan, memory_model, headroom)
-    check_positive_int(thrash_steps, "thrash_steps")
-    check_choice(nonfinite, "nonfinite", (*NONFINITE_POLICIES, None))
-    if split_fn is not None and cut is not None:
-        raise TypeError("give split_fn= or cut=, not both (a cutter splits batches itself)")
-    return prior

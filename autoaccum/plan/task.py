@@ -1,7 +1,11 @@
 """A task: what one training step needs -- model, optimizer factory, loss, and a batch of any size.
 
 ``loss_fn(model, batch)`` returns either the mean loss over the batch's samples or a pair
-``(loss_sum, num_items)`` for token-level losses (sum over items, count of items).
+``(loss_sum, num_items)`` for token-level losses (sum over items, count of items). A mistake in the pair is
+silent -- ``(loss, 5)`` divides every gradient by 5 times the micro-steps -- so what can be told is told: a
+step whose counts add up to a fraction or below 0 is a ``TaskError`` (``autoaccum.step.accumulate``); a
+Python ``int`` that stays the same while micro-batches of different sizes are cut is warned about once
+(``ItemWatch``: only Python ints are read, as reading a tensor would wait for the device).
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -18,8 +23,9 @@ import torch
 from autoaccum.errors import TaskError
 from autoaccum.plan.batch import Batch, batch_size
 
-__all__ = ["Task", "LossFn", "LossOutput", "check_loss", "check_loss_fn", "check_optimizer", "check_step_args",
-           "trained_params", "default_optimizer", "load_task", "resolve_task", "trainable_parameters"]
+__all__ = ["ItemWatch", "Task", "LossFn", "LossOutput", "check_loss", "check_loss_fn", "check_optimizer",
+           "check_step_args", "trained_params", "default_optimizer",
+           "load_task", "resolve_task", "trainable_parameters"]
 
 LossOutput = Union[torch.Tensor, tuple[torch.Tensor, Union[torch.Tensor, int]]]
 LossFn = Callable[[torch.nn.Module, Batch], LossOutput]
@@ -317,3 +323,56 @@ def load_task(spec: str, **kwargs: Any) -> Task:
     if not isinstance(task, Task):
         raise ValueError(f"Invalid task {spec!r}: {attr}() returned {type(task).__name__}, expected autoaccum.Task")
     return task
+
+
+class ItemWatch:
+    """Watches the Python-int ``num_items`` a loss returns; warns once where it is constant across micro-batch sizes.
+
+    Args:
+        size_fn: counts a micro-batch's samples (default ``autoaccum.plan.batch.batch_size``).
+    """
+
+    def __init__(self, size_fn: Callable[[Batch], int] | None = None) -> None:
+        self.size_fn = size_fn
+        self.armed = True  # until a count differs, or the warning was given
+        self._count: int | None = None  # the one count seen so far
+        self._sizes: set[int] = set()  # the micro-batch sizes it was seen with
+
+    def watch(self, loss_fn: LossFn) -> LossFn:
+        """``loss_fn`` with its counts watched (``loss_fn`` itself once the watch has ended)."""
+        if not self.armed:
+            return loss_fn
+
+        def watched(model: Any, batch: Batch, **kwargs: Any) -> Any:
+            output = loss_fn(model, batch, **kwargs)
+            if self.armed and isinstance(output, (tuple, list)) and len(output) == 2:
+                count = output[1]
+                if isinstance(count, int) and not isinstance(count, bool):
+                    self.see(batch, count)
+            return output
+
+        return watched
+
+    def see(self, batch: Batch, count: int) -> None:
+        """One micro-batch's count."""
+        if self._count is not None and count != self._count:
+            self.armed = False  # it varies: a count
+            return
+        try:
+            size = self.size_fn(batch) if self.size_fn is not None else batch_size(batch)
+        except (TypeError, ValueError):  # a batch type only a cutter knows: nothing to compare with
+            self.armed = False
+            return
+        self._count = count
+        self._sizes.add(int(size))
+        if len(self._sizes) > 1:
+            self.armed = False
+            sizes = " and ".join(str(s) for s in sorted(self._sizes))
+            warnings.warn(
+                f"loss_fn returned num_items={count} for micro-batches of {sizes} samples: a (loss_sum, num_items) "
+                f"pair is the loss summed over the micro-batch's items (e.g. tokens) and their count, and the step "
+                f"divides by the counts' total, so a count that stays {count} while the micro-batch changes is "
+                f"likely not a count (the step divides its summed losses by {count} x its micro-steps). Return "
+                f"the mean loss alone, or (loss_sum, the number of items it sums over), e.g. "
+                f"(F.cross_entropy(logits, labels, reduction='sum', ignore_index=-100), (labels != -100).sum())",
+                UserWarning, stacklevel=2)

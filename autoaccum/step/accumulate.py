@@ -25,6 +25,7 @@ optimizer step (the guard's, or a trainer's own).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, NoReturn
@@ -40,8 +41,8 @@ from autoaccum.plan.cut import MicroBatch
 from autoaccum.plan.task import LossFn, check_loss, explain_error
 from autoaccum.precision import autocast
 
-__all__ = ["Accumulated", "Failed", "LossKind", "StepTotals", "accumulate", "raise_failure", "reduce_gradients",
-           "step_scalars", "sum_dtype"]
+__all__ = ["Accumulated", "Failed", "LossKind", "StepTotals", "accumulate", "check_item_total", "raise_failure",
+           "reduce_gradients", "step_scalars", "sum_dtype"]
 
 LossKind = Literal["mean", "sum", "normalized"]
 
@@ -212,6 +213,22 @@ def step_scalars(result: Accumulated) -> torch.Tensor:
     return torch.stack([loss_sum, count, loss_sum.new_tensor(kinds[0]), loss_sum.new_tensor(kinds[1])])
 
 
+def check_item_total(total: torch.Tensor | float) -> int:
+    """The item count of ``(loss_sum, num_items)`` losses added up, as an int.
+
+    Raises:
+        TaskError: a fraction or a value below 0: the counts were not counts (a metric, a mean), and
+            dividing by them would scale the gradient silently.
+    """
+    value = float(total)
+    if not math.isfinite(value) or value < 0 or value != int(value):
+        raise TaskError(f"loss_fn's num_items add up to {value:g}, which is not a count of items (a whole number "
+                        f">= 0); num_items is the number of items (e.g. tokens) its loss_sum sums over, and the step "
+                        f"divides by their total. Return (loss_sum, count), e.g. (labels != -100).sum(), or the mean "
+                        f"loss alone")
+    return int(value)
+
+
 def reduce_gradients(params: Sequence[torch.nn.Parameter], result: Accumulated, *, num_samples: int,
                      sync: GradSync | None = None, num_items_in_batch: int | None = None) -> StepTotals:
     """Sum gradients over ranks once, add up the step's scalars, normalise token-level gradients.
@@ -254,7 +271,7 @@ def reduce_gradients(params: Sequence[torch.nn.Parameter], result: Accumulated, 
         raise TaskError("loss_fn returned mean losses on some ranks and (loss_sum, num_items) on others")
     if not sums:
         return StepTotals(loss_total, num_samples, num_samples, None)
-    num_items = int(item_total)  # a count on the device is read here (one sync)
+    num_items = check_item_total(item_total)  # a count on the device is read here (one sync)
     if num_items == 0:
         raise TaskError("the step's loss_fn reported 0 items over all micro-batches; nothing to average")
     grads = [p.grad for p in params if p.grad is not None]
