@@ -44,7 +44,17 @@ def parse_bytes(value: int | float | str, *, name: str = "budget") -> int:
     if not math.isfinite(number) or number < 1:
         raise ValueError(f"Invalid {name} {value!r}: must be at least 1 byte. Allowed range: 1 B ~ any finite size "
                          f"(e.g. '8GiB')")
+    if number != int(number):  # '1.5' is 1.5 bytes: a unit left out, not a size
+        raise ValueError(f"Invalid {name} {value!r}: {number:g} bytes is not a whole number of bytes; a number "
+                         f"without a unit counts bytes. Give the unit, e.g. '{_digits(value)}GiB' or "
+                         f"'{_digits(value)}MiB'")
     return int(number)
+
+
+def _digits(value: int | float | str) -> str:
+    """The number a size was written with, without its unit."""
+    match = _PATTERN.match(value) if isinstance(value, str) else None
+    return match.group(1) if match else f"{value:g}"  # type: ignore[str-format]
 
 
 def format_bytes(num_bytes: int | float) -> str:

@@ -77,3 +77,15 @@ def test_a_unit_of_bits_is_refused_not_read_as_bytes(text):
     with pytest.raises(ValueError, match=r"is a unit of bits, not bytes. Write .B \(powers of 1000\) or .iB"):
         parse_bytes(text)
 
+
+
+@pytest.mark.parametrize("value", ["1.5", 1.5, "2.5 B", "100.5"])
+def test_a_fraction_of_a_byte_is_a_missing_unit_not_a_size(value):
+    """``budget="1.5"`` was read as 1 byte (then "available 0 B" from the probe): a number without a unit counts
+    bytes, and a fraction of one is a unit left out; the message names the value and the units to write."""
+    with pytest.raises(ValueError, match=r"not a whole number of bytes.*'[\d.]+GiB'"):
+        parse_bytes(value)
+
+
+def test_negative_control_fractions_that_make_whole_bytes_are_sizes():
+    assert parse_bytes("1.5KiB") == 1536 and parse_bytes("0.5kB") == 500 and parse_bytes(2.0) == 2
