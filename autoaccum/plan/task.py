@@ -285,9 +285,20 @@ def explain_error(exc: BaseException, model: torch.nn.Module, batch: Any) -> Tas
         return TaskError(f"the loss function called the batch ({type(batch).__name__}) as a model ({exc}): its "
                          f"arguments look swapped. loss_fn is called as loss_fn(model, batch); write it as "
                          f"lambda model, batch: ... (the model first)")
+    if isinstance(exc, RuntimeError) and "backward through the graph a second time" in str(exc):
+        return TaskError(f"the loss function's graph was backpropagated twice ({str(exc).splitlines()[0][:80]}...): "
+                         f"loss_fn must return the loss and not call .backward() itself; autoaccum calls backward "
+                         f"once per micro-batch, with the weight that makes the step a full-batch step")
     if not isinstance(exc, RuntimeError) or not any(m in str(exc) for m in _DTYPE_MISMATCH):
         return None
     from autoaccum.plan.batch import tensors
+
+    integers = sorted({str(t.dtype) for t in tensors(batch) if not t.dtype.is_floating_point and t.dtype != torch.bool})
+    if integers and any(name in str(exc) for name in ("Long", "Int", "Short", "Byte", "Char")):
+        return TaskError(f"the batch holds {integers[0] if integers else 'integer'} tensors that reached a layer of "
+                         f"floating parameters ({str(exc).splitlines()[0]}): convert features to floats "
+                         f"(x.float(), or in the dataset), or, where they are token or category ids, feed them to an "
+                         f"nn.Embedding first")
 
     model_dtypes = {p.dtype for p in model.parameters() if p.dtype.is_floating_point}
     batch_dtypes = {t.dtype for t in tensors(batch) if t.dtype.is_floating_point}

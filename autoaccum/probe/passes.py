@@ -155,6 +155,7 @@ class Stepper:
         self.opt_time_s = 0.0
         self.start_bytes = 0
         self.batch_bytes: dict[tuple[int, int | None], int] = {}  # bytes of the inputs of a batch of each size
+        self.losses: dict[tuple[int, int | None], float] = {}  # the mean loss of a pass at each size (looks_summed)
         self.smallest = 1  # the size warmed up at: the cheapest pass that makes gradients
         self.holding_grads = False  # gradients of earlier passes are in memory (as in an accumulation)
         self.weights_copy = weights_copy  # put back after the warm-up
@@ -183,6 +184,9 @@ class Stepper:
             if done.oom:
                 raise torch.OutOfMemoryError(f"micro-batch {size} ran out of memory in {done.where}")
             raise_failure(done, self.model, batch)  # as the guard explains it
+        if done.kind == "mean" and not self.own_inputs:  # (an estimate's fake losses have no value)
+            # the pass's mean loss (loss_sum is the mean times the samples); a sync the timing below makes anyway
+            self.losses[(size, self.length)] = float(done.loss_sum) / size
         del done
         peak = self._peak()
         self._sync()
@@ -204,6 +208,18 @@ class Stepper:
                 f"probe cannot leave the weights as they were. The model's forward changes its own weights on some "
                 f"calls but not on the first (a constraint switched on later, or one that depends on the batch): "
                 f"apply it after optimizer.step() instead, or make it act from the first call.")
+
+    def looks_summed(self) -> tuple[int, float, int, float] | None:
+        """(small, its loss, large, its loss) where the losses of passes at two sizes of one length, the larger at
+        least 4x the smaller, grow about as the size does (by at least half the ratio): a loss summed over the
+        micro-batch (``reduction="sum"``) returned as a mean, which would weight micro-batches wrongly. A mean
+        loss on the same kind of samples barely changes with their number."""
+        for length in {length for _, length in self.losses}:
+            sizes = sorted((size, loss) for (size, at), loss in self.losses.items() if at == length)
+            (small, low), (large, high) = sizes[0], sizes[-1]
+            if large >= 4 * small and low > 0 and high > 0 and high / low >= 0.5 * large / small:
+                return small, low, large, high
+        return None
 
     def _zero_grad(self) -> None:
         """As ``zero_grad(set_to_none=True)`` does, without the call (which wrappers and counters of it would see)."""

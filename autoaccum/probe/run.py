@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -181,6 +182,7 @@ def probe(
                                                share=share, smallest=smallest, upper=upper, passes=passes,
                                                max_candidates=max_candidates, profile=profile)
     stepper = measured.stepper
+    _warn_if_summed(stepper)
     candidates, model_fit, token_model, note = _with_library(measured, library, device)
     plan = Plan.for_target(target_batch, measured.best, world_size, smallest).with_saver(measured.saver)
     if token_model is not None and profile is not None:
@@ -199,6 +201,19 @@ def probe(
     if cache:
         probe_cache.store(report, cache_dir)
     return report
+
+
+def _warn_if_summed(stepper: Stepper) -> None:
+    """Warn where the probe's losses look summed over the micro-batch (``Stepper.looks_summed``)."""
+    summed = stepper.looks_summed()
+    if summed is not None:
+        small, low, large, high = summed
+        warnings.warn(f"loss_fn's loss grew with the micro-batch: {low:.4g} at {small} samples, {high:.4g} at {large} "
+                      f"(x{high / low:.2g} for x{large // small} the samples): it looks summed over the micro-batch "
+                      f"(reduction='sum'), and a loss returned alone is read as the micro-batch's mean, so the step "
+                      f"would weight micro-batches by their size twice and train at another learning rate than a "
+                      f"full-batch step. Return the mean (reduction='mean'), or (loss_sum, num_items) for a sum",
+                      UserWarning, stacklevel=3)
 
 
 def _measure_savers(task: Task, optimizer: Any, precision: Precision, budget_bytes: int, headroom: float,

@@ -67,6 +67,8 @@ class DefaultLoss:
                             f"loss_fn=lambda model, batch: ... returning a mean loss or (loss_sum, num_items)")
         inputs, targets = batch
         output = model(inputs)
+        if not isinstance(output, torch.Tensor):
+            raise TaskError(_not_scores(output))
         check_targets(output, targets, check_range=self.check_range or
                       (isinstance(targets, torch.Tensor) and targets.device.type == "cpu"))
         return F.cross_entropy(output, targets)
@@ -82,6 +84,20 @@ class DefaultLoss:
 
 
 default_loss = DefaultLoss()
+
+
+def _not_scores(output: Any) -> str:
+    """Why a model output that is not a tensor is no input to the default cross-entropy, and what to pass: a tuple's
+    first element is not taken on a guess (it may be hidden states, the scores second)."""
+    if isinstance(output, (tuple, list)):
+        shapes = ", ".join(str(tuple(o.shape)) if isinstance(o, torch.Tensor) else type(o).__name__ for o in output)
+        return (f"the model returned a {type(output).__name__} of {len(output)} ({shapes}), and the default loss is "
+                f"cross-entropy of one tensor of class scores against the targets; which element holds the scores is "
+                f"the model's to say: pass loss_fn=lambda model, batch: F.cross_entropy(model(batch[0])[0], batch[1]) "
+                f"(with the element that holds them)")
+    return (f"the model returned a {type(output).__name__}, and the default loss is cross-entropy of a tensor of class "
+            f"scores against the targets: return the scores, or pass loss_fn=lambda model, batch: ... returning a mean "
+            f"loss or (loss_sum, num_items)")
 
 
 def check_targets(output: Any, targets: Any, *, check_range: bool = True) -> None:
