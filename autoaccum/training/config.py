@@ -22,7 +22,7 @@ from autoaccum.memory.savers import check_memory_savers
 from autoaccum.plan.data import LastBatch
 from autoaccum.precision import Precision, check_precision
 from autoaccum.step.optim import NONFINITE_POLICIES, NonFinite
-from autoaccum.training.lr import LR_RULES, LrRule
+from autoaccum.training.lr import LR_RULES, LrRule, check_scheduler_factory
 from autoaccum.training.trackers import check_callbacks, check_report_to
 from autoaccum.units import parse_bytes
 from autoaccum.validate import (
@@ -52,12 +52,17 @@ class LRConfig:
             the LR is rescaled by ``rule``.
         rule: ``linear``, ``sqrt``, ``adam_sde`` or ``none``.
         warmup_steps: linear LR warmup over this many optimizer steps.
+        scheduler: a factory ``scheduler(optimizer, total_steps) -> LRScheduler`` (e.g.
+            ``lambda opt, total: CosineAnnealingLR(opt, T_max=total)``), built after the rule set the
+            lr and stepped once per optimizer step (not for a skipped one); ``total_steps`` is the
+            run's optimizer steps. Not with ``warmup_steps`` (put the warmup in it: ``SequentialLR``).
     """
 
     lr: float | None = _option(default=None)
     base_batch: int | None = _option(default=None)
     rule: LrRule = _option("lr_rule", default="linear")
     warmup_steps: int = _option(default=0)
+    scheduler: Any = _option(default=None)
 
     def problems(self) -> list[Exception]:
         return _collect(
@@ -69,6 +74,7 @@ class LRConfig:
                              f"lr_rule={self.rule!r} rescales the lr from the batch it was tuned for: give "
                              f"base_batch= (that batch), or leave lr_rule out to train at lr as given"),
             lambda: check_non_negative_int(self.warmup_steps, "warmup_steps"),
+            lambda: self.scheduler is None or check_scheduler_factory(self.scheduler, self.warmup_steps),
         )
 
 

@@ -42,7 +42,7 @@ from autoaccum.step.losses import DefaultLoss, default_loss
 from autoaccum.training import checkpoint as ckpt
 from autoaccum.training.config import FitConfig
 from autoaccum.training.loop import Run, train
-from autoaccum.training.lr import apply_lr_rule, warmup_lambda
+from autoaccum.training.lr import apply_lr_rule, build_scheduler, warmup_lambda
 from autoaccum.training.plans import choose_plan
 from autoaccum.training.progress import Progress
 from autoaccum.training.resume import RunPosition, check_resumable, restore_run
@@ -158,7 +158,7 @@ def fit(model: torch.nn.Module, data: Any, target_batch: int | None = None, *, l
         optimizer: an optimizer over ``model``'s parameters; default AdamW(lr).
         eval_data: data to evaluate on without gradients (``eval_every`` steps and at the end).
         config: a ``FitConfig``; ``options`` override its fields.
-        **options: ``lr``, ``base_batch``, ``lr_rule``, ``warmup_steps`` (``LRConfig``); ``epochs``,
+        **options: ``lr``, ``base_batch``, ``lr_rule``, ``warmup_steps``, ``scheduler`` (``LRConfig``); ``epochs``,
             ``max_steps`` (``StopConfig``); ``seed``, ``collate_fn``, ``last_batch``, ``length_fn``,
             ``by_length`` (``DataConfig``); ``device``, ``budget``, ``headroom``, ``plan``,
             ``precision``, ``max_grad_norm``, ``nonfinite``, ``grow``, ``grow_after``,
@@ -216,6 +216,8 @@ def _fit(model: torch.nn.Module, data: Any, target_batch: int, loss_fn: LossFn |
         else float(state["lr"])
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_lambda(cfg.lr.warmup_steps)) \
         if cfg.lr.warmup_steps else None
+    if cfg.lr.scheduler is not None:  # after the rule: the scheduler's base lr is the run's
+        scheduler = build_scheduler(cfg.lr.scheduler, optimizer, _total_steps(cfg, batches))
     scaler = make_scaler(cfg.memory.precision, dev)
     start_plan, plan_source, report = _start_plan(inner, optimizer, loss_fn, batches, target_batch, cfg, sync, state)
     cut = TokenCut() if batches.by_length else SampleCut()

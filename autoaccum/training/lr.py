@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 
 from autoaccum.validate import check_non_negative_int, check_positive_float, check_positive_int, is_number
 
-__all__ = ["LR_RULES", "LinearWarmup", "LrRule", "apply_lr_rule", "scale_adam_hparams", "scale_lr", "warmup_lambda"]
+__all__ = ["LR_RULES", "LinearWarmup", "LrRule", "apply_lr_rule", "build_scheduler", "check_scheduler_factory",
+           "scale_adam_hparams", "scale_lr", "warmup_lambda"]
 
 LrRule = Literal["linear", "sqrt", "none", "adam_sde"]
 LR_RULES: tuple[str, ...] = get_args(LrRule)
@@ -202,3 +203,48 @@ def apply_lr_rule(optimizer: torch.optim.Optimizer, base_batch: int | None, batc
             else:
                 group["lr"] = scale_lr(group["lr"], base_batch, batch, rule)
     return float(optimizer.param_groups[0]["lr"])
+
+
+_FACTORY = "scheduler=lambda optimizer, total_steps: torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, total_steps)"
+
+
+def check_scheduler_factory(factory: Any, warmup_steps: int) -> None:
+    """``fit(scheduler=)``: a factory of the optimizer and the run's total steps, not a name or a scheduler already
+    built (built before the lr rule set the lr, it would put the unscaled lr back at its first step).
+
+    Raises:
+        TypeError: not a callable, or a scheduler object.
+        ValueError: with ``warmup_steps`` (two schedules of one lr).
+    """
+    if isinstance(factory, torch.optim.lr_scheduler.LRScheduler) or hasattr(factory, "step") and \
+            hasattr(factory, "state_dict"):
+        raise TypeError(f"scheduler= takes a factory, not a built {type(factory).__name__}: fit builds the scheduler "
+                        f"on its optimizer after the lr rule set the lr (one built before would put the unscaled lr "
+                        f"back). Pass {_FACTORY}")
+    if not callable(factory):
+        raise TypeError(f"scheduler={factory!r} is not a factory: scheduler= is called as scheduler(optimizer, "
+                        f"total_steps) and returns a torch.optim.lr_scheduler.LRScheduler, e.g. {_FACTORY}")
+    if warmup_steps:
+        raise ValueError(f"warmup_steps={warmup_steps} and scheduler= are two schedules of one lr: give the scheduler "
+                         f"its warmup (torch.optim.lr_scheduler.SequentialLR of a LinearLR and your schedule, "
+                         f"milestones=[{warmup_steps}]), or leave scheduler= out")
+
+
+def build_scheduler(factory: Any, optimizer: torch.optim.Optimizer, total_steps: int | None) -> Any:
+    """``factory(optimizer, total_steps)``, checked: it returns a scheduler of ``optimizer`` that the guard can step.
+
+    Raises:
+        ValueError: the run's total steps are unknown (data of unknown length and no ``max_steps``).
+        TypeError: it returned something else than a scheduler of this optimizer.
+    """
+    if total_steps is None:
+        raise ValueError("scheduler= is built with the run's total optimizer steps, and they are unknown (data of no "
+                         "known length and no max_steps): give max_steps=, or a DataLoader/Dataset with a length")
+    built = factory(optimizer, total_steps)
+    owner = getattr(built, "optimizer", optimizer)
+    if not callable(getattr(built, "step", None)) or owner is not optimizer:
+        what = f"a scheduler of another optimizer ({type(owner).__name__})" if owner is not optimizer else \
+            f"a {type(built).__name__}"
+        raise TypeError(f"scheduler(optimizer, total_steps) returned {what}; it must return a "
+                        f"torch.optim.lr_scheduler.LRScheduler built on the optimizer it is given, e.g. {_FACTORY}")
+    return built

@@ -461,6 +461,68 @@ def test_warmup_lr_is_the_same_with_an_oom(tmp_path):
     assert lrs[0] == lrs[1] == pytest.approx([0.1 / 3, 0.2 / 3, 0.1, 0.1], rel=1e-15)
 
 
+
+def _cosine(optimizer, total_steps):
+    return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
+
+
+@pytest.mark.parametrize("fail_at", [None, 3])
+def test_a_scheduler_factory_is_built_after_the_rule_and_stepped_once_per_optimizer_step(fail_at, tmp_path):
+    """``fit(scheduler=factory)``: built with the run's total steps after the lr rule (its base lr is the rule's),
+    stepped once per optimizer step, also with an OOM replay (the 3rd forward: step 2's first micro-batch). SGD
+    without momentum: a full-batch loop with the same schedule gives the same weights (fp64, 1e-12). Negative
+    control: the loop at the unscaled base lr differs."""
+    n, target, lr = 64 * 4, 64, 0.2
+    model, (x, y) = _small(n)
+    calls = {"forward": 0}
+    if fail_at is not None:
+        def flaky(module, args):
+            calls["forward"] += 1
+            if calls["forward"] == fail_at:
+                raise torch.OutOfMemoryError("injected")
+        model.register_forward_pre_hook(flaky)
+    log = tmp_path / "log.jsonl"
+    result = autoaccum.fit(model, (x, y), target, optimizer=torch.optim.SGD(model.parameters(), lr=lr), base_batch=32,
+                           scheduler=_cosine, plan=Plan.for_target(target, 32), progress=False, log_file=log)
+    assert result.oom_events == (fail_at is not None) and result.lr == pytest.approx(2 * lr)
+    for rule_lr in (2 * lr, lr):  # the rule's lr (the run), then the unscaled one (the control)
+        ref = Mlp(p=0.0, seed=0, dtype=torch.float64)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=rule_lr)
+        schedule, used = _cosine(ref_opt, 4), []
+        for idx in global_batches(n, target, 0, 1):
+            ref_opt.zero_grad()
+            cross_entropy(ref, (x[idx], y[idx])).backward()
+            used.append(ref_opt.param_groups[0]["lr"])
+            ref_opt.step()
+            schedule.step()
+        if rule_lr == 2 * lr:
+            assert [r["lr"] for r in _records(log)] == pytest.approx(used, rel=1e-15)
+            assert max_abs_diff(model, ref) < 1e-12
+        else:
+            assert max_abs_diff(model, ref) > 1e-4
+
+
+@pytest.mark.parametrize(("scheduler", "options", "error", "match"), [
+    ("cosine", {}, TypeError, r"scheduler='cosine' is not a factory.*scheduler\(optimizer, total_steps\).*"
+                              r"CosineAnnealingLR"),
+    ("built", {}, TypeError, r"takes a factory, not a built CosineAnnealingLR.*unscaled lr"),
+    (_cosine, {"warmup_steps": 2}, ValueError, r"warmup_steps=2 and scheduler= are two schedules.*SequentialLR"),
+    (lambda opt, total: 0.5, {}, TypeError, r"returned a float; it must return a torch.optim.lr_scheduler"),
+    ("other", {}, TypeError, r"returned a scheduler of another optimizer"),
+])
+def test_a_scheduler_that_is_not_a_factory_of_this_optimizer_is_refused_before_any_step(scheduler, options, error,
+                                                                                         match):
+    model, data = _small()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    other = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    made = {"built": _cosine(optimizer, 4), "other": lambda opt, total: _cosine(other, total)}
+    given = made.get(scheduler, scheduler) if isinstance(scheduler, str) else scheduler
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(error, match=match):
+        autoaccum.fit(model, data, 64, optimizer=optimizer, scheduler=given, plan=Plan.for_target(64, 16),
+                      progress=False, **options)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
 # -- evaluation ----------------------------------------------------------------------------------
 
 class _Recorder(nn.Module):
