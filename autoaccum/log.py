@@ -2,10 +2,12 @@
 
 autoaccum logs through ``logging.getLogger("autoaccum.<module>")``. A library normally leaves
 handlers to the application, but then a run under a job scheduler (no terminal, no logging
-configuration) shows nothing at all. So, as Hugging Face and Lightning do, ``fit`` makes sure its
-messages reach stderr: when neither the ``autoaccum`` logger nor the root logger has a handler, it
-adds one stream handler to ``autoaccum`` (once per process) and, if the logger's level is unset,
-sets INFO. An application's own logging configuration takes precedence; silence it with
+configuration) shows nothing at all. So, as Lightning does for its own logger, ``fit`` and the
+integrations make sure their messages are seen: where the ``autoaccum`` logger's level is unset it is
+set to INFO (a root logger at WARNING, as ``logging.basicConfig()`` leaves it in Hugging Face's example
+scripts, would drop the plan's banner), and where neither it nor the root logger has a handler, one
+stream handler to stderr is added (once per process). An application's handlers and formats apply
+(the messages propagate to them); silence autoaccum with
 ``logging.getLogger("autoaccum").setLevel(logging.WARNING)`` or ``fit(..., verbose=False)``.
 """
 
@@ -35,14 +37,14 @@ class _OwnHandler(logging.StreamHandler):
 def ensure_visible() -> None:
     """Give the ``autoaccum`` logger a stderr handler where nothing would show its messages."""
     package = logging.getLogger("autoaccum")
-    if package.hasHandlers():  # the application configured logging (here or on the root): its rules apply
+    if package.level == logging.NOTSET:  # a level set for autoaccum (WARNING: silenced) is kept
+        package.setLevel(logging.INFO)
+    if package.hasHandlers():  # the application's handlers (here or on the root) show them, in its format
         return
     handler = _OwnHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s autoaccum: %(message)s", "%H:%M:%S"))
     handler.addFilter(_NotShownYet())
     package.addHandler(handler)
-    if package.level == logging.NOTSET:
-        package.setLevel(logging.INFO)
 
 
 @contextlib.contextmanager
