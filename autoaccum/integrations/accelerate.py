@@ -58,6 +58,10 @@ _PRECISION: dict[str, Precision] = {"bf16": "bf16", "fp16": "fp16"}
 #: distributed types whose engine owns backward (XLA was TPU before Accelerate 0.26)
 _OWN_BACKWARD = {getattr(DistributedType, name) for name in ("DEEPSPEED", "MEGATRON_LM", "XLA", "TPU")
                  if hasattr(DistributedType, name)}
+#: what works for sharded training, named where a sharding engine is refused
+_SHARDED = ("; for sharded training, shard the model with FSDP2's fully_shard under torchrun and train it with "
+            "autoaccum.fit(..., plan=...) or OOMGuard(..., sync=autoaccum.distributed.DistributedSync(model)): "
+            "docs/distributed.md")
 
 
 def _processes_differ(accelerator: Accelerator) -> str | None:
@@ -116,7 +120,9 @@ def guard_for(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch
         problems.append(f"gradient_accumulation_steps={accelerator.gradient_accumulation_steps} (the guard "
                         f"accumulates: Accelerator(gradient_accumulation_steps=1), no accelerator.accumulate)")
     if accelerator.distributed_type in _OWN_BACKWARD:
-        problems.append(f"distributed type {accelerator.distributed_type} (its engine owns backward)")
+        problems.append(f"distributed type {accelerator.distributed_type} (its engine owns backward{_SHARDED})")
+    if accelerator.distributed_type == getattr(DistributedType, "FSDP", None):
+        problems.append(f"Accelerate's FSDP plugin (the guard drives DDP or a single process{_SHARDED})")
     mismatch = _processes_differ(accelerator)
     if mismatch is not None:
         problems.append(mismatch)

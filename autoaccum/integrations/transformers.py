@@ -209,7 +209,10 @@ class AutoAccumTrainer(Trainer):
         if self.args.n_gpu > 1:
             problems.append(f"DataParallel over {self.args.n_gpu} GPUs (run one process per GPU: torchrun)")
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            problems.append("DeepSpeed or FSDP (the guard drives DDP or a single process)")
+            problems.append(f"{'DeepSpeed' if self.is_deepspeed_enabled else 'FSDP'} (the guard drives DDP or a single "
+                            f"process; for sharded training, shard the model with FSDP2's fully_shard under torchrun "
+                            f"and train it with autoaccum.fit(..., plan=...) or an OOMGuard with "
+                            f"sync=autoaccum.distributed.DistributedSync(model): docs/distributed.md)")
         pc = getattr(self.accelerator, "parallelism_config", None)
         if pc is not None and (getattr(pc, "cp_enabled", False) or getattr(pc, "sp_enabled", False)):
             problems.append("context or sequence parallelism")

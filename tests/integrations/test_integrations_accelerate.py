@@ -308,3 +308,24 @@ def test_plan_is_the_plan_in_force_after_the_first_step():
     assert guard.plan is None and guard.given_plan is None
     guard.accumulate(next(iter(loader)), default_loss)
     assert guard.plan is guard.guard.plan and (guard.plan.micro_batch, guard.plan.accum_steps) == (4, 2)
+
+
+@pytest.mark.parametrize("kind", ["DEEPSPEED", "FSDP"])
+def test_a_sharding_engine_is_refused_naming_what_works(kind):
+    """DeepSpeed owns backward, and Accelerate's FSDP plugin is not driven (neither runs on one CPU process, so the
+    accelerator here reports the type as a launched one would): refused where the guard is built, naming FSDP2
+    under torchrun. Control: the same accelerator reporting no distributed type is taken."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    model = gpt2()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    launched = SimpleNamespace(gradient_accumulation_steps=1, distributed_type=getattr(DistributedType, kind),
+                               num_processes=1)
+    with pytest.raises(ValueError, match=r"guard_for cannot drive .*(DEEPSPEED|FSDP).*fully_shard under torchrun.*"
+                                         r"DistributedSync\(model\)"):
+        guard_for(launched, model, optimizer)
+    accelerator = accelerate.Accelerator(cpu=True)
+    assert accelerator.distributed_type == DistributedType.NO
+    assert guard_for(accelerator, model, optimizer).guard is None

@@ -192,6 +192,19 @@ def test_what_it_cannot_run_is_refused_at_construction(tmp_path):
         AutoAccumTrainer(model=gpt2(), args=arguments(str(tmp_path), 2, 4, auto_find_batch_size=True))
 
 
+@pytest.mark.parametrize("engine", ["is_deepspeed_enabled", "is_fsdp_enabled"])
+def test_a_sharding_engine_is_refused_naming_what_works(tmp_path, engine):
+    """HF's Trainer builds DeepSpeed or FSDP only where they run (not on one CPU process: "Using fsdp only works in
+    distributed training"), so the trainer's flag is set as a launched run sets it and the check run again: the
+    message names FSDP2 under torchrun. Control: the check passes as built."""
+    trainer = AutoAccumTrainer(model=gpt2(), args=arguments(str(tmp_path), PER_DEVICE, ACCUM), train_dataset=Rows())
+    trainer._check_setup()
+    setattr(trainer, engine, True)
+    with pytest.raises(ValueError, match=r"AutoAccumTrainer does not support (DeepSpeed|FSDP) .*fully_shard under "
+                                         r"torchrun.*DistributedSync\(model\)"):
+        trainer._check_setup()
+
+
 @pytest.mark.parametrize(("options", "error", "says"), [
     ({"plan": {"micro_batch": 4, "accum_steps": 2, "world_size": 1, "target_batch": 8}, "micro_batch": 3}, TypeError,
      r"give plan= or micro_batch=, not both"),
