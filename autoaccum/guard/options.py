@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any
 
 import torch
 
 from autoaccum.guard.growth import check_growth_options, prior_of
+from autoaccum.log import user_stacklevel
 from autoaccum.memory import TrackedMemory, emulated_device, refuse_two_budgets
 from autoaccum.memory.model import MemoryModel
 from autoaccum.step.optim import NONFINITE_POLICIES
@@ -58,6 +60,13 @@ def check_scheduler(scheduler: Any) -> None:
                         f"scheduler.step(val_loss) after evaluating") from None
     except ValueError:  # no signature to read (a builtin): taken as it is
         pass
+    if isinstance(scheduler, (torch.optim.lr_scheduler.StepLR, torch.optim.lr_scheduler.MultiStepLR)):
+        when = f"step_size={scheduler.step_size}" if isinstance(scheduler, torch.optim.lr_scheduler.StepLR) else \
+            f"milestones={sorted(scheduler.milestones)}"
+        warnings.warn(f"scheduler={type(scheduler).__name__}({when}) is stepped once per optimizer step, not once per "
+                      f"epoch: {when} counts optimizer steps. For a per-epoch schedule give it in steps (epochs x "
+                      f"steps per epoch), or pass scheduler=None and step it at each epoch's end yourself",
+                      UserWarning, stacklevel=user_stacklevel())
 
 
 def emulated_for_guard(budget: Any, device: torch.device, model: torch.nn.Module, meter: Any,

@@ -134,3 +134,20 @@ def test_a_scheduler_the_guard_cannot_step_is_refused_at_construction():
     mine = Mine()
     OOMGuard(model, opt, target_batch=64, micro_batch=32, scheduler=mine).step(data(64), mse)
     assert mine.steps == 1
+
+
+def test_a_per_epoch_scheduler_is_told_it_counts_optimizer_steps():
+    """A StepLR(step_size=epochs) passed as scheduler= decayed at every optimizer step, silently (documented, not
+    said where it was passed): warned, naming step_size. Control: a per-step schedule (LambdaLR) is not."""
+    import warnings
+
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match=r"StepLR\(step_size=3\) is stepped once per optimizer step, not once per "
+                                         r"epoch.*counts optimizer steps"):
+        OOMGuard(model, optimizer, target_batch=8, micro_batch=4,
+                 scheduler=torch.optim.lr_scheduler.StepLR(optimizer, step_size=3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        OOMGuard(model, optimizer, target_batch=8, micro_batch=4,
+                 scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0))
