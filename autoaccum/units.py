@@ -39,12 +39,13 @@ def parse_bytes(value: int | float | str, *, name: str = "budget") -> int:
             raise ValueError(f"Invalid {name} {value!r}: {written!r} is a unit of bits, not bytes. Write "
                              f"{written[:-1]}B (powers of 1000) or {written[0]}iB (powers of 1024), e.g. '8GiB'")
         number = float(match.group(1)) * _UNITS[unit]
+        in_bytes = _UNITS[unit] == 1
     else:
-        number = float(value)
+        number, in_bytes = float(value), True
     if not math.isfinite(number) or number < 1:
         raise ValueError(f"Invalid {name} {value!r}: must be at least 1 byte. Allowed range: 1 B ~ any finite size "
                          f"(e.g. '8GiB')")
-    if number != int(number):  # '1.5' is 1.5 bytes: a unit left out, not a size
+    if in_bytes and number != int(number):  # '1.5' is 1.5 bytes: a unit left out ('1.4MiB' rounds down)
         raise ValueError(f"Invalid {name} {value!r}: {number:g} bytes is not a whole number of bytes; a number "
                          f"without a unit counts bytes. Give the unit, e.g. '{_digits(value)}GiB' or "
                          f"'{_digits(value)}MiB'")

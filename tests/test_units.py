@@ -89,3 +89,4 @@ def test_a_fraction_of_a_byte_is_a_missing_unit_not_a_size(value):
 
 def test_negative_control_fractions_that_make_whole_bytes_are_sizes():
     assert parse_bytes("1.5KiB") == 1536 and parse_bytes("0.5kB") == 500 and parse_bytes(2.0) == 2
+    assert parse_bytes("1.4MiB") == int(1.4 * 2**20)  # a unit given: rounded down to whole bytes
