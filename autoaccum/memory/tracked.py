@@ -46,8 +46,10 @@ def _storage(t: torch.Tensor) -> Any | None:
 
 
 def iter_tensors(obj: Any) -> Iterable[torch.Tensor]:
-    """Every tensor held by ``obj``: a tensor, a module (parameters, their gradients, buffers),
-    an optimizer (its state), or a list/tuple/dict of those."""
+    """Every tensor held by ``obj``: a tensor, a module (parameters, their gradients, buffers, and tensors kept
+    as plain attributes of its modules, alone or in a list/tuple/dict: a positional table a forward made and
+    cached, which lives on the device as a buffer does), an optimizer (its state), or a list/tuple/dict of
+    those."""
     if isinstance(obj, torch.Tensor):
         yield obj
         if obj.grad is not None:
@@ -56,6 +58,10 @@ def iter_tensors(obj: Any) -> Iterable[torch.Tensor]:
         for p in obj.parameters():
             yield from iter_tensors(p)
         yield from obj.buffers()
+        for module in obj.modules():
+            for name, value in vars(module).items():
+                if name not in ("_parameters", "_buffers"):  # those above
+                    yield from _attribute_tensors(value)
     elif isinstance(obj, torch.optim.Optimizer):
         for state in obj.state.values():
             yield from (v for v in state.values() if isinstance(v, torch.Tensor))
@@ -65,6 +71,16 @@ def iter_tensors(obj: Any) -> Iterable[torch.Tensor]:
     elif isinstance(obj, (list, tuple)):
         for v in obj:
             yield from iter_tensors(v)
+
+
+def _attribute_tensors(value: Any) -> Iterable[torch.Tensor]:
+    """The tensors of a module attribute: a tensor, or a list/tuple/dict of them (one level)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        yield from (v for v in value if isinstance(v, torch.Tensor))
+    elif isinstance(value, dict):
+        yield from (v for v in value.values() if isinstance(v, torch.Tensor))
 
 
 class TrackedMemory(TorchDispatchMode):

@@ -90,6 +90,35 @@ def test_tensors_from_before_count_only_when_tracked_and_only_once():
     del outside
 
 
+
+class _LazyTable(torch.nn.Module):
+    """Builds a positional table at its first forward and keeps it as a plain attribute (Lightning's demo
+    transformer does so): no parameter, no buffer, on the device all the same."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.table: torch.Tensor | None = None
+        self._cache: tuple[torch.Tensor, ...] = ()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.table is None:
+            self.table = torch.ones(1024, 8)
+            self._cache = (torch.zeros(512, 8),)
+        return self.proj(x) + self.table[: x.shape[0]] + self._cache[0][: x.shape[0]]
+
+
+def test_tensors_a_forward_cached_as_module_attributes_count_when_tracked():
+    """The emulated device counted parameters, buffers and optimizer state only: a table made in the probe's first
+    forward and kept as an attribute was never counted in training (8 MiB off under Lightning's demo). Tracked
+    now, once each; the control is the same model before its first forward."""
+    model = _LazyTable()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert TrackedMemory().track(model).current_bytes == weights  # nothing cached yet
+    model(torch.randn(4, 8))
+    assert TrackedMemory().track(model).current_bytes == weights + (1024 + 512) * 8 * 4
+    assert TrackedMemory().track(model, model).current_bytes == weights + (1024 + 512) * 8 * 4  # once
+
 def test_counts_are_repeatable():
     readings = set()
     for _ in range(3):
