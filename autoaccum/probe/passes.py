@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 
 import torch
 
 from autoaccum.errors import AutoAccumError, OptimizerStepOOMError
+from autoaccum.log import user_stacklevel
 from autoaccum.memory import Meter
 from autoaccum.memory.recovery import catch_oom, release_memory
 from autoaccum.plan.batch import Batch, move_to, own_rows, tensors
@@ -220,6 +222,18 @@ class Stepper:
             if large >= 4 * small and low > 0 and high > 0 and high / low >= 0.5 * large / small:
                 return small, low, large, high
         return None
+
+    def warn_if_summed(self) -> None:
+        """Warn where the probe's losses look summed over the micro-batch (``Stepper.looks_summed``)."""
+        summed = self.looks_summed()
+        if summed is not None:
+            small, low, large, high = summed
+            warnings.warn(f"loss_fn's loss grew with the micro-batch: {low:.4g} at {small} samples, {high:.4g} at "
+                          f"{large} (x{high / low:.2g} for x{large // small} the samples): it looks summed over the "
+                          f"micro-batch (reduction='sum'), and a loss returned alone is read as the micro-batch's "
+                          f"mean, so the step would weight micro-batches by their size twice and train at another "
+                          f"learning rate than a full-batch step. Return the mean (reduction='mean'), or "
+                          f"(loss_sum, num_items) for a sum", UserWarning, stacklevel=user_stacklevel())
 
     def _zero_grad(self) -> None:
         """As ``zero_grad(set_to_none=True)`` does, without the call (which wrappers and counters of it would see)."""

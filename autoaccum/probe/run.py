@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import logging
 import time
-import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -96,6 +95,7 @@ def probe(
     lengths: Any = None,
     lengths_source: str = "",
     memory_savers: Any = "auto",
+    weigh_savers: bool = True,
     progress: bool = False,
 ) -> ProbeReport:
     """Measure the memory and speed of real training steps and plan micro-batch x accumulation.
@@ -128,8 +128,10 @@ def probe(
             then makes ``b`` samples padded to ``length``, and the plan is cut by a token budget.
         lengths_source: where ``lengths`` were read, for the report (e.g. "1,000 of 50,000 samples").
         memory_savers: where even the smallest micro-batch does not fit, measure again on the next memory saver
-            (``autoaccum.memory.savers``) and plan with the first saver with which it fits: ``"auto"`` (default),
-            ``"off"``, or a tuple of savers.
+            (``autoaccum.memory.savers``): ``"auto"`` (default), ``"off"``, or a tuple of savers.
+        weigh_savers: from the first saver with which the smallest micro-batch fits, measure the ones above it
+            while fewer passes may pay, and plan the fastest (saver, micro-batch) pair; False plans on the first
+            (the search, which weighs savers itself).
         progress: on a terminal, show the sizes measured so far on one line of stderr (cleared at the end;
             off a terminal nothing is written).
 
@@ -178,11 +180,12 @@ def probe(
     library = cuda_library_bytes(device) if estimate and device.type == "cuda" else 0
     passes = steps_per_size if steps_per_size is not None else 2 if is_compiled(task.model) else 1
     measured, tried, weighed = _measure_savers(task, optimizer, precision, plan_budget.budget_bytes - library,
-                                               plan_budget.headroom, savers, device, progress, estimate=estimate,
+                                               plan_budget.headroom, savers, progress, estimate=estimate,
+                                               weigh=weigh_savers,
                                                share=share, smallest=smallest, upper=upper, passes=passes,
                                                max_candidates=max_candidates, profile=profile)
     stepper = measured.stepper
-    _warn_if_summed(stepper)
+    stepper.warn_if_summed()
     candidates, model_fit, token_model, note = _with_library(measured, library, device)
     plan = Plan.for_target(target_batch, measured.best, world_size, smallest).with_saver(measured.saver)
     if token_model is not None and profile is not None:
@@ -203,21 +206,8 @@ def probe(
     return report
 
 
-def _warn_if_summed(stepper: Stepper) -> None:
-    """Warn where the probe's losses look summed over the micro-batch (``Stepper.looks_summed``)."""
-    summed = stepper.looks_summed()
-    if summed is not None:
-        small, low, large, high = summed
-        warnings.warn(f"loss_fn's loss grew with the micro-batch: {low:.4g} at {small} samples, {high:.4g} at {large} "
-                      f"(x{high / low:.2g} for x{large // small} the samples): it looks summed over the micro-batch "
-                      f"(reduction='sum'), and a loss returned alone is read as the micro-batch's mean, so the step "
-                      f"would weight micro-batches by their size twice and train at another learning rate than a "
-                      f"full-batch step. Return the mean (reduction='mean'), or (loss_sum, num_items) for a sum",
-                      UserWarning, stacklevel=3)
-
-
 def _measure_savers(task: Task, optimizer: Any, precision: Precision, budget_bytes: int, headroom: float,
-                    savers: tuple[str, ...], device: torch.device, progress: bool, *, estimate: bool, share: int,
+                    savers: tuple[str, ...], progress: bool, *, estimate: bool, weigh: bool, share: int,
                     smallest: int, upper: int, passes: int, max_candidates: int, profile: LengthProfile | None
                     ) -> tuple[Measured, list[tuple[str, int | None]], list[tuple[str, int, float | None]]]:
     """The measurements with each saver the plan's choice needs (``choose_saver``), the terminal line
@@ -230,7 +220,8 @@ def _measure_savers(task: Task, optimizer: Any, precision: Precision, budget_byt
                             profile=profile, saver=saver, progress=line)
 
         # fake steps take no time, and a token plan is cut by memory: no speed to weigh savers by
-        return choose_saver(savers, measure, line, share, smallest, device, weigh=not estimate and profile is None)
+        return choose_saver(savers, measure, line, share, smallest,
+                            weigh=weigh and not estimate and profile is None)
     finally:
         line.close()
 

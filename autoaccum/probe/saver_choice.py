@@ -8,8 +8,6 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from autoaccum.errors import DoesNotFitError
 from autoaccum.log import rank_level
 from autoaccum.memory.model import MemoryModel, TokenMemoryModel
@@ -113,14 +111,15 @@ def fastest_saver(savers: tuple[str, ...], first: Measured, measure: Callable[[s
 
 
 def choose_saver(savers: tuple[str, ...], measure: Callable[[str], Measured], line: ProbeProgress, share: int,
-                 smallest: int, device: torch.device, *, weigh: bool
+                 smallest: int, *, weigh: bool
                  ) -> tuple[Measured, list[tuple[str, int | None]], list[tuple[str, int, float | None]]]:
     """The measurement the plan is made from: the first saver that fits (``first_fitting``), then, where
-    ``weigh``, the fastest from there up (``fastest_saver``). Off CUDA a step that fits without a saver keeps
-    it: a CPU's passes have little fixed cost to save, and its timings are too noisy to weigh by. Returns it,
-    the savers tried below it and those weighed."""
+    ``weigh``, the fastest from there up (``fastest_saver``), on every device: also where a step fits without a
+    saver, a CPU's too (where it fits one sample per pass, 16 passes of a step ran at 0.79x of checkpointing
+    every block at 7 samples a pass: benchmarks/README.md). Returns it, the savers tried below it and those
+    weighed (none where no saver above the first was measured)."""
     measured, tried = first_fitting(savers, measure, line)
-    if not weigh or (device.type != "cuda" and measured.saver == "none"):
+    if not weigh:
         return measured, tried, []
     measured, weighed = fastest_saver(savers, measured, measure, line, share, smallest)
-    return measured, tried, weighed
+    return measured, tried, weighed if len(weighed) > 1 else []

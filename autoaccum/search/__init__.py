@@ -178,7 +178,7 @@ def _probe_report(task: Task, optimizer: torch.optim.Optimizer | None, report: P
     """``report``, checked against this search's target and budget, or a fresh probe."""
     if report is None:
         return probe(task, optimizer=optimizer, target_batch=options.target_batch, world_size=options.world_size,
-                     budget=budget, headroom=headroom)
+                     budget=budget, headroom=headroom, weigh_savers=False)  # the trials weigh them
     check_made_for(report, task.model, name="report")
     if report.plan.target_batch != options.target_batch or report.plan.world_size != options.world_size:
         raise ValueError(f"the probe report is for {report.plan.describe()}; this search is for target_batch "

@@ -398,7 +398,7 @@ def test_plan_file_round_trip(searched, tmp_path):
     report_path = tmp_path / "report.json"
     report = probe(task, target_batch=TARGET, budget=BUDGET)
     report_path.write_text(json.dumps(report.to_dict()))
-    assert read_plan_file(report_path) == (report.plan, Knobs())
+    assert read_plan_file(report_path) == (report.plan, Knobs(saver=report.plan.saver))  # a report: its saver only
     (tmp_path / "bad.json").write_text(json.dumps({"micro_batch": 4}))
     with pytest.raises(ValueError, match="not an autoaccum plan file"):
         load_plan_file(tmp_path / "bad.json")
