@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["Batch", "Samples", "SplitFn", "batch_size", "describe_batch", "like", "map_tensors", "move_to", "own_rows",
-           "split_batch", "tensors"]
+__all__ = ["Batch", "Samples", "SplitFn", "batch_size", "describe_batch", "first_difference", "like", "map_tensors",
+           "move_to", "own_rows", "split_batch", "structure", "tensors"]
 
 Batch = Any  # a tensor, or a tuple/list/dict (nested) whose tensors share dim 0
 SplitFn = Callable[[Batch, Sequence[int]], Sequence[Batch]]
@@ -68,12 +68,17 @@ class Samples:
 def batch_size(batch: Batch) -> int:
     """The number of samples in ``batch``: the shared dim 0 of its tensors.
 
+    A list of samples (``[(x_0, y_0), (x_1, y_1), ...]``, as a Dataset returns them) is not a batch: it is
+    refused, not collated (which collation is the caller's: ``default_collate``, or a padding one).
+
     Raises:
-        ValueError: no tensor with a dim 0, or tensors disagree on dim 0.
+        ValueError: no tensor with a dim 0, tensors disagree on dim 0, or a list of samples.
     """
     if isinstance(batch, Samples):
         return len(batch)
     sizes = {t.shape[0] for t in tensors(batch) if t.dim() > 0}
+    if type(batch) is list and batch and isinstance(batch[0], (tuple, list, Mapping)):
+        _refuse_sample_list(batch, sizes)
     if not sizes:
         raise ValueError(
             f"cannot tell the batch size of a {type(batch).__name__}: expected a tensor or a tuple/list/dict "
@@ -82,6 +87,69 @@ def batch_size(batch: Batch) -> int:
         raise ValueError(f"the tensors of a batch disagree in dim 0: sizes {sorted(sizes)}; every tensor of a "
                          f"batch must hold one row per sample")
     return sizes.pop()
+
+
+def _refuse_sample_list(batch: list, sizes: set[int]) -> None:
+    """Refuse a list of samples (``[(x_0, y_0), (x_1, y_1), ...]``) given as a batch: its items share one
+    structure, and their tensors' dim 0 is no batch dim (a scalar leaf, or dim-0 sizes that disagree). A
+    nested batch such as ``[(ids, mask), (ids2, mask2)]``, every tensor sharing dim 0, is left alone."""
+    first = structure(batch[0])
+    if any(structure(item) != first for item in batch[1:]):
+        return
+    scalar = any(t.dim() == 0 for t in tensors(batch)) or any(_has_number(item) for item in batch)
+    if scalar or len(sizes) > 1:
+        raise ValueError(
+            f"the batch is a list of {len(batch)} samples, each {_describe(first)}, not a batch of tensors sharing "
+            f"dim 0 (counted by dim 0 it would hold {sorted(sizes)} samples). Collate the samples first: "
+            f"torch.utils.data.default_collate(samples) gives one tensor per field, the samples along dim 0")
+
+
+def _has_number(item: Any) -> bool:
+    if isinstance(item, (int, float)):
+        return True
+    if isinstance(item, (list, tuple)):
+        return any(_has_number(v) for v in item)
+    return isinstance(item, Mapping) and any(_has_number(v) for v in item.values())
+
+
+def structure(item: Any, free_dims: int = 0) -> tuple:
+    """What collating depends on, as a comparable value: containers' kinds, lengths and keys, and each
+    tensor's (or array's) shape and dtype, its first ``free_dims`` dims left out (None)."""
+    if isinstance(item, torch.Tensor) or (hasattr(item, "shape") and hasattr(item, "dtype")):
+        shape = tuple(item.shape)
+        return ("tensor", tuple(None if i < free_dims else n for i, n in enumerate(shape)), str(item.dtype))
+    if isinstance(item, Mapping):
+        return ("dict", tuple((k, structure(v, free_dims)) for k, v in item.items()))
+    if isinstance(item, (tuple, list)):
+        return (type(item).__name__, tuple(structure(v, free_dims) for v in item))
+    return ("number",) if isinstance(item, (int, float)) and not isinstance(item, bool) else (type(item).__name__,)
+
+
+def _describe(node: tuple) -> str:
+    if node[0] == "tensor":
+        return f"a {node[2]} tensor of shape [{', '.join('*' if n is None else str(n) for n in node[1])}]"
+    if node[0] == "dict":
+        return f"a dict of keys {[k for k, _ in node[1]]}"
+    if len(node) > 1:
+        items = [_describe(v) for v in node[1]]
+        inner = f"each {items[0]}" if len(items) > 3 and len(set(items)) == 1 else \
+            ", ".join(items[:3]) + (", ..." if len(items) > 3 else "")
+        return f"a {node[0]} of {len(items)} ({inner})"
+    return f"a {node[0]}"
+
+
+def first_difference(a: tuple, b: tuple, path: str = "") -> tuple[str, str, str] | None:
+    """Where two ``structure`` values first differ: ``(path, a in words, b in words)``, or None if equal."""
+    if a == b:
+        return None
+    same_kind = a[0] == b[0] and a[0] != "tensor" and len(a) > 1 and len(a[1]) == len(b[1])
+    if same_kind and (a[0] != "dict" or [k for k, _ in a[1]] == [k for k, _ in b[1]]):
+        for i, (x, y) in enumerate(zip(a[1], b[1])):
+            key, x, y = (x[0], x[1], y[1]) if a[0] == "dict" else (i, x, y)
+            found = first_difference(x, y, f"{path}[{key!r}]")
+            if found is not None:
+                return found
+    return path, _describe(a), _describe(b)
 
 
 def map_tensors(batch: Batch, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:

@@ -161,3 +161,41 @@ def test_any_partition_reassembles_the_batch(sizes):
     assert [p["x"].shape[0] for p in parts] == sizes
     assert torch.equal(torch.cat([p["x"] for p in parts]), batch["x"])
     assert torch.equal(torch.cat([p["y"][0] for p in parts]), batch["y"][0])
+
+
+def test_a_list_of_sample_pairs_is_refused_as_a_batch_with_the_fix_named():
+    """``[(x_i, y_i), ...]`` was counted by its x's feature dim ("holds 20 samples"), then met a raw torch
+    error; the guard refuses it before any work, naming default_collate."""
+    import autoaccum
+
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 20), torch.randint(0, 2, (16,))
+    pairs = [(x[i], y[i]) for i in range(16)]
+    with pytest.raises(ValueError, match=r"a list of 16 samples, each a tuple of 2 \(a torch.float32 tensor of "
+                                         r"shape \[20\].*default_collate\(samples\)"):
+        batch_size(pairs)
+    with pytest.raises(ValueError, match="list of 5 samples"):  # a Python number as the label: samples too
+        batch_size([(x[i], int(y[i])) for i in range(5)])
+    model = torch.nn.Sequential(torch.nn.Linear(20, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    before = [p.detach().clone() for p in model.parameters()]
+    calls = []
+
+    def loss(m, b):
+        calls.append(1)
+        return torch.nn.functional.cross_entropy(m(b[0]), b[1])
+
+    guard = autoaccum.OOMGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), target_batch=16, micro_batch=4)
+    with pytest.raises(ValueError, match="list of 16 samples"):
+        guard.step(pairs, loss)
+    assert calls == [] and all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    from torch.utils.data import default_collate
+
+    assert guard.step(default_collate(pairs), loss).num_samples == 16  # the fix the message names works
+
+
+def test_nested_batches_in_a_list_are_still_batches():
+    """The negative control: a list of containers whose tensors all share dim 0 is a nested batch, not samples."""
+    x, mask, y = torch.ones(4, 3), torch.ones(4, 3), torch.zeros(4, dtype=torch.int64)
+    assert batch_size([(x, mask), (x, mask)]) == 4
+    assert batch_size([{"ids": x}, y]) == 4
+    assert batch_size([x, y]) == 4
