@@ -142,13 +142,15 @@ def first_difference(a: tuple, b: tuple, path: str = "") -> tuple[str, str, str]
     """Where two ``structure`` values first differ: ``(path, a in words, b in words)``, or None if equal."""
     if a == b:
         return None
-    same_kind = a[0] == b[0] and a[0] != "tensor" and len(a) > 1 and len(a[1]) == len(b[1])
+    sequences = a[0] in ("list", "tuple") and b[0] in ("list", "tuple")  # collated alike: not a difference
+    same_kind = (a[0] == b[0] or sequences) and a[0] != "tensor" and len(a) > 1 and len(a[1]) == len(b[1])
     if same_kind and (a[0] != "dict" or [k for k, _ in a[1]] == [k for k, _ in b[1]]):
         for i, (x, y) in enumerate(zip(a[1], b[1])):
             key, x, y = (x[0], x[1], y[1]) if a[0] == "dict" else (i, x, y)
             found = first_difference(x, y, f"{path}[{key!r}]")
             if found is not None:
                 return found
+        return None
     return path, _describe(a), _describe(b)
 
 

@@ -146,9 +146,9 @@ def fit(model: torch.nn.Module, data: Any, target_batch: int | None = None, *, l
 
     Args:
         model: the module to train; moved to ``device``.
-        data: a tuple or dict of tensors sharing dim 0, a map-style Dataset (collated with
-            ``default_collate``), or an iterable/DataLoader yielding global batches (under
-            torch.distributed: this rank's share). Indexed data is reshuffled every epoch from
+        data: a tuple or dict of tensors sharing dim 0, a Dataset of samples (map-style, or an
+            IterableDataset, batched by fit in its order), or an iterable/DataLoader yielding global
+            batches (under torch.distributed: this rank's share). Indexed data is reshuffled every epoch from
             ``seed``; the last batch of an epoch holds the samples that remain and is a real step
             on them, weighted exactly (a smaller global batch, never padded), unless
             ``last_batch="drop"``.
@@ -326,7 +326,9 @@ def _global_batches(data: Any, eval_data: Any, target_batch: int, cfg: FitConfig
                          f"(a DataLoader, a list of batches, a Dataset), or epochs=1")
     batches.by_length = _by_length(batches, cfg)
     eval_batches = None if eval_data is None else \
-        GlobalBatches(eval_data, target_batch, by_length=batches.by_length, **kwargs)
+        GlobalBatches(eval_data, target_batch, by_length=batches.by_length, name="eval_data", **kwargs)
+    if eval_batches is not None:  # checked, and compared with the training data, before any work
+        eval_batches.check_like(batches)
     return batches, eval_batches
 
 

@@ -185,3 +185,49 @@ def test_every_sample_once_over_many_shapes():
         gb = GlobalBatches(_ids(n), target, seed=n)
         flat = _flat(gb.epoch(0))
         assert sorted(flat) == list(range(n)) and gb.steps_per_epoch == -(-n // target)
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        return iter(_ids(self.n))  # single samples: 0-d tensors
+
+
+class _SizedStream(_Stream):
+    def __len__(self):
+        return self.n
+
+
+def test_an_iterable_dataset_is_cut_in_its_order_into_rank_shares_of_global_batches():
+    """Every sample once per epoch, in the stream's order, each global batch split over the ranks in rank order;
+    the last batch holds what remains ("step") or is left out ("drop"); a resume skips whole global batches."""
+    n, target, world = 50, 16, 3
+    ranks = [GlobalBatches(_Stream(n), target, rank=r, world_size=world) for r in range(world)]
+    per_rank = [list(gb.epoch(0)) for gb in ranks]
+    assert [[len(rb.batch) for rb in rbs] for rbs in per_rank] == [[6, 6, 6, 1], [5, 5, 5, 1], [5, 5, 5, 0]]
+    assert [rb.global_size for rb in per_rank[0]] == [16, 16, 16, 2] and per_rank[0][-1].partial
+    joined = [int(v) // 10 for step in zip(*per_rank) for rb in step for v in rb.batch]
+    assert joined == list(range(n))  # nothing dropped, nothing repeated, the stream's order
+    assert _flat(GlobalBatches(_Stream(n), target).epoch(0, start=2)) == list(range(32, 50))
+    assert _flat(GlobalBatches(_Stream(n), target, last_batch="drop").epoch(0)) == list(range(48))
+    assert GlobalBatches(_Stream(n), target).steps_per_epoch is None  # unknown length
+    sized = GlobalBatches(_SizedStream(n), target)
+    assert (sized.steps_per_epoch, sized.last_global_size) == (4, 2)
+    assert [int(v) // 10 for v in sized.sample(3)] == [0, 1, 2]  # the probe's samples: the stream's first
+
+
+def test_eval_batches_are_compared_with_training_batches_but_the_batch_and_sequence_dims():
+    def rows(n, length, width=None):
+        ids = torch.ones(n, length, dtype=torch.long) if width is None else torch.ones(n, length, width)
+        return {"input_ids": ids, "attention_mask": torch.ones(n, length, dtype=torch.long)}
+
+    train = GlobalBatches(rows(8, 12), 4, by_length=True)
+    GlobalBatches(rows(6, 9), 4, by_length=True, name="eval_data").check_like(train)  # other lengths: the same data
+    with pytest.raises(ValueError, match=r"eval_data\['input_ids'\] is a torch.float32 tensor of shape \[\*, \*, 5\], "
+                                         r"data\['input_ids'\] is a torch.int64 tensor of shape \[\*, \*\]"):
+        GlobalBatches(rows(6, 9, width=5), 4, by_length=True, name="eval_data").check_like(train)
+    with pytest.raises(ValueError, match=r"eval_data\[0\] is a torch.float32 tensor of shape \[\*, 9\], data\[0\] is"
+                                         r" a torch.float32 tensor of shape \[\*, 12\]"):  # fixed shapes: dim 1 counts
+        GlobalBatches((torch.ones(6, 9),), 4, name="eval_data").check_like(GlobalBatches((torch.ones(8, 12),), 4))

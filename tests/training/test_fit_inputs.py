@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from _fit_models import Mlp, cross_entropy, mlp_data
 from helpers import full_batch_steps, params, rel_diff
 
 import autoaccum
+from autoaccum.plan.data import GlobalBatches
 from autoaccum.plan.plan import Plan
 
 
@@ -119,3 +121,87 @@ def test_an_emulated_budget_larger_than_the_host_is_refused():
     assert host is not None and host > 2**30  # Linux says
     _refused(ValueError, r"Invalid budget: .* is more than this machine's memory .* Allowed range: up to",
              budget=4 * host, plan=None)
+
+
+class _SampleStream(torch.utils.data.IterableDataset):
+    """Single samples ``(x_i, y_i)``, in row order: what an IterableDataset given to fit yields."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __iter__(self):
+        return iter(zip(self.x, self.y))
+
+
+def test_an_iterable_dataset_of_samples_is_batched_by_fit_in_its_order_exactly():
+    """Each sample was taken for a batch ("a first batch of 6 samples": its feature dim). fit batches the
+    stream: global batches of target_batch in the stream's order, the last one (12 of 60) a real step."""
+    x, y = mlp_data(60, dtype=torch.float64)
+    torch.manual_seed(0)
+    model = Mlp(p=0.0, dtype=torch.float64)
+    reference = Mlp(p=0.0, dtype=torch.float64)
+    reference.load_state_dict(model.state_dict())
+    result = autoaccum.fit(model, _SampleStream(x, y), 16, loss_fn=cross_entropy, plan=Plan.for_target(16, 4),
+                           optimizer=torch.optim.SGD(model.parameters(), lr=0.5), progress=False, verbose=False)
+    assert (result.optimizer_steps, result.samples_seen) == (4, 60)
+    in_order = [(x[i:i + 16], y[i:i + 16]) for i in range(0, 60, 16)]  # 16, 16, 16, 12
+    full_batch_steps(reference, cross_entropy, in_order, torch.optim.SGD(reference.parameters(), lr=0.5))
+    assert rel_diff(params(model), params(reference)) <= 1e-12  # fp64: the same sums, cut in micro-batches
+    torch.manual_seed(0)
+    control = Mlp(p=0.0, dtype=torch.float64)  # the negative control: a shuffled order, as for a map-style dataset
+    order = torch.randperm(60, generator=torch.Generator().manual_seed(0))
+    shuffled = [(x[order[i:i + 16]], y[order[i:i + 16]]) for i in range(0, 60, 16)]
+    full_batch_steps(control, cross_entropy, shuffled, torch.optim.SGD(control.parameters(), lr=0.5))
+    assert rel_diff(params(control), params(reference)) > 1e-3
+
+
+def test_an_iterable_dataset_of_samples_is_probed_and_trained_under_a_budget():
+    x, y = torch.randn(64, 20), torch.randint(0, 2, (64,))
+    model = torch.nn.Sequential(torch.nn.Linear(20, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    result = autoaccum.fit(model, _SampleStream(x, y), 16, loss_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]),
+                           epochs=2, budget="1MiB", progress=False, verbose=False)
+    assert (result.plan_source, result.optimizer_steps, result.samples_seen) == ("probe", 8, 128)
+
+
+def test_a_dataloader_of_single_samples_is_refused_naming_batch_size():
+    x, y = mlp_data(128)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=None)
+    _refused(ValueError, r"data is a DataLoader with batch_size=None: it yields single samples, not batches .*"
+                         r"Pass batch_size=64 \(this rank's share of target_batch=64\).*data=loader.dataset",
+             data=loader)
+    # the fixes the message names train: the loader batched at the share, or its dataset
+    for data in (torch.utils.data.DataLoader(loader.dataset, batch_size=64), loader.dataset):
+        result = autoaccum.fit(Mlp(p=0.0), data, 64, plan=Plan.for_target(64, 16), progress=False, verbose=False)
+        assert result.samples_seen == 128
+
+
+def test_token_lists_of_different_lengths_are_refused_naming_collate_fn():
+    """``[[1, 2, 3], [4, 5]]``: default_collate turned one sample into three "columns", then a TaskError about
+    the default loss; now refused before any work with the lengths and the options named."""
+    _refused(ValueError, r"data's samples differ in shape: sample 0 is a list of 3 \(a number, a number, a number\), "
+                         r"sample 1 is a list of 2 .*collate_fn= that pads them.*length_fn=len", target=16,
+             data=[[1, 2, 3], [4, 5]] * 10)
+    same = [[1, 2, 3], [4, 5, 6]] * 10  # the negative control: sequences of one length are stacked as before
+    batches = GlobalBatches(same, 16)
+    batches.check()
+    assert [t.shape for t in batches.sample(4)] == [torch.Size([4])] * 3
+
+
+def test_eval_data_of_another_shape_is_refused_before_training_naming_both_shapes():
+    """eval X of (16, 7) against training X of (64, 6) met "mat1 and mat2 shapes cannot be multiplied" after
+    training steps had run."""
+    x, y = mlp_data(16)
+    _refused(ValueError, r"eval_data's batches differ from data's: eval_data\[0\] is a torch.float32 tensor of shape "
+                         r"\[\*, 7\], data\[0\] is a torch.float32 tensor of shape \[\*, 6\]",
+             eval_data=(torch.randn(16, 7), y))
+    _refused(ValueError, r"eval_data\[0\] is a torch.float64 tensor of shape \[\*, 6\], data\[0\] is a torch.float32",
+             eval_data=(x.double(), y))
+    _refused(ValueError, r"eval_data is a DataLoader with batch_size=None",
+             eval_data=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=None))
+    # the negative control: another kind of the same samples (a dataset, collated as a list) is evaluated
+    model = Mlp(p=0.0)
+    result = autoaccum.fit(model, mlp_data(128), 64, eval_data=torch.utils.data.TensorDataset(x, y),
+                           plan=Plan.for_target(64, 16), progress=False, verbose=False)
+    with torch.no_grad():
+        expected = float(F.cross_entropy(model(x), y))
+    assert result.eval_loss == pytest.approx(expected, rel=1e-5)  # fp32: one mean, cut in micro-batches
