@@ -115,12 +115,13 @@ def peak_bytes(ctx: Context, micro: int, saver: str | None = None) -> int:
 
 
 def blocks_budget(ctx: Context, share: float) -> tuple[int, str]:
-    """A budget at which one sample (two accumulated steps, the probe's headroom kept free) fits with the
-    first saver that checkpoints at least ``share`` of the blocks, but not with the saver below it: midway
-    between their peaks, over ``HEADROOM_KEPT``. Returns the bytes and that saver."""
+    """A budget at which the workload's ``micro_target`` samples (two accumulated steps, the probe's headroom
+    kept free) fit with the first saver that checkpoints at least ``share`` of the blocks, but not with the saver
+    below it: midway between their peaks, over ``HEADROOM_KEPT``. Returns the bytes and that saver."""
     savers = allowed_savers(ctx.base, ctx.device, ("checkpointing",))  # none, k of N blocks, all; no offload
     index = next(i for i, s in enumerate(savers) if i and saver_rank(s) >= share)
-    low, high = peak_bytes(ctx, 1, savers[index]), peak_bytes(ctx, 1, savers[index - 1])
+    micro = ctx.workload.micro_target
+    low, high = peak_bytes(ctx, micro, savers[index]), peak_bytes(ctx, micro, savers[index - 1])
     return int((low + high) / 2 / HEADROOM_KEPT), savers[index]
 
 

@@ -211,8 +211,9 @@ def _pairs_row(head: str, row: dict[str, Any]) -> tuple[str, ...]:
 
 def blocks_table(res: dict[str, Any]) -> str:
     """fit against the brute force's best pair and the hand-configured run at each budget (``savers.measure``)."""
-    heads = [f"{autoaccum.format_bytes(row['budget_bytes'])}: one sample needs {_pair(row['needed'], 1)[:-4]} of the "
-             f"blocks" for row in res["blocks"]]
+    micro = res.get("micro_target", 1)
+    heads = [f"{autoaccum.format_bytes(row['budget_bytes'])}: {micro} sample{'s' * (micro > 1)} need "
+             f"{_pair(row['needed'], 1)[:-4]} of the blocks" for row in res["blocks"]]
     return "\n".join([
         f"{res['model']}: {res['describe']}; target {res['target_batch']}; {res['dtype']}. Pairs: blocks checkpointed "
         "x micro-batch; samples/s by wall time, median of the rounds; ratios: median of the paired rounds by wall "

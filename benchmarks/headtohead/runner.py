@@ -219,7 +219,7 @@ def run_blocks(name: str, ctx: Context, config: Config, log: Callable[[str], Non
     """At each of the workload's budgets (``blocks_budget``), fit against the brute force's pairs in one process
     (``measure(every_pair=True)``). No peers: what their finders do where one sample does not fit is ``gpt_long``'s."""
     out = {"model": name, "describe": describe_model(ctx.base), "target_batch": ctx.workload.target_batch,
-           "note": ctx.workload.note, "dtype": config.dtype, "blocks": []}
+           "micro_target": ctx.workload.micro_target, "note": ctx.workload.note, "dtype": config.dtype, "blocks": []}
     for share in ctx.workload.block_shares:
         t0, (budget_bytes, needed) = time.perf_counter(), blocks_budget(ctx, share)
         setup = Setup(config.size, name, config.dtype, config.device, config.steps, budget_bytes, 1, 0, 0, False,

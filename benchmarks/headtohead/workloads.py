@@ -14,7 +14,7 @@ from torch import nn
 from autoaccum.demo import TinyGPT
 
 LR = 1e-3
-#: the shares of the blocks that must be checkpointed for one sample at ``gpt_blocks``' three budgets
+#: the shares of the blocks that must be checkpointed for ``micro_target`` samples at ``gpt_blocks``' budgets
 SHARES = (0.25, 0.5, 1.0)
 
 Batch = dict[str, torch.Tensor]
@@ -40,7 +40,7 @@ class Workload:
     #: the memory saver (``autoaccum.memory.savers``) a plain loop needs under the budget:
     #: ``"checkpointing"`` where one sample does not fit without it (``micro_target`` is then counted with it)
     saver: str = "none"
-    #: one budget each (``budget.blocks_budget``): this share of the blocks must be checkpointed for one sample
+    #: one budget each (``budget.blocks_budget``): this share of the blocks must be checkpointed for micro_target
     block_shares: tuple[float, ...] = ()
 
 
@@ -99,7 +99,7 @@ def workloads(size: str) -> dict[str, Workload]:
     """``tiny`` (the smoke test), ``cpu`` (default: a few minutes on 2 cores) or ``gpu`` (real memory).
 
     ``gpt_long`` is the workload where one sample does not fit without activation checkpointing, ``gpt_blocks``
-    the one whose budgets need a quarter, half and all of its blocks checkpointed for one sample; they run
+    the one whose budgets need a quarter, half and all of its blocks checkpointed for its micro_target; they run
     only when named (``--models gpt_long gpt_blocks``)."""
     long, blocks = {"saver": "checkpointing"}, {"saver": "checkpointing", "block_shares": SHARES}
     if size == "tiny":
@@ -117,15 +117,15 @@ def workloads(size: str) -> dict[str, Workload]:
                           batchnorm=True, note="2 conv+BatchNorm blocks, 16x16 images"),
                  _gpt("gpt_long", 64, 384, 32, 6, 2, 8, 2, **long, note="TinyGPT 6 layers x 32, 384 tokens, lengths "
                       "96..384 padded; one sample does not fit without checkpointing"),
-                 _gpt("gpt_blocks", 64, 384, 32, 8, 2, 8, 1, **blocks,
-                      note="TinyGPT 8 layers x 32, 384 tokens, lengths 96..384 padded")]
+                 _gpt("gpt_blocks", 64, 256, 32, 8, 2, 16, 4, **blocks,
+                      note="TinyGPT 8 layers x 32, 256 tokens, lengths 64..256 padded")]
     elif size == "gpu":  # not exercised on the CPU-only machines this was written on
         named = [Workload("mlp", seeded(lambda: mlp(4096, 4096, 8)), _classification_data((4096,)), 16384, 3600),
                  _gpt("gpt", 32000, 1024, 1024, 12, 16, 256, 23),
                  Workload("cnn", seeded(lambda: ConvBN(128, 32)), _classification_data((3, 32, 32)), 4096, 900,
                           batchnorm=True),
                  _gpt("gpt_long", 8192, 4096, 768, 12, 12, 16, 3, **long),
-                 _gpt("gpt_blocks", 8192, 4096, 768, 12, 12, 16, 1, **blocks)]
+                 _gpt("gpt_blocks", 8192, 4096, 768, 12, 12, 16, 4, **blocks)]
     else:
         raise ValueError(f"Invalid size: {size!r}. Allowed values: tiny, cpu, gpu")
     return {w.name: w for w in named}
