@@ -289,7 +289,7 @@ class GlobalBatches:
     def check(self) -> None:
         """Fail before any work on data that cannot make global batches: samples ``default_collate`` cannot
         stack; a DataLoader of single samples (``batch_size=None``), or whose ``batch_size`` differs from
-        this rank's share, or whose first batch holds more than it (or fewer, with more batches to come)."""
+        this rank's share, or whose first batch holds more than it (or fewer, unless it is known to be the only one)."""
         if self.iterable is None:
             self._check_collatable()
             return
@@ -304,7 +304,8 @@ class GlobalBatches:
         if isinstance(loader_batch, int) and loader_batch != self.share:
             raise ValueError(self._size_message(loader_batch, "batches (DataLoader batch_size)"))
         n = batch_size(self._first_batch())
-        more = hasattr(self.iterable, "__len__") and len(self.iterable) > 1  # type: ignore[arg-type]
+        # fewer with more to come, or from an iterator of unknown length (whose later batches would be short too)
+        more = len(self.iterable) > 1 if hasattr(self.iterable, "__len__") else True  # type: ignore[arg-type]
         if n > self.share or (n < self.share and more):
             raise ValueError(self._size_message(n, "a first batch"))
 
@@ -363,11 +364,9 @@ class GlobalBatches:
         return self._gather(order[:size] if size <= n else order[torch.arange(size) % n])  # type: ignore[operator]
 
     def _first_batch(self) -> Batch:
-        """The iterable's first batch, fetched once for all of the probe's samples.
-
-        A one-shot iterator (a generator) keeps it for ``epoch()`` to yield first, so probing drops
-        no batch. A re-iterable (a DataLoader) is iterated afresh; the global RNG it drew from (a
-        shuffling DataLoader seeds its sampler from it) is put back, so probing leaves no trace."""
+        """The iterable's first batch, fetched once for the probe. A one-shot iterator (a generator) keeps it for
+        ``epoch()`` to yield first (probing drops no batch); a re-iterable (a DataLoader) is iterated afresh, the
+        global RNG it drew from (a shuffling sampler's seed) put back (probing leaves no trace)."""
         if self._head:
             return self._head[0]
         one_shot = isinstance(self.iterable, Iterator)  # iter() of a DataLoader would draw from the RNG

@@ -205,3 +205,18 @@ def test_eval_data_of_another_shape_is_refused_before_training_naming_both_shape
     with torch.no_grad():
         expected = float(F.cross_entropy(model(x), y))
     assert result.eval_loss == pytest.approx(expected, rel=1e-5)  # fp32: one mean, cut in micro-batches
+
+
+def test_a_generator_whose_first_batch_is_below_the_share_is_refused_naming_target_batch():
+    """A generator of 100-sample batches for target_batch=256 met "the probe needs 215 samples but the data's
+    batches hold 100" after the probe's first passes, with no word of target_batch. Its length is unknown, so a
+    short first batch is not the epoch's last: refused before any work. Control: batches of the share train."""
+    x, y = mlp_data(512)
+
+    def batches(size):
+        return ((x[i:i + size], y[i:i + size]) for i in range(0, 512, size))
+
+    _refused(ValueError, r"a first batch of 32 samples, but target_batch is 64 .*pass target_batch=32", data=batches(32))
+    result = autoaccum.fit(Mlp(p=0.0), batches(64), 64, loss_fn=cross_entropy, plan=Plan.for_target(64, 16),
+                           progress=False)
+    assert result.optimizer_steps == 8
