@@ -216,7 +216,8 @@ def test_a_generator_whose_first_batch_is_below_the_share_is_refused_naming_targ
     def batches(size):
         return ((x[i:i + size], y[i:i + size]) for i in range(0, 512, size))
 
-    _refused(ValueError, r"a first batch of 32 samples, but target_batch is 64 .*pass target_batch=32", data=batches(32))
+    _refused(ValueError, r"a first batch of 32 samples, but target_batch is 64 .*pass target_batch=32",
+             data=batches(32))
     result = autoaccum.fit(Mlp(p=0.0), batches(64), 64, loss_fn=cross_entropy, plan=Plan.for_target(64, 16),
                            progress=False)
     assert result.optimizer_steps == 8
