@@ -7,21 +7,25 @@ Only this module prints. ``--json`` keeps stdout for one JSON document; logs go 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
 import re
 import sys
+import traceback
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from autoaccum import __version__
-from autoaccum.errors import DoesNotFitError
+from autoaccum.errors import DoesNotFitError, TaskError
 from autoaccum.memory.savers import describe_saver
-from autoaccum.plan.task import Task, load_task
+from autoaccum.plan.task import Task
 from autoaccum.precision import PRECISIONS
 from autoaccum.probe.choice import plan_step_times
+from autoaccum.probe.estimate import UntraceableError
 from autoaccum.probe.report import REPORT_VERSION, ProbeReport
 from autoaccum.probe.run import probe
 from autoaccum.units import counted, format_bytes, parse_bytes
@@ -76,6 +80,54 @@ def add_task_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON document on stdout, nothing else")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="log each measurement and the memory model's fit to stderr (debug)")
+
+
+def load_task(spec: str, **kwargs: Any) -> Task:
+    """Import ``module:function`` and call it (with ``kwargs``) to get a ``Task``.
+
+    Raises:
+        ValueError: the spec is not ``module:function``, the module or name is missing, or the
+            function returns something other than a Task.
+        TaskError: importing the module or calling the function raised; the spec, the file and the
+            error are named (the original is chained).
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"Invalid task {spec!r}: expected 'module:function', e.g. 'mytasks:make_task'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # the user's module ran (or was not found): say which task, where and what
+        missing = isinstance(exc, ModuleNotFoundError) and exc.name is not None and \
+            f"{module_name}.".startswith(f"{exc.name}.")  # the module (or its package) itself, not an import in it
+        if missing:
+            raise ValueError(f"Invalid task {spec!r}: cannot import module {module_name!r} ({exc}); is it on "
+                             f"PYTHONPATH or in the current directory?") from exc
+        said = exc.msg if isinstance(exc, SyntaxError) else exc  # (its str repeats the file and line)
+        raise TaskError(f"task {spec!r}: importing module {module_name!r} raised {type(exc).__name__}: {said}"
+                        f"{_where(exc)}. Fix the module; python -c 'import {module_name}' shows the whole "
+                        f"traceback") from exc
+    factory = getattr(module, attr, None)
+    if factory is None or not callable(factory):
+        raise ValueError(f"Invalid task {spec!r}: module {module_name!r} has no callable {attr!r}")
+    try:
+        task = factory(**kwargs)
+    except Exception as exc:
+        raise TaskError(f"task {spec!r}: {attr}() raised {type(exc).__name__}: {exc}{_where(exc)}. Fix {attr} in "
+                        f"{getattr(module, '__file__', module_name)}") from exc
+    if not isinstance(task, Task):
+        raise ValueError(f"Invalid task {spec!r}: {attr}() returned {type(task).__name__}, expected autoaccum.Task")
+    return task
+
+
+def _where(exc: BaseException) -> str:
+    """`` (file:line)``: a syntax error's line, else the first line of the user's code in ``exc``'s traceback (the
+    task module's line that raised, or that imported what raised); frames of this module and importlib skipped."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f" ({exc.filename}:{exc.lineno})"
+    skipped = (os.path.join(os.path.dirname(importlib.__file__), ""), "<")
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if f.filename != __file__ and not f.filename.startswith(skipped)]
+    return f" ({frames[0].filename}:{frames[0].lineno})" if frames else ""
 
 
 def resolve_task(spec: str | None, device: str | None) -> Task:
@@ -202,6 +254,9 @@ def _cmd_probe(args: argparse.Namespace) -> int:
                        headroom=args.headroom, precision=args.precision, max_micro_batch=args.max_micro_batch,
                        estimate=args.estimate, cache=not args.no_cache, refresh=args.refresh,
                        cache_dir=args.cache_dir, progress=not args.verbose)
+    except UntraceableError as exc:  # a TaskError: main prints it; here it is told which task it was
+        named = "the demo task" if args.task is None else f"task {args.task!r} ({task.name!r})"
+        raise UntraceableError(f"{named}: {exc}") from exc.__cause__
     except DoesNotFitError as exc:
         if args.json:
             print(json.dumps({"kind": "autoaccum.probe", "version": REPORT_VERSION, "error": "does_not_fit",

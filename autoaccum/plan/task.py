@@ -10,8 +10,8 @@ Python ``int`` that stays the same while micro-batches of different sizes are cu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import importlib
 import inspect
 import warnings
 from collections.abc import Callable, Iterable
@@ -25,7 +25,7 @@ from autoaccum.plan.batch import Batch, batch_size
 
 __all__ = ["ItemWatch", "Task", "LossFn", "LossOutput", "check_loss", "check_loss_fn", "check_optimizer",
            "check_step_args", "trained_params", "default_optimizer",
-           "load_task", "resolve_task", "trainable_parameters"]
+           "resolve_task", "trainable_parameters"]
 
 LossOutput = Union[torch.Tensor, tuple[torch.Tensor, Union[torch.Tensor, int]]]
 LossFn = Callable[[torch.nn.Module, Batch], LossOutput]
@@ -126,10 +126,10 @@ class Task:
                 profile = None
             lengths = batches.lengths()[0] if profile is not None and profile.varies else None
         if lengths is None:
-            return cls(model=model, loss_fn=loss_fn, make_batch=lambda b: batches.sample(b, repeat=True),
+            return cls(model=model, loss_fn=loss_fn, make_batch=lambda b: _real(batches.sample, b, repeat=True),
                        make_optimizer=make_optimizer, name=name)
-        return cls(model=model, loss_fn=loss_fn, make_batch=batches.sample_at, make_optimizer=make_optimizer,
-                   name=name, lengths=tuple(lengths))
+        return cls(model=model, loss_fn=loss_fn, make_batch=lambda b, n: _real(batches.sample_at, b, n),
+                   make_optimizer=make_optimizer, name=name, lengths=tuple(lengths))
 
     def batch(self, size: int, length: int | None = None) -> Batch:
         """``make_batch(size)`` (or ``make_batch(size, length)``), checked to hold exactly ``size`` samples.
@@ -142,6 +142,19 @@ class Task:
             raise TaskError(f"make_batch({size}{'' if length is None else f', {length}'}) returned a batch of {got} "
                             f"samples; it must return exactly the number of samples asked for")
         return batch
+
+
+def _real(draw: Callable[..., Batch], *args: Any, **kwargs: Any) -> Batch:
+    """``draw(*args, **kwargs)``, drawn on real tensors also inside an estimate's fake-tensor mode (drawing samples
+    reads indices' values, which fake tensors do not hold), then copied to fake tensors there (fake ops on a real
+    tensor's view would count its storage anew). The samples are a real probe's; only the step is faked."""
+    from torch._subclasses import fake_tensor
+
+    from autoaccum.plan.batch import map_tensors
+
+    with getattr(fake_tensor, "unset_fake_temporarily", contextlib.nullcontext)() as fake_mode:
+        batch = draw(*args, **kwargs)
+    return batch if fake_mode is None else map_tensors(batch, torch.Tensor.clone)
 
 
 def resolve_task(task: Task | None, *, model: torch.nn.Module | None = None, loss_fn: LossFn | None = None,
@@ -310,30 +323,6 @@ def explain_error(exc: BaseException, model: torch.nn.Module, batch: Any) -> Tas
                      f"({first_line}); convert the data to the model's dtype (x.to({model_dtype})), or keep the model "
                      f"in float32 and train in mixed precision (fit(..., precision='bf16' or 'fp16'), "
                      f"OOMGuard(autocast_dtype=...))")
-
-
-def load_task(spec: str, **kwargs: Any) -> Task:
-    """Import ``module:function`` and call it (with ``kwargs``) to get a ``Task``.
-
-    Raises:
-        ValueError: the spec is not ``module:function``, the module or name is missing, or the
-            function returns something other than a Task.
-    """
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"Invalid task {spec!r}: expected 'module:function', e.g. 'mytasks:make_task'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"Invalid task {spec!r}: cannot import module {module_name!r} ({exc}); is it on "
-                         f"PYTHONPATH or in the current directory?") from exc
-    factory = getattr(module, attr, None)
-    if factory is None or not callable(factory):
-        raise ValueError(f"Invalid task {spec!r}: module {module_name!r} has no callable {attr!r}")
-    task = factory(**kwargs)
-    if not isinstance(task, Task):
-        raise ValueError(f"Invalid task {spec!r}: {attr}() returned {type(task).__name__}, expected autoaccum.Task")
-    return task
 
 
 class ItemWatch:

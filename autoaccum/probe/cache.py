@@ -104,13 +104,16 @@ def load(fp: str, cache_dir: str | os.PathLike | None = None) -> ProbeReport | N
     path = _path(fp, cache_dir)
     if not path.exists():
         return None
+    # a file the user may have edited is replaced, and saying so is the least: how to keep it instead
+    replaced = ("; the probe measures again and its result replaces the file (to keep the file, move it away, or "
+                "probe with cache=False, --no-cache on the command line, which neither reads nor writes the cache)")
     try:
         report = ProbeReport.from_dict(json.loads(path.read_text()))
-    except (OSError, ValueError) as exc:
-        warnings.warn(f"ignoring probe cache {path}: {exc}", stacklevel=user_stacklevel())
+    except (OSError, ValueError) as exc:  # (not UTF-8 and not JSON are ValueErrors too)
+        warnings.warn(f"ignoring probe cache {path}: {exc}{replaced}", stacklevel=user_stacklevel())
         return None
     if report.fingerprint != fp:
-        warnings.warn(f"ignoring probe cache {path}: it was written for another task or device",
+        warnings.warn(f"ignoring probe cache {path}: it was written for another task or device{replaced}",
                       stacklevel=user_stacklevel())
         return None
     logger.log(rank_level(logging.INFO), "probe: reusing the result measured earlier for this model, device and "

@@ -12,15 +12,33 @@ differ from a GPU's. Either way an estimate is not a measurement, and reports sa
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
-from collections.abc import Callable
+import os
+import sysconfig
+import traceback
+from collections.abc import Callable, Iterator
 from functools import lru_cache
 from typing import Any
 
 import torch
 
-__all__ = ["cuda_library_bytes", "estimate_device", "fake_setup", "with_offset"]
+from autoaccum.errors import TaskError
+
+__all__ = ["UntraceableError", "cuda_library_bytes", "estimate_device", "fake_setup", "with_offset"]
+
+#: what fake tensors cannot run, by torch's exception (torch._subclasses.fake_tensor), in words
+_UNTRACEABLE = {
+    "DataDependentOutputException": "reads a tensor's value (.item(), float(t), `if t:`, a Python loop over t)",
+    "DynamicOutputShapeException": "makes a tensor whose shape depends on the values (nonzero, a boolean mask "
+                                   "index, unique, masked_select)",
+    "UnsupportedOperatorException": "calls an operator that has no fake-tensor kernel",
+}
+
+
+class UntraceableError(TaskError):
+    """An estimate met code that needs the data's values, which fake tensors do not hold; a real probe can run it."""
 
 
 def estimate_device(device: torch.device) -> torch.device:
@@ -75,7 +93,10 @@ def _as_on_device(make_optimizer: Callable[[Any], torch.optim.Optimizer],
 
 def fake_setup(model: torch.nn.Module, optimizer: Any, make_optimizer: Callable[[Any], torch.optim.Optimizer],
                device: torch.device | None = None) -> tuple[Any, torch.nn.Module, Callable[..., Any]]:
-    """``(fake_mode, fake copy of model on device, optimizer factory for it)``; ``model`` is untouched.
+    """``(fake mode, fake copy of model on device, optimizer factory for it)``; ``model`` is untouched.
+
+    The fake mode is entered once (``with``); inside it, code fake tensors cannot run (it needs the data's
+    values) raises ``UntraceableError`` naming the op, the user's line and the fix, not torch's bare exception.
 
     ``device``: where the fake tensors are (default ``cpu``; ``estimate_device`` says which).
     An optimizer instance is estimated as itself: a new one of its type and settings is built for
@@ -85,8 +106,9 @@ def fake_setup(model: torch.nn.Module, optimizer: Any, make_optimizer: Callable[
     device = torch.device("cpu") if device is None else device
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_model = _fake_copy(model, fake_mode, device)
+    entered = _explaining(fake_mode, type(model).__name__)
     if not isinstance(optimizer, torch.optim.Optimizer):
-        return fake_mode, fake_model, _as_on_device(make_optimizer, device)
+        return entered, fake_model, _as_on_device(make_optimizer, device)
     opt_type, opt_defaults = type(optimizer), dict(optimizer.defaults)
 
     def same_optimizer(params: Any) -> torch.optim.Optimizer:
@@ -96,8 +118,37 @@ def fake_setup(model: torch.nn.Module, optimizer: Any, make_optimizer: Callable[
             raise TypeError(f"estimate=True builds a new {opt_type.__name__} for the fake model from its "
                             f"defaults and could not ({exc}); pass optimizer= a factory instead, e.g. "
                             f"lambda params: {opt_type.__name__}(params, ...)") from None
-    return fake_mode, fake_model, _as_on_device(same_optimizer, device)
+    return entered, fake_model, _as_on_device(same_optimizer, device)
 
+
+@contextlib.contextmanager
+def _explaining(fake_mode: Any, model_name: str) -> Iterator[Any]:
+    """``with fake_mode``, with torch's fake-tensor refusals (``_UNTRACEABLE``) raised as an ``UntraceableError``."""
+    from torch._subclasses import fake_tensor
+
+    refused = tuple(getattr(fake_tensor, name) for name in _UNTRACEABLE if hasattr(fake_tensor, name))
+    try:
+        with fake_mode:
+            yield fake_mode
+    except refused as exc:
+        where = _user_line(exc)
+        does = next(words for name, words in _UNTRACEABLE.items() if isinstance(exc, getattr(fake_tensor, name)))
+        raise UntraceableError(
+            f"the estimate cannot trace {model_name}'s training step (make_batch, the model, loss_fn): its code {does}"
+            f"{f' at {where}' if where else ''}, and an estimate runs on fake tensors, which hold shapes but no "
+            f"values ({type(exc).__name__}: {exc}). Drop --estimate (estimate=True): a real probe runs the step "
+            f"and measures it") from exc
+
+
+def _user_line(exc: BaseException) -> str | None:
+    """``file:line`` of the last frame of ``exc``'s traceback outside torch, autoaccum and Python's own library
+    (the user's code)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    inside = tuple(os.path.join(path, "") for path in (os.path.dirname(torch.__file__), package,
+                                                         sysconfig.get_paths()["stdlib"]))
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(inside)
+              and not f.filename.startswith("<")]
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None
 
 
 @lru_cache(maxsize=None)
