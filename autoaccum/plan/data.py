@@ -36,7 +36,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from autoaccum.plan.batch import Batch, Samples, batch_size, first_difference, like, split_batch, structure
-from autoaccum.plan.lengths import LengthFn, LengthProfile, item_length, row_lengths
+from autoaccum.plan.lengths import LengthFn, LengthProfile, checked_length_fn, item_length, row_lengths
 from autoaccum.plan.plan import rank_share
 from autoaccum.state import capture_rng, restore_rng
 from autoaccum.validate import check_choice, check_positive_int
@@ -65,6 +65,8 @@ def _tensor_columns(data: Any) -> Sequence[torch.Tensor] | Mapping[str, torch.Te
     if isinstance(data, torch.Tensor):
         return (data,)
     if isinstance(data, (tuple, list)) and data and all(isinstance(t, torch.Tensor) for t in data):
+        if isinstance(data, list) and len(data) > max(t.shape[0] if t.dim() else 0 for t in data):
+            return None  # more "columns" than rows: a list of samples (a dataset), e.g. token sequences
         return data
     if isinstance(data, Mapping) and data and all(isinstance(t, torch.Tensor) for t in data.values()):
         return data
@@ -94,7 +96,7 @@ class GlobalBatches:
         self.last_batch = check_choice(last_batch, "last_batch", ("step", "drop"))
         self.seed, self.rank, self.world_size, self.name = seed, rank, world_size, name
         self.collate_fn = collate_fn if collate_fn is not None else default_collate
-        self.by_length, self.length_fn = by_length, length_fn if length_fn is not None else item_length
+        self.by_length, self.length_fn = by_length, item_length if length_fn is None else checked_length_fn(length_fn)
         self._lengths: tuple[list[int], list[int] | None, str] | None = None
         self.columns: Sequence[torch.Tensor] | Mapping[str, torch.Tensor] | None = None
         self.dataset: Any = None

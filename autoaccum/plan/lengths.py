@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["LengthFn", "LengthProfile", "item_length", "row_lengths"]
+__all__ = ["LengthFn", "LengthProfile", "checked_length_fn", "item_length", "row_lengths"]
 
 LengthFn = Callable[[Any], int]
 
@@ -98,3 +98,28 @@ class LengthProfile:
     def from_dict(cls, data: dict) -> LengthProfile:
         return cls(int(data["shortest"]), int(data["median"]), int(data["longest"]), int(data["count"]),
                    None if data.get("total") is None else int(data["total"]), str(data["source"]))
+
+
+def checked_length_fn(length_fn: Callable[[Any], Any]) -> Callable[[Any], int]:
+    """``length_fn`` with each length it returns checked: an int >= 1 (a sample's tokens), as an int.
+
+    Raises:
+        TypeError: ``length_fn`` is not callable.
+        ValueError: a length that is not an int >= 1, naming it and the sample.
+    """
+    if not callable(length_fn):
+        raise TypeError(f"length_fn must be a function of one sample returning its length, got {length_fn!r}")
+
+    def length(item: Any) -> int:
+        value = length_fn(item)
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if not isinstance(value, bool) and hasattr(value, "__index__"):  # an int, or numpy's
+            value = value.__index__()
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            shown = type(item).__name__ if not isinstance(item, torch.Tensor) else f"tensor of shape {list(item.shape)}"
+            raise ValueError(f"length_fn returned {value!r} for a sample (a {shown}): it must return the sample's "
+                             f"length, an int >= 1 (its tokens, e.g. length_fn=len or lambda s: len(s['input_ids']))")
+        return value
+
+    return length

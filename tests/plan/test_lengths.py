@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -258,3 +259,32 @@ def test_two_ranks_with_uneven_lengths_equal_full_batch_token_mean_descent(tmp_p
     ran = [[micro for micro, _ in r["steps"]] for r in out]
     assert ran[0] == ran[1] == [max(a, b) for a, b in zip(*own)]  # every rank ran the same micro-steps
     assert any(a != b for a, b in zip(*own))  # ... though their own cuts differed
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, None, "8"])
+def test_a_length_fn_returning_no_length_is_named_with_the_sample(bad):
+    """``length_fn`` returning 0 met "Task.lengths must be a non-empty sequence of ints >= 1", an internal name.
+    Control: len, and numpy or 0-d tensor ints, are lengths."""
+    import numpy as np
+
+    from autoaccum.plan.lengths import checked_length_fn
+
+    with pytest.raises(ValueError, match=rf"length_fn returned {re.escape(repr(bad))} for a sample \(a tensor of "
+                                         rf"shape \[8\]\).*an int >= 1"):
+        checked_length_fn(lambda s: bad)(torch.zeros(8))
+    for fn in (len, lambda s: np.int64(len(s)), lambda s: torch.tensor(len(s))):
+        assert checked_length_fn(fn)(torch.zeros(8)) == 8
+
+
+def test_a_list_of_more_tensors_than_rows_is_a_list_of_samples_and_a_bad_length_fn_is_named_before_work():
+    """A list of 64 token sequences of 8 tokens was read as 64 columns of 8 samples ("data holds 8 samples"); it
+    is 64 samples (a tuple, or a list no longer than its rows, stays columns), and length_fn=lambda s: 0 is named."""
+    from autoaccum.plan.data import GlobalBatches
+
+    seqs = [torch.full((8,), i) for i in range(64)]
+    batches = GlobalBatches(seqs, 16)
+    assert batches.num_samples == 64 and batches.dataset is seqs
+    assert GlobalBatches(tuple(seqs[:2]), 4).num_samples == 8  # columns
+    assert GlobalBatches([torch.zeros(10, 3), torch.zeros(10)], 5).num_samples == 10  # [x, y]: columns
+    with pytest.raises(ValueError, match=r"length_fn returned 0"):
+        GlobalBatches(seqs, 16, length_fn=lambda s: 0, by_length=True).lengths()

@@ -153,7 +153,8 @@ def test_probed_plan_under_a_budget_equals_the_loop(tokens, reference, gpt_peaks
     model = gpt()
     result = autoaccum.fit(model, tokens, TARGET, loss_fn=token_loss, budget=budget, epochs=EPOCHS, progress=False)
     assert result.plan_source == "probe" and result.probe is not None and result.probe_time_s > 0
-    assert result.final_plan.micro_batch <= 16 and result.peak_bytes <= budget
+    # above 16 only with a memory saver (which the probe weighs where fewer passes may pay)
+    assert (result.final_plan.micro_batch <= 16 or result.final_plan.saver != "none") and result.peak_bytes <= budget
     # whatever the probe picked and the guard did, the probe left no trace and the result is the loop's
     assert max_abs_diff(model, ref_model) < 1e-10
 
