@@ -74,7 +74,8 @@ def test_accelerate_budget_alone_plans_for_it_and_holds_each_step_to_it(acc_refe
     lazy, guard = out["guard"], out["guard"].guard
     assert lazy.plan_source == "probe" and lazy.report.plan.accum_steps > 1  # planned for the budget
     held(lazy, TOKEN_LOWER)
-    assert guard.ooms == 1 and [(c.step, c.reason) for c in guard.changes] == [(3, "oom")]
+    # one OOM after the drop (at step 3 or, where the probe's plan checkpoints and a step's rows are shorter, later)
+    assert guard.ooms == 1 and [c.reason for c in guard.changes] == ["oom"] and guard.changes[0].step >= 3
     assert out["audit"].check() == {"steps": acc.STEPS, "repeated": 0, "inconsistent": 0}
     assert rel_diff(out["params"], acc_reference["params"]) <= RTOL
     fresh_accelerate_state()
