@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import json
 import os
 from collections.abc import Mapping
@@ -74,6 +75,7 @@ from autoaccum.integrations.hf_loss import EXAMPLES, STEP_METRICS, KeepExamples,
 from autoaccum.integrations.lazy_guard import LazyGuard, check_options
 from autoaccum.jsonio import write_json_atomic
 from autoaccum.precision import Precision
+from autoaccum.validate import check_keywords
 
 try:
     from transformers import Trainer, TrainingArguments
@@ -123,6 +125,15 @@ def _check_order(cls: type) -> None:
                         f"replace {other}.training_step (which runs around HF's step, e.g. TRL's activation "
                         f"offloading). List the other trainer first: class {name}({other}, AutoAccumTrainer); "
                         f"autoaccum's options (budget=, micro_batch=, ...) are taken either way.")
+
+
+def _check_trainer_keywords(init: Any, given: dict[str, Any], options: dict[str, Any]) -> None:
+    """A keyword neither the Trainer below nor autoaccum takes (``budgett=``), refused with the closest name of
+    both, before the Trainer is built (its own TypeError names no autoaccum option)."""
+    params = inspect.signature(init).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return  # the Trainer takes any keyword: its own rules apply
+    check_keywords({k: v for k, v in given.items() if k not in params}, [*params, *options], "AutoAccumTrainer")
 
 
 class AutoAccumTrainer(Trainer):
@@ -183,6 +194,7 @@ class AutoAccumTrainer(Trainer):
                                    "grow_after": grow_after, "memory_savers": memory_savers}
         options.update(vars(self).pop("_autoaccum_given", {}))  # given to a subclass listed after another trainer
         # autoaccum's own options first: a mistake there should not cost building the Trainer
+        _check_trainer_keywords(super().__init__, trainer_kwargs, options)
         check_options(**options, model=model if isinstance(model, torch.nn.Module) else None)
         self.autoaccum_args = args
         super().__init__(model, _one_step_per_global_batch(args), *trainer_args, **trainer_kwargs)

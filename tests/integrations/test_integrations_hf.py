@@ -209,6 +209,8 @@ def test_a_sharding_engine_is_refused_naming_what_works(tmp_path, engine):
     ({"plan": {"micro_batch": 4, "accum_steps": 2, "world_size": 1, "target_batch": 8}, "micro_batch": 3}, TypeError,
      r"give plan= or micro_batch=, not both"),
     ({"headroom": 1.5}, ValueError, r"Invalid headroom: 1.5\. Allowed range: 0 <= headroom < 1"),
+    ({"budgett": "2MiB"}, TypeError, r"AutoAccumTrainer got an unknown option 'budgett'; did you mean 'budget'\?"),
+    ({"data_colator": None}, TypeError, r"unknown option 'data_colator'; did you mean 'data_collator'\?"),
     ({"micro_batch": 0}, ValueError, r"Invalid micro_batch: 0"),
     ({"grow_after": 0}, ValueError, r"Invalid grow_after: 0"),
     ({"budget": "-1GiB"}, ValueError, r"Invalid budget '-1GiB': must be at least 1 byte\. Allowed range"),
