@@ -22,6 +22,7 @@ from autoaccum.log import rank_level, user_stacklevel
 from autoaccum.plan.batch import describe_batch
 from autoaccum.plan.task import Task
 from autoaccum.probe.report import ProbeReport
+from autoaccum.units import format_bytes
 
 __all__ = ["default_cache_dir", "describe_optimizer", "fingerprint", "load", "store"]
 
@@ -115,6 +116,13 @@ def load(fp: str, cache_dir: str | os.PathLike | None = None) -> ProbeReport | N
     if report.fingerprint != fp:
         warnings.warn(f"ignoring probe cache {path}: it was written for another task or device{replaced}",
                       stacklevel=user_stacklevel())
+        return None
+    over = next((c for c in report.candidates if c.status == "ok" and c.peak_bytes is not None
+                 and c.peak_bytes > report.usable_bytes), None)
+    if over is not None:  # a measurement cannot say so: the file was edited
+        warnings.warn(f"ignoring probe cache {path}: micro-batch {over.micro_batch} is marked as fitting with a peak "
+                      f"of {format_bytes(over.peak_bytes)}, above the {format_bytes(report.usable_bytes)} usable "
+                      f"(not a probe's result){replaced}", stacklevel=user_stacklevel())
         return None
     logger.log(rank_level(logging.INFO), "probe: reusing the result measured earlier for this model, device and "
                "budget (%s)", path)

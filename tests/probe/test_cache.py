@@ -137,6 +137,22 @@ def test_a_cache_file_of_another_fingerprint_is_ignored_with_a_warning(tmp_path)
     assert [c.micro_batch for c in again.candidates] == [c.micro_batch for c in report.candidates]
 
 
+
+def test_a_hand_edited_cache_whose_fitting_peak_exceeds_the_budget_is_ignored(tmp_path):
+    """A cache file edited to say a micro-batch fits with a peak above the usable budget was printed as
+    "peak 30.8 MiB of 4 MiB", exit 0, and planned from. No measurement says so: ignored, measured again."""
+    report = _probe(tmp_path)
+    path = _only_file(tmp_path)
+    data = json.loads(path.read_text())
+    fitting = next(c for c in data["candidates"] if c["status"] == "ok")
+    fitting["peak_bytes"] = 10 * report.usable_bytes
+    path.write_text(json.dumps(data))
+    with pytest.warns(UserWarning, match=rf"micro-batch {fitting['micro_batch']} is marked as fitting with a peak of "
+                                         r".* above the .* usable \(not a probe's result\).*--no-cache"):
+        again = _probe(tmp_path)
+    assert again.source == "probe" and again.probe_steps > 0
+    assert _probe(tmp_path).source == "cache"  # the control: the file it wrote is reused
+
 def test_a_cache_file_of_another_version_is_ignored_with_a_warning(tmp_path):
     _probe(tmp_path)
     path = _only_file(tmp_path)
