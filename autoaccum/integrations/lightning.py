@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -50,6 +51,7 @@ from autoaccum.guard.guard import AccumulateResult
 from autoaccum.integrations.lazy_guard import LazyGuard, check_options
 from autoaccum.plan.batch import Batch
 from autoaccum.plan.task import LossFn, check_loss_fn
+from autoaccum.validate import check_keywords
 
 try:
     import lightning.pytorch as pl
@@ -95,7 +97,8 @@ class AutoAccum(pl.Callback):
 
     def __init__(self, *, budget: int | str | None = None, headroom: float = 0.1, plan: Any = None,
                  micro_batch: int | None = None, grow_after: int = DEFAULT_GROW_AFTER, loss_fn: LossFn | None = None,
-                 memory_savers: Any = "auto") -> None:
+                 memory_savers: Any = "auto", **unknown: Any) -> None:
+        check_keywords(unknown, inspect.signature(AutoAccum).parameters, "AutoAccum")  # with the closest name
         super().__init__()
         check_options(budget=budget, headroom=headroom, plan=plan, micro_batch=micro_batch, grow_after=grow_after,
                       memory_savers=memory_savers)

@@ -185,6 +185,7 @@ def test_what_it_cannot_run_is_refused_before_training():
 @pytest.mark.parametrize(("options", "error", "says"), [
     ({"headroom": -0.1}, ValueError, r"Invalid headroom: -0.1\. Allowed range: 0 <= headroom < 1"),
     ({"micro_batch": 2.5}, TypeError, r"micro_batch"),
+    ({"budgett": "2MiB"}, TypeError, r"AutoAccum got an unknown option 'budgett'; did you mean 'budget'\?"),
     ({"plan": "no/such/plan.json"}, ValueError, r"Invalid plan file"),
     ({"loss_fn": lambda batch, module: batch}, TypeError, r"loss_fn takes \(batch, module\), but it is called as "
      r"loss_fn\(model, batch\): the arguments are swapped"),
