@@ -8,7 +8,7 @@ from autoaccum.errors import AutoAccumError, DoesNotFitError, NonFiniteError, Op
 from autoaccum.guard.guard import AccumulateResult, OOMGuard, PlanChange, StepResult
 from autoaccum.memory import TrackedMemory, emulated_budget
 from autoaccum.memory.model import MemoryModel
-from autoaccum.memory.oom import is_oom
+from autoaccum.memory.recovery import is_oom
 from autoaccum.plan.plan import Plan
 from autoaccum.plan.task import Task
 from autoaccum.probe.report import Candidate, ProbeReport

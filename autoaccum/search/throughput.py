@@ -39,8 +39,7 @@ from autoaccum.errors import DoesNotFitError, OptimizerStepOOMError
 from autoaccum.guard.guard import OOMGuard
 from autoaccum.log import user_stacklevel
 from autoaccum.memory import emulated_device, resolve_budget
-from autoaccum.memory.oom import is_oom
-from autoaccum.memory.recovery import release_memory
+from autoaccum.memory.recovery import is_oom, release_memory
 from autoaccum.plan.batch import Batch
 from autoaccum.plan.plan import Plan
 from autoaccum.plan.task import LossFn, Task, trainable_parameters

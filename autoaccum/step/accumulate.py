@@ -34,8 +34,7 @@ import torch
 
 from autoaccum.distributed.sync import GradSync, LocalSync
 from autoaccum.errors import AutoAccumError, TaskError
-from autoaccum.memory.oom import is_oom
-from autoaccum.memory.recovery import drop_frames
+from autoaccum.memory.recovery import drop_frames, is_oom
 from autoaccum.plan.batch import Batch, move_to
 from autoaccum.plan.cut import MicroBatch
 from autoaccum.plan.task import LossFn, check_loss, explain_error

@@ -1,4 +1,4 @@
-"""autoaccum.memory.oom.is_oom: the one place that decides whether an exception is an out-of-memory."""
+"""autoaccum.memory.recovery.is_oom: the one place that decides whether an exception is an out-of-memory."""
 
 import pytest
 import torch
