@@ -7,6 +7,7 @@ from autoaccum.distributed import DistributedSync, broadcast_plan, init_from_env
 from autoaccum.errors import AutoAccumError, DoesNotFitError, NonFiniteError, OptimizerStepOOMError, TaskError
 from autoaccum.guard.guard import AccumulateResult, OOMGuard, PlanChange, StepResult
 from autoaccum.memory import TrackedMemory, emulated_budget
+from autoaccum.memory.chunked_loss import head_loss
 from autoaccum.memory.model import MemoryModel
 from autoaccum.memory.recovery import is_oom
 from autoaccum.plan.plan import Plan
@@ -25,6 +26,6 @@ __all__ = [
     "LR_RULES", "AccumulateResult", "AutoAccumError", "Candidate", "DistributedSync", "DoesNotFitError", "FitConfig",
     "FitResult", "Knobs", "MemoryModel", "NonFiniteError", "OOMGuard", "OptimizerStepOOMError", "Plan", "PlanChange",
     "ProbeReport", "SearchResult", "SearchSpace", "StepResult", "Task", "TaskError", "TrackedMemory", "broadcast_plan",
-    "emulated_budget", "fit", "format_bytes", "init_from_env", "is_oom", "load_plan_file", "parse_bytes", "probe",
-    "scale_adam_hparams", "scale_lr", "search", "wrap_model",
+    "emulated_budget", "fit", "format_bytes", "head_loss", "init_from_env", "is_oom", "load_plan_file", "parse_bytes",
+    "probe", "scale_adam_hparams", "scale_lr", "search", "wrap_model",
 ]

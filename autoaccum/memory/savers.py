@@ -4,6 +4,10 @@ Taken cheapest first, each adds to the one before and changes nothing but memory
 (invariant 8):
 
 - ``"none"``: the step as written;
+- ``"chunked_loss"``: the output head and the cross-entropy a chunk of tokens at a time, recomputed in
+  backward, so that the whole logits tensor never exists (``autoaccum.memory.chunked_loss``): offered for
+  Hugging Face causal LMs whose loss is their own, and to a ``loss_fn`` that uses ``head_loss`` where
+  ``memory_savers`` names it. Where it is on, every saver above it keeps it: ``"checkpointing:2/8+chunked_loss"``;
 - ``"checkpointing:k/N"`` (``k`` of the ``N`` blocks of the model's first ``nn.ModuleList``, for ``k``
   = 1, 2, 4, ... below ``N``): the first ``k`` blocks recompute their activations in backward instead
   of keeping them. The first, because backward reaches them last: by the time one is recomputed, the
@@ -35,66 +39,105 @@ from typing import Any, Literal, get_args
 import torch
 from torch import nn
 
+from autoaccum.memory.chunked_loss import chunking, chunks_own_loss
 from autoaccum.modules import is_compiled, unwrap
 from autoaccum.state import capture_buffers, restore_buffers, state_buffers
 
 __all__ = ["SAVERS", "MemorySaver", "MemorySavers", "allowed_savers", "apply_saver", "check_memory_savers",
            "check_saver", "checkpoint_layers", "describe_saver", "has_own_switch", "next_saver", "partial_blocks",
-           "saver_code", "saver_from_code", "saver_rank", "suggestions"]
+           "saver_code", "saver_from_code", "saver_rank", "split_saver", "suggestions"]
 
 #: the memory savers, cheapest first (the order they are taken in)
-MemorySaver = Literal["none", "checkpointing", "offload"]
+MemorySaver = Literal["none", "chunked_loss", "checkpointing", "offload"]
 SAVERS: tuple[MemorySaver, ...] = get_args(MemorySaver)
 #: ``"auto"``: every saver this model and device have; ``"off"``: none; or the savers allowed, in order
 MemorySavers = Literal["auto", "off"] | Sequence[MemorySaver]
 
 
 _PARTIAL = re.compile(r"checkpointing:(\d+)/(\d+)")
+CHUNKED = "chunked_loss"
+_WITH_CHUNKED = "+" + CHUNKED
+
+
+def split_saver(saver: str) -> tuple[str, bool]:
+    """``(the saver below the loss, whether the loss is chunked)``: ``"checkpointing:2/8+chunked_loss"`` is
+    ``("checkpointing:2/8", True)``, ``"chunked_loss"`` ``("none", True)``."""
+    if saver == CHUNKED:
+        return "none", True
+    if saver.endswith(_WITH_CHUNKED):
+        return saver[:-len(_WITH_CHUNKED)], True
+    return saver, False
 
 
 def partial_blocks(saver: str) -> tuple[int, int] | None:
-    """``(k, N)`` for ``"checkpointing:k/N"``; None for the other savers."""
-    match = _PARTIAL.fullmatch(saver)
+    """``(k, N)`` for ``"checkpointing:k/N"`` (with or without the chunked loss); None for the other savers."""
+    match = _PARTIAL.fullmatch(split_saver(saver)[0])
     return None if match is None else (int(match.group(1)), int(match.group(2)))
 
 
+def _checkpointing(saver: str) -> bool:
+    blocks = partial_blocks(saver)
+    return saver in ("checkpointing", "offload") or (blocks is not None and 1 <= blocks[0] < blocks[1])
+
+
 def check_saver(saver: Any) -> str:
-    """``saver`` if it names a memory saver (one of ``SAVERS``, or ``"checkpointing:k/N"`` with 1 <= k < N).
+    """``saver`` if it names a memory saver: one of ``SAVERS``, ``"checkpointing:k/N"`` (1 <= k < N), or one of
+    the checkpointing savers with ``"+chunked_loss"``.
 
     Raises:
         ValueError: it names none.
     """
-    blocks = partial_blocks(saver) if isinstance(saver, str) else None
-    if saver in SAVERS or (blocks is not None and 1 <= blocks[0] < blocks[1]):
-        return saver
-    raise ValueError(f"Invalid saver: {saver!r}. Allowed: {', '.join(SAVERS)}, or 'checkpointing:k/N' "
-                     f"(the first k of N blocks, 1 <= k < N)")
+    if isinstance(saver, str):
+        base, chunked = split_saver(saver)
+        if (base == "none" and not saver.endswith(_WITH_CHUNKED)) or _checkpointing(base):
+            return saver
+    raise ValueError(f"Invalid saver: {saver!r}. Allowed: {', '.join(SAVERS)}, 'checkpointing:k/N' (the first k of N "
+                     f"blocks, 1 <= k < N), or a checkpointing saver with '+chunked_loss'")
 
 
-def saver_rank(saver: str) -> float:
-    """Where ``saver`` stands among the savers, cheapest first: ``none`` 0, ``k`` of ``N`` blocks ``k/N``,
-    ``checkpointing`` 1, ``offload`` 2."""
-    blocks = partial_blocks(saver)
-    return blocks[0] / blocks[1] if blocks is not None else float(SAVERS.index(saver))  # type: ignore[arg-type]
+def _base_code(base: str) -> int:
+    blocks = partial_blocks(base)
+    if blocks is not None:
+        return blocks[0] << 20 | blocks[1]
+    return {"none": 0, "checkpointing": 1 << 40, "offload": 2 << 40}[base]
 
 
 def saver_code(saver: str) -> int:
-    """``saver`` as one integer that orders as ``saver_rank`` (for a MIN/MAX across ranks, whose models
-    have the same blocks); ``saver_from_code`` reads it back."""
-    blocks = partial_blocks(saver)
-    return (blocks[0] << 20 | blocks[1]) if blocks is not None else SAVERS.index(saver) << 40  # type: ignore[arg-type]
+    """``saver`` as one integer that orders as the ladder does (for a MIN/MAX across ranks, whose models have the
+    same blocks): the saver below the loss, then the chunked loss; ``saver_from_code`` reads it back."""
+    base, chunked = split_saver(saver)
+    return _base_code(base) << 1 | int(chunked)
 
 
 def saver_from_code(code: int) -> str:
-    if 0 < code < 1 << 40:
-        return f"checkpointing:{code >> 20}/{code & ((1 << 20) - 1)}"
-    return SAVERS[code >> 40]
+    base_code, chunked = code >> 1, code & 1
+    if 0 < base_code < 1 << 40:
+        base = f"checkpointing:{base_code >> 20}/{base_code & ((1 << 20) - 1)}"
+    else:
+        base = ("none", "checkpointing", "offload")[base_code >> 40]
+    if not chunked:
+        return base
+    return CHUNKED if base == "none" else base + _WITH_CHUNKED
+
+
+def saver_rank(saver: str) -> float:
+    """Where ``saver`` stands among the savers, cheapest first: ``none`` 0, the chunked loss just above the
+    saver below it, ``k`` of ``N`` blocks ``k/N``, ``checkpointing`` 1, ``offload`` 2."""
+    base, chunked = split_saver(saver)
+    blocks = partial_blocks(base)
+    rank = blocks[0] / blocks[1] if blocks is not None else {"none": 0.0, "checkpointing": 1.0, "offload": 2.0}[base]
+    return rank + (1e-9 if chunked else 0.0)
 
 
 def describe_saver(saver: str) -> str:
-    """In words: ``checkpointing 2 of 8 blocks``, ``checkpointing``, ``offload``."""
-    blocks = partial_blocks(saver)
-    return saver if blocks is None else f"checkpointing {blocks[0]} of {blocks[1]} blocks"
+    """In words: ``checkpointing 2 of 8 blocks``, ``checkpointing``, ``offload``, ``the loss in chunks``,
+    ``checkpointing 2 of 8 blocks and the loss in chunks``."""
+    base, chunked = split_saver(saver)
+    blocks = partial_blocks(base)
+    said = base if blocks is None else f"checkpointing {blocks[0]} of {blocks[1]} blocks"
+    if not chunked:
+        return said
+    return "the loss in chunks" if base == "none" else f"{said} and the loss in chunks"
 
 
 def checkpoint_layers(model: nn.Module) -> nn.ModuleList | None:
@@ -120,7 +163,8 @@ def has_own_switch(model: nn.Module) -> bool:
 
 def check_memory_savers(savers: Any) -> tuple[str, ...]:
     """The savers ``memory_savers`` allows, ``"none"`` first (``"checkpointing"`` allows checkpointing
-    some of the blocks too; a ``"checkpointing:k/N"`` allows that one).
+    some of the blocks too; a ``"checkpointing:k/N"`` allows that one; ``"chunked_loss"`` allows the loss in chunks,
+    as does a saver with ``"+chunked_loss"``; ``"auto"`` allows each where the model has it).
 
     Raises:
         ValueError, TypeError: ``savers`` is not ``"auto"``, ``"off"`` or a sequence of saver names.
@@ -146,8 +190,21 @@ def check_memory_savers(savers: Any) -> tuple[str, ...]:
 
 def allowed_savers(model: nn.Module, device: torch.device, savers: Any = "auto") -> tuple[str, ...]:
     """The savers a step may turn to for ``model`` on ``device``, cheapest first, starting with ``"none"``
-    (``savers`` as ``check_memory_savers`` takes it)."""
+    (``savers`` as ``check_memory_savers`` takes it). The chunked loss comes second where allowed, and then every
+    saver above it keeps it: under ``"auto"`` where the model's own loss can be chunked (``chunks_own_loss``)."""
     wanted = check_memory_savers(savers)
+    if savers == "auto":
+        chunked = not is_compiled(model) and chunks_own_loss(model)
+    else:
+        chunked = any(split_saver(w)[1] for w in wanted)
+        wanted = tuple(split_saver(w)[0] for w in wanted)
+    ladder = _ladder(model, device, wanted)
+    if not chunked:
+        return ladder
+    return ("none", CHUNKED, *(r + _WITH_CHUNKED for r in ladder[1:]))
+
+
+def _ladder(model: nn.Module, device: torch.device, wanted: tuple[str, ...]) -> tuple[str, ...]:
     own = has_own_switch(model)
     layers = None if own else checkpoint_layers(unwrap(model))
     # a torch.compile'd model takes no saver: dynamo cannot trace the exact checkpointing's context_fn
@@ -164,11 +221,16 @@ def allowed_savers(model: nn.Module, device: torch.device, savers: Any = "auto")
 
 def suggestions(savers: Sequence[str]) -> tuple[str, ...]:
     """What to do where none of ``savers`` fits the smallest micro-batch."""
-    blocks = () if "checkpointing" in savers else (
+    bases = {split_saver(r)[0] for r in savers}
+    chunks = () if CHUNKED in savers else (
+        "where the logits are large (a large vocabulary, long sequences), compute the loss in chunks: "
+        "a Hugging Face causal LM's own loss takes it under memory_savers='auto'; a loss_fn of your own through "
+        "autoaccum.head_loss(hidden, head, targets) with memory_savers=('chunked_loss', 'checkpointing')",)
+    blocks = () if "checkpointing" in bases else (
         "give the model's blocks an nn.ModuleList (or a gradient_checkpointing_enable()) so that they can be "
         "checkpointed, and allow memory_savers (a torch.compile'd model takes no saver: compiling cannot trace their "
         "exact checkpointing)",)
-    return (*blocks, "use bf16 autocast (precision='bf16'), shorter sequences or a smaller model",
+    return (*blocks, *chunks, "use bf16 autocast (precision='bf16'), shorter sequences or a smaller model",
             "offload optimizer state and parameters to host memory (FSDP2's CPUOffloadPolicy), or shard them over "
             "more devices (FSDP)", "free memory held by other processes, or raise the budget")
 
@@ -271,9 +333,12 @@ def _offloaded(model: nn.Module) -> Iterator[None]:
 def apply_saver(model: nn.Module, saver: str) -> Iterator[None]:
     """``model`` runs with ``saver`` inside the block; as it was afterwards."""
     check_saver(saver)
+    base, chunked = split_saver(saver)
     with contextlib.ExitStack() as stack:
-        if saver != "none":
-            stack.enter_context(_checkpointed(model, partial_blocks(saver)))
-        if saver == "offload":
+        if chunked:
+            stack.enter_context(chunking(model))
+        if base != "none":
+            stack.enter_context(_checkpointed(model, partial_blocks(base)))
+        if base == "offload":
             stack.enter_context(_offloaded(model))
         yield

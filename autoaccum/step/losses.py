@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-import sys
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -33,14 +32,13 @@ import torch
 import torch.nn.functional as F
 
 from autoaccum.errors import TaskError
+from autoaccum.memory.chunked_loss import IGNORE_INDEX, is_causal_lm_loss
 from autoaccum.plan.batch import Batch
 from autoaccum.plan.task import LossOutput
 
 __all__ = ["IGNORE_INDEX", "DefaultLoss", "check_targets", "default_loss", "loss_shifts_labels", "model_loss",
            "predicted_tokens"]
 
-#: the label value Hugging Face (and torch's cross_entropy) leave out of a loss
-IGNORE_INDEX = -100
 
 
 class DefaultLoss:
@@ -188,7 +186,7 @@ def loss_shifts_labels(loss_function: Any, device: torch.device | str = "cpu") -
         pass
     verdict = _ask_loss(loss_function, torch.device(device))
     if verdict is None:
-        verdict = _is_causal_lm_loss(loss_function)
+        verdict = is_causal_lm_loss(loss_function)
     with contextlib.suppress(TypeError):
         _SHIFTS[loss_function] = verdict
     return verdict
@@ -214,14 +212,6 @@ def _ask_loss(loss_function: Any, device: torch.device) -> bool | None:
     if math.isnan(first) or first == 0.0:
         return True
     return None
-
-
-def _is_causal_lm_loss(loss_function: Any) -> bool:
-    if "transformers" not in sys.modules:
-        return False
-    from transformers.loss.loss_utils import ForCausalLMLoss
-
-    return loss_function is ForCausalLMLoss
 
 
 def predicted_tokens(model: torch.nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:

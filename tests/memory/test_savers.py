@@ -187,9 +187,10 @@ def test_a_hugging_face_model_uses_its_own_switch_with_the_same_gradients() -> N
     want, got = run("none"), run("checkpointing")
     for name, g in want.items():
         torch.testing.assert_close(got[name], g, **TIGHT, msg=name)
-    # its own switch is all or nothing: no partial saver is offered, and one given is refused
+    # its own switch is all or nothing: no partial saver is offered (the loss in chunks below it, a causal LM's own
+    # loss: tests/memory/test_chunked_loss.py), and one given is refused
     model = transformers.GPT2LMHeadModel(config)
-    assert allowed_savers(model, torch.device("cpu")) == ("none", "checkpointing")
+    assert allowed_savers(model, torch.device("cpu")) == ("none", "chunked_loss", "checkpointing+chunked_loss")
     with pytest.raises(ValueError, match="own switch"):
         with apply_saver(model, "checkpointing:1/2"):
             pass

@@ -1,0 +1,238 @@
+"""The loss in chunks (the memory saver ``"chunked_loss"``): the output head and the cross-entropy a chunk of
+tokens at a time, each chunk recomputed in backward, so that the step never holds the whole logits tensor.
+
+A language model's logits (tokens x vocabulary, upcast to float32 for the loss, and their gradient) are often
+the largest tensors of its step: a 50,257-token vocabulary at 1,024 tokens is 196 MiB a sample in float32, and
+checkpointing the blocks does not touch them. Each chunk runs under non-reentrant ``torch.utils.checkpoint``:
+the forward keeps only the chunk's hidden states (which exist anyway), the backward recomputes the chunk's
+logits and frees them before the next chunk's. The cost is one more matmul through the head.
+
+Exact: every token's loss is the same operations on the same values as unchunked (the head, the upcast, the
+cross-entropy); only the sum over tokens is grouped by chunk, so the loss and the gradients equal the
+unchunked ones to the rounding of that sum (1e-15 relative in float64). The item count is the unchunked one.
+
+Two ways in:
+
+- a Hugging Face causal LM whose loss is its own (``model(**batch)`` with ``labels``): while the saver is on,
+  its forward runs the base model, then the chunks through its own ``lm_head`` with ``ForCausalLMLoss``'s
+  rules (labels shifted by one unless ``shift_labels`` is given, ``ignore_index`` -100, divided by
+  ``num_items_in_batch`` where given, else the mean over predicted tokens), and returns the loss without
+  logits. Offered only where the model's own logits are its head's output (``chunks_own_loss``: checked on
+  one short row, so a model that scales or soft-caps its logits, or has another loss, is not offered it);
+- any model: a ``loss_fn`` that computes its loss with ``head_loss(hidden, head, targets)``. It chunks while
+  the saver is on and computes the plain cross-entropy otherwise; allow the saver with
+  ``memory_savers=("chunked_loss", "checkpointing")``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+import sys
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autoaccum.modules import unwrap
+
+__all__ = ["IGNORE_INDEX", "chunked_cross_entropy", "chunking", "chunks_own_loss", "head_loss",
+           "is_causal_lm_loss"]
+
+IGNORE_INDEX = -100
+
+#: whether the saver is on (``chunking``): ``head_loss`` reads it
+_ON: contextvars.ContextVar[bool] = contextvars.ContextVar("autoaccum_chunked_loss", default=False)
+#: the keywords of a forward call the chunked forward leaves to the model's own (TRL's fused head, a slice)
+_OWN_PATH = ("fused_lm_head", "logits_to_keep", "return_dict")
+#: ``chunks_own_loss``'s verdicts, per model
+_VERDICTS: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+def _vocab(head: nn.Module) -> int:
+    out = getattr(head, "out_features", None)
+    return int(out) if out is not None else int(head.weight.shape[0])  # type: ignore[union-attr]
+
+
+#: the fewest positions a chunk holds: below it the chunks' own cost shows (on a CPU, GPT-2's vocabulary at width 64,
+#: 2 x 1,024 tokens: 16 positions a chunk stepped at 1.6x the time of 64, 256 at 1.05x; 256 a chunk peaked at 23%
+#: of the unchunked step, 64 at 14%)
+MIN_CHUNK_ROWS = 256
+
+
+def chunk_rows(rows: int, width: int, vocab: int) -> int:
+    """Positions a chunk: as many as make its logits about as large as the hidden states (``rows x width``), and
+    at least ``MIN_CHUNK_ROWS``. Smaller chunks save little more (the hidden states and the head's gradient are
+    then the larger part of what the loss holds) and add launches; a vocabulary narrower than the hidden states
+    is one chunk."""
+    return max(1, min(rows, max(MIN_CHUNK_ROWS, math.ceil(rows * width / max(vocab, 1)))))
+
+
+def _loss_dtype(logits: torch.Tensor, float32: bool) -> torch.Tensor:
+    """Logits as the loss takes them: in float32 (``float32``: as Hugging Face's ``ForCausalLMLoss`` does, also for a
+    float64 model), else upcast to float32 only from a narrower type."""
+    return logits.float() if float32 or logits.dtype.itemsize < 4 else logits
+
+
+def _chunk_sum(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+               float32: bool) -> torch.Tensor:
+    return F.cross_entropy(_loss_dtype(head(hidden), float32), targets, ignore_index=ignore_index, reduction="sum")
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, *,
+                          ignore_index: int = IGNORE_INDEX, rows: int | None = None,
+                          float32: bool = False) -> torch.Tensor:
+    """``cross_entropy(head(hidden), targets, reduction="sum")`` over every position, computed a chunk of ``rows``
+    positions at a time (default ``chunk_rows``), each chunk recomputed in backward; the logits in float32 where
+    ``float32``, else upcast to float32 only from a narrower type.
+
+    Args:
+        hidden: ``(..., width)`` hidden states; targets: ``(...)`` class indices aligned with them
+            (``ignore_index`` skipped); head: the output head, ``(..., width) -> (..., vocab)``.
+    """
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    aligned = targets.reshape(-1).to(flat.device)
+    if aligned.shape[0] != flat.shape[0]:
+        raise ValueError(f"chunked loss: {tuple(hidden.shape)} hidden states and {tuple(targets.shape)} targets: "
+                         f"one target per position")
+    from torch.utils.checkpoint import checkpoint
+
+    step = rows or chunk_rows(flat.shape[0], flat.shape[1], _vocab(head))
+    total: torch.Tensor | None = None
+    for start in range(0, flat.shape[0], step):
+        part = checkpoint(_chunk_sum, head, flat[start:start + step], aligned[start:start + step], ignore_index,
+                          float32, use_reentrant=False)
+        total = part if total is None else total + part
+    return total if total is not None else flat.sum() * 0.0
+
+
+def head_loss(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, *,
+              ignore_index: int = IGNORE_INDEX) -> tuple[torch.Tensor, torch.Tensor]:
+    """A loss function's cross-entropy through its output head, as ``(loss_sum, num_items)`` (a ``loss_fn`` may
+    return it as it is): in chunks while the memory saver ``"chunked_loss"`` is on, whole otherwise.
+
+    Example::
+
+        def loss_fn(model, batch):
+            x, y = batch
+            return autoaccum.head_loss(model.body(x), model.head, y)
+    """
+    count = (targets != ignore_index).sum()
+    if _ON.get() and torch.is_grad_enabled():
+        return chunked_cross_entropy(hidden, head, targets, ignore_index=ignore_index), count
+    logits = _loss_dtype(head(hidden), False)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).to(logits.device),
+                           ignore_index=ignore_index, reduction="sum"), count
+
+
+def is_causal_lm_loss(loss_function: Any) -> bool:
+    """``loss_function`` is Hugging Face's ``ForCausalLMLoss``."""
+    if "transformers" not in sys.modules:
+        return False
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return loss_function is ForCausalLMLoss
+
+
+def _parts(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """A Hugging Face causal LM's base model and output head, or None for any other model."""
+    body = getattr(model, "base_model", None)
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if not isinstance(body, nn.Module) or body is model or not isinstance(head, nn.Module):
+        return None
+    if getattr(model, "config", None) is None or getattr(model.config, "is_encoder_decoder", False):
+        return None
+    return body, head
+
+
+def chunks_own_loss(model: nn.Module) -> bool:
+    """Whether ``model``'s own loss can be chunked exactly: a Hugging Face causal LM whose loss function is
+    ``ForCausalLMLoss`` and whose logits are its head's output, as checked on one row of 8 tokens (in eval
+    mode, without gradients; the model's mode is put back): equal within 1e-6 of their largest magnitude, so
+    that a model that scales or soft-caps its logits is not chunked."""
+    model = unwrap(model)
+    if model in _VERDICTS:
+        return _VERDICTS[model]
+    verdict = False
+    parts = _parts(model)
+    if parts is not None and is_causal_lm_loss(getattr(model, "loss_function", None)):
+        verdict = _logits_are_the_heads(model, *parts)
+    _VERDICTS[model] = verdict
+    return verdict
+
+
+def _logits_are_the_heads(model: nn.Module, body: nn.Module, head: nn.Module) -> bool:
+    param = next(model.parameters(), None)
+    if param is None or param.device.type == "meta":
+        return False
+    ids = torch.arange(8, device=param.device).remainder(_vocab(head)).unsqueeze(0)
+    was_training = model.training
+    try:
+        model.eval()
+        with torch.no_grad():
+            own = model(input_ids=ids).logits
+            ours = head(body(input_ids=ids)[0])
+    except Exception:  # noqa: BLE001 -- a model this check cannot run is not chunked
+        return False
+    finally:
+        model.train(was_training)
+    if own is None or own.shape != ours.shape:
+        return False
+    scale = float(own.detach().float().abs().max()) or 1.0
+    return float((own.float() - ours.float()).abs().max()) <= 1e-6 * scale
+
+
+def _shifted(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """``ForCausalLMLoss``'s targets: each position's next label, the last position's ``ignore_index``."""
+    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+@contextlib.contextmanager
+def _own_loss_chunked(model: nn.Module) -> Iterator[None]:
+    """``model``'s forward with ``labels`` (gradients on) computes its loss in chunks and returns it without logits."""
+    body, head = _parts(model)  # type: ignore[misc]
+    original = model.__dict__.get("forward")
+    bound = model.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if args or kwargs.get("labels") is None or not torch.is_grad_enabled() or any(k in kwargs for k in _OWN_PATH):
+            return bound(*args, **kwargs)
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        labels, num_items = kwargs.pop("labels"), kwargs.pop("num_items_in_batch", None)
+        ignore_index = kwargs.pop("ignore_index", IGNORE_INDEX)
+        shift_labels = kwargs.pop("shift_labels", None)
+        targets = _shifted(labels, ignore_index) if shift_labels is None else shift_labels
+        out = body(**kwargs)
+        total = chunked_cross_entropy(out[0], head, targets, ignore_index=ignore_index, float32=True)
+        if num_items is None:
+            num_items = (targets != ignore_index).sum()
+        if torch.is_tensor(num_items):
+            num_items = num_items.to(total.device)
+        return CausalLMOutputWithPast(loss=total / num_items, logits=None)
+
+    model.forward = forward
+    try:
+        yield
+    finally:
+        if original is None:
+            del model.forward
+        else:
+            model.forward = original
+
+
+@contextlib.contextmanager
+def chunking(model: nn.Module) -> Iterator[None]:
+    """The saver on inside the block: ``head_loss`` chunks, and a model with ``chunks_own_loss`` chunks its own."""
+    token = _ON.set(True)
+    try:
+        inner = unwrap(model)
+        with _own_loss_chunked(inner) if chunks_own_loss(inner) else contextlib.nullcontext():
+            yield
+    finally:
+        _ON.reset(token)

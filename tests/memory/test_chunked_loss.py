@@ -1,0 +1,145 @@
+"""autoaccum.memory.chunked_loss: the loss in chunks equals the whole loss (fp64 gradients to 1e-12; Hugging Face's
+own loss, which takes its logits to float32, to float32 rounding), holds far less memory, and is offered only where
+it stays exact."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import rel_diff
+from torch import nn
+
+import autoaccum
+from autoaccum.memory import chunked_loss
+from autoaccum.memory.savers import allowed_savers, apply_saver, describe_saver, saver_code, saver_from_code
+from autoaccum.memory.tracked import TrackedMemory
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 1000
+
+
+def _gpt2(vocab: int = VOCAB, width: int = 32) -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=width, n_head=2, vocab_size=vocab, n_positions=1024,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _llama() -> nn.Module:  # a tied head: the embedding is the head's weight
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
+                                      intermediate_size=64, vocab_size=VOCAB, tie_word_embeddings=True)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _tokens(rows: int = 3, length: int = 600) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(1)
+    ids = torch.randint(0, VOCAB, (rows, length))
+    labels = ids.clone()
+    labels[0, :50] = -100  # a prompt left out of the loss
+    return ids, labels
+
+
+def _step(model: nn.Module, saver: str, **batch: object) -> tuple[float, list[torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    with apply_saver(model, saver):
+        out = model(**batch)
+    out.loss.backward()
+    return float(out.loss.detach()), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("make", [_gpt2, _llama], ids=["gpt2", "llama-tied"])
+@pytest.mark.parametrize("items", [None, 777], ids=["mean", "num_items"])
+def test_a_causal_lms_own_loss_in_chunks_equals_it_whole(make, items):
+    model = make().double()
+    ids, labels = _tokens()
+    batch = {"input_ids": ids, "labels": labels}
+    if items is not None:
+        batch["num_items_in_batch"] = torch.tensor(items)
+    whole, grads = _step(model, "none", **batch)
+    chunked, chunked_grads = _step(model, "chunked_loss", **batch)
+    # HF's ForCausalLMLoss takes the logits to float32, also in a float64 model: the loss's sum is float32's
+    assert chunked == pytest.approx(whole, rel=1e-6)
+    assert rel_diff(chunked_grads, grads) <= 1e-12
+    # negative control: the labels not shifted (a chunked loss that forgot the shift) is far off
+    wrong, _ = _step(model, "chunked_loss", input_ids=ids, labels=labels, shift_labels=labels)
+    assert abs(wrong - whole) > 1e-3 * abs(whole)
+
+
+def test_given_shift_labels_are_the_targets_as_hf_takes_them():
+    model = _gpt2().double()
+    ids, labels = _tokens()
+    shifted = F.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+    shifted[1, 100:200] = -100
+    whole, grads = _step(model, "none", input_ids=ids, labels=labels, shift_labels=shifted)
+    chunked, chunked_grads = _step(model, "chunked_loss", input_ids=ids, labels=labels, shift_labels=shifted)
+    assert chunked == pytest.approx(whole, rel=1e-6) and rel_diff(chunked_grads, grads) <= 1e-12
+
+
+def test_head_loss_in_chunks_equals_the_whole_cross_entropy_in_fp64():
+    torch.manual_seed(0)
+    body, head = nn.Linear(16, 32).double(), nn.Linear(32, 5000).double()
+    x, y = torch.randn(4, 300, 16, dtype=torch.float64), torch.randint(0, 5000, (4, 300))
+    y[2, :40] = -100
+
+    def run(saver: str) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        body.zero_grad(), head.zero_grad()
+        with apply_saver(nn.Sequential(body, head), saver):
+            total, count = autoaccum.head_loss(body(x), head, y)
+        total.backward()
+        return total.detach(), count, [p.grad.clone() for p in [*body.parameters(), *head.parameters()]]
+
+    reference = F.cross_entropy(head(body(x)).reshape(-1, 5000), y.reshape(-1), reduction="sum")
+    whole, count, grads = run("none")
+    chunked, chunked_count, chunked_grads = run("chunked_loss")
+    assert int(count) == int(chunked_count) == 4 * 300 - 40
+    assert float(whole) == pytest.approx(float(reference), rel=1e-15)
+    assert abs(float(chunked - whole)) <= 1e-12 * abs(float(whole)) and rel_diff(chunked_grads, grads) <= 1e-12
+    # negative control: one chunk left out is visible
+    short = chunked_loss.chunked_cross_entropy(body(x)[:, :-1], head, y[:, :-1])
+    assert abs(float(short - whole)) > 1e-6 * abs(float(whole))
+
+
+def test_the_whole_logits_never_exist():
+    """GPT-2's vocabulary at 1,024 tokens, width 32: the step's peak at the same micro-batch at least 30% lower
+    (counted by the tracked meter)."""
+    model = _gpt2(vocab=50257)
+    ids = torch.randint(0, 50257, (1, 1024))
+    peaks = {}
+    for saver in ("none", "chunked_loss"):
+        model.zero_grad(set_to_none=True)
+        with TrackedMemory() as meter:
+            meter.track(model)
+            with apply_saver(model, saver):
+                model(input_ids=ids, labels=ids).loss.backward()
+        peaks[saver] = meter.read().peak_bytes
+    assert peaks["chunked_loss"] < 0.7 * peaks["none"], peaks
+
+
+def test_the_rung_is_offered_where_the_models_own_logits_are_its_heads():
+    cpu = torch.device("cpu")
+    assert allowed_savers(_gpt2(), cpu) == ("none", "chunked_loss", "checkpointing+chunked_loss")
+    assert allowed_savers(_gpt2(), cpu, ("checkpointing",)) == ("none", "checkpointing")
+    # a model that soft-caps its logits computes them differently from its head: its loss is not chunked
+    torch.manual_seed(0)
+    capped = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        num_hidden_layers=1, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        intermediate_size=64, vocab_size=VOCAB, final_logit_softcapping=0.5))
+    assert "chunked_loss" not in allowed_savers(capped, cpu)
+    # a model of the user's own: asked for, through head_loss
+    mlp = nn.Sequential(nn.ModuleList([nn.Linear(4, 4)]))
+    assert "chunked_loss" not in allowed_savers(mlp, cpu)
+    assert allowed_savers(mlp, cpu, ("chunked_loss", "checkpointing")) == (
+        "none", "chunked_loss", "checkpointing+chunked_loss")
+
+
+def test_saver_names_codes_and_words():
+    for saver in ("none", "chunked_loss", "checkpointing:2/8", "checkpointing:2/8+chunked_loss", "checkpointing",
+                  "checkpointing+chunked_loss", "offload+chunked_loss"):
+        assert saver_from_code(saver_code(saver)) == saver
+    codes = [saver_code(s) for s in ("none", "chunked_loss", "checkpointing:1/8+chunked_loss",
+                                     "checkpointing+chunked_loss", "offload+chunked_loss")]
+    assert codes == sorted(codes)
+    assert describe_saver("checkpointing:2/8+chunked_loss") == "checkpointing 2 of 8 blocks and the loss in chunks"
+    with pytest.raises(ValueError, match="Invalid saver: 'none\\+chunked_loss'"):
+        apply_saver(nn.Linear(1, 1), "none+chunked_loss").__enter__()
