@@ -17,8 +17,9 @@ Two ways in:
   its forward runs the base model, then the chunks through its own ``lm_head`` with ``ForCausalLMLoss``'s
   rules (labels shifted by one unless ``shift_labels`` is given, ``ignore_index`` -100, divided by
   ``num_items_in_batch`` where given, else the mean over predicted tokens), and returns the loss without
-  logits. Offered only where the model's own logits are its head's output (``chunks_own_loss``: checked on
-  one short row, so a model that scales or soft-caps its logits, or has another loss, is not offered it);
+  logits. Offered where its loss function is ``ForCausalLMLoss``; where first taken, its logits are checked to
+  be its head's output (``chunks_own_loss``, on one short row): a model that scales or soft-caps its logits
+  is warned about and computes its loss whole;
 - any model: a ``loss_fn`` that computes its loss with ``head_loss(hidden, head, targets)``. It chunks while
   the saver is on and computes the plain cross-entropy otherwise; allow the saver with
   ``memory_savers=("chunked_loss", "checkpointing")``.
@@ -30,6 +31,7 @@ import contextlib
 import contextvars
 import math
 import sys
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -41,7 +43,7 @@ from torch import nn
 from autoaccum.modules import unwrap
 
 __all__ = ["IGNORE_INDEX", "chunked_cross_entropy", "chunking", "chunks_own_loss", "head_loss",
-           "is_causal_lm_loss"]
+           "is_causal_lm_loss", "offers_chunked_loss"]
 
 IGNORE_INDEX = -100
 
@@ -150,18 +152,27 @@ def _parts(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
     return body, head
 
 
+def offers_chunked_loss(model: nn.Module) -> bool:
+    """Whether ``model`` is a Hugging Face causal LM whose loss function is ``ForCausalLMLoss`` (the saver is then
+    offered for its own loss; ``chunks_own_loss`` checks its logits where the saver is first taken)."""
+    model = unwrap(model)
+    return _parts(model) is not None and is_causal_lm_loss(getattr(model, "loss_function", None))
+
+
 def chunks_own_loss(model: nn.Module) -> bool:
-    """Whether ``model``'s own loss can be chunked exactly: a Hugging Face causal LM whose loss function is
-    ``ForCausalLMLoss`` and whose logits are its head's output, as checked on one row of 8 tokens (in eval
-    mode, without gradients; the model's mode is put back): equal within 1e-6 of their largest magnitude, so
-    that a model that scales or soft-caps its logits is not chunked."""
+    """Whether ``model``'s own loss can be chunked exactly: ``offers_chunked_loss``, and its logits are its head's
+    output, as checked on one row of 8 tokens (in eval mode, without gradients; the mode is put back): equal
+    within 1e-6 of their largest magnitude, so that a model that scales or soft-caps its logits is not chunked.
+    Asked once per model, where the saver is first taken (not where it is offered: the check runs the model's
+    forward, which its hooks see)."""
     model = unwrap(model)
     if model in _VERDICTS:
         return _VERDICTS[model]
-    verdict = False
-    parts = _parts(model)
-    if parts is not None and is_causal_lm_loss(getattr(model, "loss_function", None)):
-        verdict = _logits_are_the_heads(model, *parts)
+    verdict = offers_chunked_loss(model) and _logits_are_the_heads(model, *_parts(model))  # type: ignore[misc]
+    if offers_chunked_loss(model) and not verdict:
+        warnings.warn(f"{type(model).__name__}'s logits are not its output head's (it scales or soft-caps them): "
+                      f"its loss is computed whole, the saver 'chunked_loss' saves nothing on it. Plan without it: "
+                      f"memory_savers=('checkpointing',)", stacklevel=3)
     _VERDICTS[model] = verdict
     return verdict
 
@@ -232,7 +243,8 @@ def chunking(model: nn.Module) -> Iterator[None]:
     token = _ON.set(True)
     try:
         inner = unwrap(model)
-        with _own_loss_chunked(inner) if chunks_own_loss(inner) else contextlib.nullcontext():
+        with _own_loss_chunked(inner) if offers_chunked_loss(inner) and chunks_own_loss(inner) \
+                else contextlib.nullcontext():
             yield
     finally:
         _ON.reset(token)

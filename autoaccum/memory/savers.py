@@ -39,7 +39,7 @@ from typing import Any, Literal, get_args
 import torch
 from torch import nn
 
-from autoaccum.memory.chunked_loss import chunking, chunks_own_loss
+from autoaccum.memory.chunked_loss import chunking, offers_chunked_loss
 from autoaccum.modules import is_compiled, unwrap
 from autoaccum.state import capture_buffers, restore_buffers, state_buffers
 
@@ -191,10 +191,10 @@ def check_memory_savers(savers: Any) -> tuple[str, ...]:
 def allowed_savers(model: nn.Module, device: torch.device, savers: Any = "auto") -> tuple[str, ...]:
     """The savers a step may turn to for ``model`` on ``device``, cheapest first, starting with ``"none"``
     (``savers`` as ``check_memory_savers`` takes it). The chunked loss comes second where allowed, and then every
-    saver above it keeps it: under ``"auto"`` where the model's own loss can be chunked (``chunks_own_loss``)."""
+    saver above it keeps it: under ``"auto"`` where the model's own loss can be chunked (``offers_chunked_loss``)."""
     wanted = check_memory_savers(savers)
     if savers == "auto":
-        chunked = not is_compiled(model) and chunks_own_loss(model)
+        chunked = not is_compiled(model) and offers_chunked_loss(model)
     else:
         chunked = any(split_saver(w)[1] for w in wanted)
         wanted = tuple(split_saver(w)[0] for w in wanted)

@@ -125,7 +125,12 @@ def test_the_rung_is_offered_where_the_models_own_logits_are_its_heads():
     capped = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
         num_hidden_layers=1, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
         intermediate_size=64, vocab_size=VOCAB, final_logit_softcapping=0.5))
-    assert "chunked_loss" not in allowed_savers(capped, cpu)
+    assert "chunked_loss" in allowed_savers(capped, cpu)  # offered: its loss is ForCausalLMLoss; checked where taken
+    ids = torch.randint(0, VOCAB, (1, 300))
+    with pytest.warns(UserWarning, match="logits are not its output head's.*computed whole"):
+        capped_loss, capped_grads = _step(capped, "chunked_loss", input_ids=ids, labels=ids)
+    whole_loss, whole_grads = _step(capped, "none", input_ids=ids, labels=ids)
+    assert capped_loss == whole_loss and rel_diff(capped_grads, whole_grads) == 0.0
     # a model of the user's own: asked for, through head_loss
     mlp = nn.Sequential(nn.ModuleList([nn.Linear(4, 4)]))
     assert "chunked_loss" not in allowed_savers(mlp, cpu)
@@ -143,3 +148,26 @@ def test_saver_names_codes_and_words():
     assert describe_saver("checkpointing:2/8+chunked_loss") == "checkpointing 2 of 8 blocks and the loss in chunks"
     with pytest.raises(ValueError, match="Invalid saver: 'none\\+chunked_loss'"):
         apply_saver(nn.Linear(1, 1), "none+chunked_loss").__enter__()
+
+
+def test_fit_takes_the_chunked_loss_where_nothing_else_fits_and_trains_as_the_full_batch():
+    """GPT-2's vocabulary at 512 tokens under a 400 MiB emulated budget: one sample needs 413 MiB whole and 406 MiB
+    with every block checkpointed (DoesNotFitError without the rung); the loss in chunks fits the whole batch of 4
+    in one pass, and trains as the full batch does with HF's own loss whole (fp64, 1e-12)."""
+    def model() -> nn.Module:
+        return _gpt2(vocab=50257).double()
+
+    ids = torch.randint(0, 50257, (8, 512), generator=torch.Generator().manual_seed(3))
+    reference = model()  # the same samples in the same order, whole: a plan of micro-batch 4 given, no saver
+    autoaccum.fit(reference, {"input_ids": ids, "labels": ids}, 4, plan=autoaccum.Plan.for_target(4, 4), epochs=1,
+                  progress=False, optimizer=torch.optim.SGD(reference.parameters(), lr=0.1))
+    trained = model()
+    result = autoaccum.fit(trained, {"input_ids": ids, "labels": ids}, 4, budget="400MiB", epochs=1, progress=False,
+                           optimizer=torch.optim.SGD(trained.parameters(), lr=0.1))
+    assert result.plan.saver == "chunked_loss" and result.plan.micro_batch == 4
+    assert rel_diff(dict(trained.named_parameters()), dict(reference.named_parameters())) <= 1e-12
+    # negative control: without the rung nothing fits
+    blocks_only = model()
+    with pytest.raises(autoaccum.DoesNotFitError, match="checkpointing"):
+        autoaccum.fit(blocks_only, {"input_ids": ids, "labels": ids}, 4, budget="400MiB", epochs=1, progress=False,
+                      memory_savers=("checkpointing",), optimizer=torch.optim.SGD(blocks_only.parameters(), lr=0.1))

@@ -205,7 +205,7 @@ def test_the_savers_follows_the_model_the_device_and_the_option() -> None:
     assert allowed_savers(_net(), cuda, ("checkpointing",)) == ("none", *partial, "checkpointing")
     assert allowed_savers(_net(), cuda, ("checkpointing:2/3",)) == ("none", "checkpointing:2/3")
     assert allowed_savers(nn.Sequential(nn.Linear(2, 2)), cuda) == ("none",)  # no blocks, no switch: nothing to save
-    assert next_saver(SAVERS, "none") == "checkpointing" and next_saver(SAVERS, "offload") is None
+    assert next_saver(SAVERS, "none") == "chunked_loss" and next_saver(SAVERS, "offload") is None
     assert next_saver(allowed_savers(_net(), cpu), "none") == "checkpointing:1/3"
     assert next_saver(allowed_savers(_net(), cpu), "checkpointing:2/3") == "checkpointing"
     for bad in ("sometimes", ("checkpointing", "swap")):
