@@ -5,13 +5,14 @@ it stays exact."""
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import rel_diff
+from helpers import params, rel_diff
 from torch import nn
 
 import autoaccum
 from autoaccum.memory import chunked_loss
 from autoaccum.memory.savers import allowed_savers, apply_saver, describe_saver, saver_code, saver_from_code
 from autoaccum.memory.tracked import TrackedMemory
+from autoaccum.step.losses import default_loss
 
 transformers = pytest.importorskip("transformers")
 
@@ -171,3 +172,22 @@ def test_fit_takes_the_chunked_loss_where_nothing_else_fits_and_trains_as_the_fu
     with pytest.raises(autoaccum.DoesNotFitError, match="checkpointing"):
         autoaccum.fit(blocks_only, {"input_ids": ids, "labels": ids}, 4, budget="400MiB", epochs=1, progress=False,
                       memory_savers=("checkpointing",), optimizer=torch.optim.SGD(blocks_only.parameters(), lr=0.1))
+
+
+def test_the_guard_climbs_to_the_chunked_loss_at_the_smallest_micro_batch_and_replays_exactly():
+    def model() -> nn.Module:
+        return _gpt2(vocab=50257).double()
+
+    ids = torch.randint(0, 50257, (4, 512), generator=torch.Generator().manual_seed(3))
+    batch = {"input_ids": ids, "labels": ids}
+    reference = model()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    reference(**batch).loss.backward()
+    opt.step()
+    trained = model()
+    guard = autoaccum.OOMGuard(trained, torch.optim.SGD(trained.parameters(), lr=0.1), target_batch=4, micro_batch=2,
+                               budget="400MiB")
+    result = guard.step(batch, default_loss)
+    # micro 2 OOMs, then micro 1 without a saver; the loss in chunks fits, on the same samples
+    assert result.attempts == 3 and (guard.plan.micro_batch, guard.plan.saver) == (1, "chunked_loss")
+    assert rel_diff(params(trained), params(reference)) <= 1e-12
