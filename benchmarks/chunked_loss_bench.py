@@ -28,6 +28,7 @@ import torch
 from common import HEADROOM_KEPT, bench_main, hand_step, largest_fitting, markdown_table, micro_batches, quiet
 
 import autoaccum
+from autoaccum.memory.chunked_loss import loss_only
 from autoaccum.memory.savers import apply_saver
 from autoaccum.memory.tracked import TrackedMemory
 
@@ -45,9 +46,11 @@ def tokens(rows: int, length: int, vocab: int) -> dict[str, torch.Tensor]:
 
 
 def own_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """HF's own loss as a token sum and its count, for the hand loop (token-exact, as fit weighs it)."""
+    """HF's own loss as a token sum and its count, for the hand loop (token-exact, as fit weighs it); read for the
+    loss alone, as autoaccum's own loss reads it (so that the saver may chunk it)."""
     count = (batch["labels"][:, 1:] != -100).sum()
-    return model(**batch, num_items_in_batch=1).loss, count
+    with loss_only():
+        return model(**batch, num_items_in_batch=1).loss, count
 
 
 def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any, saver: str, micro: int,
@@ -82,9 +85,9 @@ def under_budget(budget: int, target: int, steps: int, rounds: int, length: int,
     def fits(saver: str, micro: int) -> bool:
         model = gpt2(vocab, width, max(length, 64))
         optimizer = torch.optim.AdamW(model.parameters())
-        try:  # two steps: the second holds AdamW's state through its forward and backward
+        try:  # two steps of the target batch: the second holds AdamW's state, every pass after the first the grads
             for _ in range(2):
-                step(model, optimizer, tokens(micro, length, vocab), saver, micro, int(budget * HEADROOM_KEPT))
+                step(model, optimizer, tokens(target, length, vocab), saver, micro, int(budget * HEADROOM_KEPT))
             return True
         except torch.OutOfMemoryError:
             return False

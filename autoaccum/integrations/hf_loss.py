@@ -6,6 +6,7 @@ each attempt."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections.abc import Mapping
@@ -13,6 +14,7 @@ from typing import Any
 
 import torch
 
+from autoaccum.memory.chunked_loss import loss_only
 from autoaccum.plan.batch import Batch, Samples, split_batch
 from autoaccum.plan.task import LossOutput
 from autoaccum.state import capture_buffers, capture_rng, restore_buffers, restore_rng, state_buffers
@@ -164,7 +166,12 @@ class TrainerLoss:
     def _compute(self, model: torch.nn.Module, batch: Batch, count: torch.Tensor | None) -> torch.Tensor:
         t = self.trainer
         inputs = t._prepare_inputs(batch)
-        with t.compute_loss_context_manager():
+        from transformers import Trainer
+
+        # HF's own compute_loss reads the model's output for its loss alone (labels given): the chunked loss may
+        # leave its logits out; a compute_loss of the user's (or TRL's) may read them
+        stock = type(t).compute_loss is Trainer.compute_loss
+        with t.compute_loss_context_manager(), loss_only() if stock else contextlib.nullcontext():
             loss = t.compute_loss(model, inputs, num_items_in_batch=count)
         return loss if count is None else loss / self._hf_factor()
 

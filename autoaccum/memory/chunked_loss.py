@@ -13,7 +13,9 @@ unchunked ones to the rounding of that sum (1e-15 relative in float64). The item
 
 Two ways in:
 
-- a Hugging Face causal LM whose loss is its own (``model(**batch)`` with ``labels``): while the saver is on,
+- a Hugging Face causal LM whose loss is its own, called for its loss alone (``model(**batch)`` with ``labels``
+  by autoaccum's default loss or HF Trainer's own ``compute_loss``: ``loss_only``; the model, or one inside it,
+  as a PEFT model holds it): while the saver is on,
   its forward runs the base model, then the chunks through its own ``lm_head`` with ``ForCausalLMLoss``'s
   rules (labels shifted by one unless ``shift_labels`` is given, ``ignore_index`` -100, divided by
   ``num_items_in_batch`` where given, else the mean over predicted tokens), and returns the loss without
@@ -42,13 +44,15 @@ from torch import nn
 
 from autoaccum.modules import unwrap
 
-__all__ = ["IGNORE_INDEX", "chunked_cross_entropy", "chunking", "chunks_own_loss", "head_loss",
-           "is_causal_lm_loss", "offers_chunked_loss"]
+__all__ = ["IGNORE_INDEX", "causal_lm", "chunked_cross_entropy", "chunking", "chunks_own_loss", "head_loss",
+           "is_causal_lm_loss", "loss_only", "offers_chunked_loss"]
 
 IGNORE_INDEX = -100
 
 #: whether the saver is on (``chunking``): ``head_loss`` reads it
 _ON: contextvars.ContextVar[bool] = contextvars.ContextVar("autoaccum_chunked_loss", default=False)
+#: the caller of a model's forward reads only its loss (``loss_only``): the chunked forward returns no logits
+_LOSS_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("autoaccum_loss_only", default=False)
 #: the keywords of a forward call the chunked forward leaves to the model's own (TRL's fused head, a slice)
 _OWN_PATH = ("fused_lm_head", "logits_to_keep", "return_dict")
 #: ``chunks_own_loss``'s verdicts, per model
@@ -152,28 +156,36 @@ def _parts(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
     return body, head
 
 
+def causal_lm(model: nn.Module) -> nn.Module | None:
+    """The Hugging Face causal LM whose loss function is ``ForCausalLMLoss`` in ``model``: the model itself, or the
+    first such module inside it (a LightningModule's, a PEFT model's); None where there is none."""
+    return next((m for m in unwrap(model).modules()
+                 if _parts(m) is not None and is_causal_lm_loss(getattr(m, "loss_function", None))), None)
+
+
 def offers_chunked_loss(model: nn.Module) -> bool:
-    """Whether ``model`` is a Hugging Face causal LM whose loss function is ``ForCausalLMLoss`` (the saver is then
-    offered for its own loss; ``chunks_own_loss`` checks its logits where the saver is first taken)."""
-    model = unwrap(model)
-    return _parts(model) is not None and is_causal_lm_loss(getattr(model, "loss_function", None))
+    """Whether ``model`` holds a causal LM (``causal_lm``) whose own loss the saver chunks (``chunks_own_loss``
+    checks its logits where the saver is first taken)."""
+    return causal_lm(model) is not None
 
 
 def chunks_own_loss(model: nn.Module) -> bool:
-    """Whether ``model``'s own loss can be chunked exactly: ``offers_chunked_loss``, and its logits are its head's
-    output, as checked on one row of 8 tokens (in eval mode, without gradients; the mode is put back): equal
-    within 1e-6 of their largest magnitude, so that a model that scales or soft-caps its logits is not chunked.
-    Asked once per model, where the saver is first taken (not where it is offered: the check runs the model's
-    forward, which its hooks see)."""
-    model = unwrap(model)
-    if model in _VERDICTS:
-        return _VERDICTS[model]
-    verdict = offers_chunked_loss(model) and _logits_are_the_heads(model, *_parts(model))  # type: ignore[misc]
-    if offers_chunked_loss(model) and not verdict:
-        warnings.warn(f"{type(model).__name__}'s logits are not its output head's (it scales or soft-caps them): "
+    """Whether the own loss of the causal LM in ``model`` can be chunked exactly: its logits are its head's output,
+    as checked on one row of 8 tokens (in eval mode, without gradients; the mode is put back): equal within 1e-6
+    of their largest magnitude, so that a model that scales or soft-caps its logits is not chunked. Asked once
+    per model, where the saver is first taken (not where it is offered: the check runs the model's forward,
+    which its hooks see)."""
+    lm = causal_lm(model)
+    if lm is None:
+        return False
+    if lm in _VERDICTS:
+        return _VERDICTS[lm]
+    verdict = _logits_are_the_heads(lm, *_parts(lm))  # type: ignore[misc]
+    if not verdict:
+        warnings.warn(f"{type(lm).__name__}'s logits are not its output head's (it scales or soft-caps them): "
                       f"its loss is computed whole, the saver 'chunked_loss' saves nothing on it. Plan without it: "
                       f"memory_savers=('checkpointing',)", stacklevel=3)
-    _VERDICTS[model] = verdict
+    _VERDICTS[lm] = verdict
     return verdict
 
 
@@ -211,7 +223,8 @@ def _own_loss_chunked(model: nn.Module) -> Iterator[None]:
     bound = model.forward
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        if args or kwargs.get("labels") is None or not torch.is_grad_enabled() or any(k in kwargs for k in _OWN_PATH):
+        if args or kwargs.get("labels") is None or not torch.is_grad_enabled() or not _LOSS_ONLY.get() \
+                or any(k in kwargs for k in _OWN_PATH):
             return bound(*args, **kwargs)
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -238,13 +251,25 @@ def _own_loss_chunked(model: nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def loss_only() -> Iterator[None]:
+    """Inside the block the model's output is read for its loss alone (autoaccum's own loss of a dict batch, HF
+    Trainer's own ``compute_loss``): there, and only there, the saver chunks a causal LM's own loss, whose
+    output then has no logits. A loop of the user's own that calls the model reads what it likes: it is not
+    chunked (its ``loss_fn`` can chunk through ``head_loss``)."""
+    token = _LOSS_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _LOSS_ONLY.reset(token)
+
+
+@contextlib.contextmanager
 def chunking(model: nn.Module) -> Iterator[None]:
     """The saver on inside the block: ``head_loss`` chunks, and a model with ``chunks_own_loss`` chunks its own."""
     token = _ON.set(True)
     try:
-        inner = unwrap(model)
-        with _own_loss_chunked(inner) if offers_chunked_loss(inner) and chunks_own_loss(inner) \
-                else contextlib.nullcontext():
+        lm = causal_lm(model)
+        with _own_loss_chunked(lm) if lm is not None and chunks_own_loss(lm) else contextlib.nullcontext():
             yield
     finally:
         _ON.reset(token)

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from autoaccum.errors import TaskError
-from autoaccum.memory.chunked_loss import IGNORE_INDEX, is_causal_lm_loss
+from autoaccum.memory.chunked_loss import IGNORE_INDEX, is_causal_lm_loss, loss_only
 from autoaccum.plan.batch import Batch
 from autoaccum.plan.task import LossOutput
 
@@ -250,6 +250,13 @@ def _check_keys(model: torch.nn.Module, batch: Mapping[str, Any]) -> None:
 
 
 def model_loss(model: torch.nn.Module, batch: Mapping[str, Any], num_items_in_batch: int | None = None) -> LossOutput:
+    """The model's own loss for a dict batch (``_model_loss``), its output read for the loss alone (so that the
+    memory saver ``chunked_loss`` may chunk a causal LM's)."""
+    with loss_only():
+        return _model_loss(model, batch, num_items_in_batch)
+
+
+def _model_loss(model: torch.nn.Module, batch: Mapping[str, Any], num_items_in_batch: int | None = None) -> LossOutput:
     """The model's own loss for a dict batch: ``model(**batch).loss``, token-exact for per-token labels.
 
     Per-token labels: with ``num_items_in_batch`` (the step's predicted tokens, all micro-batches and

@@ -43,7 +43,7 @@ def _tokens(rows: int = 3, length: int = 600) -> tuple[torch.Tensor, torch.Tenso
 
 def _step(model: nn.Module, saver: str, **batch: object) -> tuple[float, list[torch.Tensor]]:
     model.zero_grad(set_to_none=True)
-    with apply_saver(model, saver):
+    with apply_saver(model, saver), chunked_loss.loss_only():  # read for its loss alone, as autoaccum's loss does
         out = model(**batch)
     out.loss.backward()
     return float(out.loss.detach()), [p.grad.clone() for p in model.parameters()]
@@ -65,6 +65,17 @@ def test_a_causal_lms_own_loss_in_chunks_equals_it_whole(make, items):
     # negative control: the labels not shifted (a chunked loss that forgot the shift) is far off
     wrong, _ = _step(model, "chunked_loss", input_ids=ids, labels=labels, shift_labels=labels)
     assert abs(wrong - whole) > 1e-3 * abs(whole)
+
+
+def test_a_forward_read_for_more_than_its_loss_keeps_its_logits():
+    """A loop of the user's own may read ``outputs.logits`` (accuracy, a metric): outside ``loss_only`` (autoaccum's
+    own loss, HF Trainer's own compute_loss) the saver leaves the model's forward as it is."""
+    model = _gpt2()
+    ids, labels = _tokens(1, 300)
+    with apply_saver(model, "chunked_loss"):
+        assert model(input_ids=ids, labels=labels).logits.shape == (1, 300, VOCAB)
+        with chunked_loss.loss_only():
+            assert model(input_ids=ids, labels=labels).logits is None
 
 
 def test_given_shift_labels_are_the_targets_as_hf_takes_them():
@@ -111,7 +122,7 @@ def test_the_whole_logits_never_exist():
         model.zero_grad(set_to_none=True)
         with TrackedMemory() as meter:
             meter.track(model)
-            with apply_saver(model, saver):
+            with apply_saver(model, saver), chunked_loss.loss_only():
                 model(input_ids=ids, labels=ids).loss.backward()
         peaks[saver] = meter.read().peak_bytes
     assert peaks["chunked_loss"] < 0.7 * peaks["none"], peaks
