@@ -1,10 +1,15 @@
-"""What a model is under its wrappers: the one rule for unwrapping, and whether it is compiled."""
+"""What a model is under its wrappers: the one rule for unwrapping, and whether it is compiled; a module's
+forward replaced for a block."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
 import torch
 
-__all__ = ["is_compiled", "unwrap"]
+__all__ = ["forward_replaced", "is_compiled", "unwrap"]
 
 #: wrappers whose ``.module`` is the model they run (by class name: no import of torch.distributed here)
 _DATA_PARALLEL = ("DistributedDataParallel", "DataParallel")
@@ -31,3 +36,19 @@ def is_compiled(model: torch.nn.Module) -> bool:
     module compiled in place with ``module.compile()``."""
     return any(type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
                for m in model.modules())
+
+
+@contextlib.contextmanager
+def forward_replaced(module: torch.nn.Module, make: Callable[[Callable[..., Any]], Callable[..., Any]]
+                     ) -> Iterator[None]:
+    """``module.forward`` is ``make(its forward)`` inside the block (an instance attribute); as it was afterwards
+    (the class's forward showing through again, or the instance attribute someone had set)."""
+    original = module.__dict__.get("forward")
+    module.forward = make(module.forward)
+    try:
+        yield
+    finally:
+        if original is None:
+            del module.forward
+        else:
+            module.forward = original

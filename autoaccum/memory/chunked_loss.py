@@ -35,14 +35,14 @@ import math
 import sys
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autoaccum.modules import unwrap
+from autoaccum.modules import forward_replaced, unwrap
 
 __all__ = ["IGNORE_INDEX", "causal_lm", "chunked_cross_entropy", "chunking", "chunks_own_loss", "head_loss",
            "is_causal_lm_loss", "loss_only", "offers_chunked_loss"]
@@ -219,35 +219,33 @@ def _shifted(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
 def _own_loss_chunked(model: nn.Module) -> Iterator[None]:
     """``model``'s forward with ``labels`` (gradients on) computes its loss in chunks and returns it without logits."""
     body, head = _parts(model)  # type: ignore[misc]
-    original = model.__dict__.get("forward")
-    bound = model.forward
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        if args or kwargs.get("labels") is None or not torch.is_grad_enabled() or not _LOSS_ONLY.get() \
-                or any(k in kwargs for k in _OWN_PATH):
-            return bound(*args, **kwargs)
-        from transformers.modeling_outputs import CausalLMOutputWithPast
+    def chunked(bound: Callable[..., Any]) -> Callable[..., Any]:
+        return lambda *args, **kwargs: _forward(bound, body, head, args, kwargs)
 
-        labels, num_items = kwargs.pop("labels"), kwargs.pop("num_items_in_batch", None)
-        ignore_index = kwargs.pop("ignore_index", IGNORE_INDEX)
-        shift_labels = kwargs.pop("shift_labels", None)
-        targets = _shifted(labels, ignore_index) if shift_labels is None else shift_labels
-        out = body(**kwargs)
-        total = chunked_cross_entropy(out[0], head, targets, ignore_index=ignore_index, float32=True)
-        if num_items is None:
-            num_items = (targets != ignore_index).sum()
-        if torch.is_tensor(num_items):
-            num_items = num_items.to(total.device)
-        return CausalLMOutputWithPast(loss=total / num_items, logits=None)
-
-    model.forward = forward
-    try:
+    with forward_replaced(model, chunked):
         yield
-    finally:
-        if original is None:
-            del model.forward
-        else:
-            model.forward = original
+
+
+def _forward(bound: Callable[..., Any], body: nn.Module, head: nn.Module, args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> Any:
+    """The chunked forward (``_own_loss_chunked``), or the model's own where it does not apply."""
+    if args or kwargs.get("labels") is None or not torch.is_grad_enabled() or not _LOSS_ONLY.get() \
+            or any(k in kwargs for k in _OWN_PATH):
+        return bound(*args, **kwargs)
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    labels, num_items = kwargs.pop("labels"), kwargs.pop("num_items_in_batch", None)
+    ignore_index = kwargs.pop("ignore_index", IGNORE_INDEX)
+    shift_labels = kwargs.pop("shift_labels", None)
+    targets = _shifted(labels, ignore_index) if shift_labels is None else shift_labels
+    out = body(**kwargs)
+    total = chunked_cross_entropy(out[0], head, targets, ignore_index=ignore_index, float32=True)
+    if num_items is None:
+        num_items = (targets != ignore_index).sum()
+    if torch.is_tensor(num_items):
+        num_items = num_items.to(total.device)
+    return CausalLMOutputWithPast(loss=total / num_items, logits=None)
 
 
 @contextlib.contextmanager

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from autoaccum.memory.chunked_loss import chunking, offers_chunked_loss
-from autoaccum.modules import is_compiled, unwrap
+from autoaccum.modules import forward_replaced, is_compiled, unwrap
 from autoaccum.state import capture_buffers, restore_buffers, state_buffers
 
 __all__ = ["SAVERS", "MemorySaver", "MemorySavers", "allowed_savers", "apply_saver", "check_memory_savers",
@@ -310,23 +310,16 @@ def _checkpointed(model: nn.Module, blocks: tuple[int, int] | None = None) -> It
 @contextlib.contextmanager
 def _offloaded(model: nn.Module) -> Iterator[None]:
     """Every tensor the model's forward saves for backward goes to pinned host memory meanwhile."""
-    original = model.__dict__.get("forward")
-    bound = model.forward
+    def offloading(bound: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return bound(*args, **kwargs)
+            with torch.autograd.graph.save_on_cpu(pin_memory=True):
+                return bound(*args, **kwargs)
+        return forward
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return bound(*args, **kwargs)
-        with torch.autograd.graph.save_on_cpu(pin_memory=True):
-            return bound(*args, **kwargs)
-
-    model.forward = forward
-    try:
+    with forward_replaced(model, offloading):
         yield
-    finally:
-        if original is None:
-            del model.forward
-        else:
-            model.forward = original
 
 
 @contextlib.contextmanager
