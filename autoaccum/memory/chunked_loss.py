@@ -1,15 +1,20 @@
 """The loss in chunks (the memory saver ``"chunked_loss"``): the output head and the cross-entropy a chunk of
-tokens at a time, each chunk recomputed in backward, so that the step never holds the whole logits tensor.
+positions at a time, so that the step never holds the whole logits tensor.
 
-A language model's logits (tokens x vocabulary, upcast to float32 for the loss, and their gradient) are often
+A language model's logits (positions x vocabulary, upcast to float32 for the loss, and their gradient) are often
 the largest tensors of its step: a 50,257-token vocabulary at 1,024 tokens is 196 MiB a sample in float32, and
-checkpointing the blocks does not touch them. Each chunk runs under non-reentrant ``torch.utils.checkpoint``:
-the forward keeps only the chunk's hidden states (which exist anyway), the backward recomputes the chunk's
-logits and frees them before the next chunk's. The cost is one more matmul through the head.
+checkpointing the blocks does not touch them. For an ``nn.Linear`` head (Hugging Face's ``lm_head``, tied or not)
+each chunk's gradients are computed in the forward, as the unchunked backward computes them (``softmax -
+one_hot`` through the head's two matmuls), and only scaled in the backward: nothing is recomputed, the work is
+the unchunked step's, and what waits for the backward is the hidden states' gradient (their size) and the head
+weight's (its size). Any other head, and a loss narrower than its logits (a float64 model under HF's float32
+loss), recomputes each chunk in backward under non-reentrant ``torch.utils.checkpoint`` (one more pass through
+the head).
 
-Exact: every token's loss is the same operations on the same values as unchunked (the head, the upcast, the
-cross-entropy); only the sum over tokens is grouped by chunk, so the loss and the gradients equal the
-unchunked ones to the rounding of that sum (1e-15 relative in float64). The item count is the unchunked one.
+Exact: every position's loss and gradient are the same operations on the same values as unchunked; the sum
+over positions is grouped by chunk, and the gradients are scaled after the head's matmuls instead of before, so
+they equal the unchunked ones to rounding (float64: 1e-12; float32: its rounding). The item count is the
+unchunked one.
 
 Two ways in:
 
@@ -89,12 +94,58 @@ def _chunk_sum(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, ign
     return F.cross_entropy(_loss_dtype(head(hidden), float32), targets, ignore_index=ignore_index, reduction="sum")
 
 
+class _LinearCrossEntropy(torch.autograd.Function):
+    """The summed cross-entropy of ``linear(hidden, weight, bias)`` a chunk of rows at a time, its gradients
+    computed in the forward, chunk by chunk, as the unchunked backward computes them (``softmax - one_hot`` of
+    each predicted row, through the head's matmuls): the backward only scales them by its incoming gradient.
+    No chunk is recomputed; what waits for the backward is the gradient of the hidden states (their size) and of
+    the head's weight (its size), accumulated in float32 or wider."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                targets: torch.Tensor, ignore_index: int, float32: bool, rows: int) -> torch.Tensor:
+        wide = torch.promote_types(weight.dtype, torch.float32)
+        grad_h = torch.empty_like(hidden) if hidden.requires_grad else None
+        grad_w = torch.zeros(weight.shape, dtype=wide, device=weight.device) if weight.requires_grad else None
+        grad_b = torch.zeros(bias.shape, dtype=wide, device=bias.device) \
+            if bias is not None and bias.requires_grad else None
+        total = hidden.new_zeros((), dtype=wide if float32 or hidden.dtype.itemsize < 4 else hidden.dtype)
+        for start in range(0, hidden.shape[0], rows):
+            h, y = hidden[start:start + rows], targets[start:start + rows]
+            logits = F.linear(h, weight, bias)
+            z = _loss_dtype(logits, float32)
+            total += F.cross_entropy(z, y, ignore_index=ignore_index, reduction="sum")
+            g = torch.softmax(z, dim=-1)  # d(sum of cross-entropies) / d(logits): softmax - one_hot, kept rows only
+            kept = y != ignore_index
+            g[kept, y[kept]] -= 1
+            g[~kept] = 0
+            g = g.to(logits.dtype)
+            if grad_h is not None:
+                grad_h[start:start + rows] = g @ weight
+            if grad_w is not None:
+                grad_w += (g.t() @ h).to(wide)
+            if grad_b is not None:
+                grad_b += g.sum(dim=0).to(wide)
+        ctx.save_for_backward(*(t if t is not None else torch.empty(0) for t in (grad_h, grad_w, grad_b)))
+        ctx.present = (grad_h is not None, grad_w is not None, grad_b is not None)
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        out = [(g * grad).to(dtype) if present else None
+               for g, present, dtype in zip(ctx.saved_tensors, ctx.present, ctx.dtypes, strict=True)]
+        return (*out, None, None, None, None)
+
+
 def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, *,
                           ignore_index: int = IGNORE_INDEX, rows: int | None = None,
                           float32: bool = False) -> torch.Tensor:
     """``cross_entropy(head(hidden), targets, reduction="sum")`` over every position, computed a chunk of ``rows``
-    positions at a time (default ``chunk_rows``), each chunk recomputed in backward; the logits in float32 where
-    ``float32``, else upcast to float32 only from a narrower type.
+    positions at a time (default ``chunk_rows``); the logits in float32 where ``float32``, else upcast to float32
+    only from a narrower type. An ``nn.Linear`` head's gradients are computed chunk by chunk in the forward
+    (``_LinearCrossEntropy``: nothing recomputed); any other head's chunks, and those of a loss narrower than the
+    logits, are recomputed in backward (non-reentrant ``torch.utils.checkpoint``).
 
     Args:
         hidden: ``(..., width)`` hidden states; targets: ``(...)`` class indices aligned with them
@@ -105,9 +156,14 @@ def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Module, targets: torch.
     if aligned.shape[0] != flat.shape[0]:
         raise ValueError(f"chunked loss: {tuple(hidden.shape)} hidden states and {tuple(targets.shape)} targets: "
                          f"one target per position")
+    step = rows or chunk_rows(flat.shape[0], flat.shape[1], _vocab(head))
+    # where the loss narrows the logits (a float64 model under HF's float32 loss), autograd rounds their gradient in
+    # float32 after the backward's scaling, which a gradient computed in the forward cannot: recomputed chunks there
+    narrows = float32 and flat.dtype.itemsize > 4
+    if type(head) is nn.Linear and torch.is_grad_enabled() and not narrows:
+        return _LinearCrossEntropy.apply(flat, head.weight, head.bias, aligned, ignore_index, float32, step)
     from torch.utils.checkpoint import checkpoint
 
-    step = rows or chunk_rows(flat.shape[0], flat.shape[1], _vocab(head))
     total: torch.Tensor | None = None
     for start in range(0, flat.shape[0], step):
         part = checkpoint(_chunk_sum, head, flat[start:start + step], aligned[start:start + step], ignore_index,

@@ -78,6 +78,19 @@ def test_a_forward_read_for_more_than_its_loss_keeps_its_logits():
             assert model(input_ids=ids, labels=labels).logits is None
 
 
+def test_a_float32_models_own_loss_in_chunks_equals_it_whole_to_float32_rounding():
+    """A float32 model (as trained): its head's gradients computed chunk by chunk in the forward, then scaled,
+    where autograd scales them first: equal to float32 rounding (the loss to 1e-6, the gradients to 1e-5 of the
+    largest); a negative control with the labels unshifted is off by more than that."""
+    model = _gpt2()
+    ids, labels = _tokens()
+    whole, grads = _step(model, "none", input_ids=ids, labels=labels)
+    chunked, chunked_grads = _step(model, "chunked_loss", input_ids=ids, labels=labels)
+    assert chunked == pytest.approx(whole, rel=1e-6) and rel_diff(chunked_grads, grads) <= 1e-5
+    _, wrong_grads = _step(model, "chunked_loss", input_ids=ids, labels=labels, shift_labels=labels)
+    assert rel_diff(wrong_grads, grads) > 1e-2
+
+
 def test_given_shift_labels_are_the_targets_as_hf_takes_them():
     model = _gpt2().double()
     ids, labels = _tokens()
@@ -110,6 +123,20 @@ def test_head_loss_in_chunks_equals_the_whole_cross_entropy_in_fp64():
     # negative control: one chunk left out is visible
     short = chunked_loss.chunked_cross_entropy(body(x)[:, :-1], head, y[:, :-1])
     assert abs(float(short - whole)) > 1e-6 * abs(float(whole))
+    # a head that is not an nn.Linear is recomputed chunk by chunk in backward; a frozen head (LoRA) takes no grad
+    def tied(h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, head.weight, head.bias)
+
+    body.zero_grad(), head.zero_grad()
+    recomputed = chunked_loss.chunked_cross_entropy(body(x), tied, y, rows=256)
+    recomputed.backward()
+    assert abs(float(recomputed - whole)) <= 1e-12 * abs(float(whole))
+    assert rel_diff([p.grad for p in [*body.parameters(), *head.parameters()]], grads) <= 1e-12
+    head.requires_grad_(False)
+    body.zero_grad(), head.zero_grad()
+    with apply_saver(nn.Sequential(body, head), "chunked_loss"):
+        autoaccum.head_loss(body(x), head, y)[0].backward()
+    assert head.weight.grad is None and rel_diff([p.grad for p in body.parameters()], grads[:2]) <= 1e-12
 
 
 def test_the_whole_logits_never_exist():
