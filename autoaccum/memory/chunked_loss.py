@@ -64,7 +64,9 @@ _OWN_PATH = ("fused_lm_head", "logits_to_keep", "return_dict")
 _VERDICTS: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
 
 
-def _vocab(head: nn.Module) -> int:
+def _vocab(head: nn.Module | torch.Tensor) -> int:
+    if isinstance(head, torch.Tensor):
+        return int(head.shape[0])
     out = getattr(head, "out_features", None)
     return int(out) if out is not None else int(head.weight.shape[0])  # type: ignore[union-attr]
 
@@ -89,9 +91,15 @@ def _loss_dtype(logits: torch.Tensor, float32: bool) -> torch.Tensor:
     return logits.float() if float32 or logits.dtype.itemsize < 4 else logits
 
 
-def _chunk_sum(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+def _logits(head: nn.Module | torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """The head's output: a module called, a weight (a tied embedding's) as a bias-free linear layer."""
+    return F.linear(hidden, head) if isinstance(head, torch.Tensor) else head(hidden)
+
+
+def _chunk_sum(head: nn.Module | torch.Tensor, hidden: torch.Tensor, targets: torch.Tensor, ignore_index: int,
                float32: bool) -> torch.Tensor:
-    return F.cross_entropy(_loss_dtype(head(hidden), float32), targets, ignore_index=ignore_index, reduction="sum")
+    return F.cross_entropy(_loss_dtype(_logits(head, hidden), float32), targets, ignore_index=ignore_index,
+                           reduction="sum")
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -138,7 +146,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return (*out, None, None, None, None)
 
 
-def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, *,
+def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Module | torch.Tensor, targets: torch.Tensor, *,
                           ignore_index: int = IGNORE_INDEX, rows: int | None = None,
                           float32: bool = False) -> torch.Tensor:
     """``cross_entropy(head(hidden), targets, reduction="sum")`` over every position, computed a chunk of ``rows``
@@ -149,7 +157,8 @@ def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Module, targets: torch.
 
     Args:
         hidden: ``(..., width)`` hidden states; targets: ``(...)`` class indices aligned with them
-            (``ignore_index`` skipped); head: the output head, ``(..., width) -> (..., vocab)``.
+            (``ignore_index`` skipped); head: the output head, ``(..., width) -> (..., vocab)``, or its weight
+            ``(vocab, width)`` (a tied embedding's: a linear layer without bias).
     """
     flat = hidden.reshape(-1, hidden.shape[-1])
     aligned = targets.reshape(-1).to(flat.device)
@@ -160,8 +169,10 @@ def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Module, targets: torch.
     # where the loss narrows the logits (a float64 model under HF's float32 loss), autograd rounds their gradient in
     # float32 after the backward's scaling, which a gradient computed in the forward cannot: recomputed chunks there
     narrows = float32 and flat.dtype.itemsize > 4
-    if type(head) is nn.Linear and torch.is_grad_enabled() and not narrows:
-        return _LinearCrossEntropy.apply(flat, head.weight, head.bias, aligned, ignore_index, float32, step)
+    linear = (head, None) if isinstance(head, torch.Tensor) else (head.weight, head.bias) \
+        if type(head) is nn.Linear else None
+    if linear is not None and torch.is_grad_enabled() and not narrows:
+        return _LinearCrossEntropy.apply(flat, *linear, aligned, ignore_index, float32, step)
     from torch.utils.checkpoint import checkpoint
 
     total: torch.Tensor | None = None
@@ -172,21 +183,28 @@ def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Module, targets: torch.
     return total if total is not None else flat.sum() * 0.0
 
 
-def head_loss(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, *,
+def head_loss(hidden: torch.Tensor, head: nn.Module | torch.Tensor, targets: torch.Tensor, *,
               ignore_index: int = IGNORE_INDEX) -> tuple[torch.Tensor, torch.Tensor]:
     """A loss function's cross-entropy through its output head, as ``(loss_sum, num_items)`` (a ``loss_fn`` may
     return it as it is): in chunks while the memory saver ``"chunked_loss"`` is on, whole otherwise.
+
+    ``head``: the output layer (an ``nn.Linear``: nothing recomputed; any other module: each chunk recomputed in
+    backward), or its weight ``(vocab, width)`` for a head tied to the embedding. ``targets``: class indices
+    aligned with ``hidden``'s positions (shift them yourself for next-token prediction), ``ignore_index`` skipped.
+    Call it inside the model's forward where the model is wrapped (DDP runs its gradient hooks from its forward).
 
     Example::
 
         def loss_fn(model, batch):
             x, y = batch
             return autoaccum.head_loss(model.body(x), model.head, y)
+
+        fit(model, data, 256, loss_fn=loss_fn, memory_savers=("chunked_loss", "checkpointing"))
     """
     count = (targets != ignore_index).sum()
     if _ON.get() and torch.is_grad_enabled():
         return chunked_cross_entropy(hidden, head, targets, ignore_index=ignore_index), count
-    logits = _loss_dtype(head(hidden), False)
+    logits = _loss_dtype(_logits(head, hidden), False)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).to(logits.device),
                            ignore_index=ignore_index, reduction="sum"), count
 

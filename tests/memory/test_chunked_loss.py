@@ -132,6 +132,13 @@ def test_head_loss_in_chunks_equals_the_whole_cross_entropy_in_fp64():
     recomputed.backward()
     assert abs(float(recomputed - whole)) <= 1e-12 * abs(float(whole))
     assert rel_diff([p.grad for p in [*body.parameters(), *head.parameters()]], grads) <= 1e-12
+    # a head tied to an embedding, given as its weight: a linear layer without bias
+    body.zero_grad(), head.zero_grad()
+    with apply_saver(nn.Sequential(body, head), "chunked_loss"):
+        tied_sum = autoaccum.head_loss(body(x), head.weight, y)[0]
+    tied_sum.backward()
+    untied = F.cross_entropy(F.linear(body(x), head.weight).reshape(-1, 5000), y.reshape(-1), reduction="sum")
+    assert abs(float(tied_sum - untied)) <= 1e-12 * abs(float(untied)) and head.bias.grad is None
     head.requires_grad_(False)
     body.zero_grad(), head.zero_grad()
     with apply_saver(nn.Sequential(body, head), "chunked_loss"):
