@@ -236,3 +236,33 @@ def test_the_guard_climbs_to_the_chunked_loss_at_the_smallest_micro_batch_and_re
     # micro 2 OOMs, then micro 1 without a saver; the loss in chunks fits, on the same samples
     assert result.attempts == 3 and (guard.plan.micro_batch, guard.plan.saver) == (1, "chunked_loss")
     assert rel_diff(params(trained), params(reference)) <= 1e-12
+
+
+def two_rank_chunked_fit(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    """fit on each of two gloo ranks (DDP), 2 samples a rank a step, under a budget one sample fits only chunked."""
+    model = _gpt2(vocab=50257).double()
+    ids = torch.randint(0, 50257, (8, 512), generator=torch.Generator().manual_seed(3))
+    result = autoaccum.fit(model, {"input_ids": ids, "labels": ids}, 4, budget="400MiB", epochs=1, progress=False,
+                           verbose=False, seed=0, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert result.plan.saver == "chunked_loss" and result.plan.world_size == 2, result.plan
+    return params(model)
+
+
+@pytest.mark.slow
+def test_two_ranks_take_the_chunked_loss_and_equal_the_full_batch_steps(tmp_path):
+    import torch.distributed as dist
+    from _spawn import results, spawn
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("needs torch.distributed with gloo")
+    out = results(tmp_path, spawn(two_rank_chunked_fit, tmp_path, timeout_s=300)[0])
+    order = torch.randperm(8, generator=torch.Generator().manual_seed(0))  # the order fit draws the samples in
+    ids = torch.randint(0, 50257, (8, 512), generator=torch.Generator().manual_seed(3))[order]
+    reference = _gpt2(vocab=50257).double()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(2):
+        opt.zero_grad()
+        reference(input_ids=ids[step * 4:(step + 1) * 4], labels=ids[step * 4:(step + 1) * 4]).loss.backward()
+        opt.step()
+    for rank_params in out:
+        assert rel_diff(rank_params, params(reference)) <= 1e-10
