@@ -59,7 +59,7 @@ _ON: contextvars.ContextVar[bool] = contextvars.ContextVar("autoaccum_chunked_lo
 #: the caller of a model's forward reads only its loss (``loss_only``): the chunked forward returns no logits
 _LOSS_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("autoaccum_loss_only", default=False)
 #: the keywords of a forward call the chunked forward leaves to the model's own (TRL's fused head, a slice)
-_OWN_PATH = ("fused_lm_head", "logits_to_keep", "return_dict")
+_OWN_PATH = ("fused_lm_head", "logits_to_keep", "return_dict", "output_router_logits")
 #: ``chunks_own_loss``'s verdicts, per model
 _VERDICTS: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
 
@@ -245,10 +245,11 @@ def offers_chunked_loss(model: nn.Module) -> bool:
 
 
 def chunks_own_loss(model: nn.Module) -> bool:
-    """Whether the own loss of the causal LM in ``model`` can be chunked exactly: its logits are its head's output,
-    as checked on one row of 8 tokens (in eval mode, without gradients; the mode is put back): equal within 1e-6
-    of their largest magnitude, so that a model that scales or soft-caps its logits is not chunked. Asked once
-    per model, where the saver is first taken (not where it is offered: the check runs the model's forward,
+    """Whether the own loss of the causal LM in ``model`` can be chunked exactly: its logits are its head's output
+    and its loss their shifted cross-entropy alone, as checked on one row of 8 tokens (in eval mode, without
+    gradients; the mode is put back): the logits equal within 1e-6 of their largest magnitude, the loss within
+    1e-5, so that a model that scales or soft-caps its logits, or adds a router's auxiliary loss, is not chunked.
+    Asked once per model, where the saver is first taken (not where it is offered: the check runs the model's forward,
     which its hooks see)."""
     lm = causal_lm(model)
     if lm is None:
@@ -261,8 +262,9 @@ def chunks_own_loss(model: nn.Module) -> bool:
         return True
     verdict = _logits_are_the_heads(lm, *_parts(lm))  # type: ignore[misc]
     if not verdict:
-        warnings.warn(f"{type(lm).__name__}'s logits are not its output head's (it scales or soft-caps them): "
-                      f"its loss is computed whole, the saver 'chunked_loss' saves nothing on it. Plan without it: "
+        warnings.warn(f"{type(lm).__name__}'s logits are not its output head's, or its loss is more than their "
+                      f"cross-entropy (it scales or soft-caps them, or adds an auxiliary loss): its loss is computed "
+                      f"whole, the saver 'chunked_loss' saves nothing on it. Plan without it: "
                       f"memory_savers=('checkpointing',)", stacklevel=3)
     _VERDICTS[lm] = verdict
     return verdict
@@ -277,16 +279,21 @@ def _logits_are_the_heads(model: nn.Module, body: nn.Module, head: nn.Module) ->
     try:
         model.eval()
         with torch.no_grad():
-            own = model(input_ids=ids).logits
+            output = model(input_ids=ids, labels=ids)
             ours = head(body(input_ids=ids)[0])
     except Exception:  # noqa: BLE001 -- a model this check cannot run is not chunked
         return False
     finally:
         model.train(was_training)
-    if own is None or own.shape != ours.shape:
+    own = getattr(output, "logits", None)
+    if own is None or own.shape != ours.shape or getattr(output, "loss", None) is None:
         return False
     scale = float(own.detach().float().abs().max()) or 1.0
-    return float((own.float() - ours.float()).abs().max()) <= 1e-6 * scale
+    if float((own.float() - ours.float()).abs().max()) > 1e-6 * scale:
+        return False
+    # and its loss is ForCausalLMLoss's of those logits alone (a router's auxiliary loss added to it is not)
+    whole = F.cross_entropy(ours.float().reshape(-1, ours.shape[-1]), _shifted(ids, IGNORE_INDEX).reshape(-1))
+    return abs(float(output.loss) - float(whole)) <= 1e-5 * abs(float(whole))
 
 
 def _shifted(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:

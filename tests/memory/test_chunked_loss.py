@@ -2,6 +2,8 @@
 own loss, which takes its logits to float32, to float32 rounding), holds far less memory, and is offered only where
 it stays exact."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -173,10 +175,20 @@ def test_the_rung_is_offered_where_the_models_own_logits_are_its_heads():
         intermediate_size=64, vocab_size=VOCAB, final_logit_softcapping=0.5))
     assert "chunked_loss" in allowed_savers(capped, cpu)  # offered: its loss is ForCausalLMLoss; checked where taken
     ids = torch.randint(0, VOCAB, (1, 300))
-    with pytest.warns(UserWarning, match="logits are not its output head's.*computed whole"):
+    with pytest.warns(UserWarning, match="logits are not its output head's.*computed\\s+whole"):
         capped_loss, capped_grads = _step(capped, "chunked_loss", input_ids=ids, labels=ids)
     whole_loss, whole_grads = _step(capped, "none", input_ids=ids, labels=ids)
     assert capped_loss == whole_loss and rel_diff(capped_grads, whole_grads) == 0.0
+    # a mixture of experts whose loss adds its router's auxiliary loss: more than the logits' cross-entropy
+    for aux, chunked in ((True, False), (False, True)):
+        torch.manual_seed(0)
+        moe = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+            num_local_experts=2, num_experts_per_tok=1, vocab_size=VOCAB, output_router_logits=aux))
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            assert chunked_loss.chunks_own_loss(moe) is chunked
+        assert bool(said) is not chunked
     # a model of the user's own: asked for, through head_loss
     mlp = nn.Sequential(nn.ModuleList([nn.Linear(4, 4)]))
     assert "chunked_loss" not in allowed_savers(mlp, cpu)
