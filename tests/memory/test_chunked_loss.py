@@ -294,3 +294,21 @@ def test_an_estimate_runs_the_chunked_loss_on_fake_tensors_and_matches_the_measu
     for c in reports[0].candidates:
         if c.micro_batch in measured:
             assert c.peak_bytes == pytest.approx(measured[c.micro_batch], rel=1e-3)
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_chunked_loss_holds_less_and_gives_the_gradients_of_the_whole_loss():
+    """bf16 GPT-2 (GPT-2's vocabulary, 2 x 1,024 tokens) on the card: the allocator's peak of the step at least 30%
+    lower with the loss in chunks; the gradients equal the whole loss's to bf16 rounding (2e-2 of the largest)."""
+    device = torch.device("cuda")
+    model = _gpt2(vocab=50257, width=256).to(device, torch.bfloat16)
+    ids = torch.randint(0, 50257, (2, 1024), device=device)
+    peaks, grads = {}, {}
+    for saver in ("none", "chunked_loss", "none"):  # none twice: the second, warm, is the one compared
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+        _, grads[saver] = _step(model, saver, input_ids=ids, labels=ids)
+        torch.cuda.synchronize()
+        peaks[saver] = torch.cuda.max_memory_allocated(device)
+    assert peaks["chunked_loss"] < 0.7 * peaks["none"], peaks
+    assert rel_diff([g.float() for g in grads["chunked_loss"]], [g.float() for g in grads["none"]]) <= 2e-2
