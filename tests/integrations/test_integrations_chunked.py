@@ -39,5 +39,5 @@ def test_the_trainer_takes_the_chunked_loss_where_one_sample_does_not_fit_whole(
     trainer.train()
     guard = trainer.autoaccum_guard
     assert guard.report.savers_tried[0][0] == "none"  # one sample did not fit whole
-    assert guard.guard.plan.saver == "chunked_loss"
+    assert guard.guard.plan.saver.endswith("chunked_loss")  # alone, or under checkpointing where that measured faster
     assert rel_diff(params(model), params(reference)) <= 1e-10

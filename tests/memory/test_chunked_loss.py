@@ -210,8 +210,8 @@ def test_saver_names_codes_and_words():
 
 def test_fit_takes_the_chunked_loss_where_nothing_else_fits_and_trains_as_the_full_batch():
     """GPT-2's vocabulary at 512 tokens under a 400 MiB emulated budget: one sample needs 413 MiB whole and 406 MiB
-    with every block checkpointed (DoesNotFitError without the rung); the loss in chunks fits the whole batch of 4
-    in one pass, and trains as the full batch does with HF's own loss whole (fp64, 1e-12)."""
+    with every block checkpointed (DoesNotFitError without the rung); with the loss in chunks it fits, and trains as
+    the full batch does with HF's own loss whole (fp64, 1e-12)."""
     def model() -> nn.Module:
         return _gpt2(vocab=50257).double()
 
@@ -222,7 +222,8 @@ def test_fit_takes_the_chunked_loss_where_nothing_else_fits_and_trains_as_the_fu
     trained = model()
     result = autoaccum.fit(trained, {"input_ids": ids, "labels": ids}, 4, budget="400MiB", epochs=1, progress=False,
                            optimizer=torch.optim.SGD(trained.parameters(), lr=0.1))
-    assert result.plan.saver == "chunked_loss" and result.plan.micro_batch == 4
+    # the loss in chunks, alone or under checkpointing, at the micro-batch measured step times favour (not asserted)
+    assert result.plan.saver.endswith("chunked_loss")
     assert rel_diff(dict(trained.named_parameters()), dict(reference.named_parameters())) <= 1e-12
     # negative control: without the rung nothing fits
     blocks_only = model()
@@ -256,7 +257,7 @@ def two_rank_chunked_fit(rank: int, world_size: int) -> dict[str, torch.Tensor]:
     ids = torch.randint(0, 50257, (8, 512), generator=torch.Generator().manual_seed(3))
     result = autoaccum.fit(model, {"input_ids": ids, "labels": ids}, 4, budget="400MiB", epochs=1, progress=False,
                            verbose=False, seed=0, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-    assert result.plan.saver == "chunked_loss" and result.plan.world_size == 2, result.plan
+    assert result.plan.saver.endswith("chunked_loss") and result.plan.world_size == 2, result.plan
     return params(model)
 
 
@@ -285,8 +286,9 @@ def test_an_estimate_runs_the_chunked_loss_on_fake_tensors_and_matches_the_measu
     plans as the probe does, its peaks within 0.1% of the measured ones."""
     model = _gpt2(vocab=50257, width=64)
     ids = torch.randint(0, 50257, (16, 512), generator=torch.Generator().manual_seed(3))
+    # the first saver that fits, on both (an estimate times nothing, so it weighs no saver above it)
     reports = [autoaccum.probe(model=model, loss_fn=default_loss, target_batch=8, budget="350MiB", estimate=estimate,
-                               make_batch=lambda b: {"input_ids": ids[:b], "labels": ids[:b]})
+                               make_batch=lambda b: {"input_ids": ids[:b], "labels": ids[:b]}, weigh_savers=False)
                for estimate in (True, False)]
     assert [r.plan.saver for r in reports] == ["chunked_loss"] * 2 and [r.savers_tried[0][0] for r in reports] == [
         "none"] * 2
