@@ -3,8 +3,9 @@ that the probe leaves it where it does not pay.
 
 A GPT-2-shaped Hugging Face model (``GPT2LMHeadModel``, vocabulary 50,257, small width, its own loss). Rows:
 
-- ``same micro-batch``: 2 x 1,024 tokens, with and without ``chunked_loss``: the step's peak (tracked meter) and
-  its time (forward, backward, AdamW; median of ``--repeats``, alternating);
+- ``same micro-batch``: 2 x 1,024 tokens, with and without ``chunked_loss`` (chunks of the default fewest positions,
+  and of 16, 256 and 1,024): the step's peak (tracked meter) and its time (forward, backward, AdamW; median of
+  ``--repeats``, alternating);
 - ``under a budget``: fit with nothing configured against the best hand-configured run without the rung: the
   largest micro-batch that fits 90% of the budget (as the probe's headroom keeps free) with no saver and with
   every block checkpointed, found by brute force; each trains ``--steps`` steps of the target batch (the
@@ -28,6 +29,7 @@ import torch
 from common import HEADROOM_KEPT, bench_main, hand_step, largest_fitting, markdown_table, micro_batches, quiet
 
 import autoaccum
+from autoaccum.memory import chunked_loss
 from autoaccum.memory.chunked_loss import loss_only
 from autoaccum.memory.savers import apply_saver
 from autoaccum.memory.tracked import TrackedMemory
@@ -62,20 +64,31 @@ def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any, s
     return meter.read().peak_bytes
 
 
-def same_micro(repeats: int) -> dict[str, Any]:
+def same_micro(repeats: int, sizes: tuple[int, ...] = (16, 256, 1024)) -> dict[str, Any]:
+    """The whole loss against chunks of the default fewest positions (``MIN_CHUNK_ROWS``) and of ``sizes``."""
     model, batch = gpt2(), tokens(2, 1024, 50257)
     optimizer = torch.optim.AdamW(model.parameters())
-    peaks = {s: step(model, optimizer, batch, s, 2) for s in ("none", "chunked_loss")}
-    times: dict[str, list[float]] = {"none": [], "chunked_loss": []}
-    for i in range(repeats):
-        for saver in ("none", "chunked_loss") if i % 2 == 0 else ("chunked_loss", "none"):
-            started = time.perf_counter()
-            with apply_saver(model, saver):
-                hand_step(model, optimizer, [batch], own_loss)
-            times[saver].append(time.perf_counter() - started)
-    step_s = {s: statistics.median(t) for s, t in times.items()}
-    return {"peaks": peaks, "step_s": step_s, "peak_ratio": peaks["chunked_loss"] / peaks["none"],
-            "time_ratio": step_s["chunked_loss"] / step_s["none"]}
+    variants = ("none", chunked_loss.MIN_CHUNK_ROWS, *sizes)
+    default, peaks, times = chunked_loss.MIN_CHUNK_ROWS, {}, {v: [] for v in variants}
+    try:
+        for i in range(repeats + 1):  # the first round measures the peaks (under the tracked meter)
+            for variant in variants if i % 2 == 0 else tuple(reversed(variants)):
+                saver = "none" if variant == "none" else "chunked_loss"
+                chunked_loss.MIN_CHUNK_ROWS = default if variant == "none" else variant
+                if i == 0:
+                    peaks[variant] = step(model, optimizer, batch, saver, 2)
+                    continue
+                started = time.perf_counter()
+                with apply_saver(model, saver):
+                    hand_step(model, optimizer, [batch], own_loss)
+                times[variant].append(time.perf_counter() - started)
+    finally:
+        chunked_loss.MIN_CHUNK_ROWS = default
+    step_s = {v: statistics.median(t) for v, t in times.items()}
+    ratios = {v: {"peak_ratio": peaks[v] / peaks["none"], "time_ratio": step_s[v] / step_s["none"]}
+              for v in variants[1:]}
+    return {"peaks": {str(v): p for v, p in peaks.items()}, "step_s": {str(v): t for v, t in step_s.items()},
+            "min_chunk_rows": default, **ratios[default], "by_min_chunk_rows": ratios}
 
 
 def under_budget(budget: int, target: int, steps: int, rounds: int, length: int, vocab: int,
@@ -127,9 +140,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def table(result: dict[str, Any]) -> str:
     same = result["same_micro"]
-    rows = [["row", "figure", "value"],
-            ["same micro-batch (2 x 1,024 tokens)", "peak chunked / whole", f"{same['peak_ratio']:.3f}"],
-            ["", "step time chunked / whole", f"{same['time_ratio']:.3f}"]]
+    rows = [["row", "figure", "value"]]
+    for size, r in same["by_min_chunk_rows"].items():
+        rows += [[f"same micro-batch (2 x 1,024 tokens), chunks of {size}+", "peak / time, chunked over whole",
+                  f"{r['peak_ratio']:.3f} / {r['time_ratio']:.3f}" + (" (default)" if size == same["min_chunk_rows"]
+                                                                     else "")]]
     for key in [k for k in result if k.startswith("under_budget")] + ["small_vocabulary"]:
         r = result[key]
         label = "GPT-2's vocabulary, 8 x 512 tokens" if key.startswith("under") else "the demo's shape, 64 x 64 tokens"

@@ -68,7 +68,12 @@ class TrainerLoss:
     (see the module docstring); with ``count_items`` the guard counts the step's items up front."""
 
     def __init__(self, trainer: Any) -> None:  # an AutoAccumTrainer
+        from transformers import Trainer
+
         self.trainer = trainer
+        # HF's own compute_loss reads the model's output for its loss alone (labels given): the chunked loss may
+        # leave its logits out; a compute_loss of the user's (or TRL's) may read them
+        self._stock_loss = type(trainer).compute_loss is Trainer.compute_loss
         self.own_mean_shifts: bool | None = None  # the model's own token mean skips each row's first label
         self._unknown = False  # that could not be told: micro-batches weighted by samples (warned once)
 
@@ -166,12 +171,7 @@ class TrainerLoss:
     def _compute(self, model: torch.nn.Module, batch: Batch, count: torch.Tensor | None) -> torch.Tensor:
         t = self.trainer
         inputs = t._prepare_inputs(batch)
-        from transformers import Trainer
-
-        # HF's own compute_loss reads the model's output for its loss alone (labels given): the chunked loss may
-        # leave its logits out; a compute_loss of the user's (or TRL's) may read them
-        stock = type(t).compute_loss is Trainer.compute_loss
-        with t.compute_loss_context_manager(), loss_only() if stock else contextlib.nullcontext():
+        with t.compute_loss_context_manager(), loss_only() if self._stock_loss else contextlib.nullcontext():
             loss = t.compute_loss(model, inputs, num_items_in_batch=count)
         return loss if count is None else loss / self._hf_factor()
 

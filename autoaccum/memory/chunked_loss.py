@@ -71,9 +71,8 @@ def _vocab(head: nn.Module | torch.Tensor) -> int:
     return int(out) if out is not None else int(head.weight.shape[0])  # type: ignore[union-attr]
 
 
-#: the fewest positions a chunk holds: below it the chunks' own cost shows. On a CPU (GPT-2's vocabulary at width 64,
-#: 2 x 1,024 tokens, an nn.Linear head), against the whole loss: 16 positions a chunk stepped at 0.40x its time and
-#: peaked at 0.15x, 64 at 0.33x and 0.17x, 256 at 0.47x and 0.28x, 1,024 at 0.52x and 0.72x
+#: the fewest positions a chunk holds: below it the chunks' own cost shows, above it the peak grows (measured against
+#: 16, 256 and 1,024 by ``benchmarks/chunked_loss_bench.py``; today's figures in benchmarks/README.md)
 MIN_CHUNK_ROWS = 64
 
 
@@ -304,23 +303,23 @@ def _shifted(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
 @contextlib.contextmanager
 def _own_loss_chunked(model: nn.Module) -> Iterator[None]:
     """``model``'s forward with ``labels`` (gradients on) computes its loss in chunks and returns it without logits."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
     body, head = _parts(model)  # type: ignore[misc]
 
     def chunked(bound: Callable[..., Any]) -> Callable[..., Any]:
-        return lambda *args, **kwargs: _forward(bound, body, head, args, kwargs)
+        return lambda *args, **kwargs: _forward(bound, body, head, CausalLMOutputWithPast, args, kwargs)
 
     with forward_replaced(model, chunked):
         yield
 
 
-def _forward(bound: Callable[..., Any], body: nn.Module, head: nn.Module, args: tuple[Any, ...],
+def _forward(bound: Callable[..., Any], body: nn.Module, head: nn.Module, output: type, args: tuple[Any, ...],
              kwargs: dict[str, Any]) -> Any:
     """The chunked forward (``_own_loss_chunked``), or the model's own where it does not apply."""
     if args or kwargs.get("labels") is None or not torch.is_grad_enabled() or not _LOSS_ONLY.get() \
             or any(k in kwargs for k in _OWN_PATH):
         return bound(*args, **kwargs)
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
     labels, num_items = kwargs.pop("labels"), kwargs.pop("num_items_in_batch", None)
     ignore_index = kwargs.pop("ignore_index", IGNORE_INDEX)
     shift_labels = kwargs.pop("shift_labels", None)
@@ -331,7 +330,7 @@ def _forward(bound: Callable[..., Any], body: nn.Module, head: nn.Module, args: 
         num_items = (targets != ignore_index).sum()
     if torch.is_tensor(num_items):
         num_items = num_items.to(total.device)
-    return CausalLMOutputWithPast(loss=total / num_items, logits=None)
+    return output(loss=total / num_items, logits=None)
 
 
 @contextlib.contextmanager

@@ -55,6 +55,9 @@ MemorySavers = Literal["auto", "off"] | Sequence[MemorySaver]
 
 
 _PARTIAL = re.compile(r"checkpointing:(\d+)/(\d+)")
+#: the savers below the loss that are not a count of blocks, cheapest first (``checkpointing:k/N`` sits between the
+#: first two)
+_WHOLE = ("none", "checkpointing", "offload")
 CHUNKED = "chunked_loss"
 _WITH_CHUNKED = "+" + CHUNKED
 
@@ -77,7 +80,7 @@ def partial_blocks(saver: str) -> tuple[int, int] | None:
 
 def _checkpointing(saver: str) -> bool:
     blocks = partial_blocks(saver)
-    return saver in ("checkpointing", "offload") or (blocks is not None and 1 <= blocks[0] < blocks[1])
+    return saver in _WHOLE[1:] or (blocks is not None and 1 <= blocks[0] < blocks[1])
 
 
 def check_saver(saver: Any) -> str:
@@ -99,7 +102,7 @@ def _base_code(base: str) -> int:
     blocks = partial_blocks(base)
     if blocks is not None:
         return blocks[0] << 20 | blocks[1]
-    return {"none": 0, "checkpointing": 1 << 40, "offload": 2 << 40}[base]
+    return _WHOLE.index(base) << 40
 
 
 def saver_code(saver: str) -> int:
@@ -114,7 +117,7 @@ def saver_from_code(code: int) -> str:
     if 0 < base_code < 1 << 40:
         base = f"checkpointing:{base_code >> 20}/{base_code & ((1 << 20) - 1)}"
     else:
-        base = ("none", "checkpointing", "offload")[base_code >> 40]
+        base = _WHOLE[base_code >> 40]
     if not chunked:
         return base
     return CHUNKED if base == "none" else base + _WITH_CHUNKED
@@ -125,7 +128,7 @@ def saver_rank(saver: str) -> float:
     saver below it, ``k`` of ``N`` blocks ``k/N``, ``checkpointing`` 1, ``offload`` 2."""
     base, chunked = split_saver(saver)
     blocks = partial_blocks(base)
-    rank = blocks[0] / blocks[1] if blocks is not None else {"none": 0.0, "checkpointing": 1.0, "offload": 2.0}[base]
+    rank = blocks[0] / blocks[1] if blocks is not None else float(_WHOLE.index(base))
     return rank + (1e-9 if chunked else 0.0)
 
 

@@ -63,7 +63,11 @@ def _new_optimizer(make_optimizer: Callable[..., Any], model: torch.nn.Module) -
     return optimizer
 
 
-def _check_args(target_batch: int, world_size: int, steps_per_size: int | None, max_candidates: int) -> None:
+def _check_args(target_batch: int, world_size: int, steps_per_size: int | None, max_candidates: int, *,
+                cache: bool, refresh: bool) -> None:
+    if refresh and not cache:
+        raise ValueError("refresh=True (--refresh) measures again and replaces the cached report, but cache=False "
+                         "(--no-cache) neither reads nor writes the cache: give one of them")
     check_positive_int(target_batch, "target_batch")
     check_positive_int(world_size, "world_size")
     if steps_per_size is not None:
@@ -147,10 +151,7 @@ def probe(
         else default_optimizer
     task = resolve_task(task, model=model, loss_fn=loss_fn, make_batch=make_batch, make_optimizer=factory,
                         lengths=lengths)
-    _check_args(target_batch, world_size, steps_per_size, max_candidates)
-    if refresh and not cache:
-        raise ValueError("refresh=True (--refresh) measures again and replaces the cached report, but cache=False "
-                         "(--no-cache) neither reads nor writes the cache: give one of them")
+    _check_args(target_batch, world_size, steps_per_size, max_candidates, cache=cache, refresh=refresh)
     check_loss_fn(task.loss_fn, "loss_fn")
     check_precision(precision)
     share = Plan.for_target(target_batch, 1, world_size).rank_batch(0)
